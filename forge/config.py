@@ -1,0 +1,399 @@
+"""Typed run configuration: one dataclass per component, named presets, YAML files, dotted overrides.
+
+A run is described by a `RunConfig`. Presets are plain functions returning one (see `forge.presets`);
+the only overlay is `--set section.field=value`, checked against the dataclasses: an unknown key or a value
+of the wrong type is a `ConfigError` whose one-line message names the key and the nearest valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from forge.errors import UserError
+
+
+class ConfigError(UserError):
+    """A config key, value or file a person got wrong."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "tiny-random"
+    """Policy: a local HF model directory, a hub id (online only), or a built-in: tiny-random, smollm2-135m-instruct."""
+    chat_template: bool | None = None
+    """Wrap prompts in the tokenizer's chat template; None = when the tokenizer has one."""
+    system_prompt: str = ""
+    """System message placed before each prompt when the chat template is used (empty = none)."""
+    tiny_hidden: int = 64
+    """tiny-random only: hidden size."""
+    tiny_layers: int = 2
+    """tiny-random only: transformer layers."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Master weights dtype (the optimizer updates these)."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "arithmetic"
+    """'arithmetic' (built-in generator) or a path to a .jsonl/.csv/.parquet file."""
+    eval_source: str = ""
+    """Optional separate eval file; empty = split eval_size rows off the training source."""
+    train_size: int = 2000
+    """Arithmetic: problems to generate for training."""
+    eval_size: int = 200
+    """Rows held out for evaluation (disjoint from training)."""
+    digits: int = 2
+    """Arithmetic: digits per operand."""
+    operations: list[str] = field(default_factory=lambda: ["+"])
+    """Arithmetic: operators to draw from (+, -, *)."""
+    min_operand: int = -1
+    """Arithmetic: smallest operand; -1 = the smallest number with `digits` digits (0 for one digit)."""
+    max_result: int = -1
+    """Arithmetic: keep only problems whose answer is <= this (-1 = no limit)."""
+    eval_overlap: bool = False
+    """Arithmetic: eval is a sample of the whole problem space, which may overlap train (for tiny spaces where
+    the point is mastering the task, not generalising); the manifest counts the overlap."""
+    allow_negative: bool = False
+    """Arithmetic: allow negative answers (subtraction)."""
+    prompt_template: str = "Compute {a} {op} {b}. Reply with only the final integer."
+    """Arithmetic: prompt text; fields {a} {op} {b}."""
+    prompt_column: str = "prompt"
+    """File source: column holding the prompt."""
+    answer_column: str = "answer"
+    """File source: column holding the reference answer."""
+    on_bad_rows: Literal["error", "skip"] = "error"
+    """Invalid rows stop prep ('error') or are skipped and counted in the manifest ('skip')."""
+    max_prompt_tokens: int = 256
+    """Prompts longer than this (after the chat template) are invalid rows."""
+
+
+@dataclass
+class RolloutConfig:
+    backend: Literal["hf"] = "hf"
+    """Rollout backend ('hf': in-process generate)."""
+    prompts_per_step: int = 8
+    """B: prompts sampled per step."""
+    group_size: int = 8
+    """G: completions per prompt."""
+    max_new_tokens: int = 16
+    """Completion length cap (tokens)."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    batch_size: int = 64
+    """Sequences per generate() call."""
+    autocast_bf16: bool = False
+    """Sample under bf16 autocast (faster on CPUs with bf16 units and on GPUs)."""
+
+
+@dataclass
+class RewardConfig:
+    verifiers: list[str] = field(default_factory=lambda: ["math_answer"])
+    """Verifier names (built-ins: math_answer, format_integer, format_tags) or import paths 'pkg.mod:fn'."""
+    weights: list[float] = field(default_factory=list)
+    """One weight per verifier; empty = all 1.0. Reward = sum(w_v * score_v), missing scores count as 0."""
+
+
+@dataclass
+class AlgoConfig:
+    advantage: Literal["zscore", "mean", "loo"] = "zscore"
+    """Advantage estimator: group z-score (GRPO), mean-only (Dr. GRPO), leave-one-out (RLOO)."""
+    loss: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = "grpo"
+    """Policy loss (see shared/reference/grpo.md)."""
+    eps_low: float = 0.2
+    """Lower clip range of the importance ratio."""
+    eps_high: float = 0.2
+    """Upper clip range of the importance ratio (DAPO uses 0.28)."""
+    dual_clip: float = 3.0
+    """DAPO dual-clip constant c for negative advantages."""
+    cispo_eps_max: float = 4.0
+    """CISPO: upper cap of the (stop-gradient) importance weight."""
+    beta: float = 0.0
+    """k3 KL penalty to the reference policy; 0 = no reference model is loaded."""
+
+
+@dataclass
+class UpdateConfig:
+    lr: float = 1e-3
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    """AdamW betas."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0 = no clipping)."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward; the step's gradient is accumulated over micro-batches."""
+    num_iterations: int = 1
+    """PPO passes over each batch (the ratio is exactly 1 on the first)."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """LR schedule after warmup."""
+    warmup_steps: int = 0
+    """Linear warmup steps."""
+    min_lr_ratio: float = 0.1
+    """linear/cosine: final LR as a fraction of the peak."""
+    adaptive: bool = True
+    """Adaptive LR controller: shrink the LR when the training signal spikes past its target, recover slowly."""
+    adaptive_signal: Literal["kl", "grad_norm"] = "grad_norm"
+    """Signal the controller watches: KL of the step (see forge/lr.py), or the pre-clip grad norm."""
+    adaptive_target: float = 2.0
+    """kl: absolute KL target; grad_norm: spike ratio over the norm's moving average. Above it the LR is cut."""
+    adaptive_cut: float = 0.5
+    """Multiply the LR scale by this when the signal exceeds target."""
+    adaptive_recover: float = 1.1
+    """Multiply the LR scale by this (up to 1.0) on each step the signal is below target/2."""
+    autocast_bf16: bool = False
+    """Run forward/backward under bf16 autocast (fp32 master weights and fp32 log-softmax kept)."""
+    logits_completion_only: bool = True
+    """Apply the LM head only to completion positions (the loss never reads prompt logits)."""
+    num_processes: int = 1
+    """Update processes (1 here; multi-process update comes with accelerate launch)."""
+
+
+@dataclass
+class EvalConfig:
+    every: int = 10
+    """Evaluate every this many steps (and at step 0 and the last step); 0 = only at start and end."""
+    max_problems: int = 200
+    """Eval problems used (from the eval split)."""
+    k: int = 4
+    """pass@k: samples per problem (0 = skip pass@k)."""
+    temperature: float = 1.0
+    """Sampling temperature for pass@k."""
+    max_new_tokens: int = 0
+    """Completion length cap during evaluation (0 = rollout.max_new_tokens)."""
+    batch_size: int = 64
+    """Prompts per generate() call during evaluation."""
+    num_samples_saved: int = 20
+    """Samples stored in each eval report."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 10
+    """Checkpoint every this many steps (the last step always); 0 = only at the end."""
+    keep_last: int = 2
+    """Keep this many most recent checkpoints."""
+    keep_best: int = 1
+    """Also keep this many best-by-eval-pass@1 checkpoints."""
+
+
+@dataclass
+class RunConfig:
+    preset: str = ""
+    """Preset this config was built from (informational)."""
+    seed: int = 0
+    """Seed for data, sampling and initialisation."""
+    steps: int = 30
+    """Training steps (one rollout + update each)."""
+    threads: int = 0
+    """torch CPU threads (0 = leave torch's default)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def validate(self) -> RunConfig:
+        """Check cross-field constraints; raises ConfigError with the offending key."""
+        r, u = self.rollout, self.update
+        _require(self.steps >= 1, "steps", "must be >= 1")
+        _require(r.group_size >= 2, "rollout.group_size", "must be >= 2 (advantages compare samples of a prompt)")
+        _require(r.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
+        _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+        _require(r.temperature > 0, "rollout.temperature", "must be > 0 (use eval for greedy)")
+        _require(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+        _require(u.micro_batch_size >= 1, "update.micro_batch_size", "must be >= 1")
+        _require(u.num_iterations >= 1, "update.num_iterations", "must be >= 1")
+        _require(u.lr > 0, "update.lr", "must be > 0")
+        _require(len(u.adam_betas) == 2, "update.adam_betas", "needs two values")
+        w = self.reward.weights
+        _require(not w or len(w) == len(self.reward.verifiers), "reward.weights",
+                 f"has {len(w)} values for {len(self.reward.verifiers)} verifiers")
+        _require(bool(self.reward.verifiers), "reward.verifiers", "needs at least one verifier")
+        return self
+
+
+def _require(ok: bool, key: str, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}' {why}")
+
+
+# ---------------------------------------------------------------- (de)serialisation
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(data: dict[str, Any], cls: type = RunConfig, prefix: str = "", source: str = "") -> Any:
+    """Build a dataclass from a (possibly partial) nested dict, checking every key and type."""
+    if not isinstance(data, dict):
+        section = prefix.rstrip(".") or "<root>"
+        raise ConfigError(f"{source}config section '{section}' must be a mapping, got {type(data).__name__}")
+    obj = cls()
+    for key, value in data.items():
+        _set_field(obj, key, value, prefix, source)
+    return obj
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _set_field(obj: Any, key: str, value: Any, prefix: str, source: str) -> None:
+    types_ = _field_types(type(obj))
+    full = f"{prefix}{key}"
+    if key not in types_:
+        raise ConfigError(f"{source}unknown config key '{full}'{_suggest(key, types_, prefix)}")
+    hint = types_[key]
+    if dataclasses.is_dataclass(hint):
+        setattr(obj, key, from_dict(value, hint, f"{full}.", source))
+    else:
+        setattr(obj, key, _coerce(value, hint, full, source))
+
+
+def _suggest(key: str, names: typing.Iterable[str], prefix: str) -> str:
+    names = list(names)
+    if not names:
+        return ""
+    close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
+    if not close:
+        close = sorted(names)[:8]
+        return f"; valid keys here: {', '.join(prefix + c for c in close)}"
+    return f"; did you mean {' or '.join(repr(prefix + c) for c in close)}?"
+
+
+def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
+    """Return value converted to the annotated type, or raise ConfigError naming the key."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    bad = ConfigError(f"{source}config key '{key}' expects {_type_name(hint)}, got {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{source}config key '{key}' must be one of {', '.join(map(repr, args))}, got {value!r}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key, source)
+            except ConfigError:
+                pass
+        raise bad
+    if origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()] if value.strip() else []
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        return [_coerce(v, args[0], f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise bad
+    if hint is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if hint is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if hint is str:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        if not isinstance(value, str):
+            raise bad
+        return value
+    return value
+
+
+def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(hint)))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(hint)[0])}"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(hint))
+    return getattr(hint, "__name__", str(hint))
+
+
+def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """Apply `section.field=value` strings; values are parsed as YAML scalars/lists then type-checked."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like key=value (e.g. update.lr=1e-5)")
+        dotted, raw = item.split("=", 1)
+        parts = dotted.strip().split(".")
+        obj, prefix = cfg, ""
+        for p in parts[:-1]:
+            hints = _field_types(type(obj))
+            if p not in hints or not dataclasses.is_dataclass(hints[p]):
+                raise ConfigError(f"unknown config section '{prefix}{p}'{_suggest(p, _sections(obj), prefix)}")
+            obj, prefix = getattr(obj, p), f"{prefix}{p}."
+        _set_field(obj, parts[-1], _parse_value(raw, _field_types(type(obj)).get(parts[-1])), prefix, "")
+    return cfg
+
+
+def _parse_value(raw: str, hint: Any) -> Any:
+    """YAML-parse an override value; a str field keeps the text as typed (YAML reads 0123 as 83, 1.10 as 1.1)."""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        return raw
+    if hint is str and not isinstance(value, str):
+        return raw.strip()
+    return value
+
+
+def _sections(obj: Any) -> list[str]:
+    return [k for k, t in _field_types(type(obj)).items() if dataclasses.is_dataclass(t)]
+
+
+def load_yaml(path: str | Path) -> RunConfig:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        line = getattr(getattr(e, "problem_mark", None), "line", None)
+        where = f" (line {line + 1})" if line is not None else ""
+        raise ConfigError(f"config file '{p}' is not valid YAML{where}: fix the syntax") from None
+    return from_dict(data, RunConfig, "", f"{p}: ")
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

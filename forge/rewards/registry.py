@@ -1,0 +1,75 @@
+"""Turn `reward.verifiers` entries into callables: a built-in name or an import path 'pkg.module:function'.
+
+Every mistake is a `UserError` with a one-line message. A verifier is also checked to accept
+`prompts=`, `completions=` and extra columns by keyword, because that is how `score_completions` calls it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+
+from forge.errors import UserError
+from forge.rewards.verifiers import BUILTIN, Verifier
+
+
+def resolve_verifier(spec: str) -> tuple[str, Verifier]:
+    """(name, fn) for a built-in name or 'pkg.module:function' (name = the function's attribute name)."""
+    spec = spec.strip()
+    if ":" not in spec:
+        return spec, _builtin(spec)
+    module_path, _, attr = spec.partition(":")
+    if not module_path or not attr or ":" in attr:
+        raise UserError(f"verifier '{spec}' in reward.verifiers must look like 'pkg.module:function'")
+    fn = getattr(_import(spec, module_path), attr, None)
+    if fn is None:
+        raise UserError(f"verifier '{spec}': module '{module_path}' has no attribute '{attr}'; check the name")
+    if not callable(fn):
+        raise UserError(f"verifier '{spec}' is a {type(fn).__name__}, not a function; point it at a callable")
+    _check_signature(spec, fn)
+    return attr, fn
+
+
+def resolve_verifiers(specs: list[str]) -> list[tuple[str, Verifier]]:
+    """Resolve each spec; two verifiers with the same name would share one score column, so that is an error."""
+    resolved = [resolve_verifier(s) for s in specs]
+    names = [name for name, _ in resolved]
+    for name in names:
+        if names.count(name) > 1:
+            raise UserError(f"reward.verifiers names '{name}' twice; list each verifier once")
+    return resolved
+
+
+def _builtin(name: str) -> Verifier:
+    if name in BUILTIN:
+        return BUILTIN[name]
+    close = difflib.get_close_matches(name, BUILTIN, n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    valid = ", ".join(BUILTIN)
+    raise UserError(
+        f"unknown verifier '{name}' in reward.verifiers; {hint}built-ins: {valid}, or an import path 'pkg.module:fn'"
+    )
+
+
+def _import(spec: str, module_path: str) -> object:
+    try:
+        return importlib.import_module(module_path)
+    except Exception as e:  # ImportError, or any error raised while the user's module runs
+        why = " ".join(f"{type(e).__name__}: {e}".split())
+        raise UserError(
+            f"verifier '{spec}': cannot import module '{module_path}' ({why}); check it is on PYTHONPATH"
+        ) from None
+
+
+def _check_signature(spec: str, fn: Verifier) -> None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # some builtins and C callables have no signature to check
+    try:
+        sig.bind_partial(prompts=[], completions=[], some_column=[])
+    except TypeError as e:
+        raise UserError(
+            f"verifier '{spec}' must accept (prompts, completions, **kwargs) by keyword ({e}); add **kwargs"
+        ) from None

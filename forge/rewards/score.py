@@ -1,0 +1,116 @@
+"""The reward stage: run every verifier on a batch of completions and combine the scores by weight.
+
+A verifier is called once on the whole batch, by keyword (`prompts=`, `completions=`, then the data columns),
+so TRL reward functions written as `f(completions, **kwargs)` work too. If that call raises, the verifier is
+called again item by item so one bad item does not void the batch. Items it raised on, returned None for, or
+scored with a non-finite or non-numeric value get NaN and are counted as failures; a result of the wrong
+length fails every item. None of this is fatal: the first error per verifier is kept for the logs.
+
+Reward = sum_v w_v * score_v with NaN counted as 0, so a missing score is neither rewarded nor excluded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from forge.errors import UserError
+from forge.rewards.verifiers import Verifier
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """Per-verifier scores and the weighted reward for N completions."""
+
+    names: list[str]  # [V] verifier names, in config order
+    scores: torch.Tensor  # [N, V] float32; NaN where the verifier raised or returned None for that item
+    rewards: torch.Tensor  # [N] float32; sum_v w_v * score_v, NaN counted as 0
+    failures: dict[str, int]  # verifier name -> items that were None / raised / non-finite (every verifier listed)
+    errors: dict[str, str]  # verifier name -> first error seen (repr of the exception); only verifiers that had one
+
+
+def score_completions(
+    verifiers: list[tuple[str, Verifier]],
+    weights: list[float] | None,
+    prompts: list[str],
+    completions: list[str],
+    columns: dict[str, list],
+) -> RewardResult:
+    """Score N completions with V verifiers. prompts and every column hold one entry per completion."""
+    n = len(completions)
+    names = [name for name, _ in verifiers]
+    _check_inputs(names, weights, prompts, completions, columns)
+    w = torch.tensor(list(weights) if weights else [1.0] * len(verifiers), dtype=torch.float32)  # [V]
+    scores = torch.full((n, len(verifiers)), math.nan, dtype=torch.float32)  # [N, V]
+    failures: dict[str, int] = {}
+    errors: dict[str, str] = {}
+    for v, (name, fn) in enumerate(verifiers):
+        column, error = _run_verifier(fn, prompts, completions, columns)
+        scores[:, v] = torch.tensor(column, dtype=torch.float32)
+        failures[name] = sum(math.isnan(s) for s in column)
+        if error is not None:
+            errors[name] = error
+    rewards = (scores.nan_to_num(nan=0.0) * w).sum(dim=1)  # [N]
+    return RewardResult(names=names, scores=scores, rewards=rewards, failures=failures, errors=errors)
+
+
+def per_verifier_means(result: RewardResult) -> dict[str, float]:
+    """Mean score per verifier over the items it scored (NaN when it scored none)."""
+    return {name: float(result.scores[:, v].nanmean()) for v, name in enumerate(result.names)}
+
+
+def _check_inputs(
+    names: list[str], weights: list[float] | None, prompts: list[str], completions: list[str], columns: dict
+) -> None:
+    if weights and len(weights) != len(names):
+        raise UserError(f"reward.weights has {len(weights)} values for {len(names)} verifiers; give one per verifier")
+    for key in ("prompts", "completions"):
+        if key in columns:
+            raise UserError(f"data column '{key}' clashes with the verifier argument of that name; rename the column")
+    assert len(set(names)) == len(names), f"verifier names must be unique, got {names}"
+    assert len(prompts) == len(completions), f"{len(prompts)} prompts for {len(completions)} completions"
+    for key, col in columns.items():
+        assert len(col) == len(completions), f"column '{key}' has {len(col)} entries for {len(completions)} items"
+
+
+def _run_verifier(
+    fn: Verifier, prompts: list[str], completions: list[str], columns: dict[str, list]
+) -> tuple[list[float], str | None]:
+    """One score per item (NaN = failed) and the first error message, if any."""
+    try:
+        out = list(fn(prompts=prompts, completions=completions, **columns))
+    except Exception as e:
+        items = [_run_item(fn, prompts, completions, columns, i) for i in range(len(completions))]
+        return [s for s, _ in items], repr(e)
+    if len(out) != len(completions):
+        return [math.nan] * len(completions), f"returned {len(out)} scores for {len(completions)} completions"
+    converted = [_to_score(x) for x in out]
+    return [s for s, _ in converted], next((err for _, err in converted if err), None)
+
+
+def _run_item(
+    fn: Verifier, prompts: list[str], completions: list[str], columns: dict[str, list], i: int
+) -> tuple[float, str | None]:
+    try:
+        out = list(fn(prompts=[prompts[i]], completions=[completions[i]], **{k: [c[i]] for k, c in columns.items()}))
+    except Exception as e:
+        return math.nan, repr(e)
+    if len(out) != 1:
+        return math.nan, f"returned {len(out)} scores for 1 completion"
+    return _to_score(out[0])
+
+
+def _to_score(x: Any) -> tuple[float, str | None]:
+    """A finite float, or NaN with why (None is a declared 'cannot score', so it carries no error)."""
+    if x is None:
+        return math.nan, None
+    if isinstance(x, (str, bytes)):
+        return math.nan, f"returned a non-numeric score {x!r}"
+    try:
+        s = float(x)
+    except (TypeError, ValueError) as e:
+        return math.nan, repr(e)
+    return (s, None) if math.isfinite(s) else (math.nan, f"returned a non-finite score {s}")

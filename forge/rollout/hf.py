@@ -1,0 +1,100 @@
+"""In-process rollout with Hugging Face `generate`.
+
+Prompts are left-padded, completions right-padded. The completion mask covers sampled tokens up to and
+including the first eos (so pad == eos tokenizers keep their eos), never `token != pad`. Sampling
+log-probs are those of the distribution actually sampled from (after temperature and top-p).
+Colocated with the trainer, weight sync is free: the backend holds the trainer's module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from forge.records import Rollouts
+from forge.rollout.base import SamplingParams
+
+
+class HFBackend:
+    def __init__(self, model, tokenizer, autocast_bf16: bool = False, batch_size: int = 64):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.autocast_bf16 = autocast_bf16
+        self.batch_size = batch_size
+        self.policy_version = 0
+
+    def sync_weights(self, model, version: int) -> None:
+        self.model = model
+        self.policy_version = version
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], params: SamplingParams) -> Rollouts:
+        expanded = [p for p in prompts for _ in range(params.n)]  # [N]
+        chunks = [self._generate_chunk(expanded[i : i + self.batch_size], params)
+                  for i in range(0, len(expanded), self.batch_size)]
+        return self._merge(chunks, expanded, params.n)
+
+    def _generate_chunk(self, prompts: list[str], params: SamplingParams) -> dict:
+        tok, model = self.tokenizer, self.model
+        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+        greedy = params.temperature == 0
+        was_training = model.training
+        model.eval()
+        autocast = torch.autocast(model.device.type, dtype=torch.bfloat16) if self.autocast_bf16 else contextlib.nullcontext()
+        with autocast:
+            out = model.generate(
+                **enc, max_new_tokens=params.max_new_tokens, do_sample=not greedy,
+                temperature=None if greedy else params.temperature, top_p=None if greedy else params.top_p,
+                top_k=None, return_dict_in_generate=True, output_scores=True,
+                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+            )
+        model.train(was_training)
+        completion = out.sequences[:, enc.input_ids.shape[1] :]  # [n, T]
+        scores = torch.stack(out.scores, dim=1).float()  # [n, T, vocab] processed logits
+        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+        mask = completion_mask(completion, tok.eos_token_id)
+        return {"prompt_ids": enc.input_ids, "prompt_mask": enc.attention_mask, "completion_ids": completion,
+                "mask": mask, "logprobs": logprobs * mask}
+
+    def _merge(self, chunks: list[dict], prompts: list[str], group_size: int) -> Rollouts:
+        tok = self.tokenizer
+        pad = tok.pad_token_id
+        prompt_ids = _cat_padded([c["prompt_ids"] for c in chunks], pad, left=True)
+        prompt_mask = _cat_padded([c["prompt_mask"] for c in chunks], 0, left=True)
+        completion_ids = _cat_padded([c["completion_ids"] for c in chunks], pad, left=False)
+        mask = _cat_padded([c["mask"] for c in chunks], 0, left=False)
+        logprobs = _cat_padded([c["logprobs"] for c in chunks], 0.0, left=False)
+        completion_ids = torch.where(mask.bool(), completion_ids, torch.full_like(completion_ids, pad))
+        texts = [tok.decode(ids[m.bool()], skip_special_tokens=True) for ids, m in zip(completion_ids, mask)]
+        finish = ["stop" if _ends_with_eos(ids, m, tok.eos_token_id) else "length" for ids, m in zip(completion_ids, mask)]
+        return Rollouts(prompt_ids=prompt_ids.cpu(), prompt_mask=prompt_mask.cpu(), completion_ids=completion_ids.cpu(),
+                        completion_mask=mask.cpu(), sampling_logprobs=logprobs.cpu(), texts=texts,
+                        finish_reasons=finish, group_size=group_size, policy_version=self.policy_version,
+                        prompts=prompts)
+
+
+def completion_mask(completion: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """[n, T] long mask: 1 up to and including the first eos, 0 after it.
+
+    >>> completion_mask(torch.tensor([[5, 2, 2, 2], [5, 6, 7, 8]]), eos_id=2).tolist()
+    [[1, 1, 0, 0], [1, 1, 1, 1]]
+    """
+    is_eos = completion == eos_id
+    after_eos = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0  # strictly after the first eos
+    return (~after_eos).long()
+
+
+def _ends_with_eos(ids: torch.Tensor, mask: torch.Tensor, eos_id: int) -> bool:
+    n = int(mask.sum())
+    return n > 0 and int(ids[n - 1]) == eos_id
+
+
+def _cat_padded(tensors: list[torch.Tensor], value, left: bool) -> torch.Tensor:
+    width = max(t.shape[1] for t in tensors)
+    padded = []
+    for t in tensors:
+        extra = width - t.shape[1]
+        pad = torch.full((t.shape[0], extra), value, dtype=t.dtype, device=t.device)
+        padded.append(torch.cat([pad, t] if left else [t, pad], dim=1))
+    return torch.cat(padded, dim=0)

@@ -1,0 +1,92 @@
+"""Trackers: where params, metrics and artifacts go. The recipe only sees the `Tracker` protocol.
+
+`JsonlTracker` writes `metrics.jsonl` (one JSON object per step) in the run directory; `NullTracker`
+drops everything. MLflow implements the same protocol elsewhere (imported only where used).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Protocol
+
+from forge.io import atomic_write_text
+
+
+class Tracker(Protocol):
+    def log_params(self, params: dict) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_artifact(self, path: Path) -> None: ...
+    def finish(self, status: str) -> None: ...
+
+
+class NullTracker:
+    def log_params(self, params: dict) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def log_artifact(self, path: Path) -> None:
+        pass
+
+    def finish(self, status: str) -> None:
+        pass
+
+
+class JsonlTracker(NullTracker):
+    """Appends `{"step": s, ...metrics}` lines to run_dir/metrics.jsonl (non-finite values become null)."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / "metrics.jsonl"
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        row = {"step": step, **{k: _finite(v) for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """Drop rows logged after `step` (they belong to work a resume will redo)."""
+        if not self.path.exists():
+            return
+        rows = read_metrics(self.path)
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in rows if r.get("step", 0) <= step))
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Read metrics.jsonl, ignoring a torn last line (a run killed mid-write)."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def _finite(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class MultiTracker(NullTracker):
+    def __init__(self, *trackers: Tracker):
+        self.trackers = trackers
+
+    def log_params(self, params: dict) -> None:
+        for t in self.trackers:
+            t.log_params(params)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        for t in self.trackers:
+            t.log_metrics(metrics, step)
+
+    def log_artifact(self, path: Path) -> None:
+        for t in self.trackers:
+            t.log_artifact(path)
+
+    def finish(self, status: str) -> None:
+        for t in self.trackers:
+            t.finish(status)

@@ -1,0 +1,167 @@
+"""The update stage: Accelerate-wrapped AdamW over micro-batches, `num_iterations` PPO passes per batch.
+
+One optimizer step per pass. Each micro-batch's loss is already normalised by the step's global counts
+(`forge.losses.StepTotals`), so gradients are summed, never averaged, across micro-batches: the result does
+not depend on the micro-batch size. Under data parallelism DDP averages gradients over ranks, so each rank
+scales its loss by the world size to keep the same global sum (multi-process runs come with `accelerate launch`).
+
+Log-probs are computed with explicit position ids from the attention mask (prompts are left-padded, as in
+`generate`), with logits divided by the sampling temperature, and log-softmax taken in fp32 even under bf16
+autocast. With one PPO pass the "old" log-probs are the current ones detached, so the ratio is exactly 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+
+from forge.config import RunConfig
+from forge.losses import StepTotals, policy_loss
+from forge.lr import AdaptiveLR, scheduled_lr
+from forge.records import ScoredBatch, UpdateStats
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    logp: torch.Tensor  # [n, T] log-prob of each completion token
+    entropy: torch.Tensor  # [n, T] entropy of the predictive distribution (detached)
+
+
+def token_logprobs(
+    model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+    temperature: float = 1.0, autocast_bf16: bool = False, completion_only: bool = True,
+) -> TokenLogprobs:
+    """Per-token log-probs of `completion_ids` given the left-padded prompts. Shapes [n, P] and [n, T]."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [n, P+T]
+    attention = torch.cat([prompt_mask, completion_mask], dim=1)
+    position_ids = (attention.long().cumsum(dim=1) - 1).clamp(min=0)
+    T = completion_ids.shape[1]
+    kwargs = {"logits_to_keep": T + 1} if completion_only else {}
+    autocast = torch.autocast(input_ids.device.type, dtype=torch.bfloat16) if autocast_bf16 else contextlib.nullcontext()
+    with autocast:
+        logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, **kwargs).logits
+    logits = logits[:, -(T + 1) : -1].float() / temperature  # [n, T, vocab], position t predicts token t
+    logsm = torch.log_softmax(logits, dim=-1)
+    logp = logsm.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logsm.exp() * logsm).sum(-1)
+    return TokenLogprobs(logp=logp, entropy=entropy)
+
+
+class Trainer:
+    """Owns the policy's optimisation: optimizer, LR schedule + adaptive scale, policy version."""
+
+    def __init__(self, model, cfg: RunConfig, total_steps: int, ref_model=None, accelerator: Accelerator | None = None):
+        self.cfg = cfg
+        self.total_steps = total_steps
+        self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
+        u = cfg.update
+        optimizer = torch.optim.AdamW(model.parameters(), lr=u.lr, betas=tuple(u.adam_betas), weight_decay=u.weight_decay)
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        assert cfg.algo.beta == 0 or ref_model is not None, "algo.beta > 0 needs a reference model"
+        self.ref_model = ref_model
+        self.adaptive = AdaptiveLR.from_config(u)
+        self.step = 0
+        self.policy_version = 0
+
+    @property
+    def unwrapped(self):
+        return self.accelerator.unwrap_model(self.model)
+
+    def current_lr(self) -> float:
+        base = scheduled_lr(self.cfg.update, self.step, self.total_steps)
+        return base * (self.adaptive.scale if self.cfg.update.adaptive else 1.0)
+
+    def update(self, batch: ScoredBatch) -> UpdateStats:
+        start = time.perf_counter()
+        lr = self.current_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        micro = self._micro_batches(batch)
+        totals = StepTotals(sequences=batch.rollouts.num_completions,
+                            tokens=int(batch.rollouts.completion_mask.sum()),
+                            max_len=self.cfg.rollout.max_new_tokens)
+        olds = self._fixed_logprobs(micro, self.model) if self.cfg.update.num_iterations > 1 else [None] * len(micro)
+        refs = self._fixed_logprobs(micro, self.ref_model) if self.cfg.algo.beta > 0 else [None] * len(micro)
+        passes = [self._one_pass(micro, olds, refs, totals) for _ in range(self.cfg.update.num_iterations)]
+        grad_norm = sum(p["grad_norm"] for p in passes) / len(passes)
+        kl = passes[-1]["kl"]
+        scale = self.adaptive.observe(kl, grad_norm) if self.cfg.update.adaptive else 1.0
+        self.step += 1
+        self.policy_version += 1
+        mean = lambda k: sum(p[k] for p in passes) / len(passes)  # noqa: E731
+        return UpdateStats(loss=mean("loss"), kl=kl, clip_frac_low=mean("clip_low"), clip_frac_high=mean("clip_high"),
+                           entropy=passes[0]["entropy"], grad_norm=grad_norm, lr=lr, lr_scale=scale,
+                           tokens=totals.tokens, seconds=time.perf_counter() - start,
+                           policy_version=self.policy_version)
+
+    def _micro_batches(self, batch: ScoredBatch) -> list[dict]:
+        ro, size, device = batch.rollouts, self.cfg.update.micro_batch_size, self.accelerator.device
+        out = []
+        for i in range(0, ro.num_completions, size):
+            sl = slice(i, i + size)
+            # trim right padding shared by the whole micro-batch: less compute, same result
+            width = max(1, int(ro.completion_mask[sl].sum(1).max()))
+            out.append({
+                "prompt_ids": ro.prompt_ids[sl].to(device), "prompt_mask": ro.prompt_mask[sl].to(device),
+                "completion_ids": ro.completion_ids[sl, :width].to(device),
+                "completion_mask": ro.completion_mask[sl, :width].to(device),
+                "advantages": batch.advantages[sl].to(device),
+            })
+        return out
+
+    def _logprobs(self, model, mb: dict) -> TokenLogprobs:
+        return token_logprobs(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"],
+                              temperature=self.cfg.rollout.temperature, autocast_bf16=self.cfg.update.autocast_bf16,
+                              completion_only=self.cfg.update.logits_completion_only)
+
+    @torch.no_grad()
+    def _fixed_logprobs(self, micro: list[dict], model) -> list[torch.Tensor]:
+        return [self._logprobs(model, mb).logp for mb in micro]
+
+    def _one_pass(self, micro, olds, refs, totals: StepTotals) -> dict:
+        self.optimizer.zero_grad(set_to_none=True)
+        acc = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0}
+        world = self.accelerator.num_processes
+        for i, (mb, old, ref) in enumerate(zip(micro, olds, refs)):
+            last = i == len(micro) - 1
+            sync = contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
+            with sync:
+                out = self._logprobs(self.model, mb)
+                old_logp = out.logp.detach() if old is None else old
+                res = policy_loss(out.logp, old_logp, mb["advantages"], mb["completion_mask"], self.cfg.algo, totals, ref)
+                self.accelerator.backward(res.loss * world)
+            m = mb["completion_mask"].bool()
+            acc["loss"] += float(res.loss.detach())
+            acc["kl"] += float(res.kl[m].sum())
+            acc["clip_low"] += float(res.clipped_low.sum())
+            acc["clip_high"] += float(res.clipped_high.sum())
+            acc["entropy"] += float(out.entropy[m].sum())
+        grad_norm = self._clip_and_step()
+        tokens = max(totals.tokens, 1)
+        return {"loss": acc["loss"], "grad_norm": grad_norm,
+                **{k: acc[k] / tokens for k in ("kl", "clip_low", "clip_high", "entropy")}}
+
+    def _clip_and_step(self) -> float:
+        max_norm = self.cfg.update.max_grad_norm
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if max_norm > 0:
+            norm = self.accelerator.clip_grad_norm_(params, max_norm)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])) if params else torch.tensor(0.0)
+        self.optimizer.step()
+        return float(norm)
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "adaptive": self.adaptive.state_dict(),
+                "step": self.step, "policy_version": self.policy_version}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.adaptive.load_state_dict(state["adaptive"])
+        self.step = state["step"]
+        self.policy_version = state["policy_version"]

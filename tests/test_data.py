@@ -1,0 +1,333 @@
+"""Tests for forge.data (prep stage, loaders, validation, sampler) and the atomic writers in forge.io."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from forge.config import ConfigError, DataConfig, RunConfig
+from forge.data import (
+    PromptSampler,
+    generate_arithmetic,
+    load_rows,
+    prepare,
+    read_split,
+    validate_rows,
+)
+from forge.errors import UserError
+from forge.io import write_json
+
+TEMPLATE = "{a} {op} {b}"
+
+
+def count_words(s: str) -> int:
+    return len(s.split())
+
+
+def identity(s: str) -> str:
+    return s
+
+
+def arith(**kw) -> DataConfig:
+    return DataConfig(**{"prompt_template": TEMPLATE, **kw})
+
+
+def parse(row: dict) -> tuple[int, str, int]:
+    a, op, b = re.fullmatch(r"(\d+) ([-+*]) (\d+)", row["prompt"]).groups()
+    return int(a), op, int(b)
+
+
+def file_cfg(tmp_path: Path, source: Path, **kw) -> RunConfig:
+    cfg = RunConfig(seed=3)
+    cfg.data = DataConfig(source=str(source), **kw)
+    return cfg
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# ---------------------------------------------------------------- arithmetic
+
+
+def test_arithmetic_deterministic_unique_and_disjoint():
+    cfg = arith(operations=["+", "-", "*"], train_size=300, eval_size=50)
+    train, eval_ = generate_arithmetic(cfg, seed=1)
+    assert (train, eval_) == generate_arithmetic(cfg, seed=1)
+    assert train != generate_arithmetic(cfg, seed=2)[0]
+    assert (len(train), len(eval_)) == (300, 50)
+    keys = [parse(r) for r in train + eval_]
+    assert len(set(keys)) == 350  # no problem twice, so none in both splits
+    assert {r["id"] for r in train}.isdisjoint(r["id"] for r in eval_)
+    assert {op for _, op, _ in keys} == {"+", "-", "*"}
+
+
+def test_arithmetic_answers_correct_and_in_range():
+    train, eval_ = generate_arithmetic(arith(operations=["+", "-", "*"], train_size=200, eval_size=20), seed=0)
+    for row in train + eval_:
+        a, op, b = parse(row)
+        assert 10 <= a <= 99 and 10 <= b <= 99  # digits=2, min_operand=-1 -> smallest 2-digit number
+        assert row["answer"] == str({"+": a + b, "-": a - b, "*": a * b}[op])
+        assert int(row["answer"]) >= 0  # allow_negative=False
+    assert set(train[0]) == {"id", "prompt", "answer"}
+
+
+def test_arithmetic_allow_negative_and_min_operand():
+    train, _ = generate_arithmetic(arith(operations=["-"], allow_negative=True, min_operand=50), seed=0)
+    assert any(int(r["answer"]) < 0 for r in train)
+    assert min(min(parse(r)[0], parse(r)[2]) for r in train) >= 50
+
+
+def test_arithmetic_max_result_filter():
+    train, eval_ = generate_arithmetic(arith(max_result=40, train_size=50, eval_size=10), seed=0)
+    assert all(int(r["answer"]) <= 40 for r in train + eval_)
+    # 2-digit a + b <= 40: a in 10..30 gives b in 10..40-a, i.e. 21 + 20 + ... + 1 = 231 problems >= 60 needed
+    assert (len(train), len(eval_)) == (50, 10)
+
+
+def test_arithmetic_small_space_uses_every_problem_once():
+    # digits=1 '+': a, b in 0..9 -> 100 problems; asked for 1000 + 100 -> eval min(100, 25), train the other 75
+    train, eval_ = generate_arithmetic(arith(digits=1, train_size=1000, eval_size=100), seed=0)
+    assert (len(train), len(eval_)) == (75, 25)
+    assert len({parse(r) for r in train + eval_}) == 100
+
+
+def test_arithmetic_sampled_space_for_many_digits():
+    cfg = arith(digits=5, operations=["+", "*"], train_size=40, eval_size=10)
+    train, eval_ = generate_arithmetic(cfg, seed=4)
+    assert (train, eval_) == generate_arithmetic(cfg, seed=4)
+    assert len({parse(r) for r in train + eval_}) == 50
+    for row in train + eval_:
+        a, op, b = parse(row)
+        assert 10_000 <= min(a, b) and max(a, b) <= 99_999
+        assert row["answer"] == str(a + b if op == "+" else a * b)
+
+
+@pytest.mark.parametrize(
+    "kw, key",
+    [
+        ({"operations": ["/"]}, "data.operations"),
+        ({"digits": 0}, "data.digits"),
+        ({"prompt_template": "{x} + {y}"}, "data.prompt_template"),
+        ({"max_result": 5}, "data"),  # 2-digit sums are >= 20: no problem matches
+    ],
+)
+def test_arithmetic_bad_settings_are_config_errors(kw, key):
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        generate_arithmetic(arith(**{"train_size": 10, "eval_size": 2, **kw}), seed=0)
+
+
+# ---------------------------------------------------------------- loading
+
+
+ROWS = [
+    {"prompt": "What is 2+2?", "answer": "4", "topic": "math"},
+    {"prompt": "Capital of France?", "answer": "Paris", "topic": "geo"},
+]
+
+
+def test_load_jsonl_json_csv_parquet_agree(tmp_path):
+    write_jsonl(tmp_path / "d.jsonl", ROWS)
+    (tmp_path / "d.json").write_text(json.dumps(ROWS))
+    (tmp_path / "d.csv").write_text("prompt,answer,topic\nWhat is 2+2?,4,math\nCapital of France?,Paris,geo\n")
+    pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "d.parquet")
+    for ext in ("jsonl", "json", "csv", "parquet"):
+        assert load_rows(tmp_path / f"d.{ext}", "prompt", "answer") == ROWS, ext
+
+
+def test_malformed_jsonl_line_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": \n')
+    with pytest.raises(UserError, match=r"bad\.jsonl: line 2 is not valid JSON") as e:
+        load_rows(path, "prompt", "answer")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "name, content, pattern",
+    [
+        ("missing.jsonl", None, "does not exist"),
+        ("d.txt", "hello", "unknown extension '.txt'"),
+        ("d.jsonl", '{"question": "q", "answer": "1"}\n', "no column 'prompt' in any row .*data.prompt_column"),
+        ("d.jsonl", "[1, 2]\n", "line 1 is a JSON list, not an object"),
+        ("d.json", '{"prompt": "q"}', "expected a JSON list of objects"),
+        ("d.csv", "prompt,answer\nq,1,extra\n", "line 2 has more fields than the header"),
+        ("d.jsonl", "\n", "has no rows"),
+    ],
+)
+def test_load_errors(tmp_path, name, content, pattern):
+    if content is not None:
+        (tmp_path / name).write_text(content)
+    with pytest.raises(UserError, match=pattern):
+        load_rows(tmp_path / name, "prompt", "answer")
+
+
+# ---------------------------------------------------------------- validation
+
+
+def test_validate_reports_each_bad_row_by_number():
+    rows = [
+        {"prompt": "fine prompt", "answer": 7, "id": "a", "meta": {"k": 1}},  # 1 ok; numeric answer -> "7"
+        {"prompt": "no answer"},  # 2
+        {"prompt": "   ", "answer": "1"},  # 3
+        {"prompt": 5, "answer": "1"},  # 4
+        {"prompt": "list answer", "answer": [1]},  # 5
+        {"prompt": "blank answer", "answer": ""},  # 6
+        {"prompt": "one two three four five", "answer": "1"},  # 7: 5 words > 4
+        {"prompt": "dup", "answer": "1", "id": "a"},  # 8
+        {"prompt": "also fine", "answer": "x"},  # 9 ok, id from file stem
+    ]
+    good, rejected = validate_rows(
+        rows,
+        source="data/qa.jsonl",
+        prompt_column="prompt",
+        answer_column="answer",
+        count_tokens=count_words,
+        max_prompt_tokens=4,
+    )
+    assert rejected == [
+        {"row": 2, "reason": "missing field 'answer'"},
+        {"row": 3, "reason": "empty prompt"},
+        {"row": 4, "reason": "prompt is not a string (got int)"},
+        {"row": 5, "reason": "answer is not a string or number (got list)"},
+        {"row": 6, "reason": "empty answer"},
+        {"row": 7, "reason": "prompt has 5 tokens > data.max_prompt_tokens=4"},
+        {"row": 8, "reason": "duplicate id 'a' (first at row 1)"},
+    ]
+    assert good == [
+        {"id": "a", "prompt": "fine prompt", "answer": "7", "meta": '{"k": 1}'},
+        {"id": "qa-9", "prompt": "also fine", "answer": "x"},
+    ]
+
+
+def test_validate_uses_configured_columns():
+    good, rejected = validate_rows(
+        [{"q": "hi", "a": "1", "prompt": "stale"}, {"q": "x"}],
+        source="s.csv",
+        prompt_column="q",
+        answer_column="a",
+        count_tokens=count_words,
+        max_prompt_tokens=10,
+    )
+    assert good == [{"id": "s-1", "prompt": "hi", "answer": "1"}]
+    assert rejected == [{"row": 2, "reason": "missing field 'a'"}]
+
+
+# ---------------------------------------------------------------- prepare
+
+
+def arith_run(**kw) -> RunConfig:
+    cfg = RunConfig(seed=5)
+    cfg.data = arith(train_size=40, eval_size=8, **kw)
+    return cfg
+
+
+def test_prepare_writes_files_and_hash_is_stable(tmp_path):
+    cfg = arith_run()
+    first = prepare(cfg, tmp_path / "run1", identity, count_words)
+    second = prepare(cfg, tmp_path / "run2", lambda s: f"<user>{s}", count_words)
+    third = prepare(cfg, tmp_path / "run3", identity, count_words)
+    assert sorted(p.name for p in (tmp_path / "run1" / "data").iterdir()) == [
+        "eval.parquet",
+        "manifest.json",
+        "train.parquet",
+    ]
+    manifest = json.loads((tmp_path / "run1" / "data" / "manifest.json").read_text())
+    assert manifest["content_hash"] == third.manifest["content_hash"]
+    assert manifest["content_hash"] != second.manifest["content_hash"]  # model_input is part of the content
+    assert (manifest["train_rows"], manifest["eval_rows"], manifest["rejected_count"]) == (40, 8, 0)
+    assert manifest["columns"] == ["id", "prompt", "model_input", "answer"]
+    assert read_split(tmp_path / "run1", "train") == first.train
+    assert read_split(tmp_path / "run1", "eval") == first.eval
+    assert second.train[0]["model_input"] == "<user>" + second.train[0]["prompt"]
+
+
+def test_prepare_bad_rows_error_writes_nothing(tmp_path):
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(10)]
+    rows[2] = {"prompt": "", "answer": "1"}
+    rows[6] = {"prompt": "q6"}
+    cfg = file_cfg(tmp_path, write_jsonl(tmp_path / "src.jsonl", rows), eval_size=2)
+    with pytest.raises(UserError) as e:
+        prepare(cfg, tmp_path / "run", identity, count_words)
+    assert str(e.value) == (
+        f"{tmp_path / 'src.jsonl'}: 2 invalid rows (row 3: empty prompt; row 7: missing field "
+        "'answer'); fix them or set data.on_bad_rows=skip"
+    )
+    assert not (tmp_path / "run" / "data").exists()
+
+
+def test_prepare_skip_records_rejected_and_holds_out_eval(tmp_path):
+    rows = [{"prompt": f"q{i}", "answer": str(i), "level": i % 3} for i in range(10)]
+    rows[4] = {"prompt": "q4", "answer": None}
+    cfg = file_cfg(tmp_path, write_jsonl(tmp_path / "src.jsonl", rows), eval_size=3, on_bad_rows="skip")
+    data = prepare(cfg, tmp_path / "run", identity, count_words)
+    m = data.manifest
+    assert (m["train_rows"], m["eval_rows"], m["rejected_count"]) == (6, 3, 1)
+    assert m["rejected"] == [{"file": str(tmp_path / "src.jsonl"), "row": 5, "reason": "missing field 'answer'"}]
+    assert m["columns"] == ["id", "prompt", "model_input", "answer", "level"]
+    assert {r["id"] for r in data.train}.isdisjoint(r["id"] for r in data.eval)
+    train_numbers = [int(r["id"].removeprefix("src-")) for r in data.train]
+    assert train_numbers == sorted(train_numbers)  # hold-out keeps the file's order
+    by_id = {r["id"]: r for r in data.train + data.eval}
+    assert by_id["src-3"] == {"id": "src-3", "prompt": "q2", "model_input": "q2", "answer": "2", "level": "2"}
+    again = prepare(cfg, tmp_path / "run2", identity, count_words)
+    assert (again.train, again.eval) == (data.train, data.eval)  # seeded hold-out
+
+
+def test_prepare_separate_eval_file(tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"q{i}", "answer": "1"} for i in range(5)])
+    evalf = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "q0", "answer": "1"}, {"prompt": "new", "answer": "2"}])
+    cfg = file_cfg(tmp_path, train, eval_source=str(evalf))
+    data = prepare(cfg, tmp_path / "run", identity, count_words)
+    assert (len(data.train), len(data.eval)) == (5, 2)
+    assert [r["id"] for r in data.eval] == ["eval-1", "eval-2"]
+    assert data.manifest["eval_prompts_in_train"] == 1
+
+
+def test_prepare_token_limit_applies_to_formatted_prompt(tmp_path):
+    cfg = arith_run(max_prompt_tokens=3, on_bad_rows="skip")
+    # raw "12 + 34" is 3 words; with a 2-word wrapper it is 5 > 3, so every row is invalid
+    with pytest.raises(UserError, match=r"arithmetic:train: all 40 invalid rows \(row 1: prompt has 5 tokens"):
+        prepare(cfg, tmp_path / "run", lambda s: f"User: {s} Assistant:", count_words)
+
+
+def test_read_split_missing_says_to_run_prep(tmp_path):
+    with pytest.raises(UserError, match="run the prep stage first"):
+        read_split(tmp_path, "train")
+
+
+def test_write_json_is_atomic_and_leaves_no_temp(tmp_path):
+    write_json(tmp_path / "sub" / "m.json", {"a": 1})
+    write_json(tmp_path / "sub" / "m.json", {"a": 2})
+    assert json.loads((tmp_path / "sub" / "m.json").read_text()) == {"a": 2}
+    assert [p.name for p in (tmp_path / "sub").iterdir()] == ["m.json"]
+
+
+# ---------------------------------------------------------------- sampler
+
+
+def test_sampler_epochs_are_permutations_and_state_round_trips():
+    rows = [{"id": str(i)} for i in range(7)]
+    sampler = PromptSampler(rows, seed=11)
+    first_epoch = [r["id"] for r in sampler.next_batch(7)]
+    assert sorted(first_epoch) == [str(i) for i in range(7)]
+    sampler.next_batch(5)  # now mid-epoch 1
+    state = json.loads(json.dumps(sampler.state_dict()))  # must survive a checkpoint as JSON
+    assert (state["epoch"], state["cursor"]) == (1, 5)
+    expected = [sampler.next_batch(4) for _ in range(5)]  # crosses two epoch boundaries
+    resumed = PromptSampler(rows, seed=0)
+    resumed.load_state_dict(state)
+    assert [resumed.next_batch(4) for _ in range(5)] == expected
+    assert [r["id"] for r in PromptSampler(rows, seed=11).next_batch(7)] == first_epoch
+
+
+def test_sampler_rejects_state_for_other_data():
+    state = PromptSampler([{"id": "a"}, {"id": "b"}], seed=0).state_dict()
+    with pytest.raises(UserError, match="2 training rows but the data has 1"):
+        PromptSampler([{"id": "a"}], seed=0).load_state_dict(state)

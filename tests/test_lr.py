@@ -1,0 +1,149 @@
+"""Tests for forge.lr: warmup + schedules (values worked out by hand) and the AdaptiveLR controller."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from forge.config import UpdateConfig
+from forge.lr import AdaptiveLR, scheduled_lr
+
+
+def lrs(cfg: UpdateConfig, total: int, steps: range | None = None) -> list[float]:
+    return [scheduled_lr(cfg, s, total) for s in (steps or range(total))]
+
+
+# ---------------------------------------------------------------- scheduled_lr
+
+
+def test_warmup_then_constant():
+    # warmup 4: lr * (step+1)/4 -> 0.25, 0.5, 0.75, 1.0; then the peak for every later step.
+    cfg = UpdateConfig(lr=1.0, warmup_steps=4, schedule="constant")
+    assert lrs(cfg, 7) == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0])
+
+
+def test_constant_without_warmup_is_peak():
+    cfg = UpdateConfig(lr=3e-4, warmup_steps=0, schedule="constant")
+    assert lrs(cfg, 3) == [3e-4] * 3
+
+
+def test_warmup_then_linear_to_floor():
+    # warmup 2 -> 0.5, 1.0. Decay spans steps 2..6: span = 7 - 2 - 1 = 4, floor = 1.0 * 0.2.
+    # step 2: p=0    -> 1.0
+    # step 3: p=0.25 -> 0.2 + 0.8 * 0.75 = 0.8
+    # step 4: p=0.5  -> 0.2 + 0.8 * 0.5  = 0.6
+    # step 5: p=0.75 -> 0.2 + 0.8 * 0.25 = 0.4
+    # step 6: p=1    -> 0.2 (the last step reaches the floor)
+    cfg = UpdateConfig(lr=1.0, warmup_steps=2, schedule="linear", min_lr_ratio=0.2)
+    assert lrs(cfg, 7) == pytest.approx([0.5, 1.0, 1.0, 0.8, 0.6, 0.4, 0.2])
+
+
+def test_linear_clamps_past_the_end():
+    # Progress is capped at 1, so steps beyond total_steps (e.g. a resumed run with more steps) stay at the floor.
+    cfg = UpdateConfig(lr=1.0, warmup_steps=0, schedule="linear", min_lr_ratio=0.2)
+    assert scheduled_lr(cfg, 10, 5) == pytest.approx(0.2)
+
+
+def test_cosine_without_warmup():
+    # span = 5 - 0 - 1 = 4, floor = 0; lr = 2.0 * 0.5 * (1 + cos(pi * p)):
+    # p=0 -> 2.0; p=0.25 -> 1 + cos(pi/4) = 1.70711; p=0.5 -> 1.0; p=0.75 -> 1 - 0.70711 = 0.29289; p=1 -> 0.0
+    cfg = UpdateConfig(lr=2.0, warmup_steps=0, schedule="cosine", min_lr_ratio=0.0)
+    assert lrs(cfg, 5) == pytest.approx([2.0, 1.70711, 1.0, 0.29289, 0.0], abs=1e-5)
+
+
+def test_warmup_then_cosine_with_floor():
+    # warmup 2 -> 0.5, 1.0. span = 6 - 2 - 1 = 3, floor = 0.1; lr = 0.1 + 0.9 * 0.5 * (1 + cos(pi * p)):
+    # step 2: p=0   -> 1.0
+    # step 3: p=1/3 -> cos = 0.5  -> 0.1 + 0.9 * 0.75 = 0.775
+    # step 4: p=2/3 -> cos = -0.5 -> 0.1 + 0.9 * 0.25 = 0.325
+    # step 5: p=1   -> 0.1
+    cfg = UpdateConfig(lr=1.0, warmup_steps=2, schedule="cosine", min_lr_ratio=0.1)
+    assert lrs(cfg, 6) == pytest.approx([0.5, 1.0, 1.0, 0.775, 0.325, 0.1])
+
+
+def test_single_decay_step_does_not_divide_by_zero():
+    # total = warmup + 1: span = max(1, 0) = 1, the one post-warmup step is at p=0 -> peak.
+    cfg = UpdateConfig(lr=1.0, warmup_steps=2, schedule="cosine", min_lr_ratio=0.0)
+    assert lrs(cfg, 3) == pytest.approx([0.5, 1.0, 1.0])
+
+
+# ---------------------------------------------------------------- AdaptiveLR: grad_norm
+
+
+def test_grad_norm_first_step_holds():
+    a = AdaptiveLR(signal="grad_norm", target=2.0)
+    assert a.observe(0.0, 100.0) == 1.0 and a.ema == 100.0 and a.cuts == 0
+
+
+def test_grad_norm_spike_cuts_then_recovers_slowly_to_exactly_one():
+    a = AdaptiveLR(signal="grad_norm", target=2.0, cut=0.5, recover=1.1)
+    # ema = 1; level = 1 / (2 * 1) = 0.5 is not < 0.5, so the scale holds.
+    assert [a.observe(0.0, g) for g in (1.0, 1.0)] == [1.0, 1.0]
+    # spike: level = 5 / (2 * 1) = 2.5 > 1 -> scale 0.5; ema becomes 0.9 * 1 + 0.1 * 5 = 1.4.
+    assert a.observe(0.0, 5.0) == 0.5 and a.cuts == 1
+    assert a.ema == pytest.approx(1.4)
+    # calm steps (level = 0.5 / (2 * ema) < 0.25) recover x1.1 each: 0.5 * 1.1**k, below 1 for k <= 7
+    # (0.5 * 1.1**7 = 0.974), capped at exactly 1.0 from k = 8 (0.5 * 1.1**8 = 1.07).
+    scales = [a.observe(0.0, 0.5) for _ in range(12)]
+    assert scales[:7] == pytest.approx([0.5 * 1.1**k for k in range(1, 8)])
+    assert all(s < 1.0 for s in scales[:7])
+    assert scales[7:] == [1.0] * 5
+    assert a.cuts == 1
+
+
+def test_grad_norm_hold_zone():
+    a = AdaptiveLR(signal="grad_norm", target=2.0)
+    a.observe(0.0, 1.0)
+    a.observe(0.0, 5.0)  # cut to 0.5, ema 1.4
+    # level = 2.0 / (2 * 1.4) = 0.714: between 0.5 and 1 -> neither cut nor recover.
+    assert a.observe(0.0, 2.0) == 0.5
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_grad_norm_non_finite_cuts_and_keeps_ema(bad):
+    a = AdaptiveLR(signal="grad_norm", target=2.0)
+    a.observe(0.0, 1.0)
+    assert a.observe(0.0, bad) == 0.5 and a.ema == 1.0
+
+
+def test_scale_floor():
+    a = AdaptiveLR(signal="kl", target=0.1, cut=0.5, min_scale=0.01)
+    for _ in range(10):  # 0.5**10 = 0.001 would be below the floor
+        a.observe(1.0, 0.0)
+    assert a.scale == 0.01 and a.cuts == 10
+
+
+# ---------------------------------------------------------------- AdaptiveLR: kl
+
+
+def test_kl_mode_cuts_above_target_and_recovers_below_half():
+    a = AdaptiveLR(signal="kl", target=0.1, cut=0.5, recover=1.1)
+    assert a.observe(0.2, 1e9) == 0.5  # 0.2 / 0.1 = 2 > 1: cut (grad norm ignored in kl mode)
+    assert a.observe(0.08, 0.0) == 0.5  # 0.8: hold
+    assert a.observe(0.1, 0.0) == 0.5  # exactly at target (level 1.0): hold, not cut
+    assert a.observe(0.01, 0.0) == pytest.approx(0.55)  # 0.1 < 0.5: recover x1.1
+    assert a.cuts == 1 and a.ema is None
+
+
+def test_from_config():
+    cfg = UpdateConfig(adaptive_signal="kl", adaptive_target=0.05, adaptive_cut=0.3, adaptive_recover=1.2)
+    a = AdaptiveLR.from_config(cfg)
+    assert (a.signal, a.target, a.cut, a.recover, a.scale) == ("kl", 0.05, 0.3, 1.2, 1.0)
+
+
+# ---------------------------------------------------------------- state
+
+
+def test_state_dict_round_trip_continues_identically():
+    a = AdaptiveLR(signal="grad_norm", target=2.0)
+    for g in (1.0, 1.2, 6.0, 0.4):
+        a.observe(0.0, g)
+    state = json.loads(json.dumps(a.state_dict()))  # plain values only (it goes into trainer_state.pt)
+    b = AdaptiveLR()
+    b.load_state_dict(state)
+    assert b == a
+    tail = (0.3, 9.0, math.inf, 0.2, 0.2)
+    assert [a.observe(0.0, g) for g in tail] == [b.observe(0.0, g) for g in tail]
+    assert (a.ema, a.cuts) == (b.ema, b.cuts)
