@@ -1,0 +1,1 @@
+"""Prefect flows and the `forgeweave` CLI. The flows are thin runbooks over forge's stage functions."""

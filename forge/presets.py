@@ -30,7 +30,7 @@ def tiny() -> RunConfig:
 
 def smollm2_arith() -> RunConfig:
     """SmolLM2-135M-Instruct on 2-digit addition (the `make demo` job): bf16 autocast, short completions."""
-    cfg = RunConfig(preset="smollm2-arith", seed=0, steps=40, threads=0)
+    cfg = RunConfig(preset="smollm2-arith", seed=0, steps=20, threads=0)
     cfg.model.path = "smollm2-135m-instruct"
     d = cfg.data
     d.digits, d.operations = 2, ["+"]
@@ -42,10 +42,10 @@ def smollm2_arith() -> RunConfig:
     r.autocast_bf16 = True
     cfg.reward.verifiers = ["math_answer"]
     u = cfg.update
-    u.lr, u.micro_batch_size, u.autocast_bf16, u.warmup_steps = 5e-6, 16, True, 2
+    u.lr, u.micro_batch_size, u.autocast_bf16, u.warmup_steps = 1e-5, 16, True, 2
     # eval allows 32 new tokens (as the reference baseline did), so a verbose but correct answer still counts
-    cfg.eval.every, cfg.eval.k, cfg.eval.max_problems, cfg.eval.max_new_tokens = 20, 0, 200, 32
-    cfg.checkpoint.every, cfg.checkpoint.keep_last, cfg.checkpoint.keep_best = 20, 1, 1
+    cfg.eval.every, cfg.eval.k, cfg.eval.max_problems, cfg.eval.max_new_tokens = 10, 0, 200, 32
+    cfg.checkpoint.every, cfg.checkpoint.keep_last, cfg.checkpoint.keep_best = 10, 1, 1
     return cfg
 
 
