@@ -21,9 +21,16 @@ def plain_generate(model, tok, prompts, max_new_tokens, autocast) -> int:
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
     with torch.no_grad(), ctx:
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, top_p=1.0,
-                             top_k=None, pad_token_id=tok.pad_token_id)
-    return int(out[:, enc.input_ids.shape[1]:].ne(tok.pad_token_id).sum())
+        out = model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=None,
+            pad_token_id=tok.pad_token_id,
+        )
+    return int(out[:, enc.input_ids.shape[1] :].ne(tok.pad_token_id).sum())
 
 
 def main() -> None:
@@ -43,7 +50,8 @@ def main() -> None:
         "forge hf fp32": lambda: int(HFBackend(model, tok).generate(prompts, params).completion_mask.sum()),
         "plain generate bf16-autocast": lambda: plain_generate(model, tok, prompts, args.tokens, True),
         "forge hf bf16-autocast": lambda: int(
-            HFBackend(model, tok, autocast_bf16=True).generate(prompts, params).completion_mask.sum()),
+            HFBackend(model, tok, autocast_bf16=True).generate(prompts, params).completion_mask.sum()
+        ),
     }
     rates: dict[str, list[float]] = {k: [] for k in variants}
     for fn in variants.values():  # warm-up

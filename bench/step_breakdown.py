@@ -18,8 +18,10 @@ from forge.recipes.grpo import run
 
 
 def breakdown(preset: str, steps: int, overrides: list[str]) -> dict[str, float]:
-    cfg = apply_overrides(get_preset(preset), [f"steps={steps}", "eval.every=0", "eval.max_problems=16",
-                                               "eval.k=0", "checkpoint.every=0", *overrides])
+    cfg = apply_overrides(
+        get_preset(preset),
+        [f"steps={steps}", "eval.every=0", "eval.max_problems=16", "eval.k=0", "checkpoint.every=0", *overrides],
+    )
     with tempfile.TemporaryDirectory() as d:
         run(cfg, Path(d) / "bench", progress=False)
         rows = [json.loads(x) for x in (Path(d) / "bench" / "metrics.jsonl").read_text().splitlines()][1:]
@@ -37,16 +39,29 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     args = ap.parse_args()
     fast = breakdown(args.preset, args.steps, args.overrides)
-    slow = breakdown(args.preset, args.steps, ["update.autocast_bf16=false", "update.logits_completion_only=false",
-                                               "rollout.autocast_bf16=false", *args.overrides])
+    slow = breakdown(
+        args.preset,
+        args.steps,
+        [
+            "update.autocast_bf16=false",
+            "update.logits_completion_only=false",
+            "rollout.autocast_bf16=false",
+            *args.overrides,
+        ],
+    )
     print(f"preset {args.preset}, {args.steps} steps, seconds per step (mean)")
     print(f"{'stage':<12}{'fp32 full logits':>18}{'bf16 + compl. logits':>22}{'speed-up':>10}")
     for k in ("rollout", "reward", "update"):
         print(f"{k:<12}{slow[k]:>18.2f}{fast[k]:>22.2f}{slow[k] / max(fast[k], 1e-9):>9.2f}x")
-    ts, tf = sum(slow[k] for k in ("rollout", "reward", "update")), sum(fast[k] for k in ("rollout", "reward", "update"))
+    ts, tf = (
+        sum(slow[k] for k in ("rollout", "reward", "update")),
+        sum(fast[k] for k in ("rollout", "reward", "update")),
+    )
     print(f"{'step':<12}{ts:>18.2f}{tf:>22.2f}{ts / tf:>9.2f}x")
-    print(f"update tokens/s: {slow['update_tokens_per_s']:.0f} -> {fast['update_tokens_per_s']:.0f}; "
-          f"rollout tokens/s: {slow['rollout_tokens_per_s']:.0f} -> {fast['rollout_tokens_per_s']:.0f}")
+    print(
+        f"update tokens/s: {slow['update_tokens_per_s']:.0f} -> {fast['update_tokens_per_s']:.0f}; "
+        f"rollout tokens/s: {slow['rollout_tokens_per_s']:.0f} -> {fast['rollout_tokens_per_s']:.0f}"
+    )
 
 
 if __name__ == "__main__":

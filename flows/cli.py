@@ -25,17 +25,28 @@ EPILOG = """examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="forgeweave", description="RL post-training for LLMs (GRPO and variants).",
-                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="forgeweave",
+        description="RL post-training for LLMs (GRPO and variants).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run", help="train a policy with GRPO", formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog=EPILOG)
+    r = sub.add_parser(
+        "run", help="train a policy with GRPO", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG
+    )
     src = r.add_mutually_exclusive_group()
     src.add_argument("--preset", help="named preset (see `forgeweave presets`); default: tiny")
     src.add_argument("--config", help="YAML run config file")
     r.add_argument("--name", help="run name (directory under the runs dir); default: <preset>-<timestamp>")
-    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set update.lr=1e-5 (repeatable)")
+    r.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set update.lr=1e-5 (repeatable)",
+    )
     r.add_argument("--resume", action="store_true", help="continue the named run from its latest checkpoint")
     _runs_dir_arg(r)
     r.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -49,8 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _runs_dir_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--runs-dir", default=os.environ.get("FORGEWEAVE_RUNS_DIR", "runs"),
-                   help="where runs live (default: $FORGEWEAVE_RUNS_DIR or ./runs)")
+    p.add_argument(
+        "--runs-dir",
+        default=os.environ.get("FORGEWEAVE_RUNS_DIR", "runs"),
+        help="where runs live (default: $FORGEWEAVE_RUNS_DIR or ./runs)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,7 +146,9 @@ def cmd_eval(args) -> int:
     if in_run and (run_dir / "data" / "eval.parquet").is_file():
         rows = read_split(run_dir, "eval")
     else:
-        rows = build(cfg, format_prompt_fn(tok, cfg.model), lambda s: len(tok(s, add_special_tokens=False).input_ids)).eval
+        rows = build(
+            cfg, format_prompt_fn(tok, cfg.model), lambda s: len(tok(s, add_special_tokens=False).input_ids)
+        ).eval
     backend = make_backend(cfg.rollout.backend, model, tok, autocast_bf16=cfg.rollout.autocast_bf16)
     report = evaluate(backend, rows, cfg.eval, cfg.rollout, seed=cfg.seed)
     out = Path(args.out) if args.out else ckpt / "eval.json"

@@ -220,8 +220,11 @@ class RunConfig:
         _require(u.lr > 0, "update.lr", "must be > 0")
         _require(len(u.adam_betas) == 2, "update.adam_betas", "needs two values")
         w = self.reward.weights
-        _require(not w or len(w) == len(self.reward.verifiers), "reward.weights",
-                 f"has {len(w)} values for {len(self.reward.verifiers)} verifiers")
+        _require(
+            not w or len(w) == len(self.reward.verifiers),
+            "reward.weights",
+            f"has {len(w)} values for {len(self.reward.verifiers)} verifiers",
+        )
         _require(bool(self.reward.verifiers), "reward.verifiers", "needs at least one verifier")
         return self
 

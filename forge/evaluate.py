@@ -18,8 +18,15 @@ from forge.rewards.verifiers import math_answer
 from forge.rollout.base import RolloutBackend, SamplingParams
 
 
-def evaluate(backend: RolloutBackend, rows: list[dict], cfg: EvalConfig, rollout: RolloutConfig,
-             verifiers: list | None = None, weights: list[float] | None = None, seed: int = 0) -> dict:
+def evaluate(
+    backend: RolloutBackend,
+    rows: list[dict],
+    cfg: EvalConfig,
+    rollout: RolloutConfig,
+    verifiers: list | None = None,
+    weights: list[float] | None = None,
+    seed: int = 0,
+) -> dict:
     """Return the eval report (JSON-ready). rows: eval split rows with model_input and answer."""
     start = time.perf_counter()
     rows = rows[: cfg.max_problems]
@@ -28,8 +35,12 @@ def evaluate(backend: RolloutBackend, rows: list[dict], cfg: EvalConfig, rollout
     max_new = cfg.max_new_tokens or rollout.max_new_tokens
     greedy = backend.generate(prompts, SamplingParams(max_new_tokens=max_new, temperature=0.0, n=1))
     correct = math_answer(prompts, greedy.texts, answer=answers)
-    report = {"problems": len(rows), "pass@1": _mean(correct), "policy_version": greedy.policy_version,
-              "mean_completion_tokens": float(greedy.completion_mask.sum(1).float().mean())}
+    report = {
+        "problems": len(rows),
+        "pass@1": _mean(correct),
+        "policy_version": greedy.policy_version,
+        "mean_completion_tokens": float(greedy.completion_mask.sum(1).float().mean()),
+    }
     if verifiers:
         columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "model_input")} if rows else {}
         res = score_completions(verifiers, weights, prompts, greedy.texts, columns)
@@ -38,15 +49,19 @@ def evaluate(backend: RolloutBackend, rows: list[dict], cfg: EvalConfig, rollout
         report[f"pass@{cfg.k}"] = _pass_at_k(backend, prompts, answers, cfg, rollout, seed)
     report["samples"] = [
         {"prompt": r["prompt"], "completion": t, "answer": a, "correct": bool(c)}
-        for r, t, a, c in list(zip(rows, greedy.texts, answers, correct))[: cfg.num_samples_saved]
+        for r, t, a, c in list(zip(rows, greedy.texts, answers, correct, strict=True))[: cfg.num_samples_saved]
     ]
     report["seconds"] = time.perf_counter() - start
     return report
 
 
 def _pass_at_k(backend, prompts, answers, cfg: EvalConfig, rollout: RolloutConfig, seed: int) -> float:
-    params = SamplingParams(max_new_tokens=cfg.max_new_tokens or rollout.max_new_tokens, temperature=cfg.temperature,
-                            top_p=rollout.top_p, n=cfg.k)
+    params = SamplingParams(
+        max_new_tokens=cfg.max_new_tokens or rollout.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=rollout.top_p,
+        n=cfg.k,
+    )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         sampled = backend.generate(prompts, params)

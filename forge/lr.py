@@ -52,8 +52,9 @@ class AdaptiveLR:
 
     @classmethod
     def from_config(cls, cfg: UpdateConfig) -> AdaptiveLR:
-        return cls(signal=cfg.adaptive_signal, target=cfg.adaptive_target, cut=cfg.adaptive_cut,
-                   recover=cfg.adaptive_recover)
+        return cls(
+            signal=cfg.adaptive_signal, target=cfg.adaptive_target, cut=cfg.adaptive_cut, recover=cfg.adaptive_recover
+        )
 
     def observe(self, kl: float, grad_norm: float) -> float:
         """Feed this step's signals; returns the scale to use for the next step.

@@ -55,7 +55,9 @@ def _resolve_path(path: str) -> str:
     p = Path(path).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise UserError(f"model directory '{p}' has no config.json: point model.path at a Hugging Face model directory")
+            raise UserError(
+                f"model directory '{p}' has no config.json: point model.path at a Hugging Face model directory"
+            )
         return str(p)
     looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
     if os.environ.get("HF_HUB_OFFLINE") == "1" or not looks_like_hub_id:
@@ -101,7 +103,10 @@ def build_char_tokenizer() -> PreTrainedTokenizerBase:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.decoder = decoders.Fuse()
     trainer = trainers.BpeTrainer(
-        vocab_size=len(alphabet) + len(specials), special_tokens=specials, initial_alphabet=alphabet, show_progress=False
+        vocab_size=len(alphabet) + len(specials),
+        special_tokens=specials,
+        initial_alphabet=alphabet,
+        show_progress=False,
     )
     tok.train_from_iterator(["".join(alphabet)], trainer=trainer)
     return PreTrainedTokenizerFast(

@@ -32,8 +32,14 @@ class TokenLogprobs:
 
 
 def token_logprobs(
-    model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-    temperature: float = 1.0, autocast_bf16: bool = False, completion_only: bool = True,
+    model,
+    prompt_ids,
+    prompt_mask,
+    completion_ids,
+    completion_mask,
+    temperature: float = 1.0,
+    autocast_bf16: bool = False,
+    completion_only: bool = True,
 ) -> TokenLogprobs:
     """Per-token log-probs of `completion_ids` given the left-padded prompts. Shapes [n, P] and [n, T]."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [n, P+T]
@@ -41,7 +47,9 @@ def token_logprobs(
     position_ids = (attention.long().cumsum(dim=1) - 1).clamp(min=0)
     T = completion_ids.shape[1]
     kwargs = {"logits_to_keep": T + 1} if completion_only else {}
-    autocast = torch.autocast(input_ids.device.type, dtype=torch.bfloat16) if autocast_bf16 else contextlib.nullcontext()
+    autocast = (
+        torch.autocast(input_ids.device.type, dtype=torch.bfloat16) if autocast_bf16 else contextlib.nullcontext()
+    )
     with autocast:
         logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, **kwargs).logits
     logits = logits[:, -(T + 1) : -1].float() / temperature  # [n, T, vocab], position t predicts token t
@@ -60,7 +68,9 @@ class Trainer:
         self.total_steps = total_steps
         self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
         u = cfg.update
-        optimizer = torch.optim.AdamW(model.parameters(), lr=u.lr, betas=tuple(u.adam_betas), weight_decay=u.weight_decay)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=u.lr, betas=tuple(u.adam_betas), weight_decay=u.weight_decay
+        )
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         assert cfg.algo.beta == 0 or ref_model is not None, "algo.beta > 0 needs a reference model"
         self.ref_model = ref_model
@@ -82,9 +92,11 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         micro = self._micro_batches(batch)
-        totals = StepTotals(sequences=batch.rollouts.num_completions,
-                            tokens=int(batch.rollouts.completion_mask.sum()),
-                            max_len=self.cfg.rollout.max_new_tokens)
+        totals = StepTotals(
+            sequences=batch.rollouts.num_completions,
+            tokens=int(batch.rollouts.completion_mask.sum()),
+            max_len=self.cfg.rollout.max_new_tokens,
+        )
         olds = self._fixed_logprobs(micro, self.model) if self.cfg.update.num_iterations > 1 else [None] * len(micro)
         refs = self._fixed_logprobs(micro, self.ref_model) if self.cfg.algo.beta > 0 else [None] * len(micro)
         passes = [self._one_pass(micro, olds, refs, totals) for _ in range(self.cfg.update.num_iterations)]
@@ -94,10 +106,19 @@ class Trainer:
         self.step += 1
         self.policy_version += 1
         mean = lambda k: sum(p[k] for p in passes) / len(passes)  # noqa: E731
-        return UpdateStats(loss=mean("loss"), kl=kl, clip_frac_low=mean("clip_low"), clip_frac_high=mean("clip_high"),
-                           entropy=passes[0]["entropy"], grad_norm=grad_norm, lr=lr, lr_scale=scale,
-                           tokens=totals.tokens, seconds=time.perf_counter() - start,
-                           policy_version=self.policy_version)
+        return UpdateStats(
+            loss=mean("loss"),
+            kl=kl,
+            clip_frac_low=mean("clip_low"),
+            clip_frac_high=mean("clip_high"),
+            entropy=passes[0]["entropy"],
+            grad_norm=grad_norm,
+            lr=lr,
+            lr_scale=scale,
+            tokens=totals.tokens,
+            seconds=time.perf_counter() - start,
+            policy_version=self.policy_version,
+        )
 
     def _micro_batches(self, batch: ScoredBatch) -> list[dict]:
         ro, size, device = batch.rollouts, self.cfg.update.micro_batch_size, self.accelerator.device
@@ -106,18 +127,28 @@ class Trainer:
             sl = slice(i, i + size)
             # trim right padding shared by the whole micro-batch: less compute, same result
             width = max(1, int(ro.completion_mask[sl].sum(1).max()))
-            out.append({
-                "prompt_ids": ro.prompt_ids[sl].to(device), "prompt_mask": ro.prompt_mask[sl].to(device),
-                "completion_ids": ro.completion_ids[sl, :width].to(device),
-                "completion_mask": ro.completion_mask[sl, :width].to(device),
-                "advantages": batch.advantages[sl].to(device),
-            })
+            out.append(
+                {
+                    "prompt_ids": ro.prompt_ids[sl].to(device),
+                    "prompt_mask": ro.prompt_mask[sl].to(device),
+                    "completion_ids": ro.completion_ids[sl, :width].to(device),
+                    "completion_mask": ro.completion_mask[sl, :width].to(device),
+                    "advantages": batch.advantages[sl].to(device),
+                }
+            )
         return out
 
     def _logprobs(self, model, mb: dict) -> TokenLogprobs:
-        return token_logprobs(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"],
-                              temperature=self.cfg.rollout.temperature, autocast_bf16=self.cfg.update.autocast_bf16,
-                              completion_only=self.cfg.update.logits_completion_only)
+        return token_logprobs(
+            model,
+            mb["prompt_ids"],
+            mb["prompt_mask"],
+            mb["completion_ids"],
+            mb["completion_mask"],
+            temperature=self.cfg.rollout.temperature,
+            autocast_bf16=self.cfg.update.autocast_bf16,
+            completion_only=self.cfg.update.logits_completion_only,
+        )
 
     @torch.no_grad()
     def _fixed_logprobs(self, micro: list[dict], model) -> list[torch.Tensor]:
@@ -127,13 +158,15 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         acc = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0}
         world = self.accelerator.num_processes
-        for i, (mb, old, ref) in enumerate(zip(micro, olds, refs)):
+        for i, (mb, old, ref) in enumerate(zip(micro, olds, refs, strict=True)):
             last = i == len(micro) - 1
             sync = contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
             with sync:
                 out = self._logprobs(self.model, mb)
                 old_logp = out.logp.detach() if old is None else old
-                res = policy_loss(out.logp, old_logp, mb["advantages"], mb["completion_mask"], self.cfg.algo, totals, ref)
+                res = policy_loss(
+                    out.logp, old_logp, mb["advantages"], mb["completion_mask"], self.cfg.algo, totals, ref
+                )
                 self.accelerator.backward(res.loss * world)
             m = mb["completion_mask"].bool()
             acc["loss"] += float(res.loss.detach())
@@ -143,8 +176,11 @@ class Trainer:
             acc["entropy"] += float(out.entropy[m].sum())
         grad_norm = self._clip_and_step()
         tokens = max(totals.tokens, 1)
-        return {"loss": acc["loss"], "grad_norm": grad_norm,
-                **{k: acc[k] / tokens for k in ("kl", "clip_low", "clip_high", "entropy")}}
+        return {
+            "loss": acc["loss"],
+            "grad_norm": grad_norm,
+            **{k: acc[k] / tokens for k in ("kl", "clip_low", "clip_high", "entropy")},
+        }
 
     def _clip_and_step(self) -> float:
         max_norm = self.cfg.update.max_grad_norm
@@ -152,13 +188,19 @@ class Trainer:
         if max_norm > 0:
             norm = self.accelerator.clip_grad_norm_(params, max_norm)
         else:
-            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])) if params else torch.tensor(0.0)
+            norm = (
+                torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])) if params else torch.tensor(0.0)
+            )
         self.optimizer.step()
         return float(norm)
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "adaptive": self.adaptive.state_dict(),
-                "step": self.step, "policy_version": self.policy_version}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "adaptive": self.adaptive.state_dict(),
+            "step": self.step,
+            "policy_version": self.policy_version,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])

@@ -25,17 +25,41 @@ def test_tiny_preset_learns(runs_dir, capsys):
     assert summary["eval"]["final"]["pass@1"] > 0.6
     assert summary["steps"] == 200
     assert set(summary["seconds"]) >= {"total", "rollout", "reward", "update", "evaluate"}
-    for f in ("config.yaml", "data/manifest.json", "data/train.parquet", "data/eval.parquet", "metrics.jsonl",
-              "eval/step-000000.json", "eval/step-000200.json", "checkpoints/latest", "samples.jsonl"):
+    for f in (
+        "config.yaml",
+        "data/manifest.json",
+        "data/train.parquet",
+        "data/eval.parquet",
+        "metrics.jsonl",
+        "eval/step-000000.json",
+        "eval/step-000200.json",
+        "checkpoints/latest",
+        "samples.jsonl",
+    ):
         assert (run / f).exists(), f
     assert (run / "checkpoints" / "step-000200" / "model.safetensors").is_file()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(0, 201))
-    for key in ("reward/mean", "reward/math_answer/mean", "train/loss", "train/kl", "train/lr", "train/grad_norm",
-                "train/entropy", "perf/rollout_tokens_per_s", "time/update_s"):
+    for key in (
+        "reward/mean",
+        "reward/math_answer/mean",
+        "train/loss",
+        "train/kl",
+        "train/lr",
+        "train/grad_norm",
+        "train/entropy",
+        "perf/rollout_tokens_per_s",
+        "time/update_s",
+    ):
         assert key in rows[1], key
     out = capsys.readouterr().out
     assert "pass@1" in out and "run directory" in out
+    # `forgeweave eval` on the final checkpoint reproduces the run's own final greedy pass@1
+    ckpt = run / "checkpoints" / "step-000200"
+    assert main(["eval", str(ckpt), "--set", "eval.k=0"]) == 0
+    report = json.loads((ckpt / "eval.json").read_text())
+    assert report["pass@1"] == pytest.approx(summary["eval"]["final"]["pass@1"])
+    assert report["problems"] == 55
 
 
 def test_presets_lists_all(capsys):
@@ -44,8 +68,15 @@ def test_presets_lists_all(capsys):
     assert "tiny" in out and "smollm2-arith" in out
 
 
-RESUME_SETTINGS = ["steps=6", "threads=1", "checkpoint.every=1", "eval.every=3", "eval.k=0",
-                   "reward.verifiers=[tests.slow_verifiers:slow_math]", "rollout.prompts_per_step=4"]
+RESUME_SETTINGS = [
+    "steps=6",
+    "threads=1",
+    "checkpoint.every=1",
+    "eval.every=3",
+    "eval.k=0",
+    "reward.verifiers=[tests.slow_verifiers:slow_math]",
+    "rollout.prompts_per_step=4",
+]
 
 
 def _cli(*args: str, **kw) -> subprocess.Popen:
@@ -135,8 +166,19 @@ def test_invalid_rows_are_reported_by_number(runs_dir, tmp_path, capsys):
     rows[4] = {"prompt": "", "answer": "1"}
     rows[9] = {"prompt": "3+3="}
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    args = ["run", "--preset", "tiny", "--set", f"data.source={data}", "--set", "data.eval_size=5",
-            "--name", "r", "--runs-dir", str(runs_dir)]
+    args = [
+        "run",
+        "--preset",
+        "tiny",
+        "--set",
+        f"data.source={data}",
+        "--set",
+        "data.eval_size=5",
+        "--name",
+        "r",
+        "--runs-dir",
+        str(runs_dir),
+    ]
     assert main(args) == 2
     err = _one_line_error(capsys)
     assert "row 5" in err and "row 10" in err and "on_bad_rows=skip" in err

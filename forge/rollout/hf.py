@@ -31,8 +31,10 @@ class HFBackend:
     @torch.no_grad()
     def generate(self, prompts: list[str], params: SamplingParams) -> Rollouts:
         expanded = [p for p in prompts for _ in range(params.n)]  # [N]
-        chunks = [self._generate_chunk(expanded[i : i + self.batch_size], params)
-                  for i in range(0, len(expanded), self.batch_size)]
+        chunks = [
+            self._generate_chunk(expanded[i : i + self.batch_size], params)
+            for i in range(0, len(expanded), self.batch_size)
+        ]
         return self._merge(chunks, expanded, params.n)
 
     def _generate_chunk(self, prompts: list[str], params: SamplingParams) -> dict:
@@ -41,21 +43,34 @@ class HFBackend:
         greedy = params.temperature == 0
         was_training = model.training
         model.eval()
-        autocast = torch.autocast(model.device.type, dtype=torch.bfloat16) if self.autocast_bf16 else contextlib.nullcontext()
+        autocast = (
+            torch.autocast(model.device.type, dtype=torch.bfloat16) if self.autocast_bf16 else contextlib.nullcontext()
+        )
         with autocast:
             out = model.generate(
-                **enc, max_new_tokens=params.max_new_tokens, do_sample=not greedy,
-                temperature=None if greedy else params.temperature, top_p=None if greedy else params.top_p,
-                top_k=None, return_dict_in_generate=True, output_scores=True,
-                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                **enc,
+                max_new_tokens=params.max_new_tokens,
+                do_sample=not greedy,
+                temperature=None if greedy else params.temperature,
+                top_p=None if greedy else params.top_p,
+                top_k=None,
+                return_dict_in_generate=True,
+                output_scores=True,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
             )
         model.train(was_training)
         completion = out.sequences[:, enc.input_ids.shape[1] :]  # [n, T]
         scores = torch.stack(out.scores, dim=1).float()  # [n, T, vocab] processed logits
         logprobs = torch.log_softmax(scores, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
         mask = completion_mask(completion, tok.eos_token_id)
-        return {"prompt_ids": enc.input_ids, "prompt_mask": enc.attention_mask, "completion_ids": completion,
-                "mask": mask, "logprobs": logprobs * mask}
+        return {
+            "prompt_ids": enc.input_ids,
+            "prompt_mask": enc.attention_mask,
+            "completion_ids": completion,
+            "mask": mask,
+            "logprobs": logprobs * mask,
+        }
 
     def _merge(self, chunks: list[dict], prompts: list[str], group_size: int) -> Rollouts:
         tok = self.tokenizer
@@ -66,12 +81,25 @@ class HFBackend:
         mask = _cat_padded([c["mask"] for c in chunks], 0, left=False)
         logprobs = _cat_padded([c["logprobs"] for c in chunks], 0.0, left=False)
         completion_ids = torch.where(mask.bool(), completion_ids, torch.full_like(completion_ids, pad))
-        texts = [tok.decode(ids[m.bool()], skip_special_tokens=True) for ids, m in zip(completion_ids, mask)]
-        finish = ["stop" if _ends_with_eos(ids, m, tok.eos_token_id) else "length" for ids, m in zip(completion_ids, mask)]
-        return Rollouts(prompt_ids=prompt_ids.cpu(), prompt_mask=prompt_mask.cpu(), completion_ids=completion_ids.cpu(),
-                        completion_mask=mask.cpu(), sampling_logprobs=logprobs.cpu(), texts=texts,
-                        finish_reasons=finish, group_size=group_size, policy_version=self.policy_version,
-                        prompts=prompts)
+        texts = [
+            tok.decode(ids[m.bool()], skip_special_tokens=True) for ids, m in zip(completion_ids, mask, strict=True)
+        ]
+        finish = [
+            "stop" if _ends_with_eos(ids, m, tok.eos_token_id) else "length"
+            for ids, m in zip(completion_ids, mask, strict=True)
+        ]
+        return Rollouts(
+            prompt_ids=prompt_ids.cpu(),
+            prompt_mask=prompt_mask.cpu(),
+            completion_ids=completion_ids.cpu(),
+            completion_mask=mask.cpu(),
+            sampling_logprobs=logprobs.cpu(),
+            texts=texts,
+            finish_reasons=finish,
+            group_size=group_size,
+            policy_version=self.policy_version,
+            prompts=prompts,
+        )
 
 
 def completion_mask(completion: torch.Tensor, eos_id: int) -> torch.Tensor:
