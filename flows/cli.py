@@ -50,12 +50,25 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", action="store_true", help="continue the named run from its latest checkpoint")
     _runs_dir_arg(r)
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument("--no-prefect", action="store_true",
+                   help="run the plain recipe in this process instead of as a Prefect flow (embedded mode)")
     e = sub.add_parser("eval", help="evaluate a checkpoint (or any HF model directory) on an eval split")
     e.add_argument("checkpoint", help="checkpoint directory, e.g. runs/NAME/checkpoints/step-000040")
     e.add_argument("--preset", help="preset giving data/eval settings when the checkpoint is not inside a run")
     e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     e.add_argument("--out", help="write the JSON report here (default: <checkpoint>/eval.json)")
     sub.add_parser("presets", help="list the named presets")
+    pl = sub.add_parser("plan", help="print Weaver's stage -> resource-pool plan for a config (runs nothing)")
+    src = pl.add_mutually_exclusive_group()
+    src.add_argument("--preset", help="named preset; default: tiny")
+    src.add_argument("--config", help="YAML run config file")
+    pl.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    pl.add_argument("--pools", help="YAML file listing pools (name, kind, devices, host, work_pool, ...)")
+    sv = sub.add_parser("serve", help="register the Prefect deployments (pipeline, evaluate, prepare) and serve them")
+    _runs_dir_arg(sv)
+    sv.add_argument("--limit", type=int, default=None, help="most flow runs at once (default: no limit)")
+    srv = sub.add_parser("server", help="start a Prefect server (UI + API) on 127.0.0.1")
+    srv.add_argument("--port", type=int, default=4200)
     return p
 
 
@@ -72,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        return {"run": cmd_run, "eval": cmd_eval, "presets": cmd_presets}[args.command](args)
+        commands = {"run": cmd_run, "eval": cmd_eval, "presets": cmd_presets, "plan": cmd_plan, "serve": cmd_serve,
+                    "server": cmd_server}
+        return commands[args.command](args)
     except UserError as e:
         print(f"forgeweave: error: {e}", file=sys.stderr)
         return 2
@@ -89,26 +104,59 @@ def resolve_config(preset: str | None, config: str | None, overrides: list[str])
     return apply_overrides(cfg, overrides).validate()
 
 
-def cmd_run(args) -> int:
+def resolve_run(preset: str | None, config: str | None, overrides: list[str], name: str | None, runs_dir: str,
+                resume: bool):
+    """(config, run directory) for a new run or, with resume, for an existing one (its saved config + overrides)."""
     from forge.config import apply_overrides, load_yaml
-    from forge.recipes.grpo import run
 
-    runs_dir = Path(args.runs_dir)
-    if args.resume:
-        if not args.name:
+    if resume:
+        if not name:
             raise UserError("--resume needs --name RUN (the run directory to continue)")
-        run_dir = runs_dir / args.name
+        run_dir = Path(runs_dir) / name
         if not (run_dir / "config.yaml").is_file():
             raise UserError(f"cannot resume '{run_dir}': no such run (config.yaml missing)")
-        cfg = apply_overrides(load_yaml(run_dir / "config.yaml"), args.overrides).validate()
-    else:
-        cfg = resolve_config(args.preset, args.config, args.overrides)
-        name = args.name or f"{cfg.preset or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
-        run_dir = runs_dir / name
+        return apply_overrides(load_yaml(run_dir / "config.yaml"), overrides).validate(), run_dir
+    cfg = resolve_config(preset, config, overrides)
+    name = name or f"{cfg.preset or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return cfg, Path(runs_dir) / name
+
+
+def cmd_run(args) -> int:
+    from flows.planning import plan_run
+    from forge.recipes.grpo import run
+
+    cfg, run_dir = resolve_run(args.preset, args.config, args.overrides, args.name, args.runs_dir, args.resume)
+    _, plan = plan_run(cfg)  # an impossible plan stops here, before anything is written
     print(f"run {run_dir.name}: preset={cfg.preset or '-'} model={cfg.model.path} steps={cfg.steps} -> {run_dir}")
-    summary = run(cfg, run_dir, resume=args.resume, progress=not args.quiet)
+    if args.no_prefect:
+        summary = run(cfg, run_dir, resume=args.resume, progress=not args.quiet, plan=plan)
+    else:
+        summary = run_with_prefect(args, run_dir)
     print(format_summary(summary))
     return 0
+
+
+def run_with_prefect(args, run_dir: Path) -> dict:
+    """The pipeline as a Prefect flow run (embedded server unless PREFECT_API_URL points at one)."""
+    quiet_prefect()
+    from flows.pipeline import grpo_pipeline, wait_until_recorded
+
+    summary = grpo_pipeline(preset=args.preset or "", config_path=args.config or "", overrides=args.overrides,
+                            name=run_dir.name, runs_dir=str(run_dir.parent), resume=args.resume,
+                            progress=not args.quiet)
+    expected = summary["prefect_task_runs"]
+    recorded = wait_until_recorded(summary["prefect_flow_run_id"], expected)
+    if recorded < expected:
+        print(f"warning: Prefect recorded {recorded} of {expected} task runs before the timeout", file=sys.stderr)
+    print(f"prefect flow run: {summary['prefect_flow_run_id']}")
+    return summary
+
+
+def quiet_prefect() -> None:
+    """Per-task INFO lines would drown the progress bar; warnings and errors still show."""
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 
 
 def format_summary(s: dict) -> str:
@@ -127,36 +175,45 @@ def format_summary(s: dict) -> str:
 
 
 def cmd_eval(args) -> int:
-    from forge.config import apply_overrides, load_yaml
-    from forge.data import build, read_split
-    from forge.evaluate import evaluate
-    from forge.io import write_json
-    from forge.models import format_prompt_fn, load_policy
-    from forge.rollout import make_backend
+    from flows.evaluation import evaluate_checkpoint_dir
 
     ckpt = Path(args.checkpoint)
-    if not (ckpt / "config.json").is_file():
-        raise UserError(f"'{ckpt}' is not a model directory (no config.json): pass a checkpoint directory")
-    run_dir = ckpt.resolve().parent.parent
-    in_run = (run_dir / "config.yaml").is_file() and not args.preset
-    cfg = load_yaml(run_dir / "config.yaml") if in_run else resolve_config(args.preset, None, [])
-    cfg = apply_overrides(cfg, args.overrides)
-    cfg.model.path = str(ckpt)
-    model, tok = load_policy(cfg.model, seed=cfg.seed)
-    if in_run and (run_dir / "data" / "eval.parquet").is_file():
-        rows = read_split(run_dir, "eval")
-    else:
-        rows = build(
-            cfg, format_prompt_fn(tok, cfg.model), lambda s: len(tok(s, add_special_tokens=False).input_ids)
-        ).eval
-    backend = make_backend(cfg.rollout.backend, model, tok, autocast_bf16=cfg.rollout.autocast_bf16)
-    report = evaluate(backend, rows, cfg.eval, cfg.rollout, seed=cfg.seed)
-    out = Path(args.out) if args.out else ckpt / "eval.json"
-    write_json(out, report)
+    report = evaluate_checkpoint_dir(ckpt, args.preset, args.overrides, out=Path(args.out) if args.out else None)
     brief = {k: round(v, 4) for k, v in report.items() if k.startswith("pass@")}
     print(json.dumps({"checkpoint": str(ckpt), "problems": report["problems"], **brief}))
-    print(f"report: {out}")
+    print(f"report: {Path(args.out) if args.out else ckpt / 'eval.json'}")
     return 0
+
+
+def cmd_plan(args) -> int:
+    from flows.planning import plan_run
+
+    cfg = resolve_config(args.preset, args.config, args.overrides)
+    plan, _ = plan_run(cfg, pools_file=args.pools)
+    print(plan.table())
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from flows.deployments import DEPLOYMENTS, serve
+
+    quiet_prefect()
+    if not os.environ.get("PREFECT_API_URL"):
+        raise UserError("PREFECT_API_URL is not set: start a server (`forgeweave server`) and export "
+                        "PREFECT_API_URL=http://127.0.0.1:4200/api")
+    print("serving deployments (Ctrl-C to stop):")
+    for name, what in DEPLOYMENTS.items():
+        print(f"  {name:<46} {what}")
+    serve(args.runs_dir, limit=args.limit)
+    return 0
+
+
+def cmd_server(args) -> int:
+    """Replace this process with `prefect server start` bound to 127.0.0.1 (so its PID is the server's)."""
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    prefect = Path(sys.executable).with_name("prefect")
+    print(f"Prefect UI/API on http://127.0.0.1:{args.port} — export PREFECT_API_URL=http://127.0.0.1:{args.port}/api")
+    os.execve(prefect, [str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(args.port)], env)
 
 
 def cmd_presets(args) -> int:

@@ -188,6 +188,16 @@ class CheckpointConfig:
 
 
 @dataclass
+class OrchestrationConfig:
+    retries: int = 1
+    """Prefect path: times a failed stage task is retried before the flow run fails with its error."""
+    retry_delay_s: float = 1.0
+    """Seconds between stage retries."""
+    execution: Literal["local", "distributed"] = "local"
+    """local: one flow runs every stage in this process; distributed: each stage is a deployment on its pool's work pool."""
+
+
+@dataclass
 class RunConfig:
     preset: str = ""
     """Preset this config was built from (informational)."""
@@ -205,6 +215,9 @@ class RunConfig:
     update: UpdateConfig = field(default_factory=UpdateConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    orchestration: OrchestrationConfig = field(default_factory=OrchestrationConfig)
+    pools: list[dict] = field(default_factory=list)
+    """Resource pools for Weaver (name, kind cpu/gpu, devices, host, work_pool); empty = autodetect this machine."""
 
     def validate(self) -> RunConfig:
         """Check cross-field constraints; raises ConfigError with the offending key."""
@@ -305,6 +318,10 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise bad
         return [_coerce(v, args[0], f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if hint is dict:
+        if not isinstance(value, dict):
+            raise bad
+        return value
     if hint is bool:
         if isinstance(value, bool):
             return value

@@ -1,9 +1,16 @@
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Prefect: a private home per test session (its embedded server keeps a sqlite db there), no analytics, quiet logs
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="forgeweave-prefect-")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.pop("PREFECT_API_URL", None)
 
 
 @pytest.fixture

@@ -1,5 +1,42 @@
-"""Weaver: resource discovery and stage→pool planning. This issue ships discovery; planning comes next."""
+"""Weaver: resource discovery, pools, the pure stage→pool planner, applying a plan, and the rollout balancer.
 
-from weaver.discover import Resources, discover
+`weaver.plan` here is the planning function (as in ARCHITECTURE.md); import the rest of its module with
+`from weaver.plan import Plan, StageNeed, ...`.
+"""
 
-__all__ = ["Resources", "discover"]
+from weaver.apply import (
+    accelerate_launch_args,
+    concurrency_limits,
+    prefect_tags,
+    stage_env,
+    work_pool_for,
+    work_pools,
+)
+from weaver.balance import ThroughputBalancer
+from weaver.discover import Gpu, Resources, discover
+from weaver.errors import PlanError
+from weaver.plan import Assignment, Placement, Plan, StageNeed, plan, stage_needs
+from weaver.pools import Pool, autodetect_pools, pools_from_dicts
+
+__all__ = [
+    "Assignment",
+    "Gpu",
+    "Placement",
+    "Plan",
+    "PlanError",
+    "Pool",
+    "Resources",
+    "StageNeed",
+    "ThroughputBalancer",
+    "accelerate_launch_args",
+    "autodetect_pools",
+    "concurrency_limits",
+    "discover",
+    "plan",
+    "pools_from_dicts",
+    "prefect_tags",
+    "stage_env",
+    "stage_needs",
+    "work_pool_for",
+    "work_pools",
+]

@@ -59,20 +59,27 @@ class RunState:
 
 
 def run(
-    cfg: RunConfig, run_dir: Path, resume: bool = False, tracker: Tracker | None = None, progress: bool = True
+    cfg: RunConfig,
+    run_dir: Path,
+    resume: bool = False,
+    tracker: Tracker | None = None,
+    progress: bool = True,
+    plan: dict | None = None,
 ) -> dict:
     """Train with GRPO and return summary.json's content. Raises UserError for problems a user can fix."""
-    grpo = GRPORun(cfg, Path(run_dir), resume=resume, tracker=tracker)
+    grpo = GRPORun(cfg, Path(run_dir), resume=resume, tracker=tracker, plan=plan)
     with grpo.failure_guard():
         grpo.setup()
-        bar = _progress_bar(cfg.steps, grpo.state.step, progress)
+        bar = progress_bar(cfg.steps, grpo.state.step, progress)
         for step in grpo.remaining_steps():
             rows, rollouts = grpo.rollout(step)  # 1. G samples for each of B prompts, current policy version
             batch = grpo.reward(rows, rollouts)  # 2. verifiers -> weighted reward -> group-relative advantages
             stats = grpo.update(batch)  # 3. PPO-style passes; the backend then samples from the new weights
             report = grpo.evaluate(step) if grpo.eval_due(step) else None  # 4. held-out pass@1 on schedule
-            metrics = grpo.end_step(step, rows, batch, stats, report)  # 5. log, checkpoint on schedule
-            _update_bar(bar, metrics, grpo.state)
+            metrics = grpo.end_step(step, rows, batch, stats, report)  # 5. log metrics and samples
+            if grpo.checkpoint_due(step):
+                grpo.checkpoint(step)  # 6. weights + optimizer + RNG + data cursor, atomically
+            update_bar(bar, metrics, grpo.state)
         if bar is not None:
             bar.close()
         return grpo.finish()
@@ -81,12 +88,22 @@ def run(
 class GRPORun:
     """The stages of one GRPO run over shared state. `run()` chains them; a Prefect flow calls them as tasks."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool = False, tracker: Tracker | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        resume: bool = False,
+        tracker: Tracker | None = None,
+        plan: dict | None = None,
+    ):
+        """Claim the run directory (new, or existing with resume); `plan` (a resource plan) is saved as plan.json."""
         self.cfg = cfg.validate()
         self.run_dir = run_dir
         self.resume = resume
         self.started = time.perf_counter()
         _claim_run_dir(run_dir, resume)
+        if plan is not None:
+            write_json(run_dir / "plan.json", plan)
         self.jsonl = JsonlTracker(run_dir)
         self.tracker: Tracker = MultiTracker(self.jsonl, tracker) if tracker else self.jsonl
         self.state = RunState()
@@ -187,7 +204,7 @@ class GRPORun:
     def end_step(
         self, step: int, rows: list[dict], batch: ScoredBatch, stats: UpdateStats, report: dict | None
     ) -> dict[str, float]:
-        """Log the step's metrics and samples, checkpoint on schedule; returns the metrics."""
+        """Log the step's metrics and samples; returns the metrics."""
         metrics = _step_metrics(batch.rollouts, batch, stats, self.times)
         if report is not None:
             metrics.update(_eval_metrics(report))
@@ -196,10 +213,11 @@ class GRPORun:
         self.state.step = step
         self.tracker.log_metrics(metrics, step=step)
         _append_samples(self.run_dir, step, rows, batch)
-        if _due(step, self.cfg.checkpoint.every, self.cfg.steps):
-            self.checkpoint(step)
         _write_status(self.run_dir, "running", step=step)
         return metrics
+
+    def checkpoint_due(self, step: int) -> bool:
+        return _due(step, self.cfg.checkpoint.every, self.cfg.steps)
 
     def checkpoint(self, step: int) -> Path:
         payload = {
@@ -216,8 +234,9 @@ class GRPORun:
         apply_retention(root, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_best)
         return path
 
-    def finish(self) -> dict:
-        summary = _summary(self.cfg, self.run_dir, self.state, time.perf_counter() - self.started)
+    def finish(self, **extra) -> dict:
+        """Write summary.json (extra keys, e.g. the Prefect flow-run id, are added to it) and mark finished."""
+        summary = {**_summary(self.cfg, self.run_dir, self.state, time.perf_counter() - self.started), **extra}
         write_json(self.run_dir / "summary.json", summary)
         _write_status(self.run_dir, "finished", step=self.state.step)
         self.tracker.finish("FINISHED")
@@ -400,7 +419,7 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _progress_bar(total: int, done: int, enabled: bool):
+def progress_bar(total: int, done: int, enabled: bool):
     if not enabled:
         return None
     from tqdm.auto import tqdm
@@ -408,7 +427,7 @@ def _progress_bar(total: int, done: int, enabled: bool):
     return tqdm(total=total, initial=done, desc="grpo", unit="step", dynamic_ncols=True)
 
 
-def _update_bar(bar, metrics: dict, state: RunState) -> None:
+def update_bar(bar, metrics: dict, state: RunState) -> None:
     if bar is None:
         return
     post = {"reward": f"{metrics['reward/mean']:.3f}"}

@@ -1,42 +1,47 @@
 """Label-free weak-verifier ensemble: P(candidate correct | the scores of V weak verifiers), fit without labels.
 
-Shapes: N candidates (B prompts x G samples, flattened), V verifiers. `scores` is [N, V] with NaN where a
-verifier gave no score; `groups` is [N] (prompt id).
+Shapes: N candidates (B prompts x G samples, flattened), V verifiers. `scores` is [N, V] with NaN where a verifier
+gave no score; `groups` is [N] (prompt id). Labels are optional and never needed.
 
-What `fit` really does:
-1. Normal scores. Each verifier's scores become the normal scores of their ranks (a tie block gets the mean of
-   its slice of the standard normal), then unit variance. Only the order a verifier puts candidates in matters,
-   so logits, probabilities, 1-10 grades and 0/1 checks mix freely. NaN stays NaN.
-2. Correlations C [V, V] between verifiers over the candidates both scored (missing completely at random assumed).
-3. One latent factor for correctness. If verifiers were independent given the label, C_ij = l_i l_j off the
-   diagonal, where l_v = sqrt(pi (1 - pi)) * (class-mean gap of verifier v). The loadings l are initialised by the
-   median over triplets of C_ij C_ik / C_jk (robust to a few dependent pairs), then fit by least squares to the
-   pairs NOT flagged as dependent. Sign: the loadings sum to a positive number (verifiers are, on balance,
-   better than chance); labels, when given, overrule this.
-4. Dependent verifiers. The residual C - l l^T, rescaled to a within-class correlation, is clustered by average
-   linkage: verifiers correlated above `dependence_threshold` beyond what correctness explains form a dependent
-   group. Steps 3-4 repeat until the groups stop changing.
-5. Weights. The within-class covariance S = C - l l^T is kept inside dependent groups and set to 0 across them
-   (plus a ridge); a row's discriminant is t = l_o^T S_oo^-1 z_o over the verifiers o it has, so a missing score
-   is marginalised out exactly under the Gaussian model and the row is never dropped. A verifier copied k times
-   shares one weight k ways instead of being counted k times.
-6. Class balance pi. Given l, t is normal within each class with a gap that depends on pi alone
-   (gap = Q / sqrt(pi (1 - pi)), Q = l_o^T S_oo^-1 l_o), so pi is the maximum-likelihood value on a grid.
-7. Output: posterior logit = log(pi / (1 - pi)) + (t - (1 - 2 pi) Q / (2 s)) / s with s = sqrt(pi (1 - pi)).
-   Continuous, so candidates of one prompt rarely tie. With labels (optional, NaN = unknown) a 2-parameter
-   logistic recalibration of that logit is fit, shrunk towards the identity.
+The model: a two-class Gaussian mixture with one full within-class covariance (unsupervised LDA), on normal scores.
 
-Where this departs from Weaver (Saad-Falcon et al., 2025): no min-max + threshold binarisation (continuous normal
-scores instead, so rewards do not tie); the class balance is estimated, not set from labels; no drop rule (a
-useless verifier gets a loading near 0 and so a weight near 0, an adversarial one a negative weight); the model is
-Gaussian class-conditional (LDA) rather than a binary Snorkel label model, fit in closed form from moments plus a
-1-D likelihood instead of an iterative optimiser that may stop early; and verifiers are not assumed independent:
-dependent groups are detected and their within-class covariance is modelled. `groups` is only validated and used
-in the report: rankings are per candidate; selection within a prompt is the caller's argmax.
+1. Normal scores. Each verifier's scores are replaced by normal scores of their ranks, so only the order a verifier
+   puts candidates in matters: logits, probabilities, 1-10 grades and 0/1 checks mix freely. For fitting, a tie
+   block (all the 0s of a 0/1 check) is spread over its slice of N(0, 1) by a draw seeded from the column's bytes
+   (identical columns get identical draws); otherwise a big tie block looks like a cluster the mixture latches
+   onto. For prediction a tie block gets the mean of its slice, which for this model gives the expected logit.
+2. Mixture by EM: class balance pi, class means mu_1, mu_0 [V], one within-class covariance S [V, V] (plus a
+   ridge). S holds whatever correlates verifiers beyond correctness -- shared length bias, a family of reward
+   models from one base model, duplicates -- so the discriminant S^-1 (mu_1 - mu_0) discounts it; an exact copy
+   splits its verifier's weight instead of adding to it. Missing scores are integrated out exactly: the E-step
+   fills them with their conditional mean given the row's observed scores (per class) and adds the conditional
+   covariance to the M-step, so a candidate is never dropped and the posterior uses only what was observed.
+3. Starts and choice. The mixture likelihood has several optima (a length factor, a popular wrong answer). EM
+   runs from three starts: a one-factor moment fit (loadings from the median of triplet ratios C_ij C_ik / C_jk,
+   refit without pairs flagged as dependent: the agreement-based initialisation of Snorkel/FlyingSquid), the same
+   on per-prompt mean scores (prompt difficulty is shared by all verifiers, length and reward-model quirks mostly
+   are not), and the plain mean of normal scores. It keeps the optimum with the highest likelihood under a
+   leave-one-out per-prompt prior (a candidate's prior is the posterior share of correct among the other
+   candidates of its prompt, shrunk to pi): correctness clusters by prompt, nuisance factors do not.
+4. Orientation: the class that most verifiers score higher (sum over v of (mu_1 - mu_0)_v / sd_v > 0) is
+   "correct"; labelled rows, when given, are clamped to their label in every E-step instead.
+5. Output: sigmoid(log(pi / (1 - pi)) + LDA log-likelihood ratio): continuous, so candidates of a prompt rarely
+   tie. The per-prompt prior is used only to choose between starts, not in the output, so a candidate's reward
+   does not depend on the other candidates' scores.
+
+Speed: the normal-score transform uses every row; EM runs on at most `max_fit_rows` rows (whole prompts drawn
+with a fixed seed), which estimates V means and a V x V covariance well for V up to a few dozen.
+
+Where this departs from Weaver (Saad-Falcon et al., 2025): no min-max + threshold binarisation (normal scores, so
+rewards do not tie); the class balance is estimated, not set from labels; no drop rule (a useless verifier gets a
+weight near 0, an adversarial one a negative weight); a Gaussian mixture fit by EM to convergence instead of a
+binary Snorkel label model fit by moment matching; and verifiers are not assumed conditionally independent: their
+within-class covariance is estimated and used (`report()["dependent_groups"]` lists the strongly dependent ones).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -44,53 +49,67 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from forge.errors import UserError
+import os
+STEEP = float(os.environ.get("STEEP", "2"))
 
 
 @dataclass(frozen=True)
 class EnsembleConfig:
-    dependence_threshold: float = 0.2
-    """Within-class correlation above which two verifiers (or dependent groups, on average) are merged."""
     ridge: float = 0.05
-    """Added to the within-class covariance diagonal (unit-variance scores): near-duplicates split a weight."""
-    min_loading: float = 0.02
-    """Loadings below this in absolute value are treated as 0 (the verifier carries no usable signal)."""
-    max_rounds: int = 6
-    """Rounds of (fit loadings, find dependent groups) before giving up on the groups changing."""
+    """Added to the within-class covariance diagonal (unit-variance scores): near-duplicates share a weight."""
+    max_iter: int = 100
+    """EM iterations per start at most."""
+    tol: float = 1e-4
+    """EM stops when the mean change of the posteriors is below this."""
+    max_fit_rows: int = 40_000
+    """EM runs on at most this many rows (whole prompts, fixed seed); the score transform uses all rows."""
+    prompt_prior_strength: float = 2.0
+    """Pseudo-count pulling a prompt's leave-one-out share of correct candidates towards pi (start choice only)."""
+    dependence_threshold: float = 0.2
+    """Within-class correlation above which verifiers count as dependent (moment start and the report)."""
     max_knots: int = 2048
     """Score-to-normal-score knots kept per verifier for scoring new candidates."""
-    label_prior: float = 20.0
-    """Labels only: pseudo-count pulling the recalibration (slope 1, offset 0) towards the label-free fit."""
+    seed: int = 0
+    """Seed for the tie-spreading draws and the choice of fit rows; fit is deterministic given it."""
 
 
 @dataclass(frozen=True)
 class EnsembleReport:
     class_balance: float  # estimated share of correct candidates
     names: list[str]  # [V]
-    loadings: list[float]  # [V] correlation of each verifier's normal score with the latent label
-    weights: list[float]  # [V] discriminant weight on each verifier's normal score (all rows observed)
-    est_auroc: list[float]  # [V] model-implied AUROC of each verifier alone
+    est_auroc: list[float]  # [V] model-implied AUROC of each verifier alone (< 0.5: it scores wrong answers higher)
+    weights: list[float]  # [V] discriminant weight on each verifier's normal score
     missing_share: list[float]  # [V] share of candidates the verifier did not score
-    dependent_groups: list[list[str]]  # verifiers whose errors are correlated beyond what correctness explains
-    within_class_corr: list[list[float]]  # [V, V] residual correlation after removing the latent label
+    dependent_groups: list[list[str]]  # verifiers correlated beyond what correctness explains (average linkage)
+    within_class_corr: list[list[float]]  # [V, V] correlation between verifiers within a class
+    start: str  # which start won: "moments", "prompt-means" or "mean"
+    iterations: int  # EM iterations of the winning start
     n_candidates: int
     n_groups: int
-    n_labels: int  # labels used for recalibration (0 = label-free)
-    calibration: tuple[float, float]  # (slope, offset) applied to the label-free logit
+    n_fit_rows: int  # rows EM ran on
+    n_labels: int  # labelled rows clamped during EM (0 = label-free)
 
 
 @dataclass(frozen=True)
 class _Transform:
-    knots_x: list[np.ndarray]  # per verifier: sorted raw scores
-    knots_z: list[np.ndarray]  # per verifier: their unit-variance normal scores
+    knots_x: list[np.ndarray]  # per verifier: sorted distinct raw scores (thinned when continuous)
+    knots_z: list[np.ndarray]  # per verifier: mean normal score of each one's slice
 
 
 @dataclass(frozen=True)
-class _Model:
-    loadings: np.ndarray  # [V]
-    cov: np.ndarray  # [V, V] within-class covariance, zero across dependent groups, ridge included
-    clusters: list[np.ndarray]  # verifier indices per dependent group (singletons included)
+class _Params:
     pi: float
-    calibration: tuple[float, float]
+    mu1: np.ndarray  # [V] mean normal score of correct candidates
+    mu0: np.ndarray  # [V] mean normal score of wrong candidates
+    cov: np.ndarray  # [V, V] within-class covariance, ridge included
+
+
+@dataclass(frozen=True)
+class _Fit:
+    params: _Params
+    q: np.ndarray  # [n_fit] posteriors on the fit rows
+    iterations: int
+    score: float  # mean log-likelihood under the leave-one-out prompt prior
 
 
 class WeakVerifierEnsemble:
@@ -99,7 +118,7 @@ class WeakVerifierEnsemble:
     def __init__(self, config: EnsembleConfig | None = None) -> None:
         self.config = config or EnsembleConfig()
         self._transform: _Transform | None = None
-        self._model: _Model | None = None
+        self._params: _Params | None = None
         self._report: EnsembleReport | None = None
 
     def fit(
@@ -112,34 +131,29 @@ class WeakVerifierEnsemble:
         """scores [N, V] (NaN = missing), groups [N] prompt ids, labels [N] in {0, 1} or NaN (optional)."""
         scores, groups = _check_inputs(scores, groups)
         names = _check_names(names, scores.shape[1])
+        labels = _check_labels(labels, len(scores))
         cfg = self.config
         self._transform = _fit_transform(scores, cfg.max_knots)
-        z = _apply_transform(self._transform, scores)  # [N, V]
-        corr = _pairwise_corr(z)
-        loadings, clusters = _factor_with_dependence(corr, cfg)
-        known = _check_labels(labels, len(z))
-        if known is not None and _label_disagrees(z, loadings, known):
-            loadings = -loadings
-        cov = _within_cov(corr, loadings, clusters, cfg.ridge)
-        t, q = _discriminant(z, loadings, cov, clusters)
-        pi = _fit_balance(t, q)
-        calibration = (1.0, 0.0) if known is None else _recalibrate(_logit(t, q, pi), known, cfg.label_prior)
-        self._model = _Model(loadings, cov, clusters, pi, calibration)
-        self._report = _make_report(self._model, corr, z, groups, names, known)
+        rows = _fit_rows(groups, cfg.max_fit_rows, cfg.seed)
+        z = _dithered_normal_scores(scores[rows], cfg.seed)  # [n_fit, V]
+        g, y = groups[rows], None if labels is None else labels[rows]
+        data = _Rows.of(z)
+        fits = {name: _em(data, g, y, q0, cfg) for name, q0 in _starts(z, g, cfg).items()}
+        best = max(fits, key=lambda k: fits[k].score)
+        self._params = _orient(fits[best].params) if y is None else fits[best].params
+        self._report = _make_report(self._params, fits[best], best, z, groups, names, y, cfg)
         return self
 
     def predict_proba(self, scores: np.ndarray, groups: np.ndarray) -> np.ndarray:
         """[N] probability that each candidate is correct."""
-        if self._model is None or self._transform is None:
+        if self._params is None or self._transform is None:
             raise UserError("WeakVerifierEnsemble.predict_proba: call fit(scores, groups) first")
-        scores, groups = _check_inputs(scores, groups, n_verifiers=len(self._model.loadings))
-        m = self._model
-        t, q = _discriminant(_apply_transform(self._transform, scores), m.loadings, m.cov, m.clusters)
-        slope, offset = m.calibration
-        return _sigmoid(slope * _logit(t, q, m.pi) + offset)
+        scores, groups = _check_inputs(scores, groups, n_verifiers=len(self._params.mu1))
+        p = self._params
+        return _sigmoid(math.log(p.pi / (1 - p.pi)) + _log_ratio(_apply_transform(self._transform, scores), p))
 
     def report(self) -> dict:
-        """Estimated class balance, per-verifier quality and weights, dependent groups (plain JSON-able dict)."""
+        """Estimated class balance, per-verifier quality and weights, dependent groups (a JSON-able dict)."""
         if self._report is None:
             raise UserError("WeakVerifierEnsemble.report: call fit(scores, groups) first")
         return asdict(self._report)
@@ -153,12 +167,12 @@ def _check_inputs(
 ) -> tuple[np.ndarray, np.ndarray]:
     scores = np.asarray(scores, dtype=np.float64)
     groups = np.asarray(groups)
-    if scores.ndim != 2 or scores.shape[0] < 2:
+    if scores.ndim != 2 or scores.shape[0] < 2 or scores.shape[1] < 1:
         raise UserError(f"ensemble: scores must be a [N, V] array with N >= 2, got shape {scores.shape}")
     if n_verifiers is not None and scores.shape[1] != n_verifiers:
         raise UserError(f"ensemble: fit saw {n_verifiers} verifiers but scores has {scores.shape[1]} columns")
     if groups.shape != (scores.shape[0],):
-        raise UserError(f"ensemble: groups must have one prompt id per row ({scores.shape[0]}), got {groups.shape}")
+        raise UserError(f"ensemble: groups must hold one prompt id per row ({scores.shape[0]}), got {groups.shape}")
     if np.isinf(scores).any():
         raise UserError("ensemble: scores hold +-inf; use NaN for a missing score")
     return scores, groups
@@ -177,11 +191,23 @@ def _check_labels(labels: np.ndarray | None, n: int) -> np.ndarray | None:
         return None
     labels = np.asarray(labels, dtype=np.float64)
     if labels.shape != (n,):
-        raise UserError(f"ensemble: labels must have one entry per row ({n}), NaN = unknown; got {labels.shape}")
+        raise UserError(f"ensemble: labels must hold one entry per row ({n}), NaN = unknown; got {labels.shape}")
     seen = labels[~np.isnan(labels)]
     if not np.isin(seen, (0.0, 1.0)).all():
         raise UserError("ensemble: labels must be 0, 1 or NaN (unknown)")
     return labels if len(seen) else None
+
+
+def _fit_rows(groups: np.ndarray, max_rows: int, seed: int) -> np.ndarray:
+    """All rows, or the rows of whole prompts drawn at random until max_rows."""
+    if len(groups) <= max_rows:
+        return np.arange(len(groups))
+    uniq, inverse = np.unique(groups, return_inverse=True)
+    order = np.random.default_rng(seed).permutation(len(uniq))
+    sizes = np.bincount(inverse)[order]
+    chosen = np.zeros(len(uniq), dtype=bool)
+    chosen[order[: max(1, int(np.searchsorted(np.cumsum(sizes), max_rows, side="right")))]] = True
+    return np.flatnonzero(chosen[inverse])
 
 
 # ---------------------------------------------------------------- normal scores
@@ -200,31 +226,33 @@ def _ndtri(p: np.ndarray) -> np.ndarray:
     tail = np.sqrt(-2.0 * np.log(np.minimum(p, 1.0 - p)))
     x_tail = np.polyval(c, tail) / (np.polyval(d, tail) * tail + 1.0)
     q = p - 0.5
-    r = q * q
-    x_mid = np.polyval(a, r) * q / (np.polyval(b, r) * r + 1.0)
+    x_mid = np.polyval(a, q * q) * q / (np.polyval(b, q * q) * q * q + 1.0)
     low = 0.02425
     return np.where(p < low, x_tail, np.where(p > 1 - low, -x_tail, x_mid))
 
 
 def _normal_pdf_at_quantile(f: np.ndarray) -> np.ndarray:
-    """phi(Phi^-1(f)), 0 at f = 0 and f = 1."""
+    """phi(Phi^-1(f)); 0 at f = 0 and f = 1."""
     inside = (f > 0) & (f < 1)
     x = _ndtri(np.where(inside, f, 0.5))
     return np.where(inside, np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi), 0.0)
 
 
+def _slices(col: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Distinct values, their index per present row, and the [lo, hi) slice of N(0, 1) each one covers."""
+    values, inverse, counts = np.unique(col[~np.isnan(col)], return_inverse=True, return_counts=True)
+    hi = np.cumsum(counts) / max(counts.sum(), 1)
+    return values, inverse, hi - counts / max(counts.sum(), 1), hi
+
+
 def _column_knots(col: np.ndarray, max_knots: int) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted distinct scores and their normal scores: E[Z | Z in the slice of N(0,1) the tie block covers]."""
-    values, counts = np.unique(col[~np.isnan(col)], return_counts=True)
+    """Sorted distinct scores and E[Z | Z in the slice of N(0, 1) the tie block covers]."""
+    values, inverse, lo, hi = _slices(col)
     if len(values) == 0:
         return np.zeros(1), np.zeros(1)
-    hi = np.cumsum(counts) / counts.sum()
-    lo = hi - counts / counts.sum()
     z = (_normal_pdf_at_quantile(lo) - _normal_pdf_at_quantile(hi)) / (hi - lo)
-    sd = math.sqrt(float(np.sum(counts * z * z) / counts.sum()))
-    z = z / sd if sd > 1e-12 else np.zeros_like(z)
     if len(values) > max_knots:  # keep every big tie block exactly, thin the continuous part
-        keep = counts > counts.sum() / max_knots
+        keep = (hi - lo) > 1.0 / max_knots
         keep[np.linspace(0, len(values) - 1, max_knots).astype(int)] = True
         values, z = values[keep], z[keep]
     return values, z
@@ -242,18 +270,81 @@ def _apply_transform(tf: _Transform, scores: np.ndarray) -> np.ndarray:
     return z  # [N, V]
 
 
+def _dithered_normal_scores(scores: np.ndarray, seed: int) -> np.ndarray:
+    """Normal scores with each tie block spread uniformly over its slice: every column is exactly N(0, 1)."""
+    z = np.full(scores.shape, np.nan)
+    for v in range(scores.shape[1]):
+        col = scores[:, v]
+        present = ~np.isnan(col)
+        _, inverse, lo, hi = _slices(col)
+        digest = hashlib.sha256(np.ascontiguousarray(col).tobytes()).digest()
+        rng = np.random.default_rng([seed, int.from_bytes(digest[:8], "little")])
+        z[present, v] = _ndtri(np.clip(lo[inverse] + rng.random(len(inverse)) * (hi - lo)[inverse], 1e-12, 1 - 1e-12))
+    return z
+
+
+# ---------------------------------------------------------------- starts
+
+
 def _pairwise_corr(z: np.ndarray) -> np.ndarray:
-    """[V, V] mean product of unit-variance normal scores over rows where both are present."""
+    """[V, V] correlations over the rows where both verifiers are present (missing completely at random)."""
     observed = (~np.isnan(z)).astype(np.float64)
-    filled = np.nan_to_num(z)
+    filled = np.nan_to_num(z - np.nanmean(z, axis=0))
     counts = observed.T @ observed
-    corr = (filled.T @ filled) / np.maximum(counts, 1.0)
+    cov = (filled.T @ filled) / np.maximum(counts, 1.0)
+    sd = np.sqrt(np.maximum(np.diag(cov), 1e-12))
+    corr = cov / np.outer(sd, sd)
     corr[counts < 3] = 0.0  # pairs never scored together carry no evidence
     np.fill_diagonal(corr, 1.0)
     return corr
 
 
-# ---------------------------------------------------------------- latent factor and dependence
+def _starts(z: np.ndarray, groups: np.ndarray, cfg: EnsembleConfig) -> dict[str, np.ndarray]:
+    """Initial posteriors [n] from three scores: moment loadings, the same on prompt means, the plain mean."""
+    filled = np.nan_to_num(z)
+    by_prompt = _prompt_means(z, groups)
+    return {
+        "moments": _soft_split(filled @ _moment_weights(_pairwise_corr(z), cfg.dependence_threshold)),
+        "prompt-means": _soft_split(filled @ _moment_weights(_pairwise_corr(by_prompt), cfg.dependence_threshold)),
+        "mean": _soft_split(np.nanmean(np.where(np.isnan(z), 0.0, z), axis=1)),
+    }
+
+
+def _prompt_means(z: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """[n_prompts, V] mean normal score per prompt over the candidates a verifier scored (NaN if none)."""
+    _, inverse = np.unique(groups, return_inverse=True)
+    observed = ~np.isnan(z)
+    sums = np.stack([np.bincount(inverse, weights=np.where(observed[:, v], z[:, v], 0.0)) for v in range(z.shape[1])])
+    counts = np.stack([np.bincount(inverse, weights=observed[:, v]) for v in range(z.shape[1])])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (sums / counts).T
+
+
+def _soft_split(s: np.ndarray) -> np.ndarray:
+    sd = float(s.std())
+    return _sigmoid(STEEP * (s - s.mean()) / sd) if sd > 1e-12 else np.full(len(s), 0.5)
+
+
+def _moment_weights(corr: np.ndarray, threshold: float) -> np.ndarray:
+    """Naive-Bayes weights l / (1 - l^2) from one-factor loadings, shared out within dependent groups."""
+    loadings, clusters = _factor_with_dependence(corr, threshold)
+    weights = loadings / np.maximum(1.0 - loadings**2, 0.05)
+    for members in clusters:
+        weights[members] /= len(members)
+    return weights
+
+
+def _factor_with_dependence(corr: np.ndarray, threshold: float, rounds: int = 6) -> tuple[np.ndarray, list]:
+    """Loadings l with C_ij ~ l_i l_j on pairs not flagged dependent; dependent groups by average linkage."""
+    loadings = _triplet_loadings(corr)
+    clusters: list[np.ndarray] = [np.array([i]) for i in range(len(corr))]
+    for _ in range(rounds):
+        new = _average_linkage(_residual_corr(corr, loadings), threshold)
+        loadings = _rank_one_fit(corr, _cross_cluster_mask(new, len(corr)), loadings)
+        if len(new) == len(clusters) and all(np.array_equal(a, b) for a, b in zip(new, clusters, strict=True)):
+            break
+        clusters = new
+    return (loadings if loadings.sum() >= 0 else -loadings), clusters
 
 
 def _triplet_loadings(corr: np.ndarray, min_corr: float = 0.03) -> np.ndarray:
@@ -266,33 +357,27 @@ def _triplet_loadings(corr: np.ndarray, min_corr: float = 0.03) -> np.ndarray:
         cjk = corr[np.ix_(others, others)]
         usable = np.triu(np.abs(cjk) > min_corr, k=1)
         if usable.any():
-            mags[i] = math.sqrt(max(float(np.median((cj * ck / cjk)[usable])), 0.0))
-    return mags * _factor_signs(corr)
-
-
-def _factor_signs(corr: np.ndarray) -> np.ndarray:
+            mags[i] = math.sqrt(max(float(np.median((cj * ck / np.where(usable, cjk, 1.0))[usable])), 0.0))
     off = corr - np.diag(np.diag(corr))
-    _, vecs = np.linalg.eigh(off)
-    lead = vecs[:, -1]
-    return np.where(lead >= 0, 1.0, -1.0) * (1.0 if lead.sum() >= 0 else -1.0)
+    lead = np.linalg.eigh(off)[1][:, -1]
+    return np.minimum(mags, 0.99) * np.where(lead >= 0, 1.0, -1.0)
 
 
 def _rank_one_fit(corr: np.ndarray, allowed: np.ndarray, init: np.ndarray, iters: int = 300) -> np.ndarray:
-    """Least-squares l with C_ij ~ l_i l_j over allowed off-diagonal pairs (damped coordinate updates)."""
+    """Least-squares l with C_ij ~ l_i l_j over the allowed off-diagonal pairs (damped coordinate updates)."""
     lam = init.copy()
     weights = allowed.astype(np.float64)
     np.fill_diagonal(weights, 0.0)
     for _ in range(iters):
         den = weights @ (lam * lam)
-        new = np.where(den > 1e-12, (weights * corr) @ lam / np.maximum(den, 1e-12), 0.0)
-        new = np.clip(new, -0.999, 0.999)
+        new = np.clip(np.where(den > 1e-12, (weights * corr) @ lam / np.maximum(den, 1e-12), 0.0), -0.99, 0.99)
         if np.max(np.abs(new - lam)) < 1e-7:
             return new
         lam = 0.5 * lam + 0.5 * new
     return lam
 
 
-def _within_corr(corr: np.ndarray, loadings: np.ndarray) -> np.ndarray:
+def _residual_corr(corr: np.ndarray, loadings: np.ndarray) -> np.ndarray:
     resid_var = np.maximum(1.0 - loadings**2, 1e-3)
     within = (corr - np.outer(loadings, loadings)) / np.sqrt(np.outer(resid_var, resid_var))
     np.fill_diagonal(within, 1.0)
@@ -300,7 +385,7 @@ def _within_corr(corr: np.ndarray, loadings: np.ndarray) -> np.ndarray:
 
 
 def _average_linkage(within: np.ndarray, threshold: float) -> list[np.ndarray]:
-    """Merge the two clusters of highest mean within-class correlation while it exceeds the threshold."""
+    """Merge the two groups of highest mean within-class correlation while it exceeds the threshold."""
     clusters = [[i] for i in range(len(within))]
     while len(clusters) > 1:
         best, pair = threshold, None
@@ -311,23 +396,8 @@ def _average_linkage(within: np.ndarray, threshold: float) -> list[np.ndarray]:
                     best, pair = link, (a, b)
         if pair is None:
             break
-        a, b = pair
-        clusters[a] = clusters[a] + clusters.pop(b)
+        clusters[pair[0]] = clusters[pair[0]] + clusters.pop(pair[1])
     return [np.array(sorted(c)) for c in sorted(clusters, key=min)]
-
-
-def _factor_with_dependence(corr: np.ndarray, cfg: EnsembleConfig) -> tuple[np.ndarray, list[np.ndarray]]:
-    loadings = _triplet_loadings(corr)
-    clusters: list[np.ndarray] = [np.array([i]) for i in range(len(corr))]
-    for _ in range(cfg.max_rounds):
-        new_clusters = _average_linkage(_within_corr(corr, loadings), cfg.dependence_threshold)
-        allowed = _cross_cluster_mask(new_clusters, len(corr))
-        loadings = _rank_one_fit(corr, allowed, loadings)
-        if _same_clusters(new_clusters, clusters):
-            break
-        clusters = new_clusters
-    loadings = np.where(np.abs(loadings) < cfg.min_loading, 0.0, loadings)
-    return (loadings if loadings.sum() >= 0 else -loadings), clusters
 
 
 def _cross_cluster_mask(clusters: list[np.ndarray], v: int) -> np.ndarray:
@@ -337,105 +407,170 @@ def _cross_cluster_mask(clusters: list[np.ndarray], v: int) -> np.ndarray:
     return label[:, None] != label[None, :]
 
 
-def _same_clusters(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
-    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+# ---------------------------------------------------------------- EM with missing scores
 
 
-# ---------------------------------------------------------------- discriminant, balance, posterior
+@dataclass(frozen=True)
+class _Rows:
+    """Fit rows split once: complete rows enter EM through fixed sums, rows with gaps through exact conditionals."""
+
+    z: np.ndarray  # [n, V] normal scores, NaN = missing
+    complete: np.ndarray  # [n] bool
+    full: np.ndarray  # [c, V] the complete rows
+    gram: np.ndarray  # [V, V] sum of z z^T over complete rows
+    gaps: np.ndarray  # [m, V] rows with at least one missing score
+    missing: np.ndarray  # [m, V] bool
+    blocks: list  # (rows of gaps, their missing columns [R, k]) per number k of missing entries
+
+    @staticmethod
+    def of(z: np.ndarray) -> _Rows:
+        complete = ~np.isnan(z).any(axis=1)
+        full, gaps = z[complete], z[~complete]
+        missing = np.isnan(gaps)
+        return _Rows(z, complete, full, full.T @ full, gaps, missing, _missing_blocks(missing))
 
 
-def _within_cov(corr: np.ndarray, loadings: np.ndarray, clusters: list[np.ndarray], ridge: float) -> np.ndarray:
-    full = corr - np.outer(loadings, loadings)
-    cov = np.zeros_like(corr)
-    for members in clusters:
-        cov[np.ix_(members, members)] = full[np.ix_(members, members)]
-    idx = np.arange(len(corr))
-    cov[idx, idx] = np.maximum(cov[idx, idx], 0.05) + ridge
-    return cov
+def _em(rows: _Rows, groups: np.ndarray, labels: np.ndarray | None, q: np.ndarray, cfg: EnsembleConfig) -> _Fit:
+    """Two-class tied-covariance Gaussian mixture; labelled rows (if any) are clamped to their label."""
+    q = _clamp(q, labels)
+    fills = (np.where(rows.missing, 0.0, rows.gaps),) * 2  # missing entries start at the mean (0)
+    extra = np.diag(rows.missing.sum(axis=0).astype(np.float64))  # and with unit conditional variance
+    it = 0
+    for it in range(1, cfg.max_iter + 1):
+        params = _m_step(rows, fills, extra, q, cfg.ridge)
+        lr, fills, extra = _e_step(rows, params)
+        new = _clamp(_sigmoid(math.log(params.pi / (1 - params.pi)) + lr), labels)
+        done = float(np.abs(new - q).mean()) < cfg.tol
+        q = new
+        if done:
+            break
+    score = _prompt_prior_loglik(rows, groups, params, q, cfg.prompt_prior_strength)
+    return _Fit(params, q, it, score)
 
 
-def _discriminant(
-    z: np.ndarray, loadings: np.ndarray, cov: np.ndarray, clusters: list[np.ndarray]
-) -> tuple[np.ndarray, np.ndarray]:
-    """t = sum over groups of l_o^T S_oo^-1 z_o and Q = sum of l_o^T S_oo^-1 l_o, per row's observed set o."""
-    t = np.zeros(len(z))
-    q = np.zeros(len(z))
-    for members in clusters:
-        zc = z[:, members]  # [N, k]
-        observed = ~np.isnan(zc)
-        codes = observed @ (1 << np.arange(len(members), dtype=np.int64)) if len(members) < 62 else None
-        patterns, inverse = _patterns(observed, codes)
-        w = np.zeros((len(patterns), len(members)))
-        qp = np.zeros(len(patterns))
-        for p, pat in enumerate(patterns):
-            o = np.flatnonzero(pat)
-            if len(o):
-                w[p, o] = np.linalg.solve(cov[np.ix_(members[o], members[o])], loadings[members[o]])
-                qp[p] = float(w[p, o] @ loadings[members[o]])
-        t += np.sum(w[inverse] * np.nan_to_num(zc), axis=1)
-        q += qp[inverse]
-    return t, q
+def _clamp(q: np.ndarray, labels: np.ndarray | None) -> np.ndarray:
+    return q if labels is None else np.where(np.isnan(labels), q, labels)
 
 
-def _patterns(observed: np.ndarray, codes: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    if codes is None:
-        return np.unique(observed, axis=0, return_inverse=True)
-    uniq, first, inverse = np.unique(codes, return_index=True, return_inverse=True)
-    return observed[first], inverse
+def _m_step(rows: _Rows, fills: tuple, extra: np.ndarray, q: np.ndarray, ridge: float) -> _Params:
+    """Weighted class means and pooled covariance; fills hold each class's conditional mean for missing entries."""
+    zc, qc, qg = rows.full, q[rows.complete], q[~rows.complete]
+    s1 = qc @ zc + qg @ fills[0]
+    s0 = (1 - qc) @ zc + (1 - qg) @ fills[1]
+    n1, n0 = max(float(q.sum()), 1e-6), max(float((1 - q).sum()), 1e-6)
+    mu1, mu0 = s1 / n1, s0 / n0
+    # over complete rows: sum_y sum_n w_y (z - mu_y)(z - mu_y)^T = gram - n_y mu_y mu_y^T per class
+    n1c, n0c = float(qc.sum()), float((1 - qc).sum())
+    s1c, s0c = s1 - qg @ fills[0], s0 - (1 - qg) @ fills[1]
+    cov = rows.gram - _sym(mu1, s1c, n1c) - _sym(mu0, s0c, n0c)
+    d1, d0 = fills[0] - mu1, fills[1] - mu0
+    cov += d1.T @ (d1 * qg[:, None]) + d0.T @ (d0 * (1 - qg)[:, None]) + extra
+    v = len(mu1)
+    return _Params(float(np.clip(n1 / len(q), 1e-3, 1 - 1e-3)), mu1, mu0, cov / len(q) + ridge * np.eye(v))
 
 
-def _fit_balance(t: np.ndarray, q: np.ndarray) -> float:
-    """Maximum-likelihood pi for t | y ~ N(mean_y(pi) * Q, Q) with mean_1 = (1-pi)/s, mean_0 = -pi/s."""
-    grid = np.linspace(0.01, 0.99, 197)
-    informative = q > 1e-9
-    t, q = t[informative], q[informative]
-    if len(t) == 0:
-        return 0.5
-    lls = [_balance_loglik(t, q, pi) for pi in grid]
-    return float(grid[int(np.argmax(lls))])
+def _sym(mu: np.ndarray, s: np.ndarray, n: float) -> np.ndarray:
+    """mu s^T + s mu^T - n mu mu^T: what centring a class's complete rows on mu removes from their gram matrix."""
+    return np.outer(mu, s) + np.outer(s, mu) - n * np.outer(mu, mu)
 
 
-def _balance_loglik(t: np.ndarray, q: np.ndarray, pi: float) -> float:
-    s = math.sqrt(pi * (1 - pi))
-    a1 = -0.5 * (t - (1 - pi) * q / s) ** 2 / q + math.log(pi)
-    a0 = -0.5 * (t + pi * q / s) ** 2 / q + math.log(1 - pi)
-    return float(np.sum(np.logaddexp(a0, a1)))
+def _e_step(rows: _Rows, p: _Params) -> tuple[np.ndarray, tuple, np.ndarray]:
+    """Log-likelihood ratio per row, conditional-mean fills per class, summed conditional covariance [V, V]."""
+    prec = np.linalg.inv(p.cov)
+    lr = np.empty(len(rows.z))
+    lr[rows.complete] = _linear_ratio(rows.full, p, prec)
+    lr[~rows.complete], fills, extra = _gap_ratio(rows.gaps, rows.missing, rows.blocks, p, prec)
+    return lr, fills, extra
 
 
-def _logit(t: np.ndarray, q: np.ndarray, pi: float) -> np.ndarray:
-    s = math.sqrt(pi * (1 - pi))
-    return math.log(pi / (1 - pi)) + (t - (1 - 2 * pi) * q / (2 * s)) / s
+def _linear_ratio(z: np.ndarray, p: _Params, prec: np.ndarray) -> np.ndarray:
+    """Rows with every score: the LDA log-likelihood ratio, linear in z."""
+    w = prec @ (p.mu1 - p.mu0)
+    return (z - 0.5 * (p.mu1 + p.mu0)) @ w
+
+
+def _gap_ratio(
+    z: np.ndarray, missing: np.ndarray, blocks: list, p: _Params, prec: np.ndarray
+) -> tuple[np.ndarray, tuple, np.ndarray]:
+    """Rows with gaps: log N(z_o | mu1_o, S_oo) - log N(z_o | mu0_o, S_oo), via each class's conditional fill."""
+    cond = [np.linalg.inv(prec[cols[:, :, None], cols[:, None, :]]) for _, cols in blocks]  # [R, k, k] each
+    z1, z0 = (_fill_missing(z, missing, blocks, cond, mu, prec) for mu in (p.mu1, p.mu0))
+    extra = np.zeros_like(prec)
+    for (_, cols), c in zip(blocks, cond, strict=True):
+        np.add.at(extra, (cols[:, :, None], cols[:, None, :]), c)
+    d1, d0 = z1 - p.mu1, z0 - p.mu0
+    # the fill's own density term, log N(z_m | E[z_m | z_o], S_m|o), is the same for both classes and cancels
+    lr = -0.5 * (np.sum((d1 @ prec) * d1, axis=1) - np.sum((d0 @ prec) * d0, axis=1))
+    return lr, (z1, z0), extra
+
+
+def _log_ratio(z: np.ndarray, p: _Params) -> np.ndarray:
+    """Log-likelihood ratio for any rows (prediction)."""
+    prec = np.linalg.inv(p.cov)
+    gaps = np.isnan(z).any(axis=1)
+    lr = np.empty(len(z))
+    lr[~gaps] = _linear_ratio(z[~gaps], p, prec)
+    if gaps.any():
+        missing = np.isnan(z[gaps])
+        lr[gaps] = _gap_ratio(z[gaps], missing, _missing_blocks(missing), p, prec)[0]
+    return lr
+
+
+def _missing_blocks(missing: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(rows, their missing columns [R, k]) per number k of missing entries."""
+    n_missing = missing.sum(axis=1)
+    blocks = []
+    for k in np.unique(n_missing[n_missing > 0]):
+        rows = np.flatnonzero(n_missing == k)
+        blocks.append((rows, np.argsort(~missing[rows], axis=1, kind="stable")[:, :k]))
+    return blocks
+
+
+def _fill_missing(
+    z: np.ndarray, missing: np.ndarray, blocks: list, cond: list, mu: np.ndarray, prec: np.ndarray
+) -> np.ndarray:
+    """Missing entries -> E[z_m | z_o] = mu_m - P_mm^-1 P_mo (z_o - mu_o) under N(mu, P^-1); cond[i] = P_mm^-1."""
+    filled = np.where(missing, mu, z)
+    pull = np.where(missing, 0.0, z - mu) @ prec  # column m of row r: (P_mo (z_o - mu_o))_m when m is missing
+    for (rows, cols), inv_pmm in zip(blocks, cond, strict=True):
+        shift = -np.einsum("rij,rj->ri", inv_pmm, np.take_along_axis(pull[rows], cols, axis=1))
+        filled[rows[:, None], cols] = mu[cols] + shift
+    return filled
+
+
+def _prompt_prior_loglik(rows: _Rows, groups: np.ndarray, p: _Params, q: np.ndarray, strength: float) -> float:
+    """Mean log p(z_o) when each candidate's prior is its prompt's leave-one-out share of correct (to pi)."""
+    _, inverse = np.unique(groups, return_inverse=True)
+    total, count = np.bincount(inverse, weights=q)[inverse], np.bincount(inverse)[inverse]
+    prior = np.clip((total - q + strength * p.pi) / (count - 1 + strength), 1e-4, 1 - 1e-4)
+    ll1, ll0 = (_marginal_loglik(rows, mu, p.cov) for mu in (p.mu1, p.mu0))
+    return float(np.mean(np.logaddexp(ll1 + np.log(prior), ll0 + np.log1p(-prior))))
+
+
+def _marginal_loglik(rows: _Rows, mu: np.ndarray, cov: np.ndarray) -> np.ndarray:
+    """log N(z_o | mu_o, S_oo) per row = log N(fill | mu, S) minus the fill's density under z_m | z_o."""
+    prec = np.linalg.inv(cov)
+    z = rows.z.copy()
+    cond = [np.linalg.inv(prec[cols[:, :, None], cols[:, None, :]]) for _, cols in rows.blocks]
+    z[~rows.complete] = _fill_missing(rows.gaps, rows.missing, rows.blocks, cond, mu, prec)
+    d = z - mu
+    ll = -0.5 * np.sum((d @ prec) * d, axis=1) - 0.5 * np.linalg.slogdet(cov)[1]
+    gap_ll = ll[~rows.complete]
+    for (r, _), c in zip(rows.blocks, cond, strict=True):
+        gap_ll[r] += 0.5 * np.linalg.slogdet(c)[1]
+    ll[~rows.complete] = gap_ll
+    return ll - 0.5 * (~np.isnan(rows.z)).sum(axis=1) * math.log(2 * math.pi)
+
+
+def _orient(p: _Params) -> _Params:
+    """Call "correct" the class that most verifiers score higher (in units of their within-class sd)."""
+    if float(np.sum((p.mu1 - p.mu0) / np.sqrt(np.diag(p.cov)))) >= 0:
+        return p
+    return _Params(1 - p.pi, p.mu0, p.mu1, p.cov)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * x))
-
-
-# ---------------------------------------------------------------- labels (optional)
-
-
-def _label_disagrees(z: np.ndarray, loadings: np.ndarray, labels: np.ndarray) -> bool:
-    """True when the labelled rows say the latent factor is upside down (wrong sign)."""
-    known = ~np.isnan(labels)
-    s = np.nan_to_num(z[known]) @ loadings
-    y = labels[known]
-    if y.min() == y.max():
-        return False
-    return float(s[y == 1].mean()) < float(s[y == 0].mean())
-
-
-def _recalibrate(logit: np.ndarray, labels: np.ndarray, prior: float) -> tuple[float, float]:
-    """Logistic fit of labels on (slope * logit + offset), Newton steps, Gaussian prior at (1, 0)."""
-    known = ~np.isnan(labels)
-    x, y = logit[known], labels[known]
-    theta = np.array([1.0, 0.0])
-    design = np.stack([x, np.ones_like(x)], axis=1)
-    for _ in range(25):
-        p = _sigmoid(design @ theta)
-        grad = design.T @ (p - y) + prior * (theta - np.array([1.0, 0.0]))
-        hess = design.T @ (design * (p * (1 - p))[:, None]) + prior * np.eye(2)
-        theta = theta - np.linalg.solve(hess, grad)
-    return float(theta[0]), float(theta[1])
 
 
 # ---------------------------------------------------------------- report
@@ -446,26 +581,26 @@ def _normal_cdf(x: float) -> float:
 
 
 def _make_report(
-    m: _Model, corr: np.ndarray, z: np.ndarray, groups: np.ndarray, names: list[str], labels: np.ndarray | None
-) -> EnsembleReport:
-    s = math.sqrt(m.pi * (1 - m.pi))
-    resid = np.maximum(1.0 - m.loadings**2, 1e-6)
-    auroc = [_normal_cdf(float(lv) / s / math.sqrt(2 * r)) for lv, r in zip(m.loadings, resid, strict=True)]
-    weights = np.zeros(len(m.loadings))
-    for members in m.clusters:
-        weights[members] = np.linalg.solve(m.cov[np.ix_(members, members)], m.loadings[members])
-    within = _within_corr(corr, m.loadings)
+    p: _Params, fit: _Fit, start: str, z: np.ndarray, groups: np.ndarray, names: list[str],
+    labels: np.ndarray | None, cfg: EnsembleConfig,
+) -> EnsembleReport:  # fmt: skip
+    cov = p.cov - cfg.ridge * np.eye(len(p.cov))
+    sd = np.sqrt(np.maximum(np.diag(cov), 1e-12))
+    within = cov / np.outer(sd, sd)
+    gap = p.mu1 - p.mu0
+    clusters = _average_linkage(within, cfg.dependence_threshold)
     return EnsembleReport(
-        class_balance=m.pi,
+        class_balance=round(p.pi, 4),
         names=names,
-        loadings=[round(float(x), 4) for x in m.loadings],
-        weights=[round(float(x), 4) for x in weights],
-        est_auroc=[round(a, 4) for a in auroc],
+        est_auroc=[round(_normal_cdf(float(g / s) / math.sqrt(2.0)), 4) for g, s in zip(gap, sd, strict=True)],
+        weights=[round(float(w), 4) for w in np.linalg.solve(p.cov, gap)],
         missing_share=[round(float(x), 4) for x in np.isnan(z).mean(axis=0)],
-        dependent_groups=[[names[i] for i in c] for c in m.clusters if len(c) > 1],
+        dependent_groups=[[names[i] for i in c] for c in clusters if len(c) > 1],
         within_class_corr=[[round(float(x), 3) for x in row] for row in within],
-        n_candidates=len(z),
+        start=start,
+        iterations=fit.iterations,
+        n_candidates=len(groups),
         n_groups=len(np.unique(groups)),
+        n_fit_rows=len(z),
         n_labels=0 if labels is None else int((~np.isnan(labels)).sum()),
-        calibration=m.calibration,
     )

@@ -1,0 +1,36 @@
+"""Evaluate a checkpoint directory outside a training run (CLI `forgeweave eval` and the evaluate deployment)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from forge.errors import UserError
+
+
+def evaluate_checkpoint_dir(ckpt: Path, preset: str | None, overrides: list[str], out: Path | None = None) -> dict:
+    """pass@1 / pass@k of `ckpt` on its run's eval split (or `preset`'s data); writes the report to `out`."""
+    from flows.cli import resolve_config
+    from forge.config import apply_overrides, load_yaml
+    from forge.data import build, read_split
+    from forge.evaluate import evaluate
+    from forge.io import write_json
+    from forge.models import format_prompt_fn, load_policy
+    from forge.rollout import make_backend
+
+    if not (ckpt / "config.json").is_file():
+        raise UserError(f"'{ckpt}' is not a model directory (no config.json): pass a checkpoint directory")
+    run_dir = ckpt.resolve().parent.parent
+    in_run = (run_dir / "config.yaml").is_file() and not preset
+    cfg = load_yaml(run_dir / "config.yaml") if in_run else resolve_config(preset, None, [])
+    cfg = apply_overrides(cfg, overrides)
+    cfg.model.path = str(ckpt)
+    model, tok = load_policy(cfg.model, seed=cfg.seed)
+    if in_run and (run_dir / "data" / "eval.parquet").is_file():
+        rows = read_split(run_dir, "eval")
+    else:
+        count = lambda s: len(tok(s, add_special_tokens=False).input_ids)  # noqa: E731
+        rows = build(cfg, format_prompt_fn(tok, cfg.model), count).eval
+    backend = make_backend(cfg.rollout.backend, model, tok, autocast_bf16=cfg.rollout.autocast_bf16)
+    report = evaluate(backend, rows, cfg.eval, cfg.rollout, seed=cfg.seed)
+    write_json(out or ckpt / "eval.json", report)
+    return report
