@@ -49,8 +49,6 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from forge.errors import UserError
-import os
-STEEP = float(os.environ.get("STEEP", "2"))
 
 
 @dataclass(frozen=True)
@@ -58,11 +56,17 @@ class EnsembleConfig:
     ridge: float = 0.05
     """Added to the within-class covariance diagonal (unit-variance scores): near-duplicates share a weight."""
     max_iter: int = 100
-    """EM iterations per start at most."""
+    """EM iterations at most, per finalist and for the final fit."""
     tol: float = 1e-4
     """EM stops when the mean change of the posteriors is below this."""
-    max_fit_rows: int = 40_000
-    """EM runs on at most this many rows (whole prompts, fixed seed); the score transform uses all rows."""
+    max_fit_rows: int = 20_000
+    """The final EM runs on at most this many rows (whole prompts, fixed seed); the score transform uses all rows."""
+    screen_rows: int = 4_000
+    """Starts are screened and the finalists run to convergence on at most this many rows (whole prompts)."""
+    screen_iter: int = 15
+    """EM iterations each start gets before the screen keeps the best `finalists`."""
+    finalists: int = 3
+    """Starts run to convergence after the screen; the best by score is refit on the fit rows."""
     prompt_prior_strength: float = 2.0
     """Pseudo-count pulling a prompt's leave-one-out share of correct candidates towards pi (start choice only)."""
     dependence_threshold: float = 0.2
@@ -134,14 +138,14 @@ class WeakVerifierEnsemble:
         labels = _check_labels(labels, len(scores))
         cfg = self.config
         self._transform = _fit_transform(scores, cfg.max_knots)
-        rows = _fit_rows(groups, cfg.max_fit_rows, cfg.seed)
+        rows = _subsample(groups, cfg.max_fit_rows, cfg.seed)
         z = _dithered_normal_scores(scores[rows], cfg.seed)  # [n_fit, V]
         g, y = groups[rows], None if labels is None else labels[rows]
-        data = _Rows.of(z)
-        fits = {name: _em(data, g, y, q0, cfg) for name, q0 in _starts(z, g, cfg).items()}
-        best = max(fits, key=lambda k: fits[k].score)
-        self._params = _orient(fits[best].params) if y is None else fits[best].params
-        self._report = _make_report(self._params, fits[best], best, z, groups, names, y, cfg)
+        start, params = _choose_start(z, g, y, cfg)
+        q = _clamp(_sigmoid(math.log(params.pi / (1 - params.pi)) + _log_ratio(z, params)), y)
+        fit = _em(_Rows.of(z), g, y, q, cfg, cfg.max_iter)
+        self._params = _orient(fit.params) if y is None else fit.params
+        self._report = _make_report(self._params, fit, start, z, groups, names, y, cfg)
         return self
 
     def predict_proba(self, scores: np.ndarray, groups: np.ndarray) -> np.ndarray:
@@ -198,7 +202,7 @@ def _check_labels(labels: np.ndarray | None, n: int) -> np.ndarray | None:
     return labels if len(seen) else None
 
 
-def _fit_rows(groups: np.ndarray, max_rows: int, seed: int) -> np.ndarray:
+def _subsample(groups: np.ndarray, max_rows: int, seed: int) -> np.ndarray:
     """All rows, or the rows of whole prompts drawn at random until max_rows."""
     if len(groups) <= max_rows:
         return np.arange(len(groups))
@@ -299,15 +303,34 @@ def _pairwise_corr(z: np.ndarray) -> np.ndarray:
     return corr
 
 
+def _choose_start(z: np.ndarray, groups: np.ndarray, labels: np.ndarray | None, cfg: EnsembleConfig):
+    """Screen every start briefly on a few prompts, run the best few to convergence, return the best (by score)."""
+    keep = _subsample(groups, cfg.screen_rows, cfg.seed + 1)
+    zs, gs, ys = z[keep], groups[keep], None if labels is None else labels[keep]
+    rows = _Rows.of(zs)
+    short = {name: _em(rows, gs, ys, q0, cfg, cfg.screen_iter) for name, q0 in _starts(zs, gs, cfg).items()}
+    finalists = sorted(short, key=lambda k: short[k].score, reverse=True)[: cfg.finalists]
+    long = {name: _em(rows, gs, ys, short[name].q, cfg, cfg.max_iter) for name in finalists}
+    best = max(long, key=lambda k: long[k].score)
+    return best, long[best].params
+
+
 def _starts(z: np.ndarray, groups: np.ndarray, cfg: EnsembleConfig) -> dict[str, np.ndarray]:
-    """Initial posteriors [n] from three scores: moment loadings, the same on prompt means, the plain mean."""
+    """Initial posteriors [n]: moment loadings, the same on prompt means, the plain mean, each distinct verifier."""
     filled = np.nan_to_num(z)
     by_prompt = _prompt_means(z, groups)
-    return {
+    starts = {
         "moments": _soft_split(filled @ _moment_weights(_pairwise_corr(z), cfg.dependence_threshold)),
         "prompt-means": _soft_split(filled @ _moment_weights(_pairwise_corr(by_prompt), cfg.dependence_threshold)),
         "mean": _soft_split(np.nanmean(np.where(np.isnan(z), 0.0, z), axis=1)),
     }
+    seen: set[bytes] = set()
+    for v in range(z.shape[1]):  # the mixture is symmetric in its two classes, so a verifier's sign is irrelevant
+        key = filled[:, v].tobytes()
+        if key not in seen:
+            seen.add(key)
+            starts[f"verifier {v}"] = _soft_split(filled[:, v])
+    return starts
 
 
 def _prompt_means(z: np.ndarray, groups: np.ndarray) -> np.ndarray:
@@ -322,7 +345,7 @@ def _prompt_means(z: np.ndarray, groups: np.ndarray) -> np.ndarray:
 
 def _soft_split(s: np.ndarray) -> np.ndarray:
     sd = float(s.std())
-    return _sigmoid(STEEP * (s - s.mean()) / sd) if sd > 1e-12 else np.full(len(s), 0.5)
+    return _sigmoid(2.0 * (s - s.mean()) / sd) if sd > 1e-12 else np.full(len(s), 0.5)
 
 
 def _moment_weights(corr: np.ndarray, threshold: float) -> np.ndarray:
@@ -430,13 +453,15 @@ class _Rows:
         return _Rows(z, complete, full, full.T @ full, gaps, missing, _missing_blocks(missing))
 
 
-def _em(rows: _Rows, groups: np.ndarray, labels: np.ndarray | None, q: np.ndarray, cfg: EnsembleConfig) -> _Fit:
-    """Two-class tied-covariance Gaussian mixture; labelled rows (if any) are clamped to their label."""
+def _em(
+    rows: _Rows, groups: np.ndarray, labels: np.ndarray | None, q: np.ndarray, cfg: EnsembleConfig, max_iter: int
+) -> _Fit:
+    """Two-class tied-covariance Gaussian mixture from posteriors q; labelled rows (if any) stay clamped."""
     q = _clamp(q, labels)
     fills = (np.where(rows.missing, 0.0, rows.gaps),) * 2  # missing entries start at the mean (0)
     extra = np.diag(rows.missing.sum(axis=0).astype(np.float64))  # and with unit conditional variance
     it = 0
-    for it in range(1, cfg.max_iter + 1):
+    for it in range(1, max_iter + 1):
         params = _m_step(rows, fills, extra, q, cfg.ridge)
         lr, fills, extra = _e_step(rows, params)
         new = _clamp(_sigmoid(math.log(params.pi / (1 - params.pi)) + lr), labels)
