@@ -67,10 +67,14 @@ def main() -> None:
     print(f"{'path':<22}{'run s':>10}{'per step s':>12}")
     print(f"{'plain recipe':<22}{p:>10.2f}{p / args.steps:>12.4f}")
     print(f"{'prefect flow':<22}{f:>10.2f}{f / args.steps:>12.4f}")
-    print(f"overhead per step: {(f - p) / args.steps * 1000:.1f} ms = {(f - p) / p:.1%} of step time "
-          f"({(f - p) / tasks * 1000:.1f} ms per task run)")
-    print(f"flow start-up + teardown: {statistics.median(f_wall) - f:.2f} s; "
-          f"waiting for the embedded server to record all task runs: {statistics.median(f_record):.2f} s")
+    print(
+        f"overhead per step: {(f - p) / args.steps * 1000:.1f} ms = {(f - p) / p:.1%} of step time "
+        f"({(f - p) / tasks * 1000:.1f} ms per task run)"
+    )
+    print(
+        f"flow start-up + teardown: {statistics.median(f_wall) - f:.2f} s; "
+        f"waiting for the embedded server to record all task runs: {statistics.median(f_record):.2f} s"
+    )
 
 
 if __name__ == "__main__":

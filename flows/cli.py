@@ -50,8 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", action="store_true", help="continue the named run from its latest checkpoint")
     _runs_dir_arg(r)
     r.add_argument("--quiet", action="store_true", help="no progress bar")
-    r.add_argument("--no-prefect", action="store_true",
-                   help="run the plain recipe in this process instead of as a Prefect flow (embedded mode)")
+    r.add_argument(
+        "--no-prefect",
+        action="store_true",
+        help="run the plain recipe in this process instead of as a Prefect flow (embedded mode)",
+    )
     e = sub.add_parser("eval", help="evaluate a checkpoint (or any HF model directory) on an eval split")
     e.add_argument("checkpoint", help="checkpoint directory, e.g. runs/NAME/checkpoints/step-000040")
     e.add_argument("--preset", help="preset giving data/eval settings when the checkpoint is not inside a run")
@@ -85,8 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        commands = {"run": cmd_run, "eval": cmd_eval, "presets": cmd_presets, "plan": cmd_plan, "serve": cmd_serve,
-                    "server": cmd_server}
+        commands = {
+            "run": cmd_run,
+            "eval": cmd_eval,
+            "presets": cmd_presets,
+            "plan": cmd_plan,
+            "serve": cmd_serve,
+            "server": cmd_server,
+        }
         return commands[args.command](args)
     except UserError as e:
         print(f"forgeweave: error: {e}", file=sys.stderr)
@@ -104,8 +113,9 @@ def resolve_config(preset: str | None, config: str | None, overrides: list[str])
     return apply_overrides(cfg, overrides).validate()
 
 
-def resolve_run(preset: str | None, config: str | None, overrides: list[str], name: str | None, runs_dir: str,
-                resume: bool):
+def resolve_run(
+    preset: str | None, config: str | None, overrides: list[str], name: str | None, runs_dir: str, resume: bool
+):
     """(config, run directory) for a new run or, with resume, for an existing one (its saved config + overrides)."""
     from forge.config import apply_overrides, load_yaml
 
@@ -141,9 +151,15 @@ def run_with_prefect(args, run_dir: Path) -> dict:
     quiet_prefect()
     from flows.pipeline import grpo_pipeline, wait_until_recorded
 
-    summary = grpo_pipeline(preset=args.preset or "", config_path=args.config or "", overrides=args.overrides,
-                            name=run_dir.name, runs_dir=str(run_dir.parent), resume=args.resume,
-                            progress=not args.quiet)
+    summary = grpo_pipeline(
+        preset=args.preset or "",
+        config_path=args.config or "",
+        overrides=args.overrides,
+        name=run_dir.name,
+        runs_dir=str(run_dir.parent),
+        resume=args.resume,
+        progress=not args.quiet,
+    )
     expected = summary["prefect_task_runs"]
     recorded = wait_until_recorded(summary["prefect_flow_run_id"], expected)
     if recorded < expected:
@@ -199,8 +215,10 @@ def cmd_serve(args) -> int:
 
     quiet_prefect()
     if not os.environ.get("PREFECT_API_URL"):
-        raise UserError("PREFECT_API_URL is not set: start a server (`forgeweave server`) and export "
-                        "PREFECT_API_URL=http://127.0.0.1:4200/api")
+        raise UserError(
+            "PREFECT_API_URL is not set: start a server (`forgeweave server`) and export "
+            "PREFECT_API_URL=http://127.0.0.1:4200/api"
+        )
     print("serving deployments (Ctrl-C to stop):")
     for name, what in DEPLOYMENTS.items():
         print(f"  {name:<46} {what}")

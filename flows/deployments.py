@@ -20,11 +20,16 @@ def build_deployments(runs_dir: str) -> list:
 
     runs = str(Path(runs_dir).resolve())
     return [
-        grpo_pipeline.to_deployment(name="pipeline", parameters={"preset": "tiny", "runs_dir": runs},
-                                    tags=["forgeweave"], description=DEPLOYMENTS["forgeweave-grpo/pipeline"]),
+        grpo_pipeline.to_deployment(
+            name="pipeline",
+            parameters={"preset": "tiny", "runs_dir": runs},
+            tags=["forgeweave"],
+            description=DEPLOYMENTS["forgeweave-grpo/pipeline"],
+        ),
         evaluate_checkpoint.to_deployment(name="evaluate-checkpoint", tags=["forgeweave"]),
-        prepare_dataset.to_deployment(name="prepare-dataset", parameters={"out_dir": str(Path(runs) / "datasets")},
-                                      tags=["forgeweave"]),
+        prepare_dataset.to_deployment(
+            name="prepare-dataset", parameters={"out_dir": str(Path(runs) / "datasets")}, tags=["forgeweave"]
+        ),
     ]
 
 

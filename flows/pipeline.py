@@ -54,8 +54,11 @@ def update_stage(grpo: GRPORun, batch: ScoredBatch) -> UpdateStats:
 @task(name="evaluate", **STAGE_TASK)
 def evaluate_stage(grpo: GRPORun, step: int) -> dict:
     report = grpo.evaluate(step)
-    create_markdown_artifact(key=artifact_key(grpo.run_dir.name), markdown=eval_markdown(grpo.run_dir.name, report),
-                             description=f"eval at step {step}")
+    create_markdown_artifact(
+        key=artifact_key(grpo.run_dir.name),
+        markdown=eval_markdown(grpo.run_dir.name, report),
+        description=f"eval at step {step}",
+    )
     return report
 
 
@@ -121,7 +124,9 @@ def evaluate_checkpoint(checkpoint: str, preset: str = "", overrides: list[str] 
 
 
 @flow(name="forgeweave-prepare-dataset", persist_result=False, log_prints=True)
-def prepare_dataset(out_dir: str, preset: str = "tiny", config_path: str = "", overrides: list[str] | None = None) -> dict:
+def prepare_dataset(
+    out_dir: str, preset: str = "tiny", config_path: str = "", overrides: list[str] | None = None
+) -> dict:
     """The prep stage alone: validate a dataset (or generate the built-in task) into out_dir/data/."""
     from flows.cli import resolve_config
     from forge.data import prepare
@@ -129,8 +134,9 @@ def prepare_dataset(out_dir: str, preset: str = "tiny", config_path: str = "", o
 
     cfg = resolve_config(preset or None, config_path or None, list(overrides or []))
     _, tok = load_policy(cfg.model, seed=cfg.seed)
-    data = prepare(cfg, Path(out_dir), format_prompt_fn(tok, cfg.model),
-                   lambda s: len(tok(s, add_special_tokens=False).input_ids))
+    data = prepare(
+        cfg, Path(out_dir), format_prompt_fn(tok, cfg.model), lambda s: len(tok(s, add_special_tokens=False).input_ids)
+    )
     return data.manifest
 
 

@@ -101,6 +101,14 @@ class RewardConfig:
     """Verifier names (built-ins: math_answer, format_integer, format_tags) or import paths 'pkg.mod:fn'."""
     weights: list[float] = field(default_factory=list)
     """One weight per verifier; empty = all 1.0. Reward = sum(w_v * score_v), missing scores count as 0."""
+    aggregate: Literal["weighted", "ensemble"] = "weighted"
+    """weighted: the sum above; ensemble: P(correct | scores) from the label-free weak-verifier ensemble."""
+    window_steps: int = 8
+    """ensemble: steps of recent scored rollouts the ensemble is fit on."""
+    refit_every: int = 1
+    """ensemble: refit every this many steps."""
+    label_free: bool = False
+    """Do not pass the reference answer column to verifiers (evaluation still scores against it)."""
 
 
 @dataclass

@@ -49,7 +49,10 @@ def smollm2_arith() -> RunConfig:
     return cfg
 
 
-PRESETS: dict[str, Callable[[], RunConfig]] = {"tiny": tiny, "smollm2-arith": smollm2_arith}
+PRESETS: dict[str, Callable[[], RunConfig]] = {
+    "tiny": tiny,
+    "smollm2-arith": smollm2_arith,
+}
 
 
 def get_preset(name: str) -> RunConfig:

@@ -134,13 +134,20 @@ class GRPORun:
         self.train_rows, self.eval_rows = read_split(run_dir, "train"), read_split(run_dir, "eval")
         self.sampler = PromptSampler(self.train_rows, seed=cfg.seed)
         self.verifiers = resolve_verifiers(cfg.reward.verifiers)
+        self.aggregator = None
+        if cfg.reward.aggregate == "ensemble":
+            from forge.rewards.aggregate import EnsembleAggregator
+
+            names = [name for name, _ in self.verifiers]
+            self.aggregator = EnsembleAggregator(names, cfg.reward.window_steps, cfg.reward.refit_every, cfg.seed)
         self.trainer = Trainer(model, cfg, total_steps=cfg.steps, ref_model=ref_model)
         self.backend = make_backend(
             cfg.rollout.backend, self.trainer.unwrapped, self.tok, autocast_bf16=cfg.rollout.autocast_bf16
         )
         self.tracker.log_params(_flatten(asdict(cfg)))
+        self.ensemble_report = None
         if self.resume:
-            self.state = _restore(run_dir, self.trainer, self.sampler, self.jsonl)
+            self.state = _restore(run_dir, self.trainer, self.sampler, self.jsonl, self.aggregator)
             self.backend.sync_weights(self.trainer.unwrapped, self.trainer.policy_version)
         else:
             self.state.initial_eval = self.state.last_eval = self._eval_report(0)
@@ -169,16 +176,21 @@ class GRPORun:
 
     def reward(self, rows: list[dict], rollouts: Rollouts) -> ScoredBatch:
         t0 = time.perf_counter()
-        g = self.cfg.rollout.group_size
+        g, step = self.cfg.rollout.group_size, self.state.step + 1
+        hidden = ("answer",) if self.cfg.reward.label_free else ()
         result = score_completions(
-            self.verifiers, self.cfg.reward.weights, rollouts.prompts, rollouts.texts, _columns(rows, g)
+            self.verifiers, self.cfg.reward.weights, rollouts.prompts, rollouts.texts, _columns(rows, g, hidden)
         )
-        advantages = group_advantages(result.rewards, g, self.cfg.algo.advantage)  # [N]
+        rewards = result.rewards  # [N]
+        self.ensemble_report = None
+        if self.aggregator is not None:  # label-free: P(correct | the V scores), refit on recent steps
+            rewards, self.ensemble_report = self.aggregator(result.scores, g, step)
+        advantages = group_advantages(rewards, g, self.cfg.algo.advantage)  # [N]
         batch = ScoredBatch(
             rollouts=rollouts,
             verifier_names=result.names,
             scores=result.scores,
-            rewards=result.rewards,
+            rewards=rewards,
             advantages=advantages,
             verifier_failures=result.failures,
         )
@@ -208,6 +220,11 @@ class GRPORun:
         metrics = _step_metrics(batch.rollouts, batch, stats, self.times)
         if report is not None:
             metrics.update(_eval_metrics(report))
+        if self.ensemble_report is not None:
+            from forge.rewards.aggregate import report_metrics
+
+            metrics.update(report_metrics(self.ensemble_report))
+            write_json(self.run_dir / "ensemble" / f"{step_dir_name(step)}.json", self.ensemble_report)
         for k, v in self.times.items():
             self.state.seconds[k] += v
         self.state.step = step
@@ -226,6 +243,7 @@ class GRPORun:
             "seconds": dict(self.state.seconds),
             "initial_eval": self.state.initial_eval,
             "last_eval": self.state.last_eval,
+            "aggregator": self.aggregator.state_dict() if self.aggregator is not None else None,
         }
         last = self.state.last_eval
         score = last["pass@1"] if last and last.get("step") == step else None
@@ -261,9 +279,9 @@ class GRPORun:
 # ---------------------------------------------------------------- stage helpers
 
 
-def _columns(rows: list[dict], group_size: int) -> dict[str, list]:
+def _columns(rows: list[dict], group_size: int, hidden: tuple[str, ...] = ()) -> dict[str, list]:
     """Data columns repeated G times so each completion sees its prompt's reference values."""
-    keys = [k for k in rows[0] if k not in ("prompt", "model_input")]
+    keys = [k for k in rows[0] if k not in ("prompt", "model_input", *hidden)]
     return {k: [r[k] for r in rows for _ in range(group_size)] for k in keys}
 
 
@@ -337,7 +355,7 @@ def _num(x: torch.Tensor) -> float | None:
 # ---------------------------------------------------------------- checkpoint / resume
 
 
-def _restore(run_dir: Path, trainer: Trainer, sampler: PromptSampler, jsonl: JsonlTracker) -> RunState:
+def _restore(run_dir: Path, trainer: Trainer, sampler: PromptSampler, jsonl: JsonlTracker, aggregator) -> RunState:
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     if ckpt is None:
         raise UserError(f"cannot resume '{run_dir}': it has no checkpoint yet; start it again without --resume")
@@ -346,6 +364,8 @@ def _restore(run_dir: Path, trainer: Trainer, sampler: PromptSampler, jsonl: Jso
     trainer.load_state_dict(saved["trainer"])
     sampler.load_state_dict(saved["sampler"])
     set_rng_state(saved["rng"])
+    if aggregator is not None and saved.get("aggregator") is not None:
+        aggregator.load_state_dict(saved["aggregator"])
     jsonl.truncate_after(saved["step"])
     _truncate_samples(run_dir, saved["step"])
     return RunState(

@@ -1,42 +1,49 @@
 """Label-free weak-verifier ensemble: P(candidate correct | the scores of V weak verifiers), fit without labels.
 
-Shapes: N candidates (B prompts x G samples, flattened), V verifiers. `scores` is [N, V] with NaN where a verifier
-gave no score; `groups` is [N] (prompt id). Labels are optional and never needed.
+Shapes: N candidates (B prompts x G samples, flattened), V verifiers, K latent classes. `scores` is [N, V] with
+NaN where a verifier gave no score; `groups` is [N] (prompt id). Labels are optional and never needed.
 
-The model: a two-class Gaussian mixture with one full within-class covariance (unsupervised LDA), on normal scores.
+The model: a Gaussian mixture with K classes (default 3) and one shared within-class covariance, on normal scores
+(unsupervised LDA). Class 0 is "correct"; the others are kinds of wrong. Three, not two, because LLM samples are
+wrong in two ways: scattered slips, and a popular wrong answer many samples share, which answer agreement and
+partly-fooled judges score almost like the right one. With two classes the likelihood prefers "popular answer vs
+the rest" to "right vs wrong" whenever popular wrong answers are common.
 
 1. Normal scores. Each verifier's scores are replaced by normal scores of their ranks, so only the order a verifier
    puts candidates in matters: logits, probabilities, 1-10 grades and 0/1 checks mix freely. For fitting, a tie
    block (all the 0s of a 0/1 check) is spread over its slice of N(0, 1) by a draw seeded from the column's bytes
    (identical columns get identical draws); otherwise a big tie block looks like a cluster the mixture latches
-   onto. For prediction a tie block gets the mean of its slice, which for this model gives the expected logit.
-2. Mixture by EM: class balance pi, class means mu_1, mu_0 [V], one within-class covariance S [V, V] (plus a
-   ridge). S holds whatever correlates verifiers beyond correctness -- shared length bias, a family of reward
-   models from one base model, duplicates -- so the discriminant S^-1 (mu_1 - mu_0) discounts it; an exact copy
-   splits its verifier's weight instead of adding to it. Missing scores are integrated out exactly: the E-step
-   fills them with their conditional mean given the row's observed scores (per class) and adds the conditional
-   covariance to the M-step, so a candidate is never dropped and the posterior uses only what was observed.
-3. Starts and choice. The mixture likelihood has several optima (a length factor, a popular wrong answer). EM
-   runs from three starts: a one-factor moment fit (loadings from the median of triplet ratios C_ij C_ik / C_jk,
-   refit without pairs flagged as dependent: the agreement-based initialisation of Snorkel/FlyingSquid), the same
-   on per-prompt mean scores (prompt difficulty is shared by all verifiers, length and reward-model quirks mostly
-   are not), and the plain mean of normal scores. It keeps the optimum with the highest likelihood under a
-   leave-one-out per-prompt prior (a candidate's prior is the posterior share of correct among the other
-   candidates of its prompt, shrunk to pi): correctness clusters by prompt, nuisance factors do not.
-4. Orientation: the class that most verifiers score higher (sum over v of (mu_1 - mu_0)_v / sd_v > 0) is
-   "correct"; labelled rows, when given, are clamped to their label in every E-step instead.
-5. Output: sigmoid(log(pi / (1 - pi)) + LDA log-likelihood ratio): continuous, so candidates of a prompt rarely
-   tie. The per-prompt prior is used only to choose between starts, not in the output, so a candidate's reward
-   does not depend on the other candidates' scores.
+   onto. For prediction a tie block gets the mean of its slice (the expected value of the linear discriminant).
+2. EM for class shares, class means [K, V] and one within-class covariance S [V, V] (plus a ridge). S holds what
+   correlates verifiers beyond correctness -- a shared length bias, reward models from one base model,
+   duplicates -- so the discriminant S^-1 (mu_0 - mu_k) discounts it, and an exact copy splits its verifier's weight
+   instead of adding to it. Missing scores are integrated out exactly: the E-step fills them with their conditional
+   mean given the row's observed scores (per class) and adds the conditional covariance in the M-step, so a
+   candidate is never dropped. EM is accelerated with SQUAREM (Varadhan & Roland, 2008).
+3. Starts and choice. The likelihood has several optima (a length factor, a popular wrong answer). Starts: a
+   one-factor moment fit (loadings from the median of triplet ratios C_ij C_ik / C_jk, refit without pairs flagged
+   as dependent: the agreement-based initialisation of Snorkel/FlyingSquid), the same on per-prompt mean scores,
+   the plain mean, and each distinct verifier alone; each is cut into K quantile bins. Every start gets a few EM
+   steps on a few prompts, the best `finalists` run to convergence there, and the winner is refit on the fit rows.
+   The choice is by likelihood under a leave-one-out per-prompt prior (a candidate's class prior is the posterior
+   share of each class among the other candidates of its prompt, shrunk to the global share): correctness
+   clusters by prompt (U-shaped difficulty), length and reward-model quirks mostly do not.
+4. Orientation: the class that verifiers score highest (largest sum over v of mu_kv / sd_v, a verifier in a
+   dependent group of size s counting 1/s) is "correct". With labels, labelled rows are clamped (a 1 to class 0,
+   a 0 to the wrong classes) in every E-step instead.
+5. Output: the posterior of class 0 with the global shares as prior: continuous, so candidates of one prompt rarely
+   tie, and a candidate's reward does not depend on the other candidates' scores (the per-prompt prior is used
+   only to choose between starts).
 
-Speed: the normal-score transform uses every row; EM runs on at most `max_fit_rows` rows (whole prompts drawn
-with a fixed seed), which estimates V means and a V x V covariance well for V up to a few dozen.
+Speed: the normal-score transform uses every row; EM runs on at most `max_fit_rows` rows (whole prompts drawn with
+a fixed seed), plenty for V means and a V x V covariance with V up to a few dozen.
 
 Where this departs from Weaver (Saad-Falcon et al., 2025): no min-max + threshold binarisation (normal scores, so
 rewards do not tie); the class balance is estimated, not set from labels; no drop rule (a useless verifier gets a
-weight near 0, an adversarial one a negative weight); a Gaussian mixture fit by EM to convergence instead of a
-binary Snorkel label model fit by moment matching; and verifiers are not assumed conditionally independent: their
-within-class covariance is estimated and used (`report()["dependent_groups"]` lists the strongly dependent ones).
+weight near 0, an adversarial one a negative weight); a Gaussian mixture with a "convincing wrong" class fit by
+EM to convergence, instead of a binary two-class Snorkel label model fit by moment matching; verifiers are not
+assumed conditionally independent: their within-class covariance is estimated and used
+(`report()["dependent_groups"]` lists the strongly dependent ones).
 """
 
 from __future__ import annotations
@@ -53,22 +60,28 @@ from forge.errors import UserError
 
 @dataclass(frozen=True)
 class EnsembleConfig:
+    classes: int = 3
+    """Latent classes K: correct plus K - 1 kinds of wrong (2 = the classic right/wrong label model)."""
     ridge: float = 0.05
     """Added to the within-class covariance diagonal (unit-variance scores): near-duplicates share a weight."""
-    max_iter: int = 100
-    """EM iterations at most, per finalist and for the final fit."""
-    tol: float = 1e-4
-    """EM stops when the mean change of the posteriors is below this."""
+    max_iter: int = 60
+    """EM steps at most per finalist."""
+    refit_iter: int = 15
+    """EM steps at most for the refit of the winner on the fit rows (it starts at its own optimum)."""
+    tol: float = 5e-4
+    """EM stops when the mean change of P(class 0) between SQUAREM cycles is below this."""
     max_fit_rows: int = 20_000
     """The final EM runs on at most this many rows (whole prompts, fixed seed); the score transform uses all rows."""
     screen_rows: int = 4_000
     """Starts are screened and the finalists run to convergence on at most this many rows (whole prompts)."""
-    screen_iter: int = 15
-    """EM iterations each start gets before the screen keeps the best `finalists`."""
+    screen_iter: int = 6
+    """EM steps each start gets before the screen keeps the best `finalists`."""
+    verifier_starts: int = 8
+    """Single-verifier starts: the distinct verifiers with the largest moment loadings, at most this many."""
     finalists: int = 3
     """Starts run to convergence after the screen; the best by score is refit on the fit rows."""
     prompt_prior_strength: float = 2.0
-    """Pseudo-count pulling a prompt's leave-one-out share of correct candidates towards pi (start choice only)."""
+    """Pseudo-count pulling a prompt's leave-one-out class shares towards the global ones (start choice only)."""
     dependence_threshold: float = 0.2
     """Within-class correlation above which verifiers count as dependent (moment start and the report)."""
     max_knots: int = 2048
@@ -76,22 +89,27 @@ class EnsembleConfig:
     seed: int = 0
     """Seed for the tie-spreading draws and the choice of fit rows; fit is deterministic given it."""
 
+    def __post_init__(self) -> None:
+        assert self.classes >= 2, "EnsembleConfig.classes: need a correct class and at least one wrong class"
+
 
 @dataclass(frozen=True)
 class EnsembleReport:
     class_balance: float  # estimated share of correct candidates
+    class_shares: list[float]  # [K] classes from most to least correct-looking
+    correct_classes: int  # how many of the first classes count as correct (1, or 2 when "less sure but right")
     names: list[str]  # [V]
-    est_auroc: list[float]  # [V] model-implied AUROC of each verifier alone (< 0.5: it scores wrong answers higher)
-    weights: list[float]  # [V] discriminant weight on each verifier's normal score
-    missing_share: list[float]  # [V] share of candidates the verifier did not score
-    dependent_groups: list[list[str]]  # verifiers correlated beyond what correctness explains (average linkage)
+    est_auroc: list[float]  # [V] model-implied AUROC, correct vs all wrong (< 0.5: scores wrong answers higher)
+    weights: list[float]  # [V] discriminant weight on each verifier's normal score, correct vs all wrong
+    missing_share: list[float]  # [V] share of fit candidates the verifier did not score
+    dependent_groups: list[list[str]]  # verifiers correlated beyond what the classes explain (average linkage)
     within_class_corr: list[list[float]]  # [V, V] correlation between verifiers within a class
-    start: str  # which start won: "moments", "prompt-means" or "mean"
-    iterations: int  # EM iterations of the winning start
+    start: str  # which start won: "moments", "prompt-means", "mean" or "verifier <name>"
+    iterations: int  # EM steps of the final fit
     n_candidates: int
     n_groups: int
-    n_fit_rows: int  # rows EM ran on
-    n_labels: int  # labelled rows clamped during EM (0 = label-free)
+    n_fit_rows: int  # rows the final EM ran on
+    n_labels: int  # labelled fit rows clamped during EM (0 = label-free)
 
 
 @dataclass(frozen=True)
@@ -102,16 +120,16 @@ class _Transform:
 
 @dataclass(frozen=True)
 class _Params:
-    pi: float
-    mu1: np.ndarray  # [V] mean normal score of correct candidates
-    mu0: np.ndarray  # [V] mean normal score of wrong candidates
+    shares: np.ndarray  # [K] class shares; once oriented, ordered from most to least correct-looking
+    means: np.ndarray  # [K, V] mean normal score per class
     cov: np.ndarray  # [V, V] within-class covariance, ridge included
+    correct: int = 1  # the first `correct` classes (once oriented) are the correct ones
 
 
 @dataclass(frozen=True)
 class _Fit:
     params: _Params
-    q: np.ndarray  # [n_fit] posteriors on the fit rows
+    q: np.ndarray  # [n, K] posteriors on the rows it was fit on
     iterations: int
     score: float  # mean log-likelihood under the leave-one-out prompt prior
 
@@ -142,9 +160,12 @@ class WeakVerifierEnsemble:
         z = _dithered_normal_scores(scores[rows], cfg.seed)  # [n_fit, V]
         g, y = groups[rows], None if labels is None else labels[rows]
         start, params = _choose_start(z, g, y, cfg)
-        q = _clamp(_sigmoid(math.log(params.pi / (1 - params.pi)) + _log_ratio(z, params)), y)
-        fit = _em(_Rows.of(z), g, y, q, cfg, cfg.max_iter)
-        self._params = _orient(fit.params) if y is None else fit.params
+        data = _Rows.of(z)
+        fit = _em(data, g, y, _posterior(z, params), cfg, cfg.refit_iter)
+        if y is None:  # label-free: decide which classes are the correct ones
+            self._params = _count_correct(data, g, _orient(fit.params, cfg.dependence_threshold), cfg)
+        else:  # labelled rows pinned class 0 to "correct"
+            self._params = fit.params
         self._report = _make_report(self._params, fit, start, z, groups, names, y, cfg)
         return self
 
@@ -152,9 +173,9 @@ class WeakVerifierEnsemble:
         """[N] probability that each candidate is correct."""
         if self._params is None or self._transform is None:
             raise UserError("WeakVerifierEnsemble.predict_proba: call fit(scores, groups) first")
-        scores, groups = _check_inputs(scores, groups, n_verifiers=len(self._params.mu1))
+        scores, groups = _check_inputs(scores, groups, n_verifiers=self._params.means.shape[1])
         p = self._params
-        return _sigmoid(math.log(p.pi / (1 - p.pi)) + _log_ratio(_apply_transform(self._transform, scores), p))
+        return _posterior(_apply_transform(self._transform, scores), p)[:, : p.correct].sum(axis=1)
 
     def report(self) -> dict:
         """Estimated class balance, per-verifier quality and weights, dependent groups (a JSON-able dict)."""
@@ -290,6 +311,49 @@ def _dithered_normal_scores(scores: np.ndarray, seed: int) -> np.ndarray:
 # ---------------------------------------------------------------- starts
 
 
+def _choose_start(
+    z: np.ndarray, groups: np.ndarray, labels: np.ndarray | None, cfg: EnsembleConfig
+) -> tuple[str, _Params]:
+    """Screen every start briefly on a few prompts, run the best few to convergence, return the best (by score)."""
+    keep = _subsample(groups, cfg.screen_rows, cfg.seed + 1)
+    zs, gs, ys = z[keep], groups[keep], None if labels is None else labels[keep]
+    rows = _Rows.of(zs)
+    starts = _starts(zs, gs, cfg)
+    short = {name: _em(rows, gs, ys, q0, cfg, cfg.screen_iter) for name, q0 in starts.items()}
+    finalists = sorted(short, key=lambda k: short[k].score, reverse=True)[: cfg.finalists]
+    long = {name: _em(rows, gs, ys, short[name].q, cfg, cfg.max_iter) for name in finalists}
+    best = max(long, key=lambda k: long[k].score)
+    return best, long[best].params
+
+
+def _starts(z: np.ndarray, groups: np.ndarray, cfg: EnsembleConfig) -> dict[str, np.ndarray]:
+    """Initial posteriors [n, K]: moment loadings, the same on prompt means, the plain mean, single verifiers."""
+    filled = np.nan_to_num(z)
+    k, threshold = cfg.classes, cfg.dependence_threshold
+    loadings, clusters = _factor_with_dependence(_pairwise_corr(z), threshold)
+    starts = {
+        "moments": _bins(filled @ _moment_weights(loadings, clusters), k),
+        "prompt-means": _bins(filled @ _moment_weights(*_factor_with_dependence(
+            _pairwise_corr(_prompt_means(z, groups)), threshold)), k),
+        "mean": _bins(filled.mean(axis=1), k),  # missing scores count as average
+    }  # fmt: skip
+    seen: set[bytes] = set()
+    for v in np.argsort(-np.abs(loadings), kind="stable"):
+        key = filled[:, v].tobytes()
+        if key not in seen and len(seen) < cfg.verifier_starts:  # a copy would only repeat its original's run
+            seen.add(key)
+            starts[f"verifier {v}"] = _bins(filled[:, v], k)
+    return starts
+
+
+def _bins(s: np.ndarray, k: int) -> np.ndarray:
+    """[n, K] soft assignment to K equal-count bins of s, highest bin first (class 0 = looks most correct)."""
+    rank = np.argsort(np.argsort(s, kind="stable"), kind="stable") / len(s)
+    q = np.full((len(s), k), 0.2 / k)
+    q[np.arange(len(s)), k - 1 - np.minimum((rank * k).astype(int), k - 1)] += 0.8
+    return q
+
+
 def _pairwise_corr(z: np.ndarray) -> np.ndarray:
     """[V, V] correlations over the rows where both verifiers are present (missing completely at random)."""
     observed = (~np.isnan(z)).astype(np.float64)
@@ -303,36 +367,6 @@ def _pairwise_corr(z: np.ndarray) -> np.ndarray:
     return corr
 
 
-def _choose_start(z: np.ndarray, groups: np.ndarray, labels: np.ndarray | None, cfg: EnsembleConfig):
-    """Screen every start briefly on a few prompts, run the best few to convergence, return the best (by score)."""
-    keep = _subsample(groups, cfg.screen_rows, cfg.seed + 1)
-    zs, gs, ys = z[keep], groups[keep], None if labels is None else labels[keep]
-    rows = _Rows.of(zs)
-    short = {name: _em(rows, gs, ys, q0, cfg, cfg.screen_iter) for name, q0 in _starts(zs, gs, cfg).items()}
-    finalists = sorted(short, key=lambda k: short[k].score, reverse=True)[: cfg.finalists]
-    long = {name: _em(rows, gs, ys, short[name].q, cfg, cfg.max_iter) for name in finalists}
-    best = max(long, key=lambda k: long[k].score)
-    return best, long[best].params
-
-
-def _starts(z: np.ndarray, groups: np.ndarray, cfg: EnsembleConfig) -> dict[str, np.ndarray]:
-    """Initial posteriors [n]: moment loadings, the same on prompt means, the plain mean, each distinct verifier."""
-    filled = np.nan_to_num(z)
-    by_prompt = _prompt_means(z, groups)
-    starts = {
-        "moments": _soft_split(filled @ _moment_weights(_pairwise_corr(z), cfg.dependence_threshold)),
-        "prompt-means": _soft_split(filled @ _moment_weights(_pairwise_corr(by_prompt), cfg.dependence_threshold)),
-        "mean": _soft_split(np.nanmean(np.where(np.isnan(z), 0.0, z), axis=1)),
-    }
-    seen: set[bytes] = set()
-    for v in range(z.shape[1]):  # the mixture is symmetric in its two classes, so a verifier's sign is irrelevant
-        key = filled[:, v].tobytes()
-        if key not in seen:
-            seen.add(key)
-            starts[f"verifier {v}"] = _soft_split(filled[:, v])
-    return starts
-
-
 def _prompt_means(z: np.ndarray, groups: np.ndarray) -> np.ndarray:
     """[n_prompts, V] mean normal score per prompt over the candidates a verifier scored (NaN if none)."""
     _, inverse = np.unique(groups, return_inverse=True)
@@ -343,14 +377,8 @@ def _prompt_means(z: np.ndarray, groups: np.ndarray) -> np.ndarray:
         return (sums / counts).T
 
 
-def _soft_split(s: np.ndarray) -> np.ndarray:
-    sd = float(s.std())
-    return _sigmoid(2.0 * (s - s.mean()) / sd) if sd > 1e-12 else np.full(len(s), 0.5)
-
-
-def _moment_weights(corr: np.ndarray, threshold: float) -> np.ndarray:
+def _moment_weights(loadings: np.ndarray, clusters: list[np.ndarray]) -> np.ndarray:
     """Naive-Bayes weights l / (1 - l^2) from one-factor loadings, shared out within dependent groups."""
-    loadings, clusters = _factor_with_dependence(corr, threshold)
     weights = loadings / np.maximum(1.0 - loadings**2, 0.05)
     for members in clusters:
         weights[members] /= len(members)
@@ -401,6 +429,7 @@ def _rank_one_fit(corr: np.ndarray, allowed: np.ndarray, init: np.ndarray, iters
 
 
 def _residual_corr(corr: np.ndarray, loadings: np.ndarray) -> np.ndarray:
+    """Correlation left after the latent factor, rescaled to a within-class correlation."""
     resid_var = np.maximum(1.0 - loadings**2, 1e-3)
     within = (corr - np.outer(loadings, loadings)) / np.sqrt(np.outer(resid_var, resid_var))
     np.fill_diagonal(within, 1.0)
@@ -424,6 +453,7 @@ def _average_linkage(within: np.ndarray, threshold: float) -> list[np.ndarray]:
 
 
 def _cross_cluster_mask(clusters: list[np.ndarray], v: int) -> np.ndarray:
+    """[V, V] True for pairs of verifiers in different dependent groups."""
     label = np.empty(v, dtype=int)
     for k, members in enumerate(clusters):
         label[members] = k
@@ -431,118 +461,40 @@ def _cross_cluster_mask(clusters: list[np.ndarray], v: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- EM with missing scores
+#
+# A row's missing scores are integrated out exactly with small per-row algebra. With P = S^-1, o the row's observed
+# and m its missing verifiers, W = (P_mm)^-1 [k, k] and z~ the row with 0 at m:
+#   S_oo^-1 = P_oo - P_om W P_mo,   E[z_m | z_o, class c] = mu_cm - W (P (z~ - mu~_c))_m,   Cov[z_m | z_o] = W,
+# where mu~_c is mu_c with 0 at m. Only k-vectors per row are needed: a = (P z~)_m and b_c = (P mu~_c)_m.
 
 
 @dataclass(frozen=True)
 class _Rows:
-    """Fit rows split once: complete rows enter EM through fixed sums, rows with gaps through exact conditionals."""
+    """Fit rows with what EM reuses every step."""
 
     z: np.ndarray  # [n, V] normal scores, NaN = missing
-    complete: np.ndarray  # [n] bool
-    full: np.ndarray  # [c, V] the complete rows
-    gram: np.ndarray  # [V, V] sum of z z^T over complete rows
-    gaps: np.ndarray  # [m, V] rows with at least one missing score
-    missing: np.ndarray  # [m, V] bool
-    blocks: list  # (rows of gaps, their missing columns [R, k]) per number k of missing entries
+    filled: np.ndarray  # [n, V] the same with 0 where missing
+    gram: np.ndarray  # [V, V] filled^T filled
+    blocks: list[tuple[np.ndarray, np.ndarray]]  # (rows, their missing columns [R, k]) per count k of missing
 
     @staticmethod
     def of(z: np.ndarray) -> _Rows:
-        complete = ~np.isnan(z).any(axis=1)
-        full, gaps = z[complete], z[~complete]
-        missing = np.isnan(gaps)
-        return _Rows(z, complete, full, full.T @ full, gaps, missing, _missing_blocks(missing))
+        filled = np.nan_to_num(z)
+        return _Rows(z, filled, filled.T @ filled, _missing_blocks(np.isnan(z)))
 
 
-def _em(
-    rows: _Rows, groups: np.ndarray, labels: np.ndarray | None, q: np.ndarray, cfg: EnsembleConfig, max_iter: int
-) -> _Fit:
-    """Two-class tied-covariance Gaussian mixture from posteriors q; labelled rows (if any) stay clamped."""
-    q = _clamp(q, labels)
-    fills = (np.where(rows.missing, 0.0, rows.gaps),) * 2  # missing entries start at the mean (0)
-    extra = np.diag(rows.missing.sum(axis=0).astype(np.float64))  # and with unit conditional variance
-    it = 0
-    for it in range(1, max_iter + 1):
-        params = _m_step(rows, fills, extra, q, cfg.ridge)
-        lr, fills, extra = _e_step(rows, params)
-        new = _clamp(_sigmoid(math.log(params.pi / (1 - params.pi)) + lr), labels)
-        done = float(np.abs(new - q).mean()) < cfg.tol
-        q = new
-        if done:
-            break
-    score = _prompt_prior_loglik(rows, groups, params, q, cfg.prompt_prior_strength)
-    return _Fit(params, q, it, score)
+@dataclass(frozen=True)
+class _Gaps:
+    """Per block of rows with k missing scores: what the E-step found, for the M-step and the likelihood."""
 
-
-def _clamp(q: np.ndarray, labels: np.ndarray | None) -> np.ndarray:
-    return q if labels is None else np.where(np.isnan(labels), q, labels)
-
-
-def _m_step(rows: _Rows, fills: tuple, extra: np.ndarray, q: np.ndarray, ridge: float) -> _Params:
-    """Weighted class means and pooled covariance; fills hold each class's conditional mean for missing entries."""
-    zc, qc, qg = rows.full, q[rows.complete], q[~rows.complete]
-    s1 = qc @ zc + qg @ fills[0]
-    s0 = (1 - qc) @ zc + (1 - qg) @ fills[1]
-    n1, n0 = max(float(q.sum()), 1e-6), max(float((1 - q).sum()), 1e-6)
-    mu1, mu0 = s1 / n1, s0 / n0
-    # over complete rows: sum_y sum_n w_y (z - mu_y)(z - mu_y)^T = gram - n_y mu_y mu_y^T per class
-    n1c, n0c = float(qc.sum()), float((1 - qc).sum())
-    s1c, s0c = s1 - qg @ fills[0], s0 - (1 - qg) @ fills[1]
-    cov = rows.gram - _sym(mu1, s1c, n1c) - _sym(mu0, s0c, n0c)
-    d1, d0 = fills[0] - mu1, fills[1] - mu0
-    cov += d1.T @ (d1 * qg[:, None]) + d0.T @ (d0 * (1 - qg)[:, None]) + extra
-    v = len(mu1)
-    return _Params(float(np.clip(n1 / len(q), 1e-3, 1 - 1e-3)), mu1, mu0, cov / len(q) + ridge * np.eye(v))
-
-
-def _sym(mu: np.ndarray, s: np.ndarray, n: float) -> np.ndarray:
-    """mu s^T + s mu^T - n mu mu^T: what centring a class's complete rows on mu removes from their gram matrix."""
-    return np.outer(mu, s) + np.outer(s, mu) - n * np.outer(mu, mu)
-
-
-def _e_step(rows: _Rows, p: _Params) -> tuple[np.ndarray, tuple, np.ndarray]:
-    """Log-likelihood ratio per row, conditional-mean fills per class, summed conditional covariance [V, V]."""
-    prec = np.linalg.inv(p.cov)
-    lr = np.empty(len(rows.z))
-    lr[rows.complete] = _linear_ratio(rows.full, p, prec)
-    lr[~rows.complete], fills, extra = _gap_ratio(rows.gaps, rows.missing, rows.blocks, p, prec)
-    return lr, fills, extra
-
-
-def _linear_ratio(z: np.ndarray, p: _Params, prec: np.ndarray) -> np.ndarray:
-    """Rows with every score: the LDA log-likelihood ratio, linear in z."""
-    w = prec @ (p.mu1 - p.mu0)
-    return (z - 0.5 * (p.mu1 + p.mu0)) @ w
-
-
-def _gap_ratio(
-    z: np.ndarray, missing: np.ndarray, blocks: list, p: _Params, prec: np.ndarray
-) -> tuple[np.ndarray, tuple, np.ndarray]:
-    """Rows with gaps: log N(z_o | mu1_o, S_oo) - log N(z_o | mu0_o, S_oo), via each class's conditional fill."""
-    cond = [np.linalg.inv(prec[cols[:, :, None], cols[:, None, :]]) for _, cols in blocks]  # [R, k, k] each
-    z1, z0 = (_fill_missing(z, missing, blocks, cond, mu, prec) for mu in (p.mu1, p.mu0))
-    extra = np.zeros_like(prec)
-    for (_, cols), c in zip(blocks, cond, strict=True):
-        np.add.at(extra, (cols[:, :, None], cols[:, None, :]), c)
-    d1, d0 = z1 - p.mu1, z0 - p.mu0
-    # the fill's own density term, log N(z_m | E[z_m | z_o], S_m|o), is the same for both classes and cancels
-    lr = -0.5 * (np.sum((d1 @ prec) * d1, axis=1) - np.sum((d0 @ prec) * d0, axis=1))
-    return lr, (z1, z0), extra
-
-
-def _log_ratio(z: np.ndarray, p: _Params) -> np.ndarray:
-    """Log-likelihood ratio for any rows (prediction)."""
-    prec = np.linalg.inv(p.cov)
-    gaps = np.isnan(z).any(axis=1)
-    lr = np.empty(len(z))
-    lr[~gaps] = _linear_ratio(z[~gaps], p, prec)
-    if gaps.any():
-        missing = np.isnan(z[gaps])
-        lr[gaps] = _gap_ratio(z[gaps], missing, _missing_blocks(missing), p, prec)[0]
-    return lr
+    fills: list[np.ndarray]  # [K, R, k] E[z_m | z_o, class]
+    cond: list[np.ndarray]  # [R, k, k] W = Cov[z_m | z_o]
+    quad: list[np.ndarray]  # [R] a^T W a, for the per-row constant of the likelihood
+    logdet: list[np.ndarray]  # [R] log |P_mm|
 
 
 def _missing_blocks(missing: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(rows, their missing columns [R, k]) per number k of missing entries."""
+    """(rows, their missing columns [R, k]) for each count k of missing scores."""
     n_missing = missing.sum(axis=1)
     blocks = []
     for k in np.unique(n_missing[n_missing > 0]):
@@ -551,51 +503,197 @@ def _missing_blocks(missing: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
     return blocks
 
 
-def _fill_missing(
-    z: np.ndarray, missing: np.ndarray, blocks: list, cond: list, mu: np.ndarray, prec: np.ndarray
-) -> np.ndarray:
-    """Missing entries -> E[z_m | z_o] = mu_m - P_mm^-1 P_mo (z_o - mu_o) under N(mu, P^-1); cond[i] = P_mm^-1."""
-    filled = np.where(missing, mu, z)
-    pull = np.where(missing, 0.0, z - mu) @ prec  # column m of row r: (P_mo (z_o - mu_o))_m when m is missing
-    for (rows, cols), inv_pmm in zip(blocks, cond, strict=True):
-        shift = -np.einsum("rij,rj->ri", inv_pmm, np.take_along_axis(pull[rows], cols, axis=1))
-        filled[rows[:, None], cols] = mu[cols] + shift
-    return filled
+def _em(
+    rows: _Rows, groups: np.ndarray, labels: np.ndarray | None, q: np.ndarray, cfg: EnsembleConfig, max_iter: int
+) -> _Fit:
+    """Tied-covariance Gaussian mixture from posteriors q [n, K]; labelled rows (if any) stay clamped.
+
+    SQUAREM on the posteriors: two EM steps, an extrapolation along them, one stabilising step. Plain EM from a
+    weak start crawls for hundreds of steps.
+    """
+    q = _clamp(q, labels)
+    gaps = _Gaps([np.zeros((q.shape[1], len(r), c.shape[1])) for r, c in rows.blocks],
+                 [np.repeat(np.eye(c.shape[1])[None], len(r), axis=0) for r, c in rows.blocks], [], [])  # fmt: skip
+    steps = 0
+    while True:
+        q1, gaps, _ = _em_step(rows, labels, q, gaps, cfg.ridge)
+        q2, gaps, _ = _em_step(rows, labels, q1, gaps, cfg.ridge)
+        r, v = q1 - q, q2 - 2 * q1 + q
+        alpha = min(-math.sqrt(float(np.sum(r * r)) / max(float(np.sum(v * v)), 1e-300)), -1.0)
+        jump = _clamp(_normalize(np.clip(q - 2 * alpha * r + alpha * alpha * v, 1e-9, 1.0)), labels)
+        new, gaps, params = _em_step(rows, labels, jump, gaps, cfg.ridge)
+        steps += 3
+        done = float(np.abs(new[:, 0] - q[:, 0]).mean()) < cfg.tol  # how wrong mass splits does not matter
+        q = new
+        if done or steps >= max_iter:
+            break
+    return _Fit(params, q, steps, _prompt_prior_loglik(rows, groups, params, q, cfg.prompt_prior_strength))
+
+
+def _em_step(
+    rows: _Rows, labels: np.ndarray | None, q: np.ndarray, gaps: _Gaps, ridge: float
+) -> tuple[np.ndarray, _Gaps, _Params]:
+    """M-step then E-step: new posteriors, what the E-step found about missing scores, the params."""
+    params = _m_step(rows, gaps, q, ridge)
+    loglik, gaps = _class_loglik(rows, params)
+    return _clamp(_softmax(np.log(params.shares) + loglik), labels), gaps, params
+
+
+def _m_step(rows: _Rows, gaps: _Gaps, q: np.ndarray, ridge: float) -> _Params:
+    """Class shares, means and the pooled within-class covariance, with missing scores at their conditional means.
+
+    With x_nc the row completed for class c: sum_c sum_n q_nc x_nc x_nc^T = gram + (Z~^T E + E^T Z~) + sum_n
+    sum_c q_nc f_nc f_nc^T, where E holds each row's posterior-averaged fill; then subtract sum_c n_c mu_c mu_c^T
+    and add sum_n Cov[z_m | z_o].
+    """
+    n, v = rows.filled.shape
+    counts = np.maximum(q.sum(axis=0), 1e-9)  # [K]
+    sums = q.T @ rows.filled  # [K, V]
+    second = rows.gram.copy()
+    fill_avg = np.zeros_like(rows.filled)
+    for (r, c), fills, cond in zip(rows.blocks, gaps.fills, gaps.cond, strict=True):
+        qr = q[r]  # [R, K]
+        for k in range(len(counts)):
+            sums[k] += np.bincount(c.ravel(), weights=(qr[:, k : k + 1] * fills[k]).ravel(), minlength=v)
+        fill_avg[r[:, None], c] = np.sum(qr.T[:, :, None] * fills, axis=0)
+        outer = cond + sum(
+            qr[:, j, None, None] * fills[j][:, :, None] * fills[j][:, None, :] for j in range(len(counts))
+        )
+        np.add.at(second, (c[:, :, None], c[:, None, :]), outer)
+    cross = rows.filled.T @ fill_avg
+    means = sums / counts[:, None]
+    cov = second + cross + cross.T - (sums.T / counts) @ sums
+    shares = np.clip(counts / n, 1e-4, 1.0)
+    return _Params(shares / shares.sum(), means, cov / n + ridge * np.eye(v))
+
+
+def _class_loglik(rows: _Rows, p: _Params) -> tuple[np.ndarray, _Gaps]:
+    """[n, K] log N(z_o | mu_c,o, S_oo) without the parts equal for every class; and the gap statistics."""
+    prec = np.linalg.inv(p.cov)
+    pm = p.means @ prec  # [K, V]
+    loglik = rows.filled @ pm.T - 0.5 * np.sum(pm * p.means, axis=1)  # exact for complete rows
+    gaps = _Gaps([], [], [], [])
+    for r, c in rows.blocks:
+        correction, block = _gap_block(rows.filled[r], c, p.means, pm, prec)
+        loglik[r] += correction
+        for store, item in zip((gaps.fills, gaps.cond, gaps.quad, gaps.logdet), block, strict=True):
+            store.append(item)
+    return loglik, gaps
+
+
+def _gap_block(
+    zr: np.ndarray, c: np.ndarray, means: np.ndarray, pm: np.ndarray, prec: np.ndarray
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Rows [R] missing columns c [R, k]: correction to z~^T P mu_c - mu_c^T P mu_c / 2, and the fill statistics."""
+    pmm = prec[c[:, :, None], c[:, None, :]]  # [R, k, k]
+    w = np.linalg.inv(pmm)
+    a = np.take_along_axis(zr @ prec, c, axis=1)  # (P z~)_m, [R, k]
+    mu_m, pm_m = means[:, c], pm[:, c]  # [K, R, k]
+    p_mu = _batch_matvec(pmm, mu_m)  # P_mm mu_c,m
+    b = pm_m - p_mu  # (P mu~_c)_m
+    wa, wb = _batch_matvec(w, a[None])[0], _batch_matvec(w, b)
+    # z_o^T S_oo^-1 mu_c,o = z~^T P mu~_c - a^T W b_c, and z~^T P mu~_c = z~^T P mu_c - mu_c,m . a
+    linear = -np.sum(mu_m * a, axis=2) - np.sum(wb * a, axis=2)  # [K, R]
+    # mu_c,o^T S_oo^-1 mu_c,o = mu_c^T P mu_c - 2 mu_c,m . (P mu_c)_m + mu_c,m^T P_mm mu_c,m - b_c^T W b_c
+    quad = np.sum(mu_m * (p_mu - 2 * pm_m), axis=2) - np.sum(b * wb, axis=2)
+    fills = mu_m - (wa[None] - wb)
+    return (linear - 0.5 * quad).T, (fills, w, np.sum(a * wa, axis=1), np.linalg.slogdet(pmm)[1])
+
+
+def _batch_matvec(m: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """[R, k, k] matrices times [K, R, k] vectors -> [K, R, k]."""
+    return np.matmul(m[None], x[..., None])[..., 0]
+
+
+def _posterior(z: np.ndarray, p: _Params) -> np.ndarray:
+    """[n, K] class posteriors for any rows, with the global class shares as prior."""
+    rows = _Rows(z, np.nan_to_num(z), np.zeros((0, 0)), _missing_blocks(np.isnan(z)))
+    return _softmax(np.log(p.shares) + _class_loglik(rows, p)[0])
 
 
 def _prompt_prior_loglik(rows: _Rows, groups: np.ndarray, p: _Params, q: np.ndarray, strength: float) -> float:
-    """Mean log p(z_o) when each candidate's prior is its prompt's leave-one-out share of correct (to pi)."""
+    """Mean log p(z_o) when a candidate's class prior is its prompt's leave-one-out class shares (to the global)."""
+    prior = np.stack([_leave_one_out(q[:, k], groups, p.shares[k], strength) for k in range(q.shape[1])], axis=1)
+    return float(np.mean(_logsumexp(_marginal_loglik(rows, p) + np.log(prior))))
+
+
+def _leave_one_out(x: np.ndarray, groups: np.ndarray, prior: float, strength: float) -> np.ndarray:
+    """[n] mean of x over the other rows of the same prompt, with `strength` pseudo-rows at `prior`."""
     _, inverse = np.unique(groups, return_inverse=True)
-    total, count = np.bincount(inverse, weights=q)[inverse], np.bincount(inverse)[inverse]
-    prior = np.clip((total - q + strength * p.pi) / (count - 1 + strength), 1e-4, 1 - 1e-4)
-    ll1, ll0 = (_marginal_loglik(rows, mu, p.cov) for mu in (p.mu1, p.mu0))
-    return float(np.mean(np.logaddexp(ll1 + np.log(prior), ll0 + np.log1p(-prior))))
+    total, count = np.bincount(inverse, weights=x)[inverse], np.bincount(inverse)[inverse]
+    return np.clip((total - x + strength * prior) / (count - 1 + strength), 1e-6, 1 - 1e-6)
 
 
-def _marginal_loglik(rows: _Rows, mu: np.ndarray, cov: np.ndarray) -> np.ndarray:
-    """log N(z_o | mu_o, S_oo) per row = log N(fill | mu, S) minus the fill's density under z_m | z_o."""
-    prec = np.linalg.inv(cov)
-    z = rows.z.copy()
-    cond = [np.linalg.inv(prec[cols[:, :, None], cols[:, None, :]]) for _, cols in rows.blocks]
-    z[~rows.complete] = _fill_missing(rows.gaps, rows.missing, rows.blocks, cond, mu, prec)
-    d = z - mu
-    ll = -0.5 * np.sum((d @ prec) * d, axis=1) - 0.5 * np.linalg.slogdet(cov)[1]
-    gap_ll = ll[~rows.complete]
-    for (r, _), c in zip(rows.blocks, cond, strict=True):
-        gap_ll[r] += 0.5 * np.linalg.slogdet(c)[1]
-    ll[~rows.complete] = gap_ll
-    return ll - 0.5 * (~np.isnan(rows.z)).sum(axis=1) * math.log(2 * math.pi)
+def _count_correct(rows: _Rows, groups: np.ndarray, p: _Params, cfg: EnsembleConfig) -> _Params:
+    """How many of the top classes are correct: the cut under which correctness clusters most by prompt.
+
+    A middle class is either a convincing kind of wrong (a popular wrong answer: its candidates share prompts with
+    other wrong ones) or a less convincing kind of right (its candidates share prompts with right ones). Each cut
+    j is scored by the likelihood with a two-level prior: P(correct) from the prompt's other candidates
+    (leave-one-out), split over the classes on each side of the cut by their global shares.
+    """
+    loglik = _marginal_loglik(rows, p)
+    post = _softmax(np.log(p.shares) + loglik)
+    scores = []
+    for j in range(1, len(p.shares)):
+        pi = float(p.shares[:j].sum())
+        rho = _leave_one_out(post[:, :j].sum(axis=1), groups, pi, cfg.prompt_prior_strength)[:, None]
+        prior = np.concatenate([rho * p.shares[:j] / pi, (1 - rho) * p.shares[j:] / (1 - pi)], axis=1)
+        scores.append(float(np.mean(_logsumexp(loglik + np.log(prior)))))
+    return _Params(p.shares, p.means, p.cov, 1 + int(np.argmax(scores)))
 
 
-def _orient(p: _Params) -> _Params:
-    """Call "correct" the class that most verifiers score higher (in units of their within-class sd)."""
-    if float(np.sum((p.mu1 - p.mu0) / np.sqrt(np.diag(p.cov)))) >= 0:
-        return p
-    return _Params(1 - p.pi, p.mu0, p.mu1, p.cov)
+def _marginal_loglik(rows: _Rows, p: _Params) -> np.ndarray:
+    """[n, K] log N(z_o | mu_c,o, S_oo) in full: the class part plus -(z_o^T S_oo^-1 z_o + log|S_oo|) / 2 - ..."""
+    loglik, gaps = _class_loglik(rows, p)
+    prec = np.linalg.inv(p.cov)
+    own = np.sum((rows.filled @ prec) * rows.filled, axis=1) + np.linalg.slogdet(p.cov)[1]
+    for (r, _), a_quad, logdet in zip(rows.blocks, gaps.quad, gaps.logdet, strict=True):
+        own[r] += logdet - a_quad  # |S_oo| = |S| |P_mm|; z_o^T S_oo^-1 z_o = z~^T P z~ - a^T W a
+    observed = (~np.isnan(rows.z)).sum(axis=1)
+    return loglik - 0.5 * (own + observed * math.log(2 * math.pi))[:, None]
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 0.5 * (1.0 + np.tanh(0.5 * x))
+def _normalize(q: np.ndarray) -> np.ndarray:
+    return q / q.sum(axis=1, keepdims=True)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def _logsumexp(x: np.ndarray) -> np.ndarray:
+    top = x.max(axis=1)
+    return top + np.log(np.exp(x - top[:, None]).sum(axis=1))
+
+
+def _clamp(q: np.ndarray, labels: np.ndarray | None) -> np.ndarray:
+    """Labelled rows: a 1 is class 0, a 0 is spread over the wrong classes as the posterior has it."""
+    if labels is None:
+        return q
+    q = q.copy()
+    right, wrong = labels == 1, labels == 0
+    q[right] = 0.0
+    q[right, 0] = 1.0
+    q[wrong, 0] = 0.0
+    q[wrong, 1:] = np.where(q[wrong, 1:].sum(axis=1, keepdims=True) > 0, q[wrong, 1:], 1.0)
+    q[wrong] = _normalize(q[wrong])
+    return q
+
+
+def _orient(p: _Params, threshold: float) -> _Params:
+    """Order classes by how high verifiers score them: class 0 is "correct".
+
+    The score is sum over v of mu_cv / sd_v, each verifier weighted 1 / (size of its dependent group), so five
+    copies of one verifier still get one vote.
+    """
+    sd = np.sqrt(np.diag(p.cov))
+    vote = np.ones(len(sd))
+    for members in _average_linkage(p.cov / np.outer(sd, sd), threshold):
+        vote[members] = 1.0 / len(members)
+    order = np.argsort(-(p.means / sd) @ vote, kind="stable")
+    return _Params(p.shares[order], p.means[order], p.cov, p.correct)
 
 
 # ---------------------------------------------------------------- report
@@ -609,18 +707,26 @@ def _make_report(
     p: _Params, fit: _Fit, start: str, z: np.ndarray, groups: np.ndarray, names: list[str],
     labels: np.ndarray | None, cfg: EnsembleConfig,
 ) -> EnsembleReport:  # fmt: skip
+    """What was estimated, in plain lists; quality and weights compare the correct classes with the wrong ones."""
     cov = p.cov - cfg.ridge * np.eye(len(p.cov))
     sd = np.sqrt(np.maximum(np.diag(cov), 1e-12))
     within = cov / np.outer(sd, sd)
-    gap = p.mu1 - p.mu0
-    clusters = _average_linkage(within, cfg.dependence_threshold)
+    j = p.correct
+    right = p.shares[:j] @ p.means[:j] / p.shares[:j].sum()  # [V] mean over the correct classes
+    gap = right - p.shares[j:] @ p.means[j:] / p.shares[j:].sum()  # minus the mean over the wrong ones
+    if start.startswith("verifier "):
+        start = f"verifier {names[int(start.split()[1])]}"
     return EnsembleReport(
-        class_balance=round(p.pi, 4),
+        class_balance=round(float(p.shares[:j].sum()), 4),
+        class_shares=[round(float(x), 4) for x in p.shares],
+        correct_classes=j,
         names=names,
         est_auroc=[round(_normal_cdf(float(g / s) / math.sqrt(2.0)), 4) for g, s in zip(gap, sd, strict=True)],
         weights=[round(float(w), 4) for w in np.linalg.solve(p.cov, gap)],
         missing_share=[round(float(x), 4) for x in np.isnan(z).mean(axis=0)],
-        dependent_groups=[[names[i] for i in c] for c in clusters if len(c) > 1],
+        dependent_groups=[
+            [names[i] for i in c] for c in _average_linkage(within, cfg.dependence_threshold) if len(c) > 1
+        ],
         within_class_corr=[[round(float(x), 3) for x in row] for row in within],
         start=start,
         iterations=fit.iterations,

@@ -17,6 +17,8 @@ from forge.rewards.verifiers import BUILTIN, Verifier
 def resolve_verifier(spec: str) -> tuple[str, Verifier]:
     """(name, fn) for a built-in name or 'pkg.module:function' (name = the function's attribute name)."""
     spec = spec.strip()
+    if "=" in spec.split(":", 1)[0]:
+        return _model_verifier(spec)
     if ":" not in spec:
         return spec, _builtin(spec)
     module_path, _, attr = spec.partition(":")
@@ -41,12 +43,27 @@ def resolve_verifiers(specs: list[str]) -> list[tuple[str, Verifier]]:
     return resolved
 
 
+def _model_verifier(spec: str) -> tuple[str, Verifier]:
+    """'reward_model=PATH' or 'llm_judge=PATH': a model-based verifier loaded from a local directory."""
+    from forge.rewards.judges import FACTORIES
+
+    kind, _, path = spec.partition("=")
+    if kind not in FACTORIES or not path:
+        raise UserError(f"verifier '{spec}': use reward_model=PATH or llm_judge=PATH (a local model directory)")
+    return kind, FACTORIES[kind](path)
+
+
 def _builtin(name: str) -> Verifier:
+    from forge.rewards.weak import WEAK
+
     if name in BUILTIN:
         return BUILTIN[name]
-    close = difflib.get_close_matches(name, BUILTIN, n=1, cutoff=0.5)
+    if name in WEAK:
+        return WEAK[name]
+    names = [*BUILTIN, *WEAK]
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'? " if close else ""
-    valid = ", ".join(BUILTIN)
+    valid = ", ".join(names)
     raise UserError(
         f"unknown verifier '{name}' in reward.verifiers; {hint}built-ins: {valid}, or an import path 'pkg.module:fn'"
     )

@@ -53,8 +53,13 @@ def prefect_server(tmp_path):
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)
     log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([str(BIN / "forgeweave"), "server", "--port", str(port)], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(BIN / "forgeweave"), "server", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         _wait_http(f"http://127.0.0.1:{port}/api/health", timeout=90)
         yield f"http://127.0.0.1:{port}/api", env
@@ -63,11 +68,12 @@ def prefect_server(tmp_path):
         log.close()
 
 
-async def _trigger_and_wait(params: dict, timeout: float) -> object:
-    from prefect.client.orchestration import get_client
+async def _trigger_and_wait(api_url: str, params: dict, timeout: float) -> object:
+    # an explicit client: this test process may already hold settings for the embedded server of other tests
+    from prefect.client.orchestration import PrefectClient
 
-    async with get_client() as client:
-        deadline = time.time() + 60
+    async with PrefectClient(api_url) as client:
+        deadline = time.time() + 180
         while True:
             try:
                 deployment = await client.read_deployment_by_name("forgeweave-grpo/pipeline")
@@ -86,18 +92,24 @@ async def _trigger_and_wait(params: dict, timeout: float) -> object:
     raise TimeoutError("flow run did not finish")
 
 
-def test_ui_trigger_runs_the_pipeline(prefect_server, tmp_path, monkeypatch):
+def test_ui_trigger_runs_the_pipeline(prefect_server, tmp_path):
     api_url, env = prefect_server
     runs = tmp_path / "runs"
     env = {**env, "PREFECT_API_URL": api_url, "PYTHONPATH": str(REPO)}
     log = open(tmp_path / "serve.log", "w")
-    serve = subprocess.Popen([str(BIN / "forgeweave"), "serve", "--runs-dir", str(runs)], env=env, stdout=log,
-                             stderr=subprocess.STDOUT, start_new_session=True)
+    serve = subprocess.Popen(
+        [str(BIN / "forgeweave"), "serve", "--runs-dir", str(runs)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
-        monkeypatch.setenv("PREFECT_API_URL", api_url)
-        monkeypatch.setenv("PREFECT_HOME", env["PREFECT_HOME"])
         params = {"preset": "tiny", "name": "from-ui", "overrides": ["steps=3", "eval.k=0", "eval.every=3"]}
-        run = asyncio.run(_trigger_and_wait(params, timeout=240))
+        try:
+            run = asyncio.run(_trigger_and_wait(api_url, params, timeout=300))
+        except Exception as e:
+            raise AssertionError(f"{e!r}; serve log: {(tmp_path / 'serve.log').read_text()[-3000:]}") from e
         assert run.state.is_completed(), (tmp_path / "serve.log").read_text()[-3000:]
     finally:
         _stop(serve)

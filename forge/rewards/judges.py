@@ -1,0 +1,96 @@
+"""Model-based weak verifiers from local directories: a reward model and an LLM judge.
+
+- `RewardModel(path)`: a Hugging Face sequence-classification model; score = sigmoid(logit) with one label,
+  else the softmax probability of the last label ("good").
+- `LLMJudge(path)`: a causal LM asked whether the answer is correct; score = P(yes) / (P(yes) + P(no)) from
+  its next-token distribution (first token of " yes"/"yes" and " no"/"no").
+Both are used in `reward.verifiers` as `reward_model=PATH` / `llm_judge=PATH`; they never see reference answers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from forge.errors import UserError
+
+JUDGE_QUESTION = "Question: {prompt}\nProposed answer: {completion}\nIs the proposed answer correct? Reply yes or no."
+
+
+def _check_dir(path: str, what: str) -> Path:
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        raise UserError(f"{what} '{path}' is not a local Hugging Face model directory (no config.json)")
+    return p
+
+
+class RewardModel:
+    def __init__(self, path: str, batch_size: int = 32):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        p = _check_dir(path, "reward_model")
+        self.tok = AutoTokenizer.from_pretrained(p)
+        if self.tok.pad_token is None:
+            self.tok.pad_token = self.tok.eos_token
+        self.model = AutoModelForSequenceClassification.from_pretrained(p).eval()
+        self.model.config.pad_token_id = self.tok.pad_token_id
+        self.batch_size = batch_size
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str], completions: list[str], **kwargs: Any) -> list[float | None]:
+        out: list[float | None] = []
+        for i in range(0, len(prompts), self.batch_size):
+            texts = [
+                p + c
+                for p, c in zip(prompts[i : i + self.batch_size], completions[i : i + self.batch_size], strict=True)
+            ]
+            enc = self.tok(texts, return_tensors="pt", padding=True, truncation=True)
+            logits = self.model(**enc).logits.float()  # [n, labels]
+            probs = torch.sigmoid(logits[:, 0]) if logits.shape[1] == 1 else torch.softmax(logits, -1)[:, -1]
+            out.extend(probs.tolist())
+        return out
+
+
+class LLMJudge:
+    def __init__(self, path: str, batch_size: int = 16):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        p = _check_dir(path, "llm_judge")
+        self.tok = AutoTokenizer.from_pretrained(p)
+        if self.tok.pad_token is None:
+            self.tok.pad_token = self.tok.eos_token
+        self.tok.padding_side = "left"
+        self.model = AutoModelForCausalLM.from_pretrained(p).eval()
+        yes, no = self._first_ids(["yes", " yes", "Yes", " Yes"]), self._first_ids(["no", " no", "No", " No"])
+        self.yes, self.no = sorted(set(yes) - set(no)), sorted(set(no) - set(yes))  # a shared first token says nothing
+        self.batch_size = batch_size
+
+    def _first_ids(self, words: list[str]) -> list[int]:
+        return sorted({self.tok(w, add_special_tokens=False).input_ids[0] for w in words})
+
+    def _question(self, prompt: str, completion: str) -> str:
+        text = JUDGE_QUESTION.format(prompt=prompt.strip(), completion=completion.strip())
+        if getattr(self.tok, "chat_template", None):
+            return self.tok.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
+        return text + "\nAnswer:"
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str], completions: list[str], **kwargs: Any) -> list[float | None]:
+        out: list[float | None] = []
+        for i in range(0, len(prompts), self.batch_size):
+            qs = [
+                self._question(p, c)
+                for p, c in zip(prompts[i : i + self.batch_size], completions[i : i + self.batch_size], strict=True)
+            ]
+            enc = self.tok(qs, return_tensors="pt", padding=True, add_special_tokens=False)
+            probs = torch.softmax(self.model(**enc).logits[:, -1].float(), dim=-1)  # [n, vocab]
+            p_yes, p_no = probs[:, self.yes].sum(-1), probs[:, self.no].sum(-1)
+            out.extend((p_yes / (p_yes + p_no).clamp(min=1e-12)).tolist())
+        return out
+
+
+FACTORIES = {"reward_model": RewardModel, "llm_judge": LLMJudge}
