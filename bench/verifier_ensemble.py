@@ -8,13 +8,15 @@ prompts with both classes), Brier and ECE (10 bins; only "ours" outputs probabil
 are scored as if they were), tie rate (share of within-prompt candidate pairs with equal scores), fit seconds.
 
 The generator (see `make_task`): per prompt a success rate from a U-shaped Beta with the scenario's base rate; each
-candidate correct with that rate; wrong candidates often share one popular wrong answer (which then beats the right
-one in majority vote, and which verifiers find partly convincing); lengths, with wrong answers a little longer.
+candidate correct with that rate; in 70% of prompts 40-90% of the wrong candidates share one popular wrong answer
+(which then often beats the right one in majority vote, and which verifiers find partly convincing); lengths, with
+wrong answers a little longer.
 Verifiers: nominal AUROC from 0.35 (adversarial) through 0.5 (useless) to 0.9, per-prompt score offsets, length
 bias, families of verifiers with correlated errors, exact or near duplicates, missing scores, and output kinds
 (logit, probability, 1-10 grade, 0/1 check), plus answer agreement and raw length as verifiers.
 
-Usage: python bench/verifier_ensemble.py [--seeds 10] [--quick] [--scenarios default,dup5] [--markdown]
+Usage: python bench/verifier_ensemble.py [--seeds 10] [--quick] [--scenarios default,dup5] [--prompts 1000]
+(about 10 minutes for all scenarios at 10 seeds on 2 shared cores; prefer `nice -n 10`)
 """
 
 from __future__ import annotations
@@ -335,7 +337,7 @@ def format_table(sc: Scenario, res: dict[str, dict[str, list[float]]], n_verifie
             mu, ci = mean_ci(m[key])
             cells.append(f"{mu:.{digits}f} ± {ci:.{digits}f}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return head + "\n".join(lines) + "\n" + _paired_lines(res)
+    return head + "\n".join(lines) + "\n\n" + _paired_lines(res)
 
 
 def _paired_lines(res: dict[str, dict[str, list[float]]]) -> str:
