@@ -201,8 +201,6 @@ class OrchestrationConfig:
     """Prefect path: times a failed stage task is retried before the flow run fails with its error."""
     retry_delay_s: float = 1.0
     """Seconds between stage retries."""
-    execution: Literal["local", "distributed"] = "local"
-    """local: one flow runs every stage in this process; distributed: each stage is a deployment on its pool's work pool."""
 
 
 @dataclass

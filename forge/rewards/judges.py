@@ -19,21 +19,24 @@ from forge.errors import UserError
 JUDGE_QUESTION = "Question: {prompt}\nProposed answer: {completion}\nIs the proposed answer correct? Reply yes or no."
 
 
-def _check_dir(path: str, what: str) -> Path:
+def _load_tokenizer(path: str, what: str):
+    """(checked directory, tokenizer with a pad token) for a local model directory."""
+    from transformers import AutoTokenizer
+
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
         raise UserError(f"{what} '{path}' is not a local Hugging Face model directory (no config.json)")
-    return p
+    tok = AutoTokenizer.from_pretrained(p)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return p, tok
 
 
 class RewardModel:
     def __init__(self, path: str, batch_size: int = 32):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForSequenceClassification
 
-        p = _check_dir(path, "reward_model")
-        self.tok = AutoTokenizer.from_pretrained(p)
-        if self.tok.pad_token is None:
-            self.tok.pad_token = self.tok.eos_token
+        p, self.tok = _load_tokenizer(path, "reward_model")
         self.model = AutoModelForSequenceClassification.from_pretrained(p).eval()
         self.model.config.pad_token_id = self.tok.pad_token_id
         self.batch_size = batch_size
@@ -55,12 +58,9 @@ class RewardModel:
 
 class LLMJudge:
     def __init__(self, path: str, batch_size: int = 16):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
-        p = _check_dir(path, "llm_judge")
-        self.tok = AutoTokenizer.from_pretrained(p)
-        if self.tok.pad_token is None:
-            self.tok.pad_token = self.tok.eos_token
+        p, self.tok = _load_tokenizer(path, "llm_judge")
         self.tok.padding_side = "left"
         self.model = AutoModelForCausalLM.from_pretrained(p).eval()
         yes, no = self._first_ids(["yes", " yes", "Yes", " Yes"]), self._first_ids(["no", " no", "No", " No"])

@@ -50,3 +50,26 @@ def test_eval_markdown_is_a_table():
     md = eval_markdown("r", {"step": 3, "pass@1": 0.5, "pass@4": 0.75, "problems": 10, "seconds": 1.0})
     assert "| pass@1 | 0.5000 |" in md and "| pass@4 | 0.7500 |" in md
     assert artifact_key("My_Run 1") == "eval-my-run-1"
+
+
+def test_a_stage_that_keeps_failing_fails_the_flow_with_its_own_error(runs_dir, monkeypatch):
+    from flows.pipeline import grpo_pipeline
+    from forge.recipes.grpo import GRPORun
+
+    calls = []
+
+    def broken_update(self, batch):
+        calls.append(1)
+        raise RuntimeError("update exploded")
+
+    monkeypatch.setattr(GRPORun, "update", broken_update)
+    overrides = ["steps=2", "eval.k=0", "orchestration.retries=2", "orchestration.retry_delay_s=0"]
+    try:
+        grpo_pipeline(preset="tiny", overrides=overrides, name="boom", runs_dir=str(runs_dir))
+        raise AssertionError("the flow should have failed")
+    except RuntimeError as e:
+        assert "update exploded" in str(e)
+    assert len(calls) == 3  # the first try + 2 retries
+    status = json.loads((runs_dir / "boom" / "status.json").read_text())
+    assert status["state"] == "failed" and "update exploded" in status["error"]
+    assert not (runs_dir / "boom" / "summary.json").exists()
