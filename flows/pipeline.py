@@ -24,8 +24,9 @@ from prefect.runtime import flow_run
 from prefect.utilities.annotations import quote
 
 from forge.config import RunConfig
-from forge.recipes.grpo import GRPORun, progress_bar, update_bar
+from forge.recipes.grpo import GRPORun
 from forge.records import Rollouts, ScoredBatch, UpdateStats
+from forge.rundir import progress_bar, update_bar
 
 STAGE_TASK = {"cache_policy": NONE, "persist_result": False}
 
@@ -107,7 +108,7 @@ def grpo_pipeline(
             if grpo.checkpoint_due(step):
                 _stage(checkpoint_stage, "checkpoint", step, cfg)(grpo, step)
             tasks += 3 + (report is not None) + grpo.checkpoint_due(step)
-            update_bar(bar, metrics, grpo.state)
+            update_bar(bar, metrics, grpo.state.last_eval)
         if bar is not None:
             bar.close()
         return grpo.finish(prefect_flow_run_id=str(flow_run.id), prefect_task_runs=tasks + 1)

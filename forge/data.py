@@ -28,8 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from forge.config import ConfigError, DataConfig, RunConfig
 from forge.errors import UserError
@@ -262,6 +260,9 @@ def _read_csv(p: Path) -> tuple[list[dict], list[str]]:
 
 
 def _read_parquet(p: Path) -> tuple[list[dict], list[str]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
         table = pq.read_table(p)
     except (pa.ArrowException, OSError) as e:
@@ -499,6 +500,9 @@ def write_prepared(data: PreparedData, run_dir: Path) -> None:
 
 
 def _parquet_bytes(rows: list[dict], columns: list[str]) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     schema = pa.schema([(c, pa.string()) for c in columns])
     sink = pa.BufferOutputStream()
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), sink)
@@ -507,6 +511,8 @@ def _parquet_bytes(rows: list[dict], columns: list[str]) -> bytes:
 
 def read_split(run_dir: Path, split: str) -> list[dict]:
     """Rows of run_dir/data/{split}.parquet ('train' or 'eval') as dicts of str."""
+    import pyarrow.parquet as pq
+
     path = Path(run_dir) / "data" / f"{split}.parquet"
     if not path.is_file():
         raise UserError(f"{path} does not exist; run the prep stage first")

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,11 +39,19 @@ from forge.records import Rollouts, ScoredBatch, UpdateStats
 from forge.rewards.registry import resolve_verifiers
 from forge.rewards.score import score_completions
 from forge.rollout import SamplingParams, make_backend
+from forge.rundir import (
+    append_samples,
+    claim_run_dir,
+    flatten,
+    progress_bar,
+    truncate_samples,
+    update_bar,
+    write_status,
+)
 from forge.tracking import JsonlTracker, MultiTracker, Tracker
 from forge.trainer import Trainer
 
 STAGES = ("rollout", "reward", "update", "evaluate")
-SAMPLES_PER_STEP = 8
 
 
 @dataclass
@@ -79,7 +85,7 @@ def run(
             metrics = grpo.end_step(step, rows, batch, stats, report)  # 5. log metrics and samples
             if grpo.checkpoint_due(step):
                 grpo.checkpoint(step)  # 6. weights + optimizer + RNG + data cursor, atomically
-            update_bar(bar, metrics, grpo.state)
+            update_bar(bar, metrics, grpo.state.last_eval)
         if bar is not None:
             bar.close()
         return grpo.finish()
@@ -101,7 +107,7 @@ class GRPORun:
         self.run_dir = run_dir
         self.resume = resume
         self.started = time.perf_counter()
-        _claim_run_dir(run_dir, resume)
+        claim_run_dir(run_dir, resume)
         if plan is not None:
             write_json(run_dir / "plan.json", plan)
         self.jsonl = JsonlTracker(run_dir)
@@ -115,7 +121,7 @@ class GRPORun:
         try:
             yield
         except BaseException as e:
-            _write_status(self.run_dir, "failed", step=self.state.step, error=f"{type(e).__name__}: {e}")
+            write_status(self.run_dir, "failed", step=self.state.step, error=f"{type(e).__name__}: {e}")
             self.tracker.finish("FAILED")
             raise
 
@@ -144,7 +150,7 @@ class GRPORun:
         self.backend = make_backend(
             cfg.rollout.backend, self.trainer.unwrapped, self.tok, autocast_bf16=cfg.rollout.autocast_bf16
         )
-        self.tracker.log_params(_flatten(asdict(cfg)))
+        self.tracker.log_params(flatten(asdict(cfg)))
         self.ensemble_report = None
         if self.resume:
             self.state = _restore(run_dir, self.trainer, self.sampler, self.jsonl, self.aggregator)
@@ -153,7 +159,7 @@ class GRPORun:
             self.state.initial_eval = self.state.last_eval = self._eval_report(0)
             self.state.seconds["evaluate"] += self.state.initial_eval["seconds"]
             self.tracker.log_metrics(_eval_metrics(self.state.initial_eval), step=0)
-        _write_status(run_dir, "running", step=self.state.step)
+        write_status(run_dir, "running", step=self.state.step)
 
     def remaining_steps(self) -> range:
         return range(self.state.step + 1, self.cfg.steps + 1)
@@ -229,8 +235,8 @@ class GRPORun:
             self.state.seconds[k] += v
         self.state.step = step
         self.tracker.log_metrics(metrics, step=step)
-        _append_samples(self.run_dir, step, rows, batch)
-        _write_status(self.run_dir, "running", step=step)
+        append_samples(self.run_dir, step, rows, batch)
+        write_status(self.run_dir, "running", step=step)
         return metrics
 
     def checkpoint_due(self, step: int) -> bool:
@@ -256,7 +262,7 @@ class GRPORun:
         """Write summary.json (extra keys, e.g. the Prefect flow-run id, are added to it) and mark finished."""
         summary = {**_summary(self.cfg, self.run_dir, self.state, time.perf_counter() - self.started), **extra}
         write_json(self.run_dir / "summary.json", summary)
-        _write_status(self.run_dir, "finished", step=self.state.step)
+        write_status(self.run_dir, "finished", step=self.state.step)
         self.tracker.finish("FINISHED")
         return summary
 
@@ -324,34 +330,6 @@ def _step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: d
     return m
 
 
-def _append_samples(run_dir: Path, step: int, rows: list[dict], batch: ScoredBatch) -> None:
-    """A few completions per step (the first group) with their per-verifier scores, for inspection."""
-    ro, g = batch.rollouts, batch.rollouts.group_size
-    lines = []
-    for i in range(min(SAMPLES_PER_STEP, ro.num_completions)):
-        scores = {n: _num(batch.scores[i, v]) for v, n in enumerate(batch.verifier_names)}
-        lines.append(
-            json.dumps(
-                {
-                    "step": step,
-                    "prompt": rows[i // g]["prompt"],
-                    "answer": rows[i // g].get("answer"),
-                    "completion": ro.texts[i],
-                    "scores": scores,
-                    "reward": _num(batch.rewards[i]),
-                    "advantage": _num(batch.advantages[i]),
-                }
-            )
-        )
-    with (run_dir / "samples.jsonl").open("a") as f:
-        f.write("\n".join(lines) + "\n")
-
-
-def _num(x: torch.Tensor) -> float | None:
-    v = float(x)
-    return v if math.isfinite(v) else None
-
-
 # ---------------------------------------------------------------- checkpoint / resume
 
 
@@ -367,46 +345,13 @@ def _restore(run_dir: Path, trainer: Trainer, sampler: PromptSampler, jsonl: Jso
     if aggregator is not None and saved.get("aggregator") is not None:
         aggregator.load_state_dict(saved["aggregator"])
     jsonl.truncate_after(saved["step"])
-    _truncate_samples(run_dir, saved["step"])
+    truncate_samples(run_dir, saved["step"])
     return RunState(
         step=saved["step"], seconds=saved["seconds"], initial_eval=saved["initial_eval"], last_eval=saved["last_eval"]
     )
 
 
-def _truncate_samples(run_dir: Path, step: int) -> None:
-    path = run_dir / "samples.jsonl"
-    if path.exists():
-        keep = [line for line in path.read_text().splitlines() if _line_step(line) <= step]
-        atomic_write_text(path, "".join(line + "\n" for line in keep))
-
-
-def _line_step(line: str) -> int:
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return 1 << 30
-
-
 # ---------------------------------------------------------------- run directory bookkeeping
-
-
-def _claim_run_dir(run_dir: Path, resume: bool) -> None:
-    if resume:
-        if not (run_dir / "config.yaml").is_file():
-            raise UserError(f"cannot resume '{run_dir}': no such run (config.yaml missing)")
-        return
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise UserError(
-            f"run directory '{run_dir}' already exists: pass --resume to continue it or choose another --name"
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-
-
-def _write_status(run_dir: Path, state: str, step: int = 0, error: str = "") -> None:
-    status = {"state": state, "step": step, "updated": time.time()}
-    if error:
-        status["error"] = error
-    write_json(run_dir / "status.json", status)
 
 
 def _summary(cfg: RunConfig, run_dir: Path, state: RunState, wall: float) -> dict:
@@ -427,31 +372,3 @@ def _summary(cfg: RunConfig, run_dir: Path, state: RunState, wall: float) -> dic
 
 def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def progress_bar(total: int, done: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=done, desc="grpo", unit="step", dynamic_ncols=True)
-
-
-def update_bar(bar, metrics: dict, state: RunState) -> None:
-    if bar is None:
-        return
-    post = {"reward": f"{metrics['reward/mean']:.3f}"}
-    if state.last_eval:
-        post["eval_pass@1"] = f"{state.last_eval['pass@1']:.3f}"
-    bar.set_postfix(post)
-    bar.update(1)

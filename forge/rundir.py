@@ -1,0 +1,109 @@
+"""Run-directory bookkeeping shared by the recipes: claim, status.json, samples.jsonl, progress bar.
+
+status.json says running / failed (with the error) / finished; summary.json is written only on completion, so a
+half-written run never looks complete. samples.jsonl keeps a few completions per step for inspection.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from forge.errors import UserError
+from forge.io import atomic_write_text, write_json
+from forge.records import ScoredBatch
+
+SAMPLES_PER_STEP = 8
+
+
+def append_samples(run_dir: Path, step: int, rows: list[dict], batch: ScoredBatch) -> None:
+    """A few completions per step (the first group) with their per-verifier scores, for inspection."""
+    ro, g = batch.rollouts, batch.rollouts.group_size
+    lines = []
+    for i in range(min(SAMPLES_PER_STEP, ro.num_completions)):
+        scores = {n: _num(batch.scores[i, v]) for v, n in enumerate(batch.verifier_names)}
+        lines.append(
+            json.dumps(
+                {
+                    "step": step,
+                    "prompt": rows[i // g]["prompt"],
+                    "answer": rows[i // g].get("answer"),
+                    "completion": ro.texts[i],
+                    "scores": scores,
+                    "reward": _num(batch.rewards[i]),
+                    "advantage": _num(batch.advantages[i]),
+                }
+            )
+        )
+    with (run_dir / "samples.jsonl").open("a") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _num(x: torch.Tensor) -> float | None:
+    v = float(x)
+    return v if math.isfinite(v) else None
+
+
+def truncate_samples(run_dir: Path, step: int) -> None:
+    path = run_dir / "samples.jsonl"
+    if path.exists():
+        keep = [line for line in path.read_text().splitlines() if _line_step(line) <= step]
+        atomic_write_text(path, "".join(line + "\n" for line in keep))
+
+
+def _line_step(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 1 << 30
+
+
+def claim_run_dir(run_dir: Path, resume: bool) -> None:
+    if resume:
+        if not (run_dir / "config.yaml").is_file():
+            raise UserError(f"cannot resume '{run_dir}': no such run (config.yaml missing)")
+        return
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise UserError(
+            f"run directory '{run_dir}' already exists: pass --resume to continue it or choose another --name"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def write_status(run_dir: Path, state: str, step: int = 0, error: str = "") -> None:
+    status = {"state": state, "step": step, "updated": time.time()}
+    if error:
+        status["error"] = error
+    write_json(run_dir / "status.json", status)
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def progress_bar(total: int, done: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=done, desc="grpo", unit="step", dynamic_ncols=True)
+
+
+def update_bar(bar, metrics: dict, last_eval: dict | None) -> None:
+    if bar is None:
+        return
+    post = {"reward": f"{metrics['reward/mean']:.3f}"}
+    if last_eval:
+        post["eval_pass@1"] = f"{last_eval['pass@1']:.3f}"
+    bar.set_postfix(post)
+    bar.update(1)

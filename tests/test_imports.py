@@ -1,0 +1,19 @@
+"""forge must import where only torch / transformers / accelerate / safetensors / numpy exist (e.g. a GPU box):
+importing it must not pull in the orchestration, tracking or UI packages, nor the packages above it."""
+
+import subprocess
+import sys
+
+CHECK = """
+import sys
+import forge.recipes.grpo, forge.rewards.ensemble, forge.rewards.aggregate, forge.rewards.judges, forge.trainer
+bad = sorted({m.split(".")[0] for m in sys.modules} & {"prefect", "mlflow", "streamlit", "pyarrow", "flows",
+                                                       "weaver", "dashboard", "pandas"})
+print("imported:", ",".join(bad) or "none")
+"""
+
+
+def test_forge_imports_without_orchestration_packages():
+    out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "imported: none"
