@@ -20,7 +20,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
 def plain(runs: Path, name: str, overrides: list[str]) -> tuple[float, float]:
-    from flows.cli import resolve_run
+    from flows.runs import resolve_run
     from forge.recipes.grpo import run
 
     cfg, run_dir = resolve_run("tiny", None, overrides, name, str(runs), False)

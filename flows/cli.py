@@ -11,9 +11,9 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
+from flows.runs import resolve_config, resolve_run
 from forge.errors import UserError
 
 EPILOG = """examples:
@@ -106,32 +106,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("forgeweave: interrupted; continue with `forgeweave run --name NAME --resume`", file=sys.stderr)
         return 130
-
-
-def resolve_config(preset: str | None, config: str | None, overrides: list[str]):
-    from forge.config import apply_overrides, load_yaml
-    from forge.presets import get_preset
-
-    cfg = load_yaml(config) if config else get_preset(preset or "tiny")
-    return apply_overrides(cfg, overrides).validate()
-
-
-def resolve_run(
-    preset: str | None, config: str | None, overrides: list[str], name: str | None, runs_dir: str, resume: bool
-):
-    """(config, run directory) for a new run or, with resume, for an existing one (its saved config + overrides)."""
-    from forge.config import apply_overrides, load_yaml
-
-    if resume:
-        if not name:
-            raise UserError("--resume needs --name RUN (the run directory to continue)")
-        run_dir = Path(runs_dir) / name
-        if not (run_dir / "config.yaml").is_file():
-            raise UserError(f"cannot resume '{run_dir}': no such run (config.yaml missing)")
-        return apply_overrides(load_yaml(run_dir / "config.yaml"), overrides).validate(), run_dir
-    cfg = resolve_config(preset, config, overrides)
-    name = name or f"{cfg.preset or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return cfg, Path(runs_dir) / name
 
 
 def cmd_run(args) -> int:

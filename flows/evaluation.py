@@ -9,7 +9,7 @@ from forge.errors import UserError
 
 def evaluate_checkpoint_dir(ckpt: Path, preset: str | None, overrides: list[str], out: Path | None = None) -> dict:
     """pass@1 / pass@k of `ckpt` on its run's eval split (or `preset`'s data); writes the report to `out`."""
-    from flows.cli import resolve_config
+    from flows.runs import resolve_config
     from forge.config import apply_overrides, load_yaml
     from forge.data import build, read_split
     from forge.evaluate import evaluate

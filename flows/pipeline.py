@@ -88,8 +88,8 @@ def grpo_pipeline(
     preset / config_path / overrides (`section.field=value`) choose the config; name is the run directory under
     runs_dir (default <preset>-<timestamp>); resume continues that run from its latest checkpoint.
     """
-    from flows.cli import resolve_run
     from flows.planning import plan_run
+    from flows.runs import resolve_run
 
     cfg, run_dir = resolve_run(preset, config_path or None, list(overrides or []), name or None, runs_dir, resume)
     _, plan = plan_run(cfg)
@@ -129,7 +129,7 @@ def prepare_dataset(
     out_dir: str, preset: str = "tiny", config_path: str = "", overrides: list[str] | None = None
 ) -> dict:
     """The prep stage alone: validate a dataset (or generate the built-in task) into out_dir/data/."""
-    from flows.cli import resolve_config
+    from flows.runs import resolve_config
     from forge.data import prepare
     from forge.models import format_prompt_fn, load_policy
 

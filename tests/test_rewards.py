@@ -222,7 +222,7 @@ def test_score_completions_isolates_failures():
     # by hand, NaN counted as 0:  ab: 2*1 + 0.5*2 = 3;  boom: 2*0 + 0.5*4 = 2;  skip: 2*1 + 0 = 2;  abcd: 2 + 0.5*4 = 4
     assert result.rewards.tolist() == [3.0, 2.0, 2.0, 4.0]
     # means over scored items only: fragile 3/3 = 1.0; length (2 + 4 + 4) / 3
-    means = per_verifier_means(result)
+    means = per_verifier_means(result.names, result.scores)
     assert means["fragile"] == 1.0 and means["length"] == pytest.approx(10 / 3)
 
 
@@ -251,7 +251,7 @@ def test_score_completions_wrong_length_and_bad_values_are_failures():
     assert result.errors["short"] == "returned 1 scores for 3 completions"
     assert "non-finite" in result.errors["odd"]
     assert result.rewards.tolist() == [0.0, 0.0, 1.0]  # 4 * 0.25 on the last item only
-    assert math.isnan(per_verifier_means(result)["short"])
+    assert math.isnan(per_verifier_means(result.names, result.scores)["short"])
 
 
 def test_score_completions_bad_weights_length():

@@ -37,7 +37,7 @@ from forge.io import atomic_write_text, write_json
 from forge.models import format_prompt_fn, load_policy
 from forge.records import Rollouts, ScoredBatch, UpdateStats
 from forge.rewards.registry import resolve_verifiers
-from forge.rewards.score import score_completions
+from forge.rewards.score import per_verifier_means, score_completions
 from forge.rollout import SamplingParams, make_backend
 from forge.rundir import (
     append_samples,
@@ -304,8 +304,8 @@ def _step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: d
         "reward/std": float(batch.rewards.std()),
         "reward/frac_zero_std": frac_zero_std(batch.rewards, ro.group_size),
     }
-    for v, name in enumerate(batch.verifier_names):
-        m[f"reward/{name}/mean"] = float(batch.scores[:, v].nanmean())
+    for name, mean in per_verifier_means(batch.verifier_names, batch.scores).items():
+        m[f"reward/{name}/mean"] = mean
         m[f"reward/{name}/failures"] = float(batch.verifier_failures[name])
     m.update(
         {

@@ -57,9 +57,9 @@ def score_completions(
     return RewardResult(names=names, scores=scores, rewards=rewards, failures=failures, errors=errors)
 
 
-def per_verifier_means(result: RewardResult) -> dict[str, float]:
-    """Mean score per verifier over the items it scored (NaN when it scored none)."""
-    return {name: float(result.scores[:, v].nanmean()) for v, name in enumerate(result.names)}
+def per_verifier_means(names: list[str], scores: torch.Tensor) -> dict[str, float]:
+    """Mean score per verifier over the items it scored (NaN when it scored none); scores [N, V]."""
+    return {name: float(scores[:, v].nanmean()) for v, name in enumerate(names)}
 
 
 def _check_inputs(

@@ -1,0 +1,34 @@
+"""Which config and run directory a request means: a preset or YAML file plus overrides, or an existing run."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from forge.errors import UserError
+
+
+def resolve_config(preset: str | None, config: str | None, overrides: list[str]):
+    from forge.config import apply_overrides, load_yaml
+    from forge.presets import get_preset
+
+    cfg = load_yaml(config) if config else get_preset(preset or "tiny")
+    return apply_overrides(cfg, overrides).validate()
+
+
+def resolve_run(
+    preset: str | None, config: str | None, overrides: list[str], name: str | None, runs_dir: str, resume: bool
+):
+    """(config, run directory) for a new run or, with resume, for an existing one (its saved config + overrides)."""
+    from forge.config import apply_overrides, load_yaml
+
+    if resume:
+        if not name:
+            raise UserError("--resume needs --name RUN (the run directory to continue)")
+        run_dir = Path(runs_dir) / name
+        if not (run_dir / "config.yaml").is_file():
+            raise UserError(f"cannot resume '{run_dir}': no such run (config.yaml missing)")
+        return apply_overrides(load_yaml(run_dir / "config.yaml"), overrides).validate(), run_dir
+    cfg = resolve_config(preset, config, overrides)
+    name = name or f"{cfg.preset or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return cfg, Path(runs_dir) / name
