@@ -4,6 +4,12 @@ With `reward.aggregate: ensemble` the reward of a completion is P(correct | its 
 `WeakVerifierEnsemble` refit every `reward.refit_every` steps on the last `reward.window_steps` steps' score
 matrices (the current one included). The window is part of the checkpoint, so a resumed run refits on the same
 data. No reference answer is read here.
+
+A refit is accepted only if it still separates candidates and agrees in direction with the ensemble in use
+(`refit_verdict`). In RL the scored data drift with the policy: once most samples of a prompt look alike (a
+collapsed or converged policy), EM can land on a flat fit (every weight 0: every reward equal, no learning signal
+ever again) or flip which class it calls correct (rewarding what it punished a step before). A rejected refit
+keeps the previous ensemble and is logged with the reason (`ensemble/accepted` = 0).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ class EnsembleAggregator:
         self.window: list[tuple[np.ndarray, np.ndarray]] = []  # per step: scores [N, V], groups [N]
         self.ensemble: WeakVerifierEnsemble | None = None
         self.refits = 0
+        self.rejected = 0
 
     def __call__(self, scores: torch.Tensor, group_size: int, step: int) -> tuple[torch.Tensor, dict | None]:
         """scores [N, V] (NaN = missing) -> (rewards [N], the ensemble report when it was refit this step)."""
@@ -31,29 +38,62 @@ class EnsembleAggregator:
         self.window = [*self.window, (s, groups)][-self.window_steps :]
         report = None
         if self.ensemble is None or step % self.refit_every == 0:
-            from forge.rewards.ensemble import EnsembleConfig
-
-            self.ensemble = WeakVerifierEnsemble(EnsembleConfig(seed=self.seed)).fit(
-                np.concatenate([w[0] for w in self.window]),
-                np.concatenate([w[1] for w in self.window]),
-                names=self.names,
-            )
-            self.refits += 1
-            report = self.ensemble.report()
+            report = self._refit()
         p = self.ensemble.predict_proba(s, groups)  # [N]
         return torch.as_tensor(p, dtype=torch.float32), report
 
+    def _refit(self) -> dict:
+        from forge.rewards.ensemble import EnsembleConfig
+
+        candidate = WeakVerifierEnsemble(EnsembleConfig(seed=self.seed)).fit(
+            np.concatenate([w[0] for w in self.window]),
+            np.concatenate([w[1] for w in self.window]),
+            names=self.names,
+        )
+        report = candidate.report()
+        previous = self.ensemble.report() if self.ensemble is not None else None
+        reason = refit_verdict(report, previous)
+        self.refits += 1
+        if reason is None or previous is None:
+            self.ensemble = candidate
+        else:
+            self.rejected += 1
+            report = {**previous, "rejected_refit": reason}
+        report["accepted"] = reason is None or previous is None
+        return report
+
     def state_dict(self) -> dict:
-        return {"window": self.window, "refits": self.refits}
+        return {"window": self.window, "refits": self.refits, "rejected": self.rejected}
 
     def load_state_dict(self, state: dict) -> None:
-        self.window, self.refits = state["window"], state["refits"]
+        self.window, self.refits, self.rejected = state["window"], state["refits"], state.get("rejected", 0)
         self.ensemble = None  # refit on the restored window at the next step
+
+
+def refit_verdict(report: dict, previous: dict | None, min_weight: float = 1e-3) -> str | None:
+    """Why a refit should be rejected (None: accept it). See the module docstring.
+
+    >>> refit_verdict({"weights": [0.0, -0.0]}, None)
+    'flat fit: every weight is 0'
+    >>> refit_verdict({"weights": [1.0, -0.5]}, {"weights": [0.8, 0.4]}) is None
+    True
+    >>> refit_verdict({"weights": [-1.0, 0.1]}, {"weights": [0.8, 0.4]})
+    'direction flipped: cosine -0.85 with the weights in use'
+    """
+    w = np.asarray(report["weights"], dtype=float)
+    if np.abs(w).max() < min_weight:
+        return "flat fit: every weight is 0"
+    if previous is None:
+        return None
+    w0 = np.asarray(previous["weights"], dtype=float)
+    cos = float(w @ w0 / max(np.linalg.norm(w) * np.linalg.norm(w0), 1e-12))
+    return None if cos > 0 else f"direction flipped: cosine {cos:.2f} with the weights in use"
 
 
 def report_metrics(report: dict) -> dict[str, float]:
     """Namespaced scalars from an ensemble report, for metrics.jsonl."""
     m = {
+        "ensemble/accepted": float(report.get("accepted", True)),
         "ensemble/class_balance": float(report["class_balance"]),
         "ensemble/dependent_groups": float(len(report["dependent_groups"])),
     }

@@ -6,8 +6,8 @@ Each is noisy on its own; the ensemble (`forge.rewards.ensemble`) learns how far
   (self-consistency as a score; a popular wrong answer fools it).
 - `concise`: shorter completions score higher (a length prior; biased, on purpose weak).
 - Arithmetic structure checks for prompts of the form "a op b": `parity_check`, `residue3_check` and
-  `magnitude_check` test a necessary condition of the true result computed from the prompt — parity, residue
-  mod 3, number of digits. Every correct answer passes; a wrong one passes by chance (about 1/2, 1/3 and often);
+  `residue5_check` and `magnitude_check` test a necessary condition of the true result computed from the prompt —
+  parity, residue mod 3, residue mod 5, number of digits. Every correct answer passes; a wrong one passes by chance (about 1/2, 1/3, 1/5 and often);
   a completion without an integer answer fails. They return None when the prompt is not of that form.
 """
 
@@ -83,6 +83,15 @@ def residue3_check(prompts: list[str], completions: list[str], **kwargs: Any) ->
     return _structural(prompts, completions, lambda t, g: t % 3 == g % 3)
 
 
+def residue5_check(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float | None]:
+    """1.0 when the answer ends like the true result mod 5 (0/5, 1/6, ...): a wrong answer passes about 1 in 5.
+
+    >>> residue5_check(["3+4="] * 3, ["7", "12", "8"])
+    [1.0, 1.0, 0.0]
+    """
+    return _structural(prompts, completions, lambda t, g: t % 5 == g % 5)
+
+
 def magnitude_check(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float | None]:
     """1.0 when the answer has as many digits (and the same sign) as the true result.
 
@@ -97,5 +106,6 @@ WEAK = {
     "concise": concise,
     "parity_check": parity_check,
     "residue3_check": residue3_check,
+    "residue5_check": residue5_check,
     "magnitude_check": magnitude_check,
 }
