@@ -116,6 +116,8 @@ def cmd_run(args) -> int:
     _, plan = plan_run(cfg)  # an impossible plan stops here, before anything is written
     print(f"run {run_dir.name}: preset={cfg.preset or '-'} model={cfg.model.path} steps={cfg.steps} -> {run_dir}")
     if args.no_prefect:
+        if cfg.orchestration.execution == "distributed":
+            raise UserError("orchestration.execution=distributed runs stages as Prefect deployments: drop --no-prefect")
         summary = run(cfg, run_dir, resume=args.resume, progress=not args.quiet, plan=plan)
     else:
         summary = run_with_prefect(args, run_dir)

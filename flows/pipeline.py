@@ -24,6 +24,7 @@ from prefect.runtime import flow_run
 from prefect.utilities.annotations import quote
 
 from forge.config import RunConfig
+from forge.errors import UserError
 from forge.recipes.grpo import GRPORun
 from forge.records import Rollouts, ScoredBatch, UpdateStats
 from forge.rundir import progress_bar, update_bar
@@ -93,6 +94,12 @@ def grpo_pipeline(
 
     cfg, run_dir = resolve_run(preset, config_path or None, list(overrides or []), name or None, runs_dir, resume)
     _, plan = plan_run(cfg)
+    if cfg.orchestration.execution == "distributed":
+        from flows.distributed import run_distributed
+
+        if resume:
+            raise UserError("--resume is not supported with orchestration.execution=distributed yet; start a new run")
+        return run_distributed(cfg, run_dir, plan, progress, prefect_flow_run_id=str(flow_run.id), prefect_task_runs=0)
     grpo = GRPORun(cfg, run_dir, resume=resume, plan=plan)
     tasks = 0
     with grpo.failure_guard():

@@ -201,6 +201,11 @@ class OrchestrationConfig:
     """Prefect path: times a failed stage task is retried before the flow run fails with its error."""
     retry_delay_s: float = 1.0
     """Seconds between stage retries."""
+    execution: Literal["embedded", "distributed"] = "embedded"
+    """embedded: all stages in this process; distributed: each stage is a Prefect deployment on the work pool
+    Weaver's plan gives it (needs a Prefect server and workers; state travels through the run directory)."""
+    stage_timeout_s: float = 1800.0
+    """distributed: seconds to wait for one stage's flow run (a worker must pick it up and finish it)."""
 
 
 @dataclass

@@ -19,7 +19,8 @@ Rules, in the order `plan` applies them:
    devices still free go to the other stages up to their maximum, in stage order. Devices nobody can use stay
    idle (e.g. to keep update's count equal per host).
 5. `cpu` stages go to the first cpu pool with enough cores (`min_devices` counts processes there) and RAM; they
-   take `max_devices` processes (0 = one per core).
+   take `max_devices` processes (0 = one per core). Pools reserved for a stage (`stages: [...]`) come first for
+   it and are never used by other stages.
 6. `any` stages go to the GPUs that still have room for them after rules 2-4 (memory is tracked per device),
    else to a cpu pool, and the reason says which.
 7. A stage with `runs_in` (evaluate samples with the rollout engine) takes the first `max_devices` (0 = all)
@@ -424,6 +425,9 @@ def _place_cpu(n: StageNeed, pools: list[Pool], why: str) -> _Draft:
     """Rule 5."""
     if not pools:
         raise PlanError(f"{n.name} needs a cpu pool; declare one (kind: cpu) beside the gpu pools")
+    pools = [p for p in pools if n.name in p.stages] + [p for p in pools if not p.stages]
+    if not pools:
+        raise PlanError(f"{n.name}: every cpu pool is reserved for other stages; add {n.name} to one's `stages`")
     for p in pools:
         if n.min_devices <= p.cpu_cores and (p.memory_gib == 0 or n.memory_gib <= p.memory_gib):
             count = min(n.max_devices or p.cpu_cores, p.cpu_cores)

@@ -23,7 +23,7 @@ from weaver.discover import Resources
 from weaver.errors import PlanError
 
 PoolKind = Literal["cpu", "gpu"]
-POOL_KEYS = ("name", "kind", "devices", "host", "work_pool", "cpu_cores", "memory_gib")
+POOL_KEYS = ("name", "kind", "devices", "host", "work_pool", "cpu_cores", "memory_gib", "stages")
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,14 @@ class Pool:
     """Cores on `host` this pool's processes may use."""
     memory_gib: float = 0.0
     """cpu: total RAM in GiB (0 = not declared, unchecked); gpu: memory PER device in GiB."""
+    stages: tuple[str, ...] = ()
+    """cpu pools: the stages this pool is reserved for (empty = any stage). E.g. a `gen` pool for rollout and a
+    `train` pool for update, each served by its own Prefect work pool in distributed mode."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["devices"] = list(self.devices)
+        d["stages"] = list(self.stages)
         return d
 
 
@@ -98,6 +102,8 @@ def _check_kind_fields(p: Pool, where: str) -> None:
         raise PlanError(f"{where}.devices: cpu pool {p.name!r} takes no devices; use kind: gpu for GPUs")
     if len(set(p.devices)) != len(p.devices):
         raise PlanError(f"{where}.devices: pool {p.name!r} lists a device twice: {list(p.devices)}")
+    if p.kind == "gpu" and p.stages:
+        raise PlanError(f"{where}.stages: only cpu pools are reserved by stage; gpu pools are shared by the planner")
 
 
 def _pool_from_dict(item: Any, where: str) -> Pool:
@@ -117,6 +123,7 @@ def _pool_from_dict(item: Any, where: str) -> Pool:
         work_pool=_text(item.get("work_pool", ""), f"{where}.work_pool", empty_ok=True),
         cpu_cores=_positive_int(item.get("cpu_cores", 1), f"{where}.cpu_cores"),
         memory_gib=_gib(item.get("memory_gib", 0.0), f"{where}.memory_gib"),
+        stages=_names(item.get("stages", []), f"{where}.stages"),
     )
 
 
@@ -129,6 +136,12 @@ def _text(v: Any, where: str, *, empty_ok: bool) -> str:
 def _devices(v: Any, where: str) -> tuple[int, ...]:
     if not isinstance(v, list | tuple) or not all(_is_int(d) and d >= 0 for d in v):
         raise PlanError(f"{where}: expected a list of GPU indices like [0, 1, 2, 3], got {v!r}")
+    return tuple(v)
+
+
+def _names(v: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(v, list | tuple) or not all(isinstance(x, str) and x.strip() for x in v):
+        raise PlanError(f"{where}: expected a list of stage names like [rollout, reward], got {v!r}")
     return tuple(v)
 
 

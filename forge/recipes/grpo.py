@@ -101,13 +101,16 @@ class GRPORun:
         resume: bool = False,
         tracker: Tracker | None = None,
         plan: dict | None = None,
+        attach: bool = False,
     ):
-        """Claim the run directory (new, or existing with resume); `plan` (a resource plan) is saved as plan.json."""
+        """Claim the run directory (new, or existing with resume; `attach`: a driver created it, use it as it is);
+        `plan` (a resource plan) is saved as plan.json."""
         self.cfg = cfg.validate()
         self.run_dir = run_dir
         self.resume = resume
         self.started = time.perf_counter()
-        claim_run_dir(run_dir, resume)
+        if not attach:
+            claim_run_dir(run_dir, resume)
         if plan is not None:
             write_json(run_dir / "plan.json", plan)
         self.jsonl = JsonlTracker(run_dir)
@@ -126,7 +129,20 @@ class GRPORun:
             raise
 
     def setup(self) -> None:
-        """Prep stage + everything the loop needs: policy, data, sampler, verifiers, trainer, rollout backend."""
+        """Prep stage + everything the loop needs; then restore (resume) or run the initial evaluation."""
+        self.build()
+        self.tracker.log_params(flatten(asdict(self.cfg)))
+        if self.resume:
+            self.state = _restore(self.run_dir, self.trainer, self.sampler, self.jsonl, self.aggregator)
+            self.backend.sync_weights(self.trainer.unwrapped, self.trainer.policy_version)
+        else:
+            self.state.initial_eval = self.state.last_eval = self._eval_report(0)
+            self.state.seconds["evaluate"] += self.state.initial_eval["seconds"]
+            self.tracker.log_metrics(_eval_metrics(self.state.initial_eval), step=0)
+        write_status(self.run_dir, "running", step=self.state.step)
+
+    def build(self) -> None:
+        """Policy, data (prepared unless resuming), sampler, verifiers, aggregator, trainer, rollout backend."""
         cfg, run_dir = self.cfg, self.run_dir
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
@@ -150,16 +166,7 @@ class GRPORun:
         self.backend = make_backend(
             cfg.rollout.backend, self.trainer.unwrapped, self.tok, autocast_bf16=cfg.rollout.autocast_bf16
         )
-        self.tracker.log_params(flatten(asdict(cfg)))
         self.ensemble_report = None
-        if self.resume:
-            self.state = _restore(run_dir, self.trainer, self.sampler, self.jsonl, self.aggregator)
-            self.backend.sync_weights(self.trainer.unwrapped, self.trainer.policy_version)
-        else:
-            self.state.initial_eval = self.state.last_eval = self._eval_report(0)
-            self.state.seconds["evaluate"] += self.state.initial_eval["seconds"]
-            self.tracker.log_metrics(_eval_metrics(self.state.initial_eval), step=0)
-        write_status(run_dir, "running", step=self.state.step)
 
     def remaining_steps(self) -> range:
         return range(self.state.step + 1, self.cfg.steps + 1)

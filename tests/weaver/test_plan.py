@@ -7,7 +7,7 @@ import pytest
 import weaver
 from weaver.errors import PlanError
 from weaver.plan import Plan, StageNeed, plan, stage_needs
-from weaver.pools import Pool
+from weaver.pools import Pool, pools_from_dicts
 
 CPU_BOX = Pool("cpu", "cpu", host="box", cpu_cores=2, memory_gib=8)
 CPU = Pool("cpu", "cpu", host="node-a", cpu_cores=16, memory_gib=256)
@@ -229,3 +229,32 @@ def test_plan_pools_balance_use_the_standard_library_only():
             else:
                 continue
             assert {m.split(".")[0] for m in mods} <= allowed, f"{name} imports {mods}"
+
+
+def test_cpu_pools_reserved_by_stage_split_rollout_and_update():
+    pools = pools_from_dicts(
+        [
+            {"name": "gen", "kind": "cpu", "cpu_cores": 1, "work_pool": "wp-gen", "stages": ["rollout", "reward"]},
+            {"name": "train", "kind": "cpu", "cpu_cores": 1, "work_pool": "wp-train", "stages": ["update", "prep"]},
+        ]
+    )
+    p = plan(stage_needs(1_000_000, gpu=False), pools)
+    where = {a.stage: (a.pool, a.work_pool) for a in p.assignments}
+    assert where == {
+        "prep": ("train", "wp-train"),
+        "rollout": ("gen", "wp-gen"),
+        "reward": ("gen", "wp-gen"),
+        "update": ("train", "wp-train"),
+        "evaluate": ("gen", "wp-gen"),  # runs in rollout's processes
+    }
+
+
+def test_a_stage_no_pool_will_take_is_a_one_line_error():
+    pools = pools_from_dicts([{"name": "gen", "kind": "cpu", "stages": ["rollout"]}])
+    with pytest.raises(PlanError, match="prep: every cpu pool is reserved for other stages"):
+        plan(stage_needs(1_000_000, gpu=False), pools)
+
+
+def test_gpu_pools_cannot_be_reserved_by_stage():
+    with pytest.raises(PlanError, match=r"pools\[0\]\.stages: only cpu pools"):
+        pools_from_dicts([{"name": "g", "kind": "gpu", "devices": [0], "memory_gib": 80, "stages": ["update"]}])
