@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--limit", type=int, default=None, help="most flow runs at once (default: no limit)")
     srv = sub.add_parser("server", help="start a Prefect server (UI + API) on 127.0.0.1")
     srv.add_argument("--port", type=int, default=4200)
+    wk = sub.add_parser(
+        "worker", help="start a Prefect process worker for a work pool (distributed execution; creates the pool)"
+    )
+    wk.add_argument("--pool", required=True, help="Prefect work pool name (a pool's `work_pool` in the config)")
+    wk.add_argument("--poll", type=float, default=1.0, help="seconds between polls for new stage runs (default 1)")
     return p
 
 
@@ -98,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             "plan": cmd_plan,
             "serve": cmd_serve,
             "server": cmd_server,
+            "worker": cmd_worker,
         }
         return commands[args.command](args)
     except UserError as e:
@@ -211,6 +217,18 @@ def cmd_server(args) -> int:
     prefect = Path(sys.executable).with_name("prefect")
     print(f"Prefect UI/API on http://127.0.0.1:{args.port} — export PREFECT_API_URL=http://127.0.0.1:{args.port}/api")
     os.execve(prefect, [str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(args.port)], env)
+
+
+def cmd_worker(args) -> int:
+    """Replace this process with `prefect worker start` for one process work pool (so its PID is the worker's)."""
+    if not os.environ.get("PREFECT_API_URL"):
+        raise UserError("PREFECT_API_URL is not set: export PREFECT_API_URL=http://HOST:4200/api (the Prefect server)")
+    env = {**os.environ, "PREFECT_WORKER_QUERY_SECONDS": str(args.poll), "PREFECT_WORKER_PREFETCH_SECONDS": "5"}
+    prefect = Path(sys.executable).with_name("prefect")
+    print(f"worker for work pool {args.pool!r} on {os.uname().nodename} (Ctrl-C to stop)", flush=True)
+    # a worker started in the background inherits an ignored SIGINT and then cannot be stopped by SIGTERM either
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.execve(prefect, [str(prefect), "worker", "start", "--pool", args.pool, "--type", "process"], env)
 
 
 def cmd_presets(args) -> int:
