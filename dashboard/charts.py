@@ -76,7 +76,7 @@ def stage_bars(times: pd.DataFrame) -> alt.Chart | None:
     return _sized(chart, "seconds per stage")
 
 
-def overlay(frames: dict[str, pd.DataFrame], metric: str) -> alt.Chart | None:
+def overlay(frames: dict[str, pd.DataFrame], metric: str, height: int = HEIGHT) -> alt.Chart | None:
     """One metric of several runs on one axis, coloured by run."""
     parts = []
     for name, frame in frames.items():
@@ -97,4 +97,4 @@ def overlay(frames: dict[str, pd.DataFrame], metric: str) -> alt.Chart | None:
             tooltip=["run:N", "step:Q", alt.Tooltip("value:Q", format=".4g")],
         )
     )
-    return _sized(chart, metric, height=2 * HEIGHT)
+    return _sized(chart, metric, height)

@@ -23,7 +23,7 @@ def overlay(picked: list[str]) -> None:
         return
     default = metrics.index(DEFAULT_METRIC) if DEFAULT_METRIC in metrics else 0
     metric = st.selectbox("Metric", metrics, index=default)
-    st.altair_chart(charts.overlay(frames, metric), width="stretch")
+    st.altair_chart(charts.overlay(frames, metric, height=2 * charts.HEIGHT), width="stretch")
 
 
 def summary(picked: list[str]) -> None:
