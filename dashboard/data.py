@@ -305,13 +305,13 @@ def latest_ensemble_report(run_dir: Path) -> tuple[int, pd.DataFrame] | None:
 
 
 def fmt_seconds(s: float | None) -> str:
-    """12.3 -> '12.3 s', 754 -> '12 min 34 s', None -> '-'."""
+    """12.34 -> '12.3 s', 754 -> '12m 34s', 10865 -> '3h 01m', None -> '-' (short: it fits an st.metric)."""
     if s is None or not math.isfinite(s):
         return "-"
     if s < 60:
         return f"{s:.1f} s"
     minutes, sec = divmod(round(s), 60)
-    return f"{minutes} min {sec} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60} min"
+    return f"{minutes}m {sec:02d}s" if minutes < 60 else f"{minutes // 60}h {minutes % 60:02d}m"
 
 
 def runs_table(overviews: list[RunOverview], mlflow_ids: dict[str, str], now: float) -> pd.DataFrame:

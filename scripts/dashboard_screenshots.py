@@ -1,11 +1,11 @@
 """Regenerate the dashboard screenshots in docs/img from real runs.
 
-Trains two tiny-preset runs (the default learning rate and a lower one, 200 steps each, plain recipe) unless
---runs-dir names runs that exist already, serves them with `forgeweave dashboard` on 127.0.0.1, and shoots the
-Runs, Run detail and Compare pages in headless /usr/bin/chromium (the same helpers as the browser test).
+Trains two tiny-preset runs (the default learning rate and a lower one, 200 steps each, plain recipe) into
+--runs-dir (a temporary directory by default; runs that finished there already are kept), serves that directory
+with `forgeweave dashboard` on 127.0.0.1, and shoots the Runs, Run detail and Compare pages in headless
+/usr/bin/chromium with the same helpers as the browser test.
 
-    .venv/bin/python scripts/dashboard_screenshots.py                 # ~3 min on 2 cores
-    .venv/bin/python scripts/dashboard_screenshots.py --runs-dir runs # shoot existing runs, train nothing
+    .venv/bin/python scripts/dashboard_screenshots.py            # ~4 min on 2 busy cores, writes docs/img
 """
 
 from __future__ import annotations
@@ -56,15 +56,14 @@ def shoot(runs_dir: Path, out: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--runs-dir", help="runs to show (default: train the two tiny runs in a temporary directory)")
+    p.add_argument("--runs-dir", help="where to train (or find) the two tiny runs; default: a temporary directory")
     p.add_argument("--out", default=str(REPO / "docs" / "img"))
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="forgeweave-shots-") as tmp:
         runs_dir = Path(args.runs_dir) if args.runs_dir else Path(tmp) / "runs"
-        if not args.runs_dir:
-            train(runs_dir)
+        train(runs_dir)
         shoot(runs_dir, out)
     print(f"screenshots in {out}")
 

@@ -43,7 +43,7 @@ def config_diff(picked: list[str]) -> None:
     elif diff.empty:
         st.success("the configs are identical")
     else:
-        st.caption(f"{len(diff)} keys differ")
+        st.caption("1 key differs" if len(diff) == 1 else f"{len(diff)} keys differ")
         st.dataframe(diff, hide_index=True)
 
 

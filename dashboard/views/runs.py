@@ -37,7 +37,9 @@ def runs_table() -> None:
     overviews = [loaders.overview(n) for n in names]
     index = loaders.mlflow_index()
     counts = {s: sum(o.state == s for o in overviews) for s in ("running", "finished", "failed")}
-    st.caption(f"{len(names)} runs — " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+    st.caption(
+        f"{len(names)} run{'s' if len(names) != 1 else ''} — " + ", ".join(f"{n} {s}" for s, n in counts.items())
+    )
     table = data.runs_table(overviews, {o.name: index.run_id(o.name, o.path) for o in overviews}, time.time())
     styled = table.style.map(lambda s: f"color: {STATE_COLORS.get(s, 'inherit')}; font-weight: 600", subset=["status"])
     picked = st.dataframe(

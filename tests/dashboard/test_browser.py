@@ -26,7 +26,7 @@ def test_runs_and_run_detail_in_chromium(tiny_run, tmp_path):
     log = tmp_path / "dashboard.log"
     with served_dashboard(tiny_run.parent, log) as url, chromium_page() as page:
         page.goto(url)
-        page.get_by_text("1 runs — 0 running, 1 finished, 0 failed").wait_for(timeout=WAIT_MS)
+        page.get_by_text("1 run — 0 running, 1 finished, 0 failed").wait_for(timeout=WAIT_MS)
         table_cell(page, RUN)
         table_cell(page, "12/12")
         page.get_by_text("eval/pass@1", exact=True).first.wait_for(timeout=WAIT_MS)  # a chart's title

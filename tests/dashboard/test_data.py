@@ -152,8 +152,8 @@ def test_runs_table_and_formatting(tiny_run):
     row = table.iloc[0].to_dict()
     assert row["run"] == RUN and row["status"] == "finished" and row["steps"] == "12/12" and row["progress"] == 1.0
     assert row["updated"] == "2 min ago" and row["MLflow run"] == "abc123"
-    assert data.fmt_seconds(12.34) == "12.3 s" and data.fmt_seconds(754) == "12 min 34 s"
-    assert data.fmt_seconds(3 * 3600 + 65) == "3 h 1 min" and data.fmt_seconds(None) == "-"
+    assert data.fmt_seconds(12.34) == "12.3 s" and data.fmt_seconds(754) == "12m 34s"
+    assert data.fmt_seconds(3 * 3600 + 65) == "3h 01m" and data.fmt_seconds(None) == "-"
     assert data.fmt_age(5) == "5 s ago" and data.fmt_age(2 * 86400 + 1) == "2 d ago"
 
 

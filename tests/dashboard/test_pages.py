@@ -23,7 +23,7 @@ def test_runs_page_lists_the_run_with_its_numbers(tiny_run, monkeypatch):
     assert (row["status"], row["preset"], row["model"], row["steps"]) == ("finished", "tiny", "tiny-random", "12/12")
     assert row["best eval pass@1"] == pytest.approx(best)
     assert row["duration"] == f"{summary['seconds']['total']:.1f} s"
-    assert "1 runs — 0 running, 1 finished, 0 failed" in texts(at)
+    assert "1 run — 0 running, 1 finished, 0 failed" in texts(at)
     # the curves under the table: reward/mean of the run, point for point
     reward = charts(at)["reward/mean"][0]
     expected = {r["step"]: r["reward/mean"] for r in read_metrics(tiny_run) if "reward/mean" in r}
@@ -139,3 +139,19 @@ def test_mlflow_run_id_is_shown(mlflow_store_dir, monkeypatch):
     assert at.dataframe[0].value.iloc[0]["MLflow run"] == ids["tagged"]
     at.switch_page("views/run_detail.py").run()
     assert _metric(at, "MLflow run") == ids["tagged"][:8] and ids["tagged"] in texts(at)
+
+
+def test_a_growing_run_is_read_again_on_the_next_refresh(tiny_run, runs_copy, monkeypatch):
+    """The loaders' cache is keyed on file mtimes and sizes: what a live run appends shows up on the next rerun."""
+    run = runs_copy / RUN
+    make_half_written(run, step=6)
+    at = open_page(runs_copy, monkeypatch, "run_detail")
+    assert _metric(at, "steps") == "6/12"
+    # the trainer completes step 7: the torn line becomes a whole row, status.json moves on
+    rows = read_metrics(tiny_run)[:8]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "status.json").write_text(json.dumps({"state": "running", "step": 7, "updated": 1.0e9 + 1}))
+    at.run()
+    assert _metric(at, "steps") == "7/12"
+    assert _metric(at, "last reward/mean") == f"{rows[7]['reward/mean']:.3f}"
+    assert list(charts(at)["reward (mean ± std, per verifier)"][0]["step"]) == list(range(1, 8))
