@@ -1,10 +1,13 @@
 """Run detail page: key numbers, training curves, stage times, samples, the Weaver plan and the config of one run."""
 
+import time
+
 import streamlit as st
 
 from dashboard import charts, data, loaders
 from dashboard.widgets import empty_state, fmt, live, pick_run
 
+STALE_S = 15 * 60  # a running run whose status.json is older than this may have been killed
 # (title, metric columns, mark each point) of the curves after the reward chart; eval columns are added per run
 CURVES = [
     ("KL to the reference", ["train/kl"], False),
@@ -37,6 +40,11 @@ def header(name: str) -> None:
         st.link_button("Open in MLflow", index.run_url(run_id))
     if o.state == "failed":
         st.error(f"failed at step {o.step}: {o.error}")
+    elif o.state == "running" and o.updated and time.time() - o.updated > STALE_S:
+        st.warning(
+            f"status.json says running but has not changed for {data.fmt_age(time.time() - o.updated)[:-4]}: "
+            f"if its process has stopped, continue it with `forgeweave run --name {o.name} --resume`"
+        )
     elif o.state == "running":
         st.info("in progress: curves grow as steps finish; summary.json appears when the run ends")
 

@@ -33,8 +33,11 @@ def test_runs_and_run_detail_in_chromium(tiny_run, tmp_path):
         charts_drawn(page, 2)
         page.screenshot(path=tmp_path / "dashboard-runs.png")
 
+        # selecting the run's row (its checkbox, left of the first data row) opens it on the Run detail page
+        table = page.locator("[data-testid='stDataFrame']").first.bounding_box()
+        page.mouse.click(table["x"] + 15, table["y"] + 52)
+        page.wait_for_url(f"**/run?run={RUN}", timeout=WAIT_MS)
         page.set_viewport_size({"width": 1400, "height": 2300})  # Streamlit scrolls inside the page: a tall window
-        page.goto(f"{url}/run?run={RUN}")
         page.get_by_text(str(tiny_run.resolve()), exact=True).wait_for(timeout=WAIT_MS)  # the run's directory
         page.get_by_text("12/12", exact=True).wait_for(timeout=WAIT_MS)
         page.get_by_text("reward (mean ± std, per verifier)").wait_for(timeout=WAIT_MS)

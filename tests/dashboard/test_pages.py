@@ -2,6 +2,7 @@
 is half-written. The numbers a page shows are checked against the run's own files."""
 
 import json
+import time
 
 import pytest
 
@@ -110,7 +111,8 @@ def test_pages_on_a_half_written_run(runs_copy, monkeypatch):
     at.switch_page("views/run_detail.py").run()
     assert not at.exception
     assert _metric(at, "status") == "running" and _metric(at, "steps") == "6/12"
-    assert "in progress" in texts(at)
+    # the copy's status.json was last written in 2001: a running run that old has probably been killed
+    assert f"continue it with `forgeweave run --name {RUN} --resume`" in texts(at)
     assert at.toggle[0].value is True  # live refresh on by default while the run is running
     assert list(charts(at)["reward (mean ± std, per verifier)"][0]["step"]) == list(range(1, 7))
     at.switch_page("views/checkpoints.py").run()
@@ -150,8 +152,9 @@ def test_a_growing_run_is_read_again_on_the_next_refresh(tiny_run, runs_copy, mo
     # the trainer completes step 7: the torn line becomes a whole row, status.json moves on
     rows = read_metrics(tiny_run)[:8]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (run / "status.json").write_text(json.dumps({"state": "running", "step": 7, "updated": 1.0e9 + 1}))
+    (run / "status.json").write_text(json.dumps({"state": "running", "step": 7, "updated": time.time()}))
     at.run()
     assert _metric(at, "steps") == "7/12"
+    assert "in progress" in texts(at) and "--resume" not in texts(at)  # just updated: not stale
     assert _metric(at, "last reward/mean") == f"{rows[7]['reward/mean']:.3f}"
     assert list(charts(at)["reward (mean ± std, per verifier)"][0]["step"]) == list(range(1, 8))
