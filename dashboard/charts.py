@@ -12,6 +12,7 @@ import pandas as pd
 
 HEIGHT = 180  # of the plotting area; title, axes and legend come on top (autosize fit-x, not Streamlit's "fit")
 LEGEND = alt.Legend(orient="bottom", title=None, labelLimit=400)
+Y_FORMAT = ",.4~g"  # 0.0008, 12,000 and a plain 0 (Vega's default turns a constant 0 into "0.000000")
 
 
 def _sized(chart, title: str, height: int = HEIGHT):
@@ -40,7 +41,7 @@ def _line_layer(data: pd.DataFrame, points: bool) -> alt.Chart:
         .mark_line(point=points)
         .encode(
             x=alt.X("step:Q", title="step"),
-            y=alt.Y("value:Q", title=None),
+            y=alt.Y("value:Q", title=None, axis=alt.Axis(format=Y_FORMAT)),
             color=alt.Color("metric:N", legend=LEGEND),
             tooltip=["step:Q", "metric:N", alt.Tooltip("value:Q", format=".4g")],
         )
@@ -67,7 +68,7 @@ def stage_bars(times: pd.DataFrame) -> alt.Chart | None:
         alt.Chart(times)
         .mark_bar()
         .encode(
-            x=alt.X("step:O", title="step"),
+            x=alt.X("step:O", title="step", axis=alt.Axis(labelOverlap="greedy", labelAngle=0)),
             y=alt.Y("sum(seconds):Q", title="seconds", stack="zero"),
             color=alt.Color("stage:N", legend=LEGEND),
             tooltip=["step:O", "stage:N", alt.Tooltip("seconds:Q", format=".3f")],
@@ -92,7 +93,7 @@ def overlay(frames: dict[str, pd.DataFrame], metric: str, height: int = HEIGHT) 
         .mark_line(point=sparse)
         .encode(
             x=alt.X("step:Q"),
-            y=alt.Y("value:Q", title=metric),
+            y=alt.Y("value:Q", title=metric, axis=alt.Axis(format=Y_FORMAT)),
             color=alt.Color("run:N", legend=alt.Legend(orient="bottom", labelLimit=400)),
             tooltip=["run:N", "step:Q", alt.Tooltip("value:Q", format=".4g")],
         )

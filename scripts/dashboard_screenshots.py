@@ -41,7 +41,7 @@ def shoot(runs_dir: Path, out: Path) -> None:
         table_cell(page, first)
         charts_drawn(page, 2)
         page.screenshot(path=out / "dashboard-runs.png")
-        page.set_viewport_size({"width": 1400, "height": 2300})
+        page.set_viewport_size({"width": 1400, "height": 2800})
         page.goto(f"{url}/run?run={first}")
         page.get_by_text("reward (mean ± std, per verifier)").wait_for(timeout=WAIT_MS)
         charts_drawn(page, 10)

@@ -106,6 +106,8 @@ def charts_drawn(page, at_least: int) -> None:
     page.wait_for_timeout(1500)  # let Vega finish its render pass
     for chart in page.locator(CHART).all():
         assert chart.evaluate(MARKS) > 0
+    # no script run in flight (live refresh re-runs every few seconds): the "Running..." badge is gone
+    page.locator("[data-testid='stStatusWidget']").wait_for(state="hidden", timeout=WAIT_MS)
 
 
 def table_cell(page, text: str) -> None:

@@ -37,7 +37,7 @@ def test_runs_and_run_detail_in_chromium(tiny_run, tmp_path):
         table = page.locator("[data-testid='stDataFrame']").first.bounding_box()
         page.mouse.click(table["x"] + 15, table["y"] + 52)
         page.wait_for_url(f"**/run?run={RUN}", timeout=WAIT_MS)
-        page.set_viewport_size({"width": 1400, "height": 2300})  # Streamlit scrolls inside the page: a tall window
+        page.set_viewport_size({"width": 1400, "height": 2800})  # Streamlit scrolls inside the page: a tall window
         page.get_by_text(str(tiny_run.resolve()), exact=True).wait_for(timeout=WAIT_MS)  # the run's directory
         page.get_by_text("12/12", exact=True).wait_for(timeout=WAIT_MS)
         page.get_by_text("reward (mean ± std, per verifier)").wait_for(timeout=WAIT_MS)
