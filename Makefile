@@ -9,7 +9,13 @@ PIP := $(PY) -m pip install --disable-pip-version-check -q
 
 .PHONY: setup demo test lint bench clean-venv
 
-setup: $(STAMP)
+# the dashboard's browser test drives Debian's chromium through playwright (`playwright install` would download one)
+CHROMIUM := /usr/bin/chromium
+
+setup: $(STAMP) $(CHROMIUM)
+
+$(CHROMIUM):
+	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,7 +36,7 @@ test: setup
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
 
 lint: setup
-	$(VENV)/bin/ruff check forge weaver flows dashboard tests bench
+	$(VENV)/bin/ruff check forge weaver flows dashboard tests bench scripts
 
 bench: setup
 	$(PY) bench/rollout_throughput.py

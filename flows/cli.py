@@ -1,4 +1,4 @@
-"""The `forgeweave` command line: run, eval, presets.
+"""The `forgeweave` command line: run, eval, presets, plan, serve, server, dashboard.
 
 Errors a user can fix (a bad config key, a malformed data file, a missing model path) are printed as one
 line on stderr with exit code 2; no traceback.
@@ -22,6 +22,7 @@ EPILOG = """examples:
   forgeweave run --preset tiny --set update.lr=5e-4 --set steps=100 --name my-run
   forgeweave run --name my-run --resume            # continue from the last checkpoint
   forgeweave eval runs/my-run/checkpoints/step-000100
+  forgeweave dashboard                             # Streamlit dashboard of ./runs on http://127.0.0.1:8501
 """
 
 
@@ -78,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     wk.add_argument("--pool", required=True, help="Prefect work pool name (a pool's `work_pool` in the config)")
     wk.add_argument("--poll", type=float, default=1.0, help="seconds between polls for new stage runs (default 1)")
+    d = sub.add_parser("dashboard", help="serve the Streamlit dashboard of the runs dir on 127.0.0.1")
+    _runs_dir_arg(d)
+    d.add_argument("--port", type=int, default=8501)
     return p
 
 
@@ -104,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             "serve": cmd_serve,
             "server": cmd_server,
             "worker": cmd_worker,
+            "dashboard": cmd_dashboard,
         }
         return commands[args.command](args)
     except UserError as e:
@@ -229,6 +234,28 @@ def cmd_worker(args) -> int:
     # a worker started in the background inherits an ignored SIGINT and then cannot be stopped by SIGTERM either
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     os.execve(prefect, [str(prefect), "worker", "start", "--pool", args.pool, "--type", "process"], env)
+def cmd_dashboard(args) -> int:
+    """Replace this process with `streamlit run dashboard/app.py` on 127.0.0.1 (so its PID is the server's).
+
+    The runs dir travels as $FORGEWEAVE_RUNS_DIR (absolute); PYTHONPATH names the checkout holding `dashboard`."""
+    import dashboard
+
+    app = Path(dashboard.__file__).with_name("app.py")
+    runs = Path(args.runs_dir).resolve()
+    root = str(app.parent.parent)
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "FORGEWEAVE_RUNS_DIR": str(runs), "PYTHONPATH": path, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    settings = {
+        "server.address": "127.0.0.1",
+        "server.port": str(args.port),
+        "server.headless": "true",
+        "server.fileWatcherType": "none",
+        "browser.gatherUsageStats": "false",
+        "client.toolbarMode": "viewer",
+    }
+    flags = [arg for key, value in settings.items() for arg in (f"--{key}", value)]
+    print(f"dashboard on http://127.0.0.1:{args.port} (runs: {runs}); Ctrl-C to stop", flush=True)
+    os.execve(sys.executable, [sys.executable, "-m", "streamlit", "run", str(app), *flags], env)
 
 
 def cmd_presets(args) -> int:

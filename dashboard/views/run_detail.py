@@ -1,0 +1,162 @@
+"""Run detail page: key numbers, training curves, stage times, samples, the Weaver plan and the config of one run."""
+
+import time
+
+import streamlit as st
+
+from dashboard import charts, data, loaders
+from dashboard.widgets import empty_state, fmt, live, pick_run
+
+STALE_S = 15 * 60  # a running run whose status.json is older than this may have been killed
+# (title, metric columns, mark each point) of the curves after the reward chart; eval columns are added per run
+CURVES = [
+    ("KL to the reference", ["train/kl"], False),
+    ("entropy", ["train/entropy"], False),
+    ("learning rate", ["train/lr"], False),
+    ("grad norm", ["train/grad_norm"], False),
+    ("clip fraction", ["train/clip_frac_low", "train/clip_frac_high"], False),
+    ("completion length (tokens)", ["completion/len_mean", "completion/len_max"], False),
+    ("tokens / s", ["perf/rollout_tokens_per_s", "perf/update_tokens_per_s"], False),
+]
+
+
+def header(name: str) -> None:
+    o = loaders.overview(name)
+    frame = loaders.metrics(name)
+    cols = st.columns(6)
+    cols[0].metric("status", o.state)
+    cols[1].metric("steps", f"{o.step}/{o.total_steps}" if o.total_steps else str(o.step))
+    cols[2].metric("best eval pass@1", fmt(o.best_pass1), help=f"at step {o.best_step}")
+    reward = frame["reward/mean"].dropna() if "reward/mean" in frame else None
+    cols[3].metric("last reward/mean", fmt(float(reward.iloc[-1])) if reward is not None and len(reward) else "-")
+    cols[4].metric("duration", data.fmt_seconds(o.duration_s))
+    index = loaders.mlflow_index()
+    run_id = index.run_id(o.name, o.path) or o.mlflow_run_id
+    cols[5].metric("MLflow run", run_id[:8] if run_id else "-", help=run_id or "no MLflow run found")
+    st.caption(
+        f"preset `{o.preset or '-'}` · model `{o.model}` · `{o.path}`" + (f" · MLflow run `{run_id}`" if run_id else "")
+    )
+    if index.run_url(run_id):
+        st.link_button("Open in MLflow", index.run_url(run_id))
+    if o.state == "failed":
+        st.error(f"failed at step {o.step}: {o.error}")
+    elif o.state == "running" and o.updated and time.time() - o.updated > STALE_S:
+        st.warning(
+            f"status.json says running but has not changed for {data.fmt_age(time.time() - o.updated)[:-4]}: "
+            f"if its process has stopped, continue it with `forgeweave run --name {o.name} --resume`"
+        )
+    elif o.state == "running":
+        st.info("in progress: curves grow as steps finish; summary.json appears when the run ends")
+
+
+def curves(name: str) -> None:
+    frame = loaders.metrics(name)
+    if frame.empty:
+        st.info("no metrics yet: metrics.jsonl gets a row after the initial evaluation and after every step")
+        return
+    evals = [c for c in frame.columns if c.startswith("eval/pass@")]
+    specs = [
+        ("reward", charts.reward_chart(frame, data.verifier_names(frame))),
+        ("eval", charts.lines(frame, evals, "eval pass@k (held-out)", points=True)),
+        *((title, charts.lines(frame, cols, title, points)) for title, cols, points in CURVES),
+    ]
+    for i, (title, chart) in enumerate(specs):
+        if i % 2 == 0:
+            row = st.columns(2)  # one row per pair keeps the charts of a row aligned
+        with row[i % 2]:
+            if chart is None:
+                st.caption(f"{title}: no data yet")
+            else:
+                st.altair_chart(chart, width="stretch")
+    bars = charts.stage_bars(data.stage_times(frame))
+    if bars is not None:
+        st.altair_chart(bars, width="stretch")
+
+
+def any_metric(name: str) -> None:
+    frame = loaders.metrics(name)
+    names = data.metric_names(frame)
+    if names:
+        metric = st.selectbox("Any metric", names, index=names.index("reward/mean") if "reward/mean" in names else 0)
+        st.altair_chart(charts.lines(frame, [metric], metric, points=True), width="stretch")
+
+
+def ensemble(name: str) -> None:
+    found = loaders.ensemble_report(name)
+    if found is not None:
+        step, table = found
+        st.subheader(f"Label-free verifier ensemble (report of step {step})")
+        st.dataframe(table, hide_index=True)
+
+
+def samples(name: str) -> None:
+    frame = loaders.samples(name)
+    if frame.empty:
+        st.info("no samples yet: samples.jsonl gets a few completions per step")
+        return
+    steps = _range_slider("steps", frame["step"].dropna(), int)
+    rewards = _range_slider("reward", frame["reward"].dropna(), float)
+    text = st.text_input("prompt or completion contains")
+    shown = data.filter_samples(frame, steps, rewards, text)
+    st.caption(f"{len(shown)} of {len(frame)} samples")
+    st.dataframe(shown, hide_index=True, column_config={"completion": st.column_config.TextColumn(width="large")})
+
+
+def _range_slider(label: str, values, kind) -> tuple:
+    lo, hi = (kind(values.min()), kind(values.max())) if len(values) else (kind(0), kind(0))
+    if lo >= hi:  # a slider needs two distinct ends
+        st.caption(f"{label}: {lo}")
+        return lo, hi
+    return st.slider(label, lo, hi, (lo, hi))
+
+
+def plan(name: str) -> None:
+    pools, assignments = loaders.plan(name)
+    if assignments.empty:
+        st.info("no plan.json in this run")
+        return
+    st.dataframe(assignments, hide_index=True)
+    st.caption("resource pools")
+    st.dataframe(pools, hide_index=True)
+
+
+def config(name: str) -> None:
+    cfg = loaders.config(name)
+    if not cfg:
+        st.info("no config.yaml yet")
+        return
+    manifest = data.read_json(loaders.run_path(name) / "data" / "manifest.json")
+    if manifest:
+        keys = ("source", "train_rows", "eval_rows", "rejected_count", "content_hash")
+        st.dataframe([{k: manifest.get(k) for k in keys}], hide_index=True)
+    flat = data.flatten(cfg)
+    st.dataframe([{"key": k, "value": data.show_value(v)} for k, v in flat.items()], hide_index=True, height=420)
+
+
+def render() -> None:
+    st.title("Run detail")
+    names = loaders.run_names()
+    if not names:
+        empty_state()
+        return
+    name = pick_run(names)
+    running = loaders.overview(name).state == "running"
+    tab_curves, tab_samples, tab_plan, tab_config = st.tabs(["Curves", "Samples", "Weaver plan", "Config"])
+
+    def live_part() -> None:
+        header(name)
+        curves(name)
+
+    with tab_curves:
+        live(live_part, default=running, key="live_detail")
+        any_metric(name)
+        ensemble(name)
+    with tab_samples:
+        samples(name)
+    with tab_plan:
+        plan(name)
+    with tab_config:
+        config(name)
+
+
+render()

@@ -1,0 +1,49 @@
+"""The dashboard as a user sees it: `forgeweave dashboard` serves it on 127.0.0.1 and Debian's headless Chromium,
+driven by playwright, opens the Runs and Run detail pages of a real tiny run and checks the run's name and its
+charts are drawn. Screenshots go to the test's tmp dir; set FORGEWEAVE_SCREENSHOT_DIR (e.g. docs/img) to keep them.
+"""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.dashboard.browser import CHROMIUM, WAIT_MS, charts_drawn, chromium_page, served_dashboard, table_cell
+from tests.dashboard.conftest import RUN
+
+
+def _keep(shot: Path) -> None:
+    if os.environ.get("FORGEWEAVE_SCREENSHOT_DIR"):
+        out = Path(os.environ["FORGEWEAVE_SCREENSHOT_DIR"])
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, out / shot.name)
+
+
+def test_runs_and_run_detail_in_chromium(tiny_run, tmp_path):
+    if not CHROMIUM.exists():
+        pytest.fail(f"{CHROMIUM} is missing: `make setup` installs it (apt-get install chromium)")
+    log = tmp_path / "dashboard.log"
+    with served_dashboard(tiny_run.parent, log) as url, chromium_page() as page:
+        page.goto(url)
+        page.get_by_text("1 run — 0 running, 1 finished, 0 failed").wait_for(timeout=WAIT_MS)
+        table_cell(page, RUN)
+        table_cell(page, "12/12")
+        page.get_by_text("eval/pass@1", exact=True).first.wait_for(timeout=WAIT_MS)  # a chart's title
+        charts_drawn(page, 2)
+        page.screenshot(path=tmp_path / "dashboard-runs.png")
+
+        # selecting the run's row (its checkbox, left of the first data row) opens it on the Run detail page
+        table = page.locator("[data-testid='stDataFrame']").first.bounding_box()
+        page.mouse.click(table["x"] + 15, table["y"] + 52)
+        page.wait_for_url(f"**/run?run={RUN}", timeout=WAIT_MS)
+        page.set_viewport_size({"width": 1400, "height": 2800})  # Streamlit scrolls inside the page: a tall window
+        page.get_by_text(str(tiny_run.resolve()), exact=True).wait_for(timeout=WAIT_MS)  # the run's directory
+        page.get_by_text("12/12", exact=True).wait_for(timeout=WAIT_MS)
+        page.get_by_text("reward (mean ± std, per verifier)").wait_for(timeout=WAIT_MS)
+        charts_drawn(page, 10)
+        page.screenshot(path=tmp_path / "dashboard-run-detail.png")
+    assert "Traceback" not in log.read_text(), log.read_text()
+    for name in ("dashboard-runs.png", "dashboard-run-detail.png"):
+        assert (tmp_path / name).stat().st_size > 20_000
+        _keep(tmp_path / name)
