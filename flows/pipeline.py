@@ -92,8 +92,11 @@ def grpo_pipeline(
     from flows.runs import resolve_run
 
     cfg, run_dir = resolve_run(preset, config_path or None, list(overrides or []), name or None, runs_dir, resume)
+    from forge.tracking_mlflow import tracker_for_run
+
     _, plan = plan_run(cfg)
-    grpo = GRPORun(cfg, run_dir, resume=resume, plan=plan)
+    tracker = tracker_for_run(cfg, run_dir, tags={"forgeweave.prefect_flow_run_id": str(flow_run.id)})
+    grpo = GRPORun(cfg, run_dir, resume=resume, plan=plan, tracker=tracker)
     tasks = 0
     with grpo.failure_guard():
         _stage(prepare_stage, "prepare", 0, cfg)(grpo)

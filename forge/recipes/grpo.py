@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,8 +42,8 @@ from forge.rollout import SamplingParams, make_backend
 from forge.rundir import (
     append_samples,
     claim_run_dir,
-    flatten,
     progress_bar,
+    track_run_start,
     truncate_samples,
     update_bar,
     write_status,
@@ -150,7 +150,7 @@ class GRPORun:
         self.backend = make_backend(
             cfg.rollout.backend, self.trainer.unwrapped, self.tok, autocast_bf16=cfg.rollout.autocast_bf16
         )
-        self.tracker.log_params(flatten(asdict(cfg)))
+        track_run_start(self.tracker, cfg, run_dir)
         self.ensemble_report = None
         if self.resume:
             self.state = _restore(run_dir, self.trainer, self.sampler, self.jsonl, self.aggregator)
@@ -235,7 +235,7 @@ class GRPORun:
             self.state.seconds[k] += v
         self.state.step = step
         self.tracker.log_metrics(metrics, step=step)
-        append_samples(self.run_dir, step, rows, batch)
+        self.tracker.log_table("samples", step, append_samples(self.run_dir, step, rows, batch))
         write_status(self.run_dir, "running", step=step)
         return metrics
 
@@ -255,13 +255,16 @@ class GRPORun:
         score = last["pass@1"] if last and last.get("step") == step else None
         root = self.run_dir / "checkpoints"
         path = save_checkpoint(root, step, self.trainer.unwrapped, self.tok, payload, eval_score=score)
+        self.tracker.register_checkpoint(path, step, score)
         apply_retention(root, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_best)
         return path
 
     def finish(self, **extra) -> dict:
         """Write summary.json (extra keys, e.g. the Prefect flow-run id, are added to it) and mark finished."""
         summary = {**_summary(self.cfg, self.run_dir, self.state, time.perf_counter() - self.started), **extra}
+        summary.update(self.tracker.info())  # e.g. mlflow_run_id
         write_json(self.run_dir / "summary.json", summary)
+        self.tracker.log_artifact(self.run_dir / "summary.json")
         write_status(self.run_dir, "finished", step=self.state.step)
         self.tracker.finish("FINISHED")
         return summary
@@ -278,7 +281,9 @@ class GRPORun:
             seed=cfg.seed + step,
         )
         report["step"] = step
-        write_json(self.run_dir / "eval" / f"{step_dir_name(step)}.json", report)
+        path = self.run_dir / "eval" / f"{step_dir_name(step)}.json"
+        write_json(path, report)
+        self.tracker.log_artifact(path, "eval")
         return report
 
 
