@@ -204,11 +204,12 @@ def _param_value(v) -> str:
 
 
 class Worker(threading.Thread):
-    """Drains the outbox whenever woken; after a failure waits 1 s, doubling up to 30 s, before trying again."""
+    """Drains the outbox when woken, at most once per `interval` s (so records of fast steps share one batch);
+    after a failure waits 1 s, doubling up to 30 s, before trying again. Stopping skips both waits."""
 
-    def __init__(self, sender: Sender):
+    def __init__(self, sender: Sender, interval: float = 1.0):
         super().__init__(name="forgeweave-mlflow", daemon=True)
-        self.sender = sender
+        self.sender, self.interval = sender, interval
         self.woken, self.stopping, self.first_attempt = threading.Event(), threading.Event(), threading.Event()
         self.backoff, self.last_error, self.left = 0.0, "", 0
 
@@ -224,6 +225,7 @@ class Worker(threading.Thread):
             self._attempt()
             if final:
                 return
+            self.stopping.wait(self.interval)
 
     def _attempt(self) -> None:
         try:
@@ -274,9 +276,11 @@ class Sender:
             run_id = self._connect(state, pending[0][1]["ts"])
             pending = self.outbox.pending(state)  # _connect may have reset the state (run gone from the store)
             ends = {r["seq"]: end for end, r in pending}
-            for chunk in _chunks([r for _, r in pending]):
-                self._send_chunk(run_id, chunk, state)
-                state["sent"], state["offset"] = chunk[-1]["seq"], ends[chunk[-1]["seq"]]
+            try:
+                for chunk in _chunks([r for _, r in pending]):
+                    self._send_chunk(run_id, chunk, state)
+                    state["sent"], state["offset"] = chunk[-1]["seq"], ends[chunk[-1]["seq"]]
+            finally:  # once per drain, not per chunk: a crash before this only means idempotent resends
                 self.outbox.save_state(state)
             return 0
 
