@@ -48,6 +48,7 @@ CHECKPOINT_SKIP = {"trainer_state.pt"}  # optimizer/RNG state: needed to resume,
 PERMANENT = {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST"}
 BATCH_LIMITS = {"metrics": 1000, "params": 100, "tags": 100}
 MAX_PARAM_CHARS = 6000
+WINDOW = 500  # records sent (and then marked sent) together
 
 
 def mlflow_key(name: str) -> str:
@@ -143,7 +144,9 @@ class MlflowTracker(NullTracker):
             self.warned = True
 
     def log_params(self, params: dict) -> None:
-        self._put("params", params={mlflow_key(k): _param_value(v) for k, v in params.items()})
+        items = [(mlflow_key(k), _param_value(v)) for k, v in params.items()]
+        for i in range(0, len(items), BATCH_LIMITS["params"]):  # one record must fit one log_batch
+            self._put("params", params=dict(items[i : i + BATCH_LIMITS["params"]]))
 
     def set_tags(self, tags: dict[str, str]) -> None:
         self.tags.update({k: str(v) for k, v in tags.items()})
@@ -275,14 +278,27 @@ class Sender:
                 return 0
             run_id = self._connect(state, pending[0][1]["ts"])
             pending = self.outbox.pending(state)  # _connect may have reset the state (run gone from the store)
-            ends = {r["seq"]: end for end, r in pending}
-            try:
-                for chunk in _chunks([r for _, r in pending]):
-                    self._send_chunk(run_id, chunk, state)
-                    state["sent"], state["offset"] = chunk[-1]["seq"], ends[chunk[-1]["seq"]]
-            finally:  # once per drain, not per chunk: a crash before this only means idempotent resends
+            for start in range(0, len(pending), WINDOW):
+                window = pending[start : start + WINDOW]
+                self._send_window(run_id, [r for _, r in window], state)
+                state["sent"], state["offset"] = window[-1][1]["seq"], window[-1][0]
                 self.outbox.save_state(state)
             return 0
+
+    def _send_window(self, run_id: str, records: list[dict], state: dict) -> None:
+        """Send a run of records grouped by kind: their order matters only for the run status (sent last).
+
+        All metrics/params/tags go in as few log_batch calls as the limits allow, each step's table in one
+        artifact upload per table name. If any call fails the whole window is sent again later (idempotent)."""
+        batch = [r for r in records if r["op"] in BATCH_LIMITS]
+        for chunk in _chunks(batch):
+            self._guarded(Sender._send_batch, run_id, chunk, state)
+        tables = [r for r in records if r["op"] == "table"]
+        for name in dict.fromkeys(r["name"] for r in tables):
+            self._guarded(Sender._send_tables, run_id, [r for r in tables if r["name"] == name], state)
+        rest = [r for r in records if r["op"] not in BATCH_LIMITS and r["op"] != "table"]
+        for r in sorted(rest, key=lambda r: (r["op"] in ("start", "end"), r["seq"])):
+            self._guarded(SEND[r["op"]], run_id, [r], state)
 
     def _connect(self, state: dict, start_ts: int) -> str:
         if self.client is None:
@@ -345,17 +361,23 @@ class Sender:
         run = self.client.create_run(exp_id, start_time=start_ts, tags=tags, run_name=self.target.run_dir.name)
         return run.info.run_id
 
-    def _send_chunk(self, run_id: str, chunk: list[dict], state: dict) -> None:
+    def _guarded(self, send, run_id: str, chunk: list[dict], state: dict) -> None:
+        """send(self, run_id, chunk); a rejection for good retries the records one by one and skips only those
+        that fail alone (listed in state["skipped"]); any other error propagates (retry later)."""
         from mlflow.exceptions import MlflowException
 
         try:
-            SEND[chunk[0]["op"]](self, run_id, chunk)
+            send(self, run_id, chunk)
         except (MlflowException, FileNotFoundError) as e:
             if isinstance(e, MlflowException) and e.error_code not in PERMANENT:
                 raise
-            skipped = {"seq": [r["seq"] for r in chunk], "op": chunk[0]["op"], "error": str(e)[:500]}
+            if len(chunk) > 1:
+                for r in chunk:
+                    self._guarded(send, run_id, [r], state)
+                return
+            skipped = {"seq": chunk[0]["seq"], "op": chunk[0]["op"], "error": str(e)[:500]}
             state.setdefault("skipped", []).append(skipped)
-            print(f"forgeweave: warning: MLflow rejected {chunk[0]['op']} record(s): {str(e)[:300]}", file=sys.stderr)
+            print(f"forgeweave: warning: MLflow rejected a {chunk[0]['op']} record: {str(e)[:300]}", file=sys.stderr)
 
     # one method per record kind ------------------------------------------------
 
@@ -393,12 +415,13 @@ class Sender:
         else:
             raise FileNotFoundError(f"{path} no longer exists")
 
-    def _send_table(self, run_id: str, chunk: list[dict]) -> None:
-        r = chunk[0]
+    def _send_tables(self, run_id: str, chunk: list[dict]) -> None:
+        """Tables of one name: `<name>/step-NNNNNN.json` each, uploaded together."""
         with tempfile.TemporaryDirectory(prefix="forgeweave-table-") as tmp:
-            f = Path(tmp) / f"step-{r['step']:06d}.json"
-            f.write_text(json.dumps({"columns": r["columns"], "data": r["data"]}, ensure_ascii=False))
-            self.client.log_artifact(run_id, str(f), r["name"])
+            for r in chunk:
+                table = {"columns": r["columns"], "data": r["data"]}
+                (Path(tmp) / f"step-{r['step']:06d}.json").write_text(json.dumps(table, ensure_ascii=False))
+            self.client.log_artifacts(run_id, tmp, chunk[0]["name"])
 
     def _send_checkpoint(self, run_id: str, chunk: list[dict]) -> None:
         r = chunk[0]
@@ -433,28 +456,23 @@ SEND = {
     "start": Sender._send_start,
     "end": Sender._send_end,
     "artifact": Sender._send_artifact,
-    "table": Sender._send_table,
+    "table": Sender._send_tables,
     "checkpoint": Sender._send_checkpoint,
 }
 
 
 def _chunks(records: list[dict]) -> list[list[dict]]:
-    """Consecutive metrics/params/tags records merged into log_batch-sized chunks; every other record alone."""
-    chunks: list[list[dict]] = []
+    """metrics/params/tags records in log_batch-sized chunks (MLflow's per-request limits), in order."""
+    chunks: list[list[dict]] = [[]]
     counts = dict.fromkeys(BATCH_LIMITS, 0)
     for r in records:
-        op = r["op"]
-        if op not in BATCH_LIMITS:
-            chunks.append([r])
-            continue
-        size = len(r.get(op, {}))
-        batch_open = chunks and chunks[-1][0]["op"] in BATCH_LIMITS
-        if not batch_open or counts[op] + size > BATCH_LIMITS[op] or sum(counts.values()) + size > 1000:
+        op, size = r["op"], len(r[r["op"]])
+        if counts[op] + size > BATCH_LIMITS[op] or sum(counts.values()) + size > 1000:
             chunks.append([])
             counts = dict.fromkeys(BATCH_LIMITS, 0)
         chunks[-1].append(r)
         counts[op] += size
-    return chunks
+    return [c for c in chunks if c]
 
 
 # ---------------------------------------------------------------- `forgeweave sync`
