@@ -134,6 +134,8 @@ def cmd_run(args) -> int:
     else:
         summary = run_with_prefect(args, run_dir)
     print(format_summary(summary))
+    if summary.get("mlflow_run_id"):
+        print(f"mlflow run: {summary['mlflow_run_id']} (browse with `forgeweave mlflow --runs-dir {run_dir.parent}`)")
     return 0
 
 
