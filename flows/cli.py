@@ -1,4 +1,4 @@
-"""The `forgeweave` command line: run, eval, presets, plan, serve, server, dashboard.
+"""The `forgeweave` command line: run, eval, presets, plan, serve, server, worker, dashboard, mlflow, sync.
 
 Errors a user can fix (a bad config key, a malformed data file, a missing model path) are printed as one
 line on stderr with exit code 2; no traceback.
@@ -23,6 +23,8 @@ EPILOG = """examples:
   forgeweave run --name my-run --resume            # continue from the last checkpoint
   forgeweave eval runs/my-run/checkpoints/step-000100
   forgeweave dashboard                             # Streamlit dashboard of ./runs on http://127.0.0.1:8501
+  forgeweave mlflow                                # MLflow UI on http://127.0.0.1:5000 for ./runs
+  forgeweave sync my-run                           # send what MLflow missed while it was unreachable
 """
 
 
@@ -82,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("dashboard", help="serve the Streamlit dashboard of the runs dir on 127.0.0.1")
     _runs_dir_arg(d)
     d.add_argument("--port", type=int, default=8501)
+    ml = sub.add_parser("mlflow", help="start the MLflow UI/server on 127.0.0.1 for the runs dir's MLflow store")
+    _runs_dir_arg(ml)
+    ml.add_argument("--port", type=int, default=5000)
+    sy = sub.add_parser("sync", help="send a run's MLflow records that could not be sent during the run")
+    sy.add_argument("run", help="run name (under --runs-dir) or run directory")
+    _runs_dir_arg(sy)
+    sy.add_argument("--uri", default="", help="tracking URI to send to (default: the store the run was using)")
     return p
 
 
@@ -109,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             "server": cmd_server,
             "worker": cmd_worker,
             "dashboard": cmd_dashboard,
+            "mlflow": cmd_mlflow,
+            "sync": cmd_sync,
         }
         return commands[args.command](args)
     except UserError as e:
@@ -129,10 +140,15 @@ def cmd_run(args) -> int:
     if args.no_prefect:
         if cfg.orchestration.execution == "distributed":
             raise UserError("orchestration.execution=distributed runs stages as Prefect deployments: drop --no-prefect")
-        summary = run(cfg, run_dir, resume=args.resume, progress=not args.quiet, plan=plan)
+        from forge.tracking_mlflow import tracker_for_run
+
+        tracker = tracker_for_run(cfg, run_dir)
+        summary = run(cfg, run_dir, resume=args.resume, progress=not args.quiet, plan=plan, tracker=tracker)
     else:
         summary = run_with_prefect(args, run_dir)
     print(format_summary(summary))
+    if summary.get("mlflow_run_id"):
+        print(f"mlflow run: {summary['mlflow_run_id']} (browse with `forgeweave mlflow --runs-dir {run_dir.parent}`)")
     return 0
 
 
@@ -234,6 +250,8 @@ def cmd_worker(args) -> int:
     # a worker started in the background inherits an ignored SIGINT and then cannot be stopped by SIGTERM either
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     os.execve(prefect, [str(prefect), "worker", "start", "--pool", args.pool, "--type", "process"], env)
+
+
 def cmd_dashboard(args) -> int:
     """Replace this process with `streamlit run dashboard/app.py` on 127.0.0.1 (so its PID is the server's).
 
@@ -256,6 +274,41 @@ def cmd_dashboard(args) -> int:
     flags = [arg for key, value in settings.items() for arg in (f"--{key}", value)]
     print(f"dashboard on http://127.0.0.1:{args.port} (runs: {runs}); Ctrl-C to stop", flush=True)
     os.execve(sys.executable, [sys.executable, "-m", "streamlit", "run", str(app), *flags], env)
+
+
+def cmd_mlflow(args) -> int:
+    """Replace this process with `mlflow server` on 127.0.0.1 over <runs-dir>/mlflow.db (the embedded store)."""
+    from forge.tracking_mlflow import default_uri
+
+    runs = Path(args.runs_dir).resolve()
+    runs.mkdir(parents=True, exist_ok=True)
+    # job execution off: 2 processes (~0.5 GB) instead of ~10 (1.9 GB); one worker is plenty for one user
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    mlflow = Path(sys.executable).with_name("mlflow")
+    argv = [str(mlflow), "server", "--host", "127.0.0.1", "--port", str(args.port), "--workers", "1"]
+    argv += ["--backend-store-uri", default_uri(runs), "--artifacts-destination", str(runs / "mlartifacts")]
+    print(f"MLflow UI on http://127.0.0.1:{args.port} — export MLFLOW_TRACKING_URI=http://127.0.0.1:{args.port}")
+    sys.stdout.flush()
+    os.execve(mlflow, argv, env)
+
+
+def cmd_sync(args) -> int:
+    from forge.outbox import OUTBOX
+    from forge.tracking_mlflow import Busy, sync_run
+
+    run_dir = Path(args.run) if Path(args.run).is_dir() else Path(args.runs_dir) / args.run
+    if not (run_dir / OUTBOX).is_file():
+        raise UserError(f"'{run_dir}' has no {OUTBOX}: not a run tracked with MLflow (or no such run)")
+    try:
+        result = sync_run(run_dir, uri=args.uri)
+    except Busy:
+        raise UserError(f"run '{run_dir.name}' is being sent by its own process right now; try again later") from None
+    except Exception as e:
+        raise UserError(f"could not reach MLflow for '{run_dir.name}' ({str(e)[:200]}); nothing is lost, retry") from e
+    print(f"sent {result['sent']} records of run {run_dir.name} to {result['uri']} (MLflow run {result['run_id']})")
+    if result["skipped"]:
+        print(f"{result['skipped']} record(s) were rejected by MLflow: see {run_dir / 'mlflow_state.json'}")
+    return 0
 
 
 def cmd_presets(args) -> int:

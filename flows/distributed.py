@@ -25,10 +25,11 @@ from pathlib import Path
 
 from prefect import flow
 
+from forge.checkpoint import step_dir_name
 from forge.config import RunConfig, dump_yaml, load_yaml
 from forge.errors import UserError
 from forge.io import atomic_write_text, write_json
-from forge.recipes.grpo import GRPORun
+from forge.recipes.grpo import GRPORun, eval_metrics
 from forge.recipes.live import (
     load_live,
     load_stage_output,
@@ -37,7 +38,7 @@ from forge.recipes.live import (
     save_stage_output,
     write_run_state,
 )
-from forge.rundir import claim_run_dir, progress_bar, update_bar
+from forge.rundir import claim_run_dir, progress_bar, track_run_start, update_bar
 
 STAGE_FLOW = "forgeweave-stage"
 PLAN_STAGE = {
@@ -111,7 +112,9 @@ _STAGES = {"rollout": _rollout, "reward": _reward, "update": _update, "evaluate"
 # ---------------------------------------------------------------- the driver side
 
 
-def run_distributed(cfg: RunConfig, run_dir: Path, plan: dict, progress: bool = False, **extra) -> dict:
+def run_distributed(
+    cfg: RunConfig, run_dir: Path, plan: dict, progress: bool = False, tracker_tags: dict | None = None, **extra
+) -> dict:
     """The GRPO loop with every stage on its pool's Prefect work pool; returns summary.json's content."""
     if not os.environ.get("PREFECT_API_URL"):
         raise UserError(
@@ -121,20 +124,25 @@ def run_distributed(cfg: RunConfig, run_dir: Path, plan: dict, progress: bool = 
     deployments = stage_deployments(plan)  # fails before anything is written when a pool has no work pool
     claim_run_dir(run_dir, resume=False)
     register_deployments(deployments, plan)
+    from forge.tracking_mlflow import tracker_for_run
+
+    tracker = tracker_for_run(cfg, run_dir, tags=tracker_tags)
     timeout = cfg.orchestration.stage_timeout_s
-    return drive(
-        cfg, run_dir, plan, lambda stage, step: trigger(deployments, run_dir, stage, step, timeout), progress, **extra
-    )
+    call = lambda stage, step: trigger(deployments, run_dir, stage, step, timeout)  # noqa: E731
+    return drive(cfg, run_dir, plan, call, progress, tracker=tracker, **extra)
 
 
-def drive(cfg: RunConfig, run_dir: Path, plan: dict, call_stage, progress: bool = False, **extra) -> dict:
+def drive(cfg: RunConfig, run_dir: Path, plan: dict, call_stage, progress: bool = False, tracker=None, **extra) -> dict:
     """The driver's loop over a claimed, empty run directory; `call_stage(stage, step)` runs a stage somewhere and
-    returns when its output is in the run directory."""
+    returns when its output is in the run directory. The driver's `tracker` (MLflow) gets what the stages wrote."""
     atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
     write_json(run_dir / "plan.json", plan)
     call_stage("prepare", 0)
-    grpo = GRPORun(cfg, run_dir, resume=True)  # bookkeeping only: the driver never builds the model
+    grpo = GRPORun(cfg, run_dir, resume=True, tracker=tracker)  # bookkeeping only: the driver never builds the model
     grpo.state = read_run_state(run_dir)
+    if tracker is not None:  # the prepare stage logged the initial eval to metrics.jsonl only
+        track_run_start(tracker, cfg, run_dir)
+        tracker.log_metrics(eval_metrics(grpo.state.initial_eval), step=0)
     with grpo.failure_guard():
         bar = progress_bar(cfg.steps, grpo.state.step, progress)
         for step in grpo.remaining_steps():
@@ -144,9 +152,13 @@ def drive(cfg: RunConfig, run_dir: Path, plan: dict, call_stage, progress: bool 
             if grpo.eval_due(step):
                 call_stage("evaluate", step)
                 report = grpo.state.last_eval = load_stage_output(run_dir, step, "evaluate")["report"]
+                grpo.tracker.log_artifact(run_dir / "eval" / f"{step_dir_name(step)}.json", "eval")
             metrics = _end_step(grpo, run_dir, step, report)
             if grpo.checkpoint_due(step):
                 call_stage("checkpoint", step)
+                path = Path(load_stage_output(run_dir, step, "checkpoint")["path"])
+                score = report["pass@1"] if report is not None else None
+                grpo.tracker.register_checkpoint(path, step, score)
             update_bar(bar, metrics, grpo.state.last_eval)
         if bar is not None:
             bar.close()

@@ -93,14 +93,25 @@ def grpo_pipeline(
     from flows.runs import resolve_run
 
     cfg, run_dir = resolve_run(preset, config_path or None, list(overrides or []), name or None, runs_dir, resume)
+    from forge.tracking_mlflow import tracker_for_run
+
     _, plan = plan_run(cfg)
     if cfg.orchestration.execution == "distributed":
         from flows.distributed import run_distributed
 
         if resume:
             raise UserError("--resume is not supported with orchestration.execution=distributed yet; start a new run")
-        return run_distributed(cfg, run_dir, plan, progress, prefect_flow_run_id=str(flow_run.id), prefect_task_runs=0)
-    grpo = GRPORun(cfg, run_dir, resume=resume, plan=plan)
+        return run_distributed(
+            cfg,
+            run_dir,
+            plan,
+            progress,
+            tracker_tags={"forgeweave.prefect_flow_run_id": str(flow_run.id)},
+            prefect_flow_run_id=str(flow_run.id),
+            prefect_task_runs=0,
+        )
+    tracker = tracker_for_run(cfg, run_dir, tags={"forgeweave.prefect_flow_run_id": str(flow_run.id)})
+    grpo = GRPORun(cfg, run_dir, resume=resume, plan=plan, tracker=tracker)
     tasks = 0
     with grpo.failure_guard():
         _stage(prepare_stage, "prepare", 0, cfg)(grpo)

@@ -209,6 +209,24 @@ class OrchestrationConfig:
 
 
 @dataclass
+class TrackingConfig:
+    mlflow: bool = True
+    """Track `forgeweave run` in MLflow too (metrics.jsonl is always written); MLflow failures never stop training."""
+    uri: str = ""
+    """MLflow tracking URI; empty = $MLFLOW_TRACKING_URI, else sqlite:///<runs-dir>/mlflow.db (embedded)."""
+    experiment: str = "forgeweave"
+    """MLflow experiment holding the runs."""
+    registered_model: str = ""
+    """Registry name for checkpoints; empty = forgeweave-<preset> (forgeweave-custom for a config without preset)."""
+    log_checkpoints: bool = True
+    """Log checkpoint directories (HF files, not the optimizer state) as artifacts and register them."""
+    timeout_s: int = 10
+    """Seconds per HTTP request to a tracking server (sets MLFLOW_HTTP_REQUEST_TIMEOUT unless already set)."""
+    finish_timeout_s: float = 120.0
+    """At the end of a run, wait this long for unsent records; the rest stays in the outbox for `forgeweave sync`."""
+
+
+@dataclass
 class RunConfig:
     preset: str = ""
     """Preset this config was built from (informational)."""
@@ -227,6 +245,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     orchestration: OrchestrationConfig = field(default_factory=OrchestrationConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     pools: list[dict] = field(default_factory=list)
     """Resource pools for Weaver (name, kind cpu/gpu, devices, host, work_pool); empty = autodetect this machine."""
 

@@ -1,7 +1,8 @@
 """Trackers: where params, metrics and artifacts go. The recipe only sees the `Tracker` protocol.
 
 `JsonlTracker` writes `metrics.jsonl` (one JSON object per step) in the run directory; `NullTracker`
-drops everything. MLflow implements the same protocol elsewhere (imported only where used).
+drops everything; `MultiTracker` fans out. `forge.tracking_mlflow.MlflowTracker` implements the same protocol
+(mlflow is imported only there, and only when it sends). Trackers must never raise into the training loop.
 """
 
 from __future__ import annotations
@@ -16,8 +17,20 @@ from forge.io import atomic_write_text
 
 class Tracker(Protocol):
     def log_params(self, params: dict) -> None: ...
+    def set_tags(self, tags: dict[str, str]) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
-    def log_artifact(self, path: Path) -> None: ...
+    def log_artifact(self, path: Path, artifact_path: str = "") -> None:
+        """A file (or directory) of the run directory, stored under `artifact_path` in the tracker."""
+
+    def log_table(self, name: str, step: int, rows: list[dict]) -> None:
+        """Rows of one step (e.g. rollout samples) as a table `<name>/step-NNNNNN`."""
+
+    def register_checkpoint(self, path: Path, step: int, eval_score: float | None) -> None:
+        """A checkpoint directory: stored, and registered as a model version with its lineage."""
+
+    def info(self) -> dict:
+        """Facts for summary.json (e.g. {"mlflow_run_id": ...})."""
+
     def finish(self, status: str) -> None: ...
 
 
@@ -25,11 +38,23 @@ class NullTracker:
     def log_params(self, params: dict) -> None:
         pass
 
+    def set_tags(self, tags: dict[str, str]) -> None:
+        pass
+
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         pass
 
-    def log_artifact(self, path: Path) -> None:
+    def log_artifact(self, path: Path, artifact_path: str = "") -> None:
         pass
+
+    def log_table(self, name: str, step: int, rows: list[dict]) -> None:
+        pass
+
+    def register_checkpoint(self, path: Path, step: int, eval_score: float | None) -> None:
+        pass
+
+    def info(self) -> dict:
+        return {}
 
     def finish(self, status: str) -> None:
         pass
@@ -79,13 +104,31 @@ class MultiTracker(NullTracker):
         for t in self.trackers:
             t.log_params(params)
 
+    def set_tags(self, tags: dict[str, str]) -> None:
+        for t in self.trackers:
+            t.set_tags(tags)
+
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         for t in self.trackers:
             t.log_metrics(metrics, step)
 
-    def log_artifact(self, path: Path) -> None:
+    def log_artifact(self, path: Path, artifact_path: str = "") -> None:
         for t in self.trackers:
-            t.log_artifact(path)
+            t.log_artifact(path, artifact_path)
+
+    def log_table(self, name: str, step: int, rows: list[dict]) -> None:
+        for t in self.trackers:
+            t.log_table(name, step, rows)
+
+    def register_checkpoint(self, path: Path, step: int, eval_score: float | None) -> None:
+        for t in self.trackers:
+            t.register_checkpoint(path, step, eval_score)
+
+    def info(self) -> dict:
+        out: dict = {}
+        for t in self.trackers:
+            out.update(t.info())
+        return out
 
     def finish(self, status: str) -> None:
         for t in self.trackers:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,8 +42,8 @@ from forge.rollout import SamplingParams, make_backend
 from forge.rundir import (
     append_samples,
     claim_run_dir,
-    flatten,
     progress_bar,
+    track_run_start,
     truncate_samples,
     update_bar,
     write_status,
@@ -131,14 +131,14 @@ class GRPORun:
     def setup(self) -> None:
         """Prep stage + everything the loop needs; then restore (resume) or run the initial evaluation."""
         self.build()
-        self.tracker.log_params(flatten(asdict(self.cfg)))
+        track_run_start(self.tracker, self.cfg, self.run_dir)
         if self.resume:
             self.state = _restore(self.run_dir, self.trainer, self.sampler, self.jsonl, self.aggregator)
             self.backend.sync_weights(self.trainer.unwrapped, self.trainer.policy_version)
         else:
             self.state.initial_eval = self.state.last_eval = self._eval_report(0)
             self.state.seconds["evaluate"] += self.state.initial_eval["seconds"]
-            self.tracker.log_metrics(_eval_metrics(self.state.initial_eval), step=0)
+            self.tracker.log_metrics(eval_metrics(self.state.initial_eval), step=0)
         write_status(self.run_dir, "running", step=self.state.step)
 
     def build(self) -> None:
@@ -232,7 +232,7 @@ class GRPORun:
         """Log the step's metrics and samples; returns the metrics."""
         metrics = _step_metrics(batch.rollouts, batch, stats, self.times)
         if report is not None:
-            metrics.update(_eval_metrics(report))
+            metrics.update(eval_metrics(report))
         if self.ensemble_report is not None:
             from forge.rewards.aggregate import report_metrics
 
@@ -242,7 +242,7 @@ class GRPORun:
             self.state.seconds[k] += v
         self.state.step = step
         self.tracker.log_metrics(metrics, step=step)
-        append_samples(self.run_dir, step, rows, batch)
+        self.tracker.log_table("samples", step, append_samples(self.run_dir, step, rows, batch))
         write_status(self.run_dir, "running", step=step)
         return metrics
 
@@ -262,13 +262,16 @@ class GRPORun:
         score = last["pass@1"] if last and last.get("step") == step else None
         root = self.run_dir / "checkpoints"
         path = save_checkpoint(root, step, self.trainer.unwrapped, self.tok, payload, eval_score=score)
+        self.tracker.register_checkpoint(path, step, score)
         apply_retention(root, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_best)
         return path
 
     def finish(self, **extra) -> dict:
         """Write summary.json (extra keys, e.g. the Prefect flow-run id, are added to it) and mark finished."""
         summary = {**_summary(self.cfg, self.run_dir, self.state, time.perf_counter() - self.started), **extra}
+        summary.update(self.tracker.info())  # e.g. mlflow_run_id
         write_json(self.run_dir / "summary.json", summary)
+        self.tracker.log_artifact(self.run_dir / "summary.json")
         write_status(self.run_dir, "finished", step=self.state.step)
         self.tracker.finish("FINISHED")
         return summary
@@ -285,7 +288,9 @@ class GRPORun:
             seed=cfg.seed + step,
         )
         report["step"] = step
-        write_json(self.run_dir / "eval" / f"{step_dir_name(step)}.json", report)
+        path = self.run_dir / "eval" / f"{step_dir_name(step)}.json"
+        write_json(path, report)
+        self.tracker.log_artifact(path, "eval")
         return report
 
 
@@ -298,7 +303,7 @@ def _columns(rows: list[dict], group_size: int, hidden: tuple[str, ...] = ()) ->
     return {k: [r[k] for r in rows for _ in range(group_size)] for k in keys}
 
 
-def _eval_metrics(report: dict) -> dict[str, float]:
+def eval_metrics(report: dict) -> dict[str, float]:
     keys = [k for k in report if k.startswith("pass@") or k == "mean_reward"]
     return {f"eval/{k}": report[k] for k in keys}
 
