@@ -12,7 +12,6 @@ checkpoints/latest, and summary.json only once the run has finished.
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,13 +23,13 @@ from forge.checkpoint import (
     apply_retention,
     latest_checkpoint,
     load_state,
-    load_weights,
     save_checkpoint,
     set_rng_state,
     step_dir_name,
 )
 from forge.config import RunConfig, dump_yaml
 from forge.data import PromptSampler, prepare, read_split
+from forge.distributed.remote import start_trainer
 from forge.errors import UserError
 from forge.evaluate import evaluate
 from forge.io import atomic_write_text, write_json
@@ -49,7 +48,6 @@ from forge.rundir import (
     write_status,
 )
 from forge.tracking import JsonlTracker, MultiTracker, Tracker
-from forge.trainer import Trainer
 
 STAGES = ("rollout", "reward", "update", "evaluate")
 
@@ -106,6 +104,7 @@ class GRPORun:
         self.cfg = cfg.validate()
         self.run_dir = run_dir
         self.resume = resume
+        self.plan = plan
         self.started = time.perf_counter()
         claim_run_dir(run_dir, resume)
         if plan is not None:
@@ -124,6 +123,13 @@ class GRPORun:
             write_status(self.run_dir, "failed", step=self.state.step, error=f"{type(e).__name__}: {e}")
             self.tracker.finish("FAILED")
             raise
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the update processes, if the update runs in its own (no orphans on success, error or Ctrl-C)."""
+        if getattr(self, "trainer", None) is not None:
+            self.trainer.close()
 
     def setup(self) -> None:
         """Prep stage + everything the loop needs: policy, data, sampler, verifiers, trainer, rollout backend."""
@@ -132,7 +138,6 @@ class GRPORun:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         model, self.tok = load_policy(cfg.model, seed=cfg.seed)
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.beta > 0 else None
         if not self.resume:
             atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
             fmt = format_prompt_fn(self.tok, cfg.model)
@@ -146,7 +151,8 @@ class GRPORun:
 
             names = [name for name, _ in self.verifiers]
             self.aggregator = EnsembleAggregator(names, cfg.reward.window_steps, cfg.reward.refit_every, cfg.seed)
-        self.trainer = Trainer(model, cfg, total_steps=cfg.steps, ref_model=ref_model)
+        # in-process with one update process; else persistent `accelerate launch` ranks publishing their weights
+        self.trainer = start_trainer(model, cfg, run_dir, self.plan)
         self.backend = make_backend(
             cfg.rollout.backend, self.trainer.unwrapped, self.tok, autocast_bf16=cfg.rollout.autocast_bf16
         )
@@ -322,6 +328,7 @@ def _step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: d
             "train/lr_scale": stats.lr_scale,
             "train/advantage_abs_mean": float(batch.advantages.abs().mean()),
             "policy/version": float(stats.policy_version),
+            "time/weight_sync_s": stats.sync_seconds,
             "perf/rollout_tokens_per_s": tokens / max(times["rollout"], 1e-9),
             "perf/update_tokens_per_s": stats.tokens * 1.0 / max(times["update"], 1e-9),
         }
@@ -333,13 +340,12 @@ def _step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: d
 # ---------------------------------------------------------------- checkpoint / resume
 
 
-def _restore(run_dir: Path, trainer: Trainer, sampler: PromptSampler, jsonl: JsonlTracker, aggregator) -> RunState:
+def _restore(run_dir: Path, trainer, sampler: PromptSampler, jsonl: JsonlTracker, aggregator) -> RunState:
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     if ckpt is None:
         raise UserError(f"cannot resume '{run_dir}': it has no checkpoint yet; start it again without --resume")
     saved = load_state(ckpt)
-    load_weights(trainer.unwrapped, ckpt)
-    trainer.load_state_dict(saved["trainer"])
+    trainer.restore(ckpt, saved["trainer"])  # weights + optimizer on every update process
     sampler.load_state_dict(saved["sampler"])
     set_rng_state(saved["rng"])
     if aggregator is not None and saved.get("aggregator") is not None:
