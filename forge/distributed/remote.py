@@ -29,6 +29,7 @@ Files in `<run>/update/`: config.yaml (what the ranks build), trainer.log (all r
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import io
@@ -116,7 +117,7 @@ class RemoteTrainer:
         self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
         self.log_path = self.dir / "trainer.log"
         self.proc = self._launch(authkey, plan)
-        self._finalizer = weakref.finalize(self, _stop_group, self.proc, 0.0)
+        self._finalizer = weakref.finalize(self, _stop_all, self.proc, self.pids, 0.0)
         try:
             self._connect()
             self._sync(self._call("publish"))  # the rollout starts from exactly the ranks' weights
@@ -168,7 +169,7 @@ class RemoteTrainer:
                     self.conn.recv()
             except (OSError, EOFError):
                 pass
-        _stop_group(self.proc, STOP_GRACE_S if self.failure is None and not self._busy else 0.0)
+        _stop_all(self.proc, self.pids, STOP_GRACE_S if self.failure is None and not self._busy else 0.0)
         self._finalizer.detach()
         for c in (self.conn, self._listener):
             if c is not None:
@@ -216,7 +217,7 @@ class RemoteTrainer:
             self._fail(f"rank 0 could not connect: {box.get('error')}")
         self.conn = box["conn"]
         hello = self._receive()
-        self.pids = hello["pids"]
+        self.pids.extend(hello["pids"])  # in place: the finalizer holds this list
         info = {"launcher": self.proc.pid, "ranks": self.pids, "backend": hello["backend"]}
         write_json(self.dir / "processes.json", info)
 
@@ -254,7 +255,7 @@ class RemoteTrainer:
 
     def _fail(self, what: str):
         """Stop everything, then raise the error of the rank that failed first."""
-        _stop_group(self.proc, STOP_GRACE_S)
+        _stop_all(self.proc, self.pids, STOP_GRACE_S)
         self.failure = TrainerProcessError(
             diagnose(self.dir, self.log_path, self.processes, self.proc.returncode, what)
         )
@@ -380,23 +381,48 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop_group(proc: subprocess.Popen, grace: float) -> None:
-    """Wait up to `grace` s for the launcher, then SIGTERM its process group, then SIGKILL what is left."""
+def _stop_all(proc: subprocess.Popen, ranks: list[int], grace: float) -> None:
+    """Wait up to `grace` s for the launcher to exit by itself, then SIGTERM and at last SIGKILL the launcher's
+    process group and every rank (torchrun starts each rank in a process group of its own)."""
     try:
         proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         pass
     for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)  # the launcher leads its own session: this group is exactly our ranks
-        except (ProcessLookupError, PermissionError):
-            return
+        if not _signal_all(proc.pid, ranks, sig):
+            break
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and (live_ranks(ranks) or group_members(proc.pid)):
             proc.poll()  # reap the launcher (our child)
-            if not group_members(proc.pid):
-                return
             time.sleep(0.05)
+    proc.poll()
+
+
+def _signal_all(pgid: int, ranks: list[int], sig: int) -> bool:
+    """Send `sig` to the launcher's group and the live ranks; False when none of them is left."""
+    targets = live_ranks(ranks)
+    for pid in targets:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    if group_members(pgid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)  # the launcher leads its own session: the group is the launcher (and its helpers)
+        return True
+    return bool(targets)
+
+
+def live_ranks(pids: list[int]) -> list[int]:
+    """Those of `pids` that are still a running update rank (a recycled pid running something else is not)."""
+    out = []
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if b"forge.distributed.worker" in cmdline and state != "Z":
+            out.append(pid)
+    return out
 
 
 def group_members(pgid: int) -> list[int]:

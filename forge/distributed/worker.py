@@ -14,7 +14,7 @@ replies. Commands (small dicts; tensors travel as files):
 - `stop`: leave the loop; the processes exit 0.
 
 A rank that raises writes `rank-<r>.error.json` (its error and traceback) into the update directory before it
-exits, so the pipeline can name it. Rank 0 also exits when the pipeline's connection closes (the pipeline died):
+exits with code 1, so the pipeline can name it. Rank 0 also exits when the pipeline's connection closes (the pipeline died):
 no rank outlives the pipeline. The wait for the next command is a collective, so the process group's timeout
 is long (a day): a rank that dies is noticed at once (its sockets close), one that hangs is not.
 """
@@ -26,6 +26,7 @@ import copy
 import io
 import json
 import os
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -161,8 +162,18 @@ def main(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
     except BaseException as e:
         _record_failure(update_dir, accelerator.process_index, e)
-        raise
+        traceback.print_exc()
+        _exit(1)
     print(json.dumps({"rank": accelerator.process_index, "stopped": True}), flush=True)
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+    """Leave without the interpreter's teardown, which was seen to hang for minutes after a gloo group was used;
+    everything this process wrote is already on disk (atomic writes) or flushed here."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
