@@ -15,10 +15,10 @@ interface the recipe uses (`update`, `policy_version`, `unwrapped`, `state_dict`
 - Checkpoints: rank 0 writes the trainer state (gathered to full tensors under FSDP) to a file the pipeline
   folds into the usual checkpoint; resume sends the checkpoint directory and every rank restores from it.
   Checkpoints are those of a one-process run, so a run can resume with a different process count.
-- Stop: `close()` asks the ranks to stop, then terminates the process group (SIGTERM, then SIGKILL) so nothing
-  is left behind, also after an error or Ctrl-C (the CLI turns SIGTERM into an exception that ends here).
-  Should the pipeline itself be killed, rank 0 sees its connection close and exits, and the launcher stops the
-  rest.
+- Stop: `close()` asks the ranks to stop, then SIGTERMs (and at last SIGKILLs) whatever is left of the
+  launcher's process group and of the ranks, by pid (torchrun starts each rank in a process group of its own),
+  also after an error or Ctrl-C (the CLI turns SIGTERM into an exception that ends here). Should the pipeline
+  itself be killed, rank 0 sees its connection close and exits, and the launcher stops the other ranks.
 - A rank that dies fails the call with `TrainerProcessError`, naming the rank and its error or exit signal
   (from the rank's error file, or the launcher's failure report in `update/trainer.log`); the trainer is then
   unusable and `--resume` continues from the last checkpoint.
