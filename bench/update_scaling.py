@@ -6,12 +6,13 @@ shares its module, nothing to publish). N processes: persistent ranks behind Rem
 pipeline (batch file out, update on the ranks, rank 0 publishes, the pipeline loads the weights back); the
 ranks' own update time and the publication (publish + load) time are shown apart.
 On a machine with 2 busy CPU cores no speed-up is to be expected: the ranks share the cores the single process had.
-Usage: python bench/update_scaling.py [--processes 1,2] [--steps 5] [--hidden 256] [--layers 4] [--batch 64]
+Usage: python bench/update_scaling.py [--processes 1,2] [--steps 5] [--hidden 256] [--layers 4] [--batch 64] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -51,7 +52,10 @@ def synthetic_batch(vocab: int, n: int, prompt_len: int, tokens: int, seed: int 
     return ScoredBatch(rollouts, ["bench"], advantages[:, None], advantages, advantages, {})
 
 
-def measure(cfg: RunConfig, processes: int, batch: ScoredBatch, steps: int) -> dict[str, float]:
+def measure(cfg: RunConfig, processes: int, batch: ScoredBatch, steps: int, threads: int) -> dict[str, float]:
+    """`threads` CPU threads in all: the single process gets them all, each of N ranks threads // N."""
+    cfg.threads = max(1, threads // processes)
+    torch.set_num_threads(threads)
     model, _ = load_policy(cfg.model, seed=0)
     with tempfile.TemporaryDirectory() as d:
         trainer = Trainer(model, cfg, total_steps=steps + 1) if processes == 1 else None
@@ -81,15 +85,18 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64, help="completions per step (N)")
     ap.add_argument("--tokens", type=int, default=16, help="completion tokens each (T)")
     ap.add_argument("--micro-batch", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads shared by the processes")
     args = ap.parse_args()
     cfg = make_cfg(args)
     model, tok = load_policy(cfg.model, seed=0)
     params = sum(p.numel() for p in model.parameters())
     batch = synthetic_batch(len(tok), args.batch, 8, args.tokens)
     counts = [int(x) for x in args.processes.split(",")]
-    results = {n: measure(cfg, n, batch, args.steps) for n in counts}
+    results = {n: measure(cfg, n, batch, args.steps, args.threads) for n in counts}
     base = results[counts[0]]["tokens_per_s"]
-    print(f"tiny Llama {params / 1e6:.2f}M params, batch {args.batch} x {args.tokens} tokens, {args.steps} steps")
+    print(
+        f"tiny Llama {params / 1e6:.2f}M params, batch {args.batch} x {args.tokens} tokens, {args.steps} steps, {args.threads} threads in all"
+    )
     header = (
         f"{'processes':<11}{'tokens/s':>10}{'vs first':>10}{'step s':>9}{'ranks update s':>16}{'publish+load s':>16}"
     )
