@@ -167,7 +167,8 @@ class UpdateConfig:
     """Update processes: 0 = what Weaver's plan gives the update pool (1 on a CPU machine); >1 = persistent ranks
     started with `accelerate launch` (gloo on CPU, NCCL on GPUs) that publish new weights to the rollout."""
     strategy: Literal["ddp", "fsdp"] = "ddp"
-    """With several update processes: DDP (replicated weights) or FSDP full shard (for models that do not fit)."""
+    """With several update processes: DDP (replicated weights) or FSDP full shard (for models that do not fit one
+    device; torch FSDP2, on CPU too). No effect with one process."""
 
 
 @dataclass

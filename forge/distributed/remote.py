@@ -85,6 +85,8 @@ def start_trainer(model, cfg: RunConfig, run_dir: Path, plan: dict | None = None
     if n == 1:
         ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.beta > 0 else None
         return Trainer(model, cfg, total_steps=cfg.steps, ref_model=ref)
+    if torch.cuda.is_available():
+        model = model.to("cuda")  # the pipeline's copy serves the rollout
     return RemoteTrainer(model, cfg, run_dir, n, plan)
 
 
