@@ -6,7 +6,8 @@ of the components (`forge.losses`, `forge.advantages`), not branches in this loo
 
 Run directory (the contract other tools read): config.yaml, status.json, data/{train,eval}.parquet,
 data/manifest.json, metrics.jsonl, samples.jsonl, eval/step-NNNNNN.json, checkpoints/step-NNNNNN/ +
-checkpoints/latest, and summary.json only once the run has finished.
+checkpoints/latest, update/ when the update runs on several processes (their config, log, pids; see
+forge/distributed/remote.py), and summary.json only once the run has finished.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,6 +50,10 @@ from forge.rundir import (
     write_status,
 )
 from forge.tracking import JsonlTracker, MultiTracker, Tracker
+
+if TYPE_CHECKING:
+    from forge.distributed.remote import RemoteTrainer
+    from forge.trainer import Trainer
 
 STAGES = ("rollout", "reward", "update", "evaluate")
 
@@ -340,7 +346,9 @@ def _step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: d
 # ---------------------------------------------------------------- checkpoint / resume
 
 
-def _restore(run_dir: Path, trainer, sampler: PromptSampler, jsonl: JsonlTracker, aggregator) -> RunState:
+def _restore(
+    run_dir: Path, trainer: Trainer | RemoteTrainer, sampler: PromptSampler, jsonl: JsonlTracker, aggregator
+) -> RunState:
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     if ckpt is None:
         raise UserError(f"cannot resume '{run_dir}': it has no checkpoint yet; start it again without --resume")
