@@ -164,14 +164,7 @@ class RemoteTrainer:
         if self._closed:
             return
         self._closed = True
-        if self.conn is not None and self.failure is None and not self._busy and self.proc.poll() is None:
-            try:
-                self.conn.send({"op": "stop"})
-                if self.conn.poll(STOP_GRACE_S):
-                    self.conn.recv()
-            except (OSError, EOFError):
-                pass
-        _stop_all(self.proc, self.pids, STOP_GRACE_S if self.failure is None and not self._busy else 0.0)
+        _stop_all(self.proc, self.pids, STOP_GRACE_S if self._ask_to_stop() else 0.0)
         self._finalizer.detach()
         for c in (self.conn, self._listener):
             if c is not None:
@@ -182,6 +175,16 @@ class RemoteTrainer:
             (self.publications / "batch.pt").unlink(missing_ok=True)
 
     # ------------------------------------------------------------ machinery
+
+    def _ask_to_stop(self) -> bool:
+        """True when the ranks were idle and healthy and rank 0 acknowledged `stop` (they then exit by themselves)."""
+        if self.conn is None or self.failure is not None or self._busy or self.proc.poll() is not None:
+            return False
+        try:
+            self.conn.send({"op": "stop"})
+            return bool(self.conn.poll(STOP_GRACE_S)) and self.conn.recv().get("ok", False)
+        except (OSError, EOFError):
+            return False
 
     def _launch(self, authkey: bytes, plan: dict | None) -> subprocess.Popen:
         gpu = _on_gpu(plan)
