@@ -89,7 +89,9 @@ def test_killed_rank_fails_the_run_then_resume_matches_a_straight_run(runs_dir):
     assert _all_gone(json.loads((runs_dir / "killed" / "update" / "processes.json").read_text()))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "pipeline-killed"])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "sigterm", "pipeline-killed"]
+)
 def test_stopping_the_pipeline_leaves_no_trainer_process(runs_dir, sig):
     settings = ["steps=40", "threads=1", "eval.k=0", "rollout.prompts_per_step=4", TWO]
     p = _cli(
@@ -110,4 +112,6 @@ def test_stopping_the_pipeline_leaves_no_trainer_process(runs_dir, sig):
     code = p.wait(timeout=120)
     if sig == signal.SIGINT:
         assert code == 130 and "--resume" in p.stderr.read()
+    if sig == signal.SIGTERM:
+        assert code == 128 + signal.SIGTERM
     assert _all_gone(info), f"left behind: ranks {live_ranks(info['ranks'])}, launcher {info['launcher']}"
