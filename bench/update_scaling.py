@@ -5,7 +5,9 @@ Llama, `--steps` updates per setting after one warm-up update. 1 process: the in
 shares its module, nothing to publish). N processes: persistent ranks behind RemoteTrainer, timed from the
 pipeline (batch file out, update on the ranks, rank 0 publishes, the pipeline loads the weights back); the
 ranks' own update time and the publication (publish + load) time are shown apart.
-On a machine with 2 busy CPU cores no speed-up is to be expected: the ranks share the cores the single process had.
+On a machine with 2 busy CPU cores no speed-up is to be expected: the ranks share the cores the single process had
+(`--threads 1` gives every process one thread; sharing 2 threads on a loaded machine mostly measures OpenMP
+oversubscription of the one-process run).
 Usage: python bench/update_scaling.py [--processes 1,2] [--steps 5] [--hidden 256] [--layers 4] [--batch 64] [--threads N]
 """
 
