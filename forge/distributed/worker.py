@@ -14,9 +14,10 @@ replies. Commands (small dicts; tensors travel as files):
 - `stop`: leave the loop; the processes exit 0.
 
 A rank that raises writes `rank-<r>.error.json` (its error and traceback) into the update directory before it
-exits with code 1, so the pipeline can name it. Rank 0 also exits when the pipeline's connection closes (the pipeline died):
-no rank outlives the pipeline. The wait for the next command is a collective, so the process group's timeout
-is long (a day): a rank that dies is noticed at once (its sockets close), one that hangs is not.
+exits with code 1, so the pipeline can name it. Rank 0 also exits when the pipeline's connection closes (the
+pipeline died), removing the run's /dev/shm publication directory: no rank, and no shared memory, outlives the
+pipeline. The wait for the next command is a collective, so the process group's timeout is long (a day): a rank
+that dies is noticed at once (its sockets close), one that hangs is not.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import copy
 import io
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -163,9 +165,17 @@ def main(argv: list[str] | None = None) -> None:
     except BaseException as e:
         _record_failure(update_dir, accelerator.process_index, e)
         traceback.print_exc()
+        if isinstance(e, (EOFError, ConnectionError)) and accelerator.process_index == 0:
+            _remove_publications(run_dir)  # the pipeline died: nobody else will free /dev/shm
         _exit(1)
     print(json.dumps({"rank": accelerator.process_index, "stopped": True}), flush=True)
     _exit(0)
+
+
+def _remove_publications(run_dir: Path) -> None:
+    directory = publication_dir(run_dir)
+    if directory.name.startswith("forgeweave-"):  # the run's own RAM directory, not run_dir/weights
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _exit(code: int) -> None:

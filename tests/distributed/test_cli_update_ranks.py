@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from flows.cli import main
 from forge.distributed.remote import live_ranks
+from forge.weights import publication_dir
 from tests.test_cli import RESUME_SETTINGS, _cli, _sets
 
 pytestmark = pytest.mark.slow
@@ -115,3 +116,5 @@ def test_stopping_the_pipeline_leaves_no_trainer_process(runs_dir, sig):
     if sig == signal.SIGTERM:
         assert code == 128 + signal.SIGTERM
     assert _all_gone(info), f"left behind: ranks {live_ranks(info['ranks'])}, launcher {info['launcher']}"
+    shm = publication_dir(runs_dir / "s")
+    assert not (shm.name.startswith("forgeweave-") and shm.exists()), f"{shm} left in shared memory"
