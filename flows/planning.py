@@ -54,7 +54,7 @@ def resolve_pools(cfg: RunConfig, pools_file: str | None = None) -> list[Pool]:
 
 def make_plan(cfg: RunConfig, pools: list[Pool]) -> Plan:
     gpu = any(p.kind == "gpu" for p in pools)
-    needs = stage_needs(estimate_params(cfg), update_processes=cfg.update.num_processes if not gpu else 0, gpu=gpu)
+    needs = stage_needs(estimate_params(cfg), update_processes=cfg.update.num_processes, gpu=gpu)
     try:
         return plan(needs, pools)
     except PlanError as e:

@@ -77,17 +77,26 @@ def load_state(ckpt: Path) -> dict:
     return torch.load(ckpt / STATE_FILE, weights_only=False)
 
 
-def load_weights(model, ckpt: Path) -> None:
-    """Copy the checkpoint's weights into `model` in place (keeps the optimizer's parameter identity)."""
+def read_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights as one state dict (tied copies appear once)."""
     from safetensors.torch import load_file
 
-    files = sorted(ckpt.glob("*.safetensors"))
-    state = {}
-    for f in files:
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(ckpt).glob("*.safetensors")):
         state.update(load_file(f))
+    return state
+
+
+def load_weights(model, ckpt: Path) -> None:
+    """Copy the checkpoint's weights into `model` in place (keeps the optimizer's parameter identity)."""
+    assign_weights(model, read_weights(ckpt), source=str(ckpt))
+
+
+def assign_weights(model, state: dict[str, torch.Tensor], source: str = "weights") -> None:
+    """Copy a full state dict into `model` in place; tied copies (e.g. lm_head) may be missing from `state`."""
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if "lm_head" in k}
-    assert not (set(missing) - tied) and not unexpected, f"checkpoint {ckpt} does not match the model"
+    assert not (set(missing) - tied) and not unexpected, f"{source} does not match the model"
     if tied:
         model.tie_weights()
 

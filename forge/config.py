@@ -163,8 +163,12 @@ class UpdateConfig:
     """Run forward/backward under bf16 autocast (fp32 master weights and fp32 log-softmax kept)."""
     logits_completion_only: bool = True
     """Apply the LM head only to completion positions (the loss never reads prompt logits)."""
-    num_processes: int = 1
-    """Update processes (1 here; multi-process update comes with accelerate launch)."""
+    num_processes: int = 0
+    """Update processes: 0 = what Weaver's plan gives the update pool (1 on a CPU machine); >1 = persistent ranks
+    started with `accelerate launch` (gloo on CPU, NCCL on GPUs) that publish new weights to the rollout."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """With several update processes: DDP (replicated weights) or FSDP full shard (for models that do not fit one
+    device; torch FSDP2, on CPU too). No effect with one process."""
 
 
 @dataclass
@@ -260,6 +264,12 @@ class RunConfig:
         _require(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
         _require(u.micro_batch_size >= 1, "update.micro_batch_size", "must be >= 1")
         _require(u.num_iterations >= 1, "update.num_iterations", "must be >= 1")
+        _require(u.num_processes >= 0, "update.num_processes", "must be >= 0 (0 = from the Weaver plan)")
+        _require(
+            r.prompts_per_step * r.group_size >= u.num_processes,
+            "update.num_processes",
+            f"is larger than the {r.prompts_per_step * r.group_size} completions of a step: lower it",
+        )
         _require(u.lr > 0, "update.lr", "must be > 0")
         _require(len(u.adam_betas) == 2, "update.adam_betas", "needs two values")
         w = self.reward.weights

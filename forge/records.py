@@ -58,3 +58,4 @@ class UpdateStats:
     tokens: int  # completion tokens trained on
     seconds: float
     policy_version: int  # version after this update
+    sync_seconds: float = 0.0  # new weights -> rollout model: rank 0 publishes, the pipeline loads (0 in-process)

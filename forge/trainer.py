@@ -2,8 +2,16 @@
 
 One optimizer step per pass. Each micro-batch's loss is already normalised by the step's global counts
 (`forge.losses.StepTotals`), so gradients are summed, never averaged, across micro-batches: the result does
-not depend on the micro-batch size. Under data parallelism DDP averages gradients over ranks, so each rank
-scales its loss by the world size to keep the same global sum (multi-process runs come with `accelerate launch`).
+not depend on the micro-batch size. Under data parallelism (`forge.distributed`: persistent ranks started with
+`accelerate launch`) every rank reads the whole batch, computes the step's global counts from it, and trains on
+its own contiguous share of the rows; DDP (and FSDP's reduce-scatter) average gradients over ranks, so each rank
+scales its loss by the world size to keep the same global sum. The reported loss, KL, clip fractions and entropy
+are summed over ranks, so they, too, do not depend on the split.
+
+Precision: bf16 mixed precision on GPUs, fp32 on CPU (`update.autocast_bf16` opts a CPU run into bf16 autocast).
+FSDP (`update.strategy=fsdp`, more than one rank) shards the model with torch's `fully_shard` (FSDP2) per decoder
+layer and at the root, because Accelerate 1.15's FSDP plugin is silently ignored on CPU (it wraps the model in
+DDP); trainer state is then gathered to full tensors, so checkpoints are the same whatever the strategy.
 
 Log-probs are computed with explicit position ids from the attention mask (prompts are left-padded, as in
 `generate`), with logits divided by the sampling temperature, and log-softmax taken in fp32 even under bf16
@@ -15,11 +23,16 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
 
+from forge.checkpoint import load_weights, read_weights
 from forge.config import RunConfig
+from forge.distributed import fsdp
 from forge.losses import StepTotals, policy_loss
 from forge.lr import AdaptiveLR, scheduled_lr
 from forge.records import ScoredBatch, UpdateStats
@@ -60,18 +73,34 @@ def token_logprobs(
     return TokenLogprobs(logp=logp, entropy=entropy)
 
 
+def make_accelerator(timeout: timedelta | None = None) -> Accelerator:
+    """The update's Accelerator: bf16 mixed precision on GPUs, fp32 on CPU (gloo there when several processes);
+    `timeout` bounds every collective of a multi-process group."""
+    cuda = torch.cuda.is_available()
+    handlers = [InitProcessGroupKwargs(timeout=timeout)] if timeout is not None else []
+    return Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda else "no", kwargs_handlers=handlers)
+
+
 class Trainer:
     """Owns the policy's optimisation: optimizer, LR schedule + adaptive scale, policy version."""
 
     def __init__(self, model, cfg: RunConfig, total_steps: int, ref_model=None, accelerator: Accelerator | None = None):
         self.cfg = cfg
         self.total_steps = total_steps
-        self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
+        self.accelerator = accelerator or make_accelerator()
         u = cfg.update
+        self.fsdp = u.strategy == "fsdp" and self.accelerator.num_processes > 1
+        if self.fsdp:
+            model = fsdp.shard(model.to(self.accelerator.device), bf16=self.accelerator.mixed_precision == "bf16")
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=u.lr, betas=tuple(u.adam_betas), weight_decay=u.weight_decay
         )
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        if self.fsdp:
+            self.model, self.optimizer = model, optimizer
+        else:
+            self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        if ref_model is not None:
+            ref_model = ref_model.to(self.accelerator.device)
         assert cfg.algo.beta == 0 or ref_model is not None, "algo.beta > 0 needs a reference model"
         self.ref_model = ref_model
         self.adaptive = AdaptiveLR.from_config(u)
@@ -91,7 +120,7 @@ class Trainer:
         lr = self.current_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        micro = self._micro_batches(batch)
+        micro = self._micro_batches(batch, self._my_rows(batch.rollouts.num_completions))
         totals = StepTotals(
             sequences=batch.rollouts.num_completions,
             tokens=int(batch.rollouts.completion_mask.sum()),
@@ -120,11 +149,19 @@ class Trainer:
             policy_version=self.policy_version,
         )
 
-    def _micro_batches(self, batch: ScoredBatch) -> list[dict]:
+    def _my_rows(self, n: int) -> range:
+        """This rank's contiguous share of the batch's n rows (the first n % world ranks get one more)."""
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        assert n >= world, f"a batch of {n} completions cannot feed {world} update processes"
+        size, extra = divmod(n, world)
+        start = rank * size + min(rank, extra)
+        return range(start, start + size + (rank < extra))
+
+    def _micro_batches(self, batch: ScoredBatch, rows: range) -> list[dict]:
         ro, size, device = batch.rollouts, self.cfg.update.micro_batch_size, self.accelerator.device
         out = []
-        for i in range(0, ro.num_completions, size):
-            sl = slice(i, i + size)
+        for i in range(rows.start, rows.stop, size):
+            sl = slice(i, min(i + size, rows.stop))
             # trim right padding shared by the whole micro-batch: less compute, same result
             width = max(1, int(ro.completion_mask[sl].sum(1).max()))
             out.append(
@@ -175,6 +212,7 @@ class Trainer:
             acc["clip_high"] += float(res.clipped_high.sum())
             acc["entropy"] += float(out.entropy[m].sum())
         grad_norm = self._clip_and_step()
+        acc = self._sum_over_ranks(acc)
         tokens = max(totals.tokens, 1)
         return {
             "loss": acc["loss"],
@@ -182,28 +220,52 @@ class Trainer:
             **{k: acc[k] / tokens for k in ("kl", "clip_low", "clip_high", "entropy")},
         }
 
+    def _sum_over_ranks(self, acc: dict[str, float]) -> dict[str, float]:
+        if self.accelerator.num_processes == 1:
+            return acc
+        values = torch.tensor(list(acc.values()), dtype=torch.float64, device=self.accelerator.device)
+        return dict(zip(acc, self.accelerator.reduce(values, reduction="sum").tolist(), strict=True))
+
     def _clip_and_step(self) -> float:
-        max_norm = self.cfg.update.max_grad_norm
+        """Clip to update.max_grad_norm (0 = no clipping: an infinite bound only measures the norm); step."""
+        max_norm = self.cfg.update.max_grad_norm if self.cfg.update.max_grad_norm > 0 else float("inf")
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if max_norm > 0:
-            norm = self.accelerator.clip_grad_norm_(params, max_norm)
-        else:
-            norm = (
-                torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])) if params else torch.tensor(0.0)
-            )
+        norm = self.accelerator.clip_grad_norm_(params, max_norm) if params else torch.tensor(0.0)
         self.optimizer.step()
-        return float(norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The full state dict on CPU, on rank 0 at least (under FSDP a collective: every rank must call it)."""
+        if self.fsdp:
+            return fsdp.full_model_state(self.model)
+        return {k: v.detach().cpu() for k, v in self.unwrapped.state_dict().items()}
+
+    def restore(self, ckpt: Path, state: dict) -> None:
+        """Resume from checkpoint directory `ckpt`: its weights (in place), then the trainer state saved in it."""
+        if self.fsdp:
+            fsdp.load_full_model_state(self.model, read_weights(ckpt))
+        else:
+            load_weights(self.unwrapped, ckpt)
+        self.load_state_dict(state)
 
     def state_dict(self) -> dict:
+        """Optimizer (full, parameter-index keyed whatever the strategy), adaptive LR, step, policy version."""
+        optimizer = fsdp.full_optimizer_state(self.model, self.optimizer) if self.fsdp else self.optimizer.state_dict()
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer,
             "adaptive": self.adaptive.state_dict(),
             "step": self.step,
             "policy_version": self.policy_version,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.fsdp:
+            fsdp.load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.adaptive.load_state_dict(state["adaptive"])
         self.step = state["step"]
         self.policy_version = state["policy_version"]
+
+    def close(self) -> None:
+        """Nothing to stop in-process (the multi-process `RemoteTrainer` stops its ranks here)."""

@@ -6,16 +6,17 @@ of the components (`forge.losses`, `forge.advantages`), not branches in this loo
 
 Run directory (the contract other tools read): config.yaml, status.json, data/{train,eval}.parquet,
 data/manifest.json, metrics.jsonl, samples.jsonl, eval/step-NNNNNN.json, checkpoints/step-NNNNNN/ +
-checkpoints/latest, and summary.json only once the run has finished.
+checkpoints/latest, update/ when the update runs on several processes (their config, log, pids; see
+forge/distributed/remote.py), and summary.json only once the run has finished.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,13 +25,13 @@ from forge.checkpoint import (
     apply_retention,
     latest_checkpoint,
     load_state,
-    load_weights,
     save_checkpoint,
     set_rng_state,
     step_dir_name,
 )
 from forge.config import RunConfig, dump_yaml
 from forge.data import PromptSampler, prepare, read_split
+from forge.distributed.remote import start_trainer
 from forge.errors import UserError
 from forge.evaluate import evaluate
 from forge.io import atomic_write_text, write_json
@@ -49,7 +50,10 @@ from forge.rundir import (
     write_status,
 )
 from forge.tracking import JsonlTracker, MultiTracker, Tracker
-from forge.trainer import Trainer
+
+if TYPE_CHECKING:
+    from forge.distributed.remote import RemoteTrainer
+    from forge.trainer import Trainer
 
 STAGES = ("rollout", "reward", "update", "evaluate")
 
@@ -108,6 +112,7 @@ class GRPORun:
         self.cfg = cfg.validate()
         self.run_dir = run_dir
         self.resume = resume
+        self.plan = plan
         self.started = time.perf_counter()
         if not attach:
             claim_run_dir(run_dir, resume)
@@ -127,6 +132,13 @@ class GRPORun:
             write_status(self.run_dir, "failed", step=self.state.step, error=f"{type(e).__name__}: {e}")
             self.tracker.finish("FAILED")
             raise
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the update processes, if the update runs in its own (no orphans on success, error or Ctrl-C)."""
+        if getattr(self, "trainer", None) is not None:
+            self.trainer.close()
 
     def setup(self) -> None:
         """Prep stage + everything the loop needs; then restore (resume) or run the initial evaluation."""
@@ -148,7 +160,6 @@ class GRPORun:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         model, self.tok = load_policy(cfg.model, seed=cfg.seed)
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.beta > 0 else None
         if not self.resume:
             atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
             fmt = format_prompt_fn(self.tok, cfg.model)
@@ -162,7 +173,8 @@ class GRPORun:
 
             names = [name for name, _ in self.verifiers]
             self.aggregator = EnsembleAggregator(names, cfg.reward.window_steps, cfg.reward.refit_every, cfg.seed)
-        self.trainer = Trainer(model, cfg, total_steps=cfg.steps, ref_model=ref_model)
+        # in-process with one update process; else persistent `accelerate launch` ranks publishing their weights
+        self.trainer = start_trainer(model, cfg, run_dir, self.plan)
         self.backend = make_backend(
             cfg.rollout.backend, self.trainer.unwrapped, self.tok, autocast_bf16=cfg.rollout.autocast_bf16
         )
@@ -334,6 +346,7 @@ def _step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: d
             "train/lr_scale": stats.lr_scale,
             "train/advantage_abs_mean": float(batch.advantages.abs().mean()),
             "policy/version": float(stats.policy_version),
+            "time/weight_sync_s": stats.sync_seconds,
             "perf/rollout_tokens_per_s": tokens / max(times["rollout"], 1e-9),
             "perf/update_tokens_per_s": stats.tokens * 1.0 / max(times["update"], 1e-9),
         }
@@ -345,13 +358,14 @@ def _step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: d
 # ---------------------------------------------------------------- checkpoint / resume
 
 
-def _restore(run_dir: Path, trainer: Trainer, sampler: PromptSampler, jsonl: JsonlTracker, aggregator) -> RunState:
+def _restore(
+    run_dir: Path, trainer: Trainer | RemoteTrainer, sampler: PromptSampler, jsonl: JsonlTracker, aggregator
+) -> RunState:
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     if ckpt is None:
         raise UserError(f"cannot resume '{run_dir}': it has no checkpoint yet; start it again without --resume")
     saved = load_state(ckpt)
-    load_weights(trainer.unwrapped, ckpt)
-    trainer.load_state_dict(saved["trainer"])
+    trainer.restore(ckpt, saved["trainer"])  # weights + optimizer on every update process
     sampler.load_state_dict(saved["sampler"])
     set_rng_state(saved["rng"])
     if aggregator is not None and saved.get("aggregator") is not None:

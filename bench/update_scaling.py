@@ -1,0 +1,114 @@
+"""Update throughput with 1 and N update processes, and the weight-publication time per step.
+
+One synthetic scored batch (random prompts and completions of fixed length, random advantages) on a tiny random
+Llama, `--steps` updates per setting after one warm-up update. 1 process: the in-process Trainer (the rollout
+shares its module, nothing to publish). N processes: persistent ranks behind RemoteTrainer, timed from the
+pipeline (batch file out, update on the ranks, rank 0 publishes, the pipeline loads the weights back); the
+ranks' own update time and the publication (publish + load) time are shown apart.
+On a machine with 2 busy CPU cores no speed-up is to be expected: the ranks share the cores the single process had
+(`--threads 1` gives every process one thread; sharing 2 threads on a loaded machine mostly measures OpenMP
+oversubscription of the one-process run).
+Usage: python bench/update_scaling.py [--processes 1,2] [--steps 5] [--hidden 256] [--layers 4] [--batch 64] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from forge.config import RunConfig
+from forge.distributed.remote import RemoteTrainer
+from forge.models import load_policy
+from forge.records import Rollouts, ScoredBatch
+from forge.trainer import Trainer
+
+
+def make_cfg(args) -> RunConfig:
+    cfg = RunConfig(threads=0)
+    cfg.model.tiny_hidden, cfg.model.tiny_layers = args.hidden, args.layers
+    cfg.rollout.max_new_tokens = args.tokens
+    cfg.update.micro_batch_size = args.micro_batch
+    return cfg
+
+
+def synthetic_batch(vocab: int, n: int, prompt_len: int, tokens: int, seed: int = 0) -> ScoredBatch:
+    g = torch.Generator().manual_seed(seed)
+    completions = torch.randint(3, vocab, (n, tokens), generator=g)  # [N, T]
+    rollouts = Rollouts(
+        prompt_ids=torch.randint(3, vocab, (n, prompt_len), generator=g),  # [N, P]
+        prompt_mask=torch.ones(n, prompt_len, dtype=torch.long),
+        completion_ids=completions,
+        completion_mask=torch.ones(n, tokens, dtype=torch.long),
+        sampling_logprobs=torch.zeros(n, tokens),
+        texts=[""] * n,
+        finish_reasons=["length"] * n,
+        group_size=8,
+        policy_version=0,
+    )
+    advantages = torch.randn(n, generator=g)
+    return ScoredBatch(rollouts, ["bench"], advantages[:, None], advantages, advantages, {})
+
+
+def measure(cfg: RunConfig, processes: int, batch: ScoredBatch, steps: int, threads: int) -> dict[str, float]:
+    """`threads` CPU threads in all: the single process gets them all, each of N ranks threads // N."""
+    cfg.threads = max(1, threads // processes)
+    torch.set_num_threads(threads)
+    model, _ = load_policy(cfg.model, seed=0)
+    with tempfile.TemporaryDirectory() as d:
+        trainer = Trainer(model, cfg, total_steps=steps + 1) if processes == 1 else None
+        trainer = trainer or RemoteTrainer(model, cfg, Path(d) / "bench", processes)
+        try:
+            trainer.update(batch)  # warm-up
+            t0 = time.perf_counter()
+            stats = [trainer.update(batch) for _ in range(steps)]
+            wall = time.perf_counter() - t0
+        finally:
+            trainer.close()
+    tokens = sum(s.tokens for s in stats)
+    return {
+        "tokens_per_s": tokens / wall,
+        "step_s": wall / steps,
+        "ranks_update_s": sum(s.seconds for s in stats) / steps,
+        "publish_s": sum(s.sync_seconds for s in stats) / steps,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--processes", default="1,2")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=64, help="completions per step (N)")
+    ap.add_argument("--tokens", type=int, default=16, help="completion tokens each (T)")
+    ap.add_argument("--micro-batch", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads shared by the processes")
+    args = ap.parse_args()
+    cfg = make_cfg(args)
+    model, tok = load_policy(cfg.model, seed=0)
+    params = sum(p.numel() for p in model.parameters())
+    batch = synthetic_batch(len(tok), args.batch, 8, args.tokens)
+    counts = [int(x) for x in args.processes.split(",")]
+    results = {n: measure(cfg, n, batch, args.steps, args.threads) for n in counts}
+    base = results[counts[0]]["tokens_per_s"]
+    print(
+        f"tiny Llama {params / 1e6:.2f}M params, batch {args.batch} x {args.tokens} tokens, {args.steps} steps, {args.threads} threads in all"
+    )
+    header = (
+        f"{'processes':<11}{'tokens/s':>10}{'vs first':>10}{'step s':>9}{'ranks update s':>16}{'publish+load s':>16}"
+    )
+    print(header)
+    for n, r in results.items():
+        print(
+            f"{n:<11}{r['tokens_per_s']:>10.0f}{r['tokens_per_s'] / base:>9.2f}x{r['step_s']:>9.3f}"
+            f"{r['ranks_update_s']:>16.3f}{r['publish_s']:>16.4f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
