@@ -111,12 +111,13 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_run(args) -> int:
     from flows.planning import plan_run
     from forge.recipes.grpo import run
+    from weaver.balance import ThroughputBalancer
 
     cfg, run_dir = resolve_run(args.preset, args.config, args.overrides, args.name, args.runs_dir, args.resume)
     _, plan = plan_run(cfg)  # an impossible plan stops here, before anything is written
     print(f"run {run_dir.name}: preset={cfg.preset or '-'} model={cfg.model.path} steps={cfg.steps} -> {run_dir}")
     if args.no_prefect:
-        summary = run(cfg, run_dir, resume=args.resume, progress=not args.quiet, plan=plan)
+        summary = run(cfg, run_dir, resume=args.resume, progress=not args.quiet, plan=plan, balancer=ThroughputBalancer)
     else:
         summary = run_with_prefect(args, run_dir)
     print(format_summary(summary))

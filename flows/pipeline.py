@@ -27,6 +27,7 @@ from forge.config import RunConfig
 from forge.recipes.grpo import GRPORun
 from forge.records import Rollouts, ScoredBatch, UpdateStats
 from forge.rundir import progress_bar, update_bar
+from weaver.balance import ThroughputBalancer
 
 STAGE_TASK = {"cache_policy": NONE, "persist_result": False}
 
@@ -93,7 +94,7 @@ def grpo_pipeline(
 
     cfg, run_dir = resolve_run(preset, config_path or None, list(overrides or []), name or None, runs_dir, resume)
     _, plan = plan_run(cfg)
-    grpo = GRPORun(cfg, run_dir, resume=resume, plan=plan)
+    grpo = GRPORun(cfg, run_dir, resume=resume, plan=plan, balancer=ThroughputBalancer)
     tasks = 0
     with grpo.failure_guard():
         _stage(prepare_stage, "prepare", 0, cfg)(grpo)

@@ -71,9 +71,10 @@ def run(
     tracker: Tracker | None = None,
     progress: bool = True,
     plan: dict | None = None,
+    balancer=None,
 ) -> dict:
     """Train with GRPO and return summary.json's content. Raises UserError for problems a user can fix."""
-    grpo = GRPORun(cfg, Path(run_dir), resume=resume, tracker=tracker, plan=plan)
+    grpo = GRPORun(cfg, Path(run_dir), resume=resume, tracker=tracker, plan=plan, balancer=balancer)
     with grpo.failure_guard():
         grpo.setup()
         bar = progress_bar(cfg.steps, grpo.state.step, progress)
@@ -101,9 +102,12 @@ class GRPORun:
         resume: bool = False,
         tracker: Tracker | None = None,
         plan: dict | None = None,
+        balancer=None,
     ):
-        """Claim the run directory (new, or existing with resume); `plan` (a resource plan) is saved as plan.json."""
+        """Claim the run directory (new, or existing with resume); `plan` (a resource plan) is saved as plan.json.
+        `balancer(replicas)` splits rollout prompts across vLLM replicas (flows pass weaver's ThroughputBalancer)."""
         self.cfg = cfg.validate()
+        self.balancer = balancer
         self.run_dir = run_dir
         self.resume = resume
         self.started = time.perf_counter()
@@ -114,6 +118,7 @@ class GRPORun:
         self.tracker: Tracker = MultiTracker(self.jsonl, tracker) if tracker else self.jsonl
         self.state = RunState()
         self.times: dict[str, float] = {}
+        self.sync_s = 0.0
 
     @contextlib.contextmanager
     def failure_guard(self):
@@ -124,6 +129,14 @@ class GRPORun:
             write_status(self.run_dir, "failed", step=self.state.step, error=f"{type(e).__name__}: {e}")
             self.tracker.finish("FAILED")
             raise
+        finally:  # also on Ctrl-C / SIGTERM (the CLI turns it into SystemExit): no engine process outlives the run
+            self.close()
+
+    def close(self) -> None:
+        """Stop what the rollout backend started (vLLM engines); safe to call twice."""
+        backend = getattr(self, "backend", None)
+        if backend is not None:
+            backend.close()
 
     def setup(self) -> None:
         """Prep stage + everything the loop needs: policy, data, sampler, verifiers, trainer, rollout backend."""
@@ -148,7 +161,13 @@ class GRPORun:
             self.aggregator = EnsembleAggregator(names, cfg.reward.window_steps, cfg.reward.refit_every, cfg.seed)
         self.trainer = Trainer(model, cfg, total_steps=cfg.steps, ref_model=ref_model)
         self.backend = make_backend(
-            cfg.rollout.backend, self.trainer.unwrapped, self.tok, autocast_bf16=cfg.rollout.autocast_bf16
+            cfg.rollout.backend,
+            self.trainer.unwrapped,
+            self.tok,
+            autocast_bf16=cfg.rollout.autocast_bf16,
+            rollout=cfg.rollout,
+            work_dir=run_dir,
+            balancer=self.balancer,
         )
         self.tracker.log_params(flatten(asdict(cfg)))
         self.ensemble_report = None
@@ -206,7 +225,7 @@ class GRPORun:
     def update(self, batch: ScoredBatch) -> UpdateStats:
         t0 = time.perf_counter()
         stats = self.trainer.update(batch)
-        self.backend.sync_weights(self.trainer.unwrapped, self.trainer.policy_version)
+        self.sync_s = self.backend.sync_weights(self.trainer.unwrapped, self.trainer.policy_version)
         self.times["update"] = time.perf_counter() - t0
         return stats
 
@@ -224,6 +243,7 @@ class GRPORun:
     ) -> dict[str, float]:
         """Log the step's metrics and samples; returns the metrics."""
         metrics = _step_metrics(batch.rollouts, batch, stats, self.times)
+        metrics["perf/weight_sync_s"] = self.sync_s  # included in time/update_s
         if report is not None:
             metrics.update(_eval_metrics(report))
         if self.ensemble_report is not None:
