@@ -108,6 +108,28 @@ def test_sampling_logprobs_are_the_sampling_distribution(pair, temperature):
     assert (ro.sampling_logprobs[~m] == 0).all()
 
 
+def test_top_p_logprobs_are_renormalised_over_the_nucleus(pair):
+    """With top-p the log-prob is under the truncated, renormalised distribution that was sampled from: the same
+    as transformers' temperature + top-p warpers (what the hf backend reports) give on the same tokens."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+    hf, vllm = pair
+    torch.manual_seed(1)
+    ro = vllm.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.7, top_p=0.8, n=3))
+    ids = torch.cat([ro.prompt_ids, ro.completion_ids], dim=1)
+    attn = torch.cat([ro.prompt_mask, ro.completion_mask], dim=1)
+    with torch.no_grad():
+        logits = hf.model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp(min=0)).logits
+    p, (n, t) = ro.prompt_ids.shape[1], ro.completion_ids.shape
+    flat = logits[:, p - 1 : -1].reshape(n * t, -1)  # [N*T, vocab] logits that predicted each completion token
+    flat = TopPLogitsWarper(0.8)(None, TemperatureLogitsWarper(0.7)(None, flat))
+    expected = flat.log_softmax(-1).gather(-1, ro.completion_ids.reshape(-1, 1)).view(n, t)
+    m = ro.completion_mask.bool()
+    assert torch.allclose(expected[m], ro.sampling_logprobs[m], atol=1e-4)
+    raw = (logits[:, p - 1 : -1] / 0.7).log_softmax(-1).gather(-1, ro.completion_ids.unsqueeze(-1)).squeeze(-1)
+    assert (ro.sampling_logprobs[m] > raw[m] + 1e-3).any(), "renormalising over the nucleus raises some log-probs"
+
+
 def test_seeded_sampling_is_reproducible_and_samples_differ(pair):
     _, vllm = pair
     params = SamplingParams(max_new_tokens=8, temperature=1.0, n=4)
