@@ -237,3 +237,25 @@ def engine_pids(marker: str) -> list[int]:
         if "vllm_worker.py" in cmd and marker in cmd and _alive(int(d)):
             pids.append(int(d))
     return pids
+
+
+def test_two_replicas_split_prompts_and_sync_both(tmp_path):
+    """Two engines (one CPU core each): weaver's balancer splits whole prompt groups between them, both report
+    their speed, the merged record equals the hf backend's greedy tokens, and a sync reaches both."""
+    from weaver.balance import ThroughputBalancer
+
+    model, tok = _tiny(seed=1)
+    cfg = RolloutConfig(backend="vllm", replicas=2)
+    vllm = VLLMBackend(model, tok, cfg, tmp_path, balancer=ThroughputBalancer)
+    try:
+        assert len(vllm.clients) == 2 and len({c.url for c in vllm.clients}) == 2
+        _assert_same_tokens(_greedy(HFBackend(model, tok)), _greedy(vllm))
+        assert all(s is not None for s in vllm.balancer.state_dict()["speeds"]), "a replica got no prompts"
+        with torch.no_grad():
+            model.model.embed_tokens.weight.mul_(-1.0)
+        vllm.sync_weights(model, version=1)
+        assert [c.health()["policy_version"] for c in vllm.clients] == [1, 1]
+        _assert_same_tokens(_greedy(HFBackend(model, tok)), _greedy(vllm))
+    finally:
+        vllm.close()
+    assert engine_pids(str(tmp_path)) == []

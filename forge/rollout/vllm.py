@@ -258,7 +258,9 @@ class VLLMBackend:
     def generate(self, prompts: list[str], params: SamplingParams) -> Rollouts:
         tok = self.tokenizer
         prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]  # [B] lists
-        base_seed = int(torch.randint(0, 2**31 - 1 - len(prompts) * params.n, ()))
+        # greedy draws nothing from torch's RNG (as hf's generate): a greedy eval must not shift the training stream
+        greedy = params.temperature == 0
+        base_seed = 0 if greedy else int(torch.randint(0, 2**31 - 1 - len(prompts) * params.n, ()))
         bounds = _bounds(self.balancer.split(len(prompts)))  # whole prompt groups per replica
         with ThreadPoolExecutor(len(self.clients)) as pool:
             futures = [
