@@ -33,11 +33,6 @@ import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
-# run as a script, Python puts this file's folder first on sys.path, where forge/rollout/vllm.py would shadow the
-# vllm package: drop it
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="forgeweave vLLM rollout worker")
@@ -207,6 +202,11 @@ def write_ready(path: str, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # run as a script, Python puts this file's folder first on sys.path, where forge/rollout/vllm.py would shadow
+    # the vllm package: drop it before anything imports vllm
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     args = parse_args(argv)
     if args.watch_parent:
         threading.Thread(target=watch_parent, args=(os.getppid(),), daemon=True).start()
