@@ -185,6 +185,20 @@ def test_missing_vllm_env_is_a_user_error(tmp_path, monkeypatch):
         VLLMBackend(model, tok, bad, tmp_path)
 
 
+def test_unreachable_vllm_url_is_a_user_error(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    model, tok = _tiny()
+    cfg = RolloutConfig(backend="vllm", vllm_url=f"http://127.0.0.1:{port}")
+    with pytest.raises(
+        UserError, match=f"rollout.vllm_url: no forgeweave vLLM worker answers at http://127.0.0.1:{port}"
+    ):
+        VLLMBackend(model, tok, cfg, tmp_path)
+
+
 def test_unsupported_head_size_is_a_user_error(tmp_path):
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, hidden=64, layers=1, head_dim=16)
