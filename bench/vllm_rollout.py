@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -44,6 +45,7 @@ def main() -> None:
     start = time.perf_counter()
     vllm = VLLMBackend(model, tok, RolloutConfig(backend="vllm"))
     startup = time.perf_counter() - start
+    print(f"  engine serving after {startup:.1f} s", file=sys.stderr, flush=True)
     try:
         variants = {
             "hf fp32": HFBackend(model, tok),
@@ -56,16 +58,21 @@ def main() -> None:
         for _ in range(args.repeats):
             for name, backend in variants.items():
                 rates[name].append(timed_tokens(backend, prompts, params))
+                print(f"  {name}: {rates[name][-1]:.1f} tokens/s", file=sys.stderr, flush=True)
         syncs = [vllm.sync_weights(model, version) for version in range(1, 4)]
     finally:
         vllm.close()
     base = statistics.median(rates["hf fp32"])
-    print(f"{args.model}: {args.prompts} prompts x {args.group} samples x <= {args.tokens} new tokens, T={args.temperature}")
+    print(
+        f"{args.model}: {args.prompts} prompts x {args.group} samples x <= {args.tokens} new tokens, T={args.temperature}"
+    )
     print(f"{'backend':<20}{'tokens/s':>10}{'vs hf fp32':>14}")
     for name, r in rates.items():
         med = statistics.median(r)
         print(f"{name:<20}{med:>10.1f}{med / base:>13.2f}x")
-    print(f"vllm engine start-up: {startup:.1f} s; weight sync (publish + load): median {statistics.median(syncs):.2f} s")
+    print(
+        f"vllm engine start-up: {startup:.1f} s; weight sync (publish + load): median {statistics.median(syncs):.2f} s"
+    )
     print(f"torch threads here: {torch.get_num_threads()}")
 
 
