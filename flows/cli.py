@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_run(args) -> int:
     from flows.planning import plan_run
     from forge.recipes.grpo import run
+    from weaver.balance import ThroughputBalancer
 
     cfg, run_dir = resolve_run(args.preset, args.config, args.overrides, args.name, args.runs_dir, args.resume)
     _, plan = plan_run(cfg)  # an impossible plan stops here, before anything is written
@@ -143,7 +144,15 @@ def cmd_run(args) -> int:
         from forge.tracking_mlflow import tracker_for_run
 
         tracker = tracker_for_run(cfg, run_dir)
-        summary = run(cfg, run_dir, resume=args.resume, progress=not args.quiet, plan=plan, tracker=tracker)
+        summary = run(
+            cfg,
+            run_dir,
+            resume=args.resume,
+            progress=not args.quiet,
+            plan=plan,
+            tracker=tracker,
+            balancer=ThroughputBalancer,
+        )
     else:
         summary = run_with_prefect(args, run_dir)
     print(format_summary(summary))

@@ -121,6 +121,11 @@ def run_distributed(
             "orchestration.execution=distributed needs a Prefect server and workers: start one (`forgeweave server`), "
             "export PREFECT_API_URL=http://127.0.0.1:4200/api and start a worker per work pool (see README)"
         )
+    if cfg.rollout.backend != "hf" or cfg.update.num_processes > 1:
+        raise UserError(
+            "orchestration.execution=distributed runs each stage in a fresh process: use rollout.backend=hf and "
+            "update.num_processes=1 with it (engines and update ranks that outlive a stage are not supported yet)"
+        )
     deployments = stage_deployments(plan)  # fails before anything is written when a pool has no work pool
     claim_run_dir(run_dir, resume=False)
     register_deployments(deployments, plan)

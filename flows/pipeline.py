@@ -28,6 +28,7 @@ from forge.errors import UserError
 from forge.recipes.grpo import GRPORun
 from forge.records import Rollouts, ScoredBatch, UpdateStats
 from forge.rundir import progress_bar, update_bar
+from weaver.balance import ThroughputBalancer
 
 STAGE_TASK = {"cache_policy": NONE, "persist_result": False}
 
@@ -111,7 +112,7 @@ def grpo_pipeline(
             prefect_task_runs=0,
         )
     tracker = tracker_for_run(cfg, run_dir, tags={"forgeweave.prefect_flow_run_id": str(flow_run.id)})
-    grpo = GRPORun(cfg, run_dir, resume=resume, plan=plan, tracker=tracker)
+    grpo = GRPORun(cfg, run_dir, resume=resume, plan=plan, tracker=tracker, balancer=ThroughputBalancer)
     tasks = 0
     with grpo.failure_guard():
         _stage(prepare_stage, "prepare", 0, cfg)(grpo)

@@ -54,7 +54,15 @@ def resolve_pools(cfg: RunConfig, pools_file: str | None = None) -> list[Pool]:
 
 def make_plan(cfg: RunConfig, pools: list[Pool]) -> Plan:
     gpu = any(p.kind == "gpu" for p in pools)
-    needs = stage_needs(estimate_params(cfg), update_processes=cfg.update.num_processes, gpu=gpu)
+    r = cfg.rollout
+    replicas = r.replicas if r.backend == "vllm" else 1  # vLLM engines; hf rollout runs in the pipeline's process
+    needs = stage_needs(
+        estimate_params(cfg),
+        rollout_replicas=replicas,
+        update_processes=cfg.update.num_processes,
+        gpu=gpu,
+        rollout_tp=r.tensor_parallel_size if r.backend == "vllm" else 1,
+    )
     try:
         return plan(needs, pools)
     except PlanError as e:

@@ -36,6 +36,8 @@ class ModelConfig:
     """tiny-random only: hidden size."""
     tiny_layers: int = 2
     """tiny-random only: transformer layers."""
+    tiny_head_dim: int = 16
+    """tiny-random only: attention head size (vLLM's CPU attention needs 32 or more)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Master weights dtype (the optimizer updates these)."""
 
@@ -77,8 +79,8 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: Literal["hf"] = "hf"
-    """Rollout backend ('hf': in-process generate)."""
+    backend: Literal["hf", "vllm"] = "hf"
+    """Rollout backend ('hf': in-process generate; 'vllm': vLLM engines in their own processes, see `make vllm-env`)."""
     prompts_per_step: int = 8
     """B: prompts sampled per step."""
     group_size: int = 8
@@ -93,6 +95,18 @@ class RolloutConfig:
     """Sequences per generate() call."""
     autocast_bf16: bool = False
     """Sample under bf16 autocast (faster on CPUs with bf16 units and on GPUs)."""
+    vllm_python: str = ""
+    """vllm: python of the vLLM venv; empty = $FORGEWEAVE_VLLM_PYTHON, else the repo's .venv-vllm/bin/python."""
+    vllm_url: str = ""
+    """vllm: URL of a forgeweave vLLM worker you already run (comma-separated for several); empty = start our own."""
+    vllm_kv_cache_gib: int = 1
+    """vllm on CPU: KV-cache GiB per engine (VLLM_CPU_KVCACHE_SPACE)."""
+    vllm_start_timeout_s: float = 600.0
+    """vllm: seconds to wait for a started engine to serve."""
+    replicas: int = 1
+    """vllm: engines to start; each step's prompts are split between them by measured tokens/s."""
+    tensor_parallel_size: int = 1
+    """vllm on GPUs: devices per engine (replica i takes the i-th block of visible devices)."""
 
 
 @dataclass
@@ -262,6 +276,9 @@ class RunConfig:
         _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
         _require(r.temperature > 0, "rollout.temperature", "must be > 0 (use eval for greedy)")
         _require(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+        _require(
+            r.replicas >= 1 and r.tensor_parallel_size >= 1, "rollout.replicas", "and tensor_parallel_size must be >= 1"
+        )
         _require(u.micro_batch_size >= 1, "update.micro_batch_size", "must be >= 1")
         _require(u.num_iterations >= 1, "update.num_iterations", "must be >= 1")
         _require(u.num_processes >= 0, "update.num_processes", "must be >= 0 (0 = from the Weaver plan)")

@@ -40,7 +40,9 @@ def load_policy(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTr
     """Return (model in train mode, tokenizer with a pad token and left padding)."""
     if cfg.path == TINY:
         tok = build_char_tokenizer()
-        model = build_tiny_model(tok, hidden=cfg.tiny_hidden, layers=cfg.tiny_layers, seed=seed)
+        model = build_tiny_model(
+            tok, hidden=cfg.tiny_hidden, layers=cfg.tiny_layers, seed=seed, head_dim=cfg.tiny_head_dim
+        )
     else:
         path = smollm2_dir() if cfg.path == SMOLLM2 else _resolve_path(cfg.path)
         tok = AutoTokenizer.from_pretrained(path)
@@ -114,16 +116,19 @@ def build_char_tokenizer() -> PreTrainedTokenizerBase:
     )
 
 
-def build_tiny_model(tok: PreTrainedTokenizerBase, hidden: int = 64, layers: int = 2, seed: int = 0) -> PreTrainedModel:
+def build_tiny_model(
+    tok: PreTrainedTokenizerBase, hidden: int = 64, layers: int = 2, seed: int = 0, head_dim: int = 16
+) -> PreTrainedModel:
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    heads = max(1, hidden // head_dim)
     config = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=hidden,
         intermediate_size=hidden * 4,
         num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 16),
-        num_key_value_heads=max(1, hidden // 16),
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         max_position_embeddings=512,
         tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id,

@@ -69,22 +69,25 @@ class StageNeed:
 
 
 def stage_needs(
-    model_params: int, *, rollout_replicas: int = 1, update_processes: int = 0, gpu: bool
+    model_params: int, *, rollout_replicas: int = 1, update_processes: int = 0, gpu: bool, rollout_tp: int = 1
 ) -> list[StageNeed]:
     """The five pipeline stages for a model of `model_params` parameters; 0 replicas/processes = as many as fit
-    (on CPU: one, since more processes give no speed-up there)."""
-    if model_params <= 0 or rollout_replicas < 0 or update_processes < 0:
+    (on CPU: one, since more processes give no speed-up there). On GPUs each rollout replica is a vLLM engine
+    spanning `rollout_tp` devices (tensor parallel): the stage takes replicas x tp devices, each holding 1/tp."""
+    if model_params <= 0 or rollout_replicas < 0 or update_processes < 0 or rollout_tp < 1:
         raise PlanError(
             f"stage_needs: model_params must be > 0 and counts >= 0, got {model_params}, "
-            f"rollout_replicas={rollout_replicas}, update_processes={update_processes}"
+            f"rollout_replicas={rollout_replicas}, update_processes={update_processes}, rollout_tp={rollout_tp}"
         )
     update_gib = model_params * UPDATE_BYTES_PER_PARAM * ACTIVATION_MARGIN / GIB + RUNTIME_GIB
     weight_bytes = 2 if gpu else 4
     generate_gib = 2 * model_params * weight_bytes / GIB + RUNTIME_GIB  # weights + equal KV-cache margin
     kind: StageKind = "gpu" if gpu else "cpu"
+    tp = rollout_tp if gpu else 1
+    rollout_gib = 2 * model_params * weight_bytes / GIB / tp + RUNTIME_GIB
     return [
         StageNeed("prep", "cpu", 1, 1, SMALL_STAGE_GIB),
-        StageNeed("rollout", kind, *_count_range(rollout_replicas, gpu), memory_gib=round(generate_gib, 2)),
+        StageNeed("rollout", kind, *_count_range(rollout_replicas * tp, gpu), memory_gib=round(rollout_gib, 2)),
         StageNeed("reward", "cpu", 1, 1, SMALL_STAGE_GIB),
         StageNeed("update", kind, *_count_range(update_processes, gpu), memory_gib=round(update_gib, 2)),
         StageNeed("evaluate", "any", 1, 0, round(generate_gib, 2), runs_in="rollout"),

@@ -75,9 +75,10 @@ def run(
     tracker: Tracker | None = None,
     progress: bool = True,
     plan: dict | None = None,
+    balancer=None,
 ) -> dict:
     """Train with GRPO and return summary.json's content. Raises UserError for problems a user can fix."""
-    grpo = GRPORun(cfg, Path(run_dir), resume=resume, tracker=tracker, plan=plan)
+    grpo = GRPORun(cfg, Path(run_dir), resume=resume, tracker=tracker, plan=plan, balancer=balancer)
     with grpo.failure_guard():
         grpo.setup()
         bar = progress_bar(cfg.steps, grpo.state.step, progress)
@@ -106,10 +107,13 @@ class GRPORun:
         tracker: Tracker | None = None,
         plan: dict | None = None,
         attach: bool = False,
+        balancer=None,
     ):
         """Claim the run directory (new, or existing with resume; `attach`: a driver created it, use it as it is);
-        `plan` (a resource plan) is saved as plan.json."""
+        `plan` (a resource plan) is saved as plan.json. `balancer(replicas)` splits rollout prompts across vLLM
+        replicas (flows pass weaver's ThroughputBalancer)."""
         self.cfg = cfg.validate()
+        self.balancer = balancer
         self.run_dir = run_dir
         self.resume = resume
         self.plan = plan
@@ -122,6 +126,7 @@ class GRPORun:
         self.tracker: Tracker = MultiTracker(self.jsonl, tracker) if tracker else self.jsonl
         self.state = RunState()
         self.times: dict[str, float] = {}
+        self.sync_s = 0.0
 
     @contextlib.contextmanager
     def failure_guard(self):
@@ -132,13 +137,14 @@ class GRPORun:
             write_status(self.run_dir, "failed", step=self.state.step, error=f"{type(e).__name__}: {e}")
             self.tracker.finish("FAILED")
             raise
-        finally:
+        finally:  # also on Ctrl-C / SIGTERM (the CLI turns it into SystemExit): no process outlives the run
             self.close()
 
     def close(self) -> None:
-        """Stop the update processes, if the update runs in its own (no orphans on success, error or Ctrl-C)."""
-        if getattr(self, "trainer", None) is not None:
-            self.trainer.close()
+        """Stop the processes this run started (update ranks, vLLM engines); safe to call twice."""
+        for part in (getattr(self, "trainer", None), getattr(self, "backend", None)):
+            if part is not None:
+                part.close()
 
     def setup(self) -> None:
         """Prep stage + everything the loop needs; then restore (resume) or run the initial evaluation."""
@@ -176,7 +182,13 @@ class GRPORun:
         # in-process with one update process; else persistent `accelerate launch` ranks publishing their weights
         self.trainer = start_trainer(model, cfg, run_dir, self.plan)
         self.backend = make_backend(
-            cfg.rollout.backend, self.trainer.unwrapped, self.tok, autocast_bf16=cfg.rollout.autocast_bf16
+            cfg.rollout.backend,
+            self.trainer.unwrapped,
+            self.tok,
+            autocast_bf16=cfg.rollout.autocast_bf16,
+            rollout=cfg.rollout,
+            work_dir=run_dir,
+            balancer=self.balancer,
         )
         self.ensemble_report = None
 
@@ -225,7 +237,7 @@ class GRPORun:
     def update(self, batch: ScoredBatch) -> UpdateStats:
         t0 = time.perf_counter()
         stats = self.trainer.update(batch)
-        self.backend.sync_weights(self.trainer.unwrapped, self.trainer.policy_version)
+        self.sync_s = self.backend.sync_weights(self.trainer.unwrapped, self.trainer.policy_version)
         self.times["update"] = time.perf_counter() - t0
         return stats
 
@@ -243,6 +255,7 @@ class GRPORun:
     ) -> dict[str, float]:
         """Log the step's metrics and samples; returns the metrics."""
         metrics = _step_metrics(batch.rollouts, batch, stats, self.times)
+        metrics["perf/weight_sync_s"] = self.sync_s  # included in time/update_s
         if report is not None:
             metrics.update(eval_metrics(report))
         if self.ensemble_report is not None:

@@ -23,6 +23,10 @@ class RolloutBackend(Protocol):
         """Sample params.n completions per prompt; rows are grouped by prompt (row i -> prompt i // n)."""
         ...
 
-    def sync_weights(self, model, version: int) -> None:
-        """Make the backend sample from `model`'s current weights, labelled `version`."""
+    def sync_weights(self, model, version: int) -> float:
+        """Make the backend sample from `model`'s current weights, labelled `version`; returns the seconds it took."""
+        ...
+
+    def close(self) -> None:
+        """Release what the backend started (engine processes); safe to call twice."""
         ...

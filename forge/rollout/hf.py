@@ -24,9 +24,13 @@ class HFBackend:
         self.batch_size = batch_size
         self.policy_version = 0
 
-    def sync_weights(self, model, version: int) -> None:
+    def sync_weights(self, model, version: int) -> float:
         self.model = model
         self.policy_version = version
+        return 0.0  # the trainer's own module: nothing to copy
+
+    def close(self) -> None:
+        pass
 
     @torch.no_grad()
     def generate(self, prompts: list[str], params: SamplingParams) -> Rollouts:
