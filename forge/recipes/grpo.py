@@ -145,7 +145,10 @@ class GRPORun:
             from forge.rewards.aggregate import EnsembleAggregator
 
             names = [name for name, _ in self.verifiers]
-            self.aggregator = EnsembleAggregator(names, cfg.reward.window_steps, cfg.reward.refit_every, cfg.seed)
+            r = cfg.reward
+            self.aggregator = EnsembleAggregator(
+                names, r.window_steps, r.refit_every, cfg.seed, r.ensemble_model, r.ensemble_classes
+            )
         self.trainer = Trainer(model, cfg, total_steps=cfg.steps, ref_model=ref_model)
         self.backend = make_backend(
             cfg.rollout.backend, self.trainer.unwrapped, self.tok, autocast_bf16=cfg.rollout.autocast_bf16

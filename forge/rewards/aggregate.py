@@ -17,17 +17,22 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from forge.rewards.ensemble import WeakVerifierEnsemble
+from forge.rewards.ensemble import EnsembleConfig, WeakVerifierEnsemble
+from forge.rewards.latent_class import LatentClassConfig, LatentClassEnsemble
 
 
 class EnsembleAggregator:
-    def __init__(self, names: list[str], window_steps: int, refit_every: int, seed: int = 0):
+    def __init__(
+        self, names: list[str], window_steps: int, refit_every: int, seed: int = 0,
+        model: str = "gaussian", classes: int = 3,
+    ):  # fmt: skip
         self.names = names
+        self.model, self.classes = model, classes
         self.window_steps = window_steps
         self.refit_every = refit_every
         self.seed = seed
         self.window: list[tuple[np.ndarray, np.ndarray]] = []  # per step: scores [N, V], groups [N]
-        self.ensemble: WeakVerifierEnsemble | None = None
+        self.ensemble: WeakVerifierEnsemble | LatentClassEnsemble | None = None
         self.refits = 0
         self.rejected = 0
 
@@ -43,9 +48,7 @@ class EnsembleAggregator:
         return torch.as_tensor(p, dtype=torch.float32), report
 
     def _refit(self) -> dict:
-        from forge.rewards.ensemble import EnsembleConfig
-
-        candidate = WeakVerifierEnsemble(EnsembleConfig(seed=self.seed)).fit(
+        candidate = self._new_model().fit(
             np.concatenate([w[0] for w in self.window]),
             np.concatenate([w[1] for w in self.window]),
             names=self.names,
@@ -61,6 +64,11 @@ class EnsembleAggregator:
             report = {**previous, "rejected_refit": reason}
         report["accepted"] = reason is None or previous is None
         return report
+
+    def _new_model(self) -> WeakVerifierEnsemble | LatentClassEnsemble:
+        if self.model == "latent_class":
+            return LatentClassEnsemble(LatentClassConfig(classes=self.classes, seed=self.seed))
+        return WeakVerifierEnsemble(EnsembleConfig(classes=self.classes, seed=self.seed))
 
     def state_dict(self) -> dict:
         return {"window": self.window, "refits": self.refits, "rejected": self.rejected}
