@@ -111,6 +111,8 @@ class RewardConfig:
     """ensemble: gaussian (any scores) or latent_class (discrete checks; forge/rewards/latent_class.py)."""
     ensemble_classes: int = 3
     """ensemble: latent classes, correct plus kinds of wrong."""
+    necessary_checks: list[str] = field(default_factory=list)
+    """latent_class ensemble: verifiers every correct answer passes (rule checks); failing one means wrong."""
     label_free: bool = False
     """Do not pass the reference answer column to verifiers (evaluation still scores against it)."""
 

@@ -53,6 +53,26 @@ def test_gaussian_ensemble_gives_partial_credit_where_latent_classes_do_not():
     assert latent[one_short].mean() < 0.3 and gauss[one_short].mean() > 0.8
 
 
+def popular_near_miss(seed: int):
+    """What RL produces: 40% of candidates one popular wrong answer that fails only the last check, 10% right."""
+    rng = np.random.default_rng(seed)
+    kind = rng.choice(3, size=2048, p=[0.1, 0.4, 0.5])  # 0 right, 1 popular near miss, 2 scattered wrong
+    chance = np.stack([rng.random(2048) < c for c in CHANCE], axis=1)
+    scores = np.where(kind[:, None] == 0, 1.0, np.where(kind[:, None] == 1, np.array([1.0, 1, 1, 0]), chance))
+    return scores.astype(np.float64), np.arange(2048) // 16, kind
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_necessary_checks_stop_a_popular_near_miss_from_passing_for_correct(seed):
+    scores, groups, kind = popular_near_miss(seed)
+    free = LatentClassEnsemble(LatentClassConfig(classes=3)).fit(scores, groups).predict_proba(scores, groups)
+    assert free[kind == 1].mean() > 0.9  # the failure mode: "right, with a noisy last check"
+    pinned = LatentClassEnsemble(LatentClassConfig(classes=3, necessary=(0, 1, 2, 3))).fit(scores, groups)
+    p = pinned.predict_proba(scores, groups)
+    assert p[kind == 1].max() < 0.01 and auroc(p, (kind == 0).astype(float)) > 0.99
+    assert p[kind == 0].min() > 10 * p[kind == 1].max()  # (a scattered wrong one passing all 4 ties with right)
+
+
 def test_missing_scores_keep_every_candidate():
     scores, groups, labels = make_checks(seed=3)
     holes = scores.copy()
@@ -80,6 +100,10 @@ def test_errors_are_user_errors():
         LatentClassEnsemble().predict_proba(np.zeros((2, 1)), np.zeros(2))
     with pytest.raises(UserError, match="classes"):
         LatentClassConfig(classes=1)
+    with pytest.raises(UserError, match="necessary_checks.*'mod7'"):
+        EnsembleAggregator(["parity"], 4, 1, model="latent_class", necessary=["mod7"])
+    with pytest.raises(UserError, match="necessary_checks: needs reward.ensemble_model=latent_class"):
+        EnsembleAggregator(["parity"], 4, 1, necessary=["parity"])
     cfg = RunConfig()
     cfg.reward.ensemble_classes = 1
     with pytest.raises(ConfigError, match="reward.ensemble_classes"):

@@ -147,7 +147,7 @@ class GRPORun:
             names = [name for name, _ in self.verifiers]
             r = cfg.reward
             self.aggregator = EnsembleAggregator(
-                names, r.window_steps, r.refit_every, cfg.seed, r.ensemble_model, r.ensemble_classes
+                names, r.window_steps, r.refit_every, cfg.seed, r.ensemble_model, r.ensemble_classes, r.necessary_checks
             )
         self.trainer = Trainer(model, cfg, total_steps=cfg.steps, ref_model=ref_model)
         self.backend = make_backend(

@@ -1,8 +1,9 @@
 """Reward aggregation with the label-free ensemble over a rolling window of recent scored rollouts.
 
 With `reward.aggregate: ensemble` the reward of a completion is P(correct | its verifier scores), from a
-`WeakVerifierEnsemble` refit every `reward.refit_every` steps on the last `reward.window_steps` steps' score
-matrices (the current one included). The window is part of the checkpoint, so a resumed run refits on the same
+`WeakVerifierEnsemble` (`reward.ensemble_model: gaussian`, any scores) or a `LatentClassEnsemble` (`latent_class`,
+discrete checks; `reward.necessary_checks` names the checks every correct answer passes), refit every
+`reward.refit_every` steps on the last `reward.window_steps` steps' score matrices (the current one included). The window is part of the checkpoint, so a resumed run refits on the same
 data. No reference answer is read here.
 
 A refit is accepted only if it still separates candidates and agrees in direction with the ensemble in use
@@ -17,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from forge.errors import UserError
 from forge.rewards.ensemble import EnsembleConfig, WeakVerifierEnsemble
 from forge.rewards.latent_class import LatentClassConfig, LatentClassEnsemble
 
@@ -24,10 +26,15 @@ from forge.rewards.latent_class import LatentClassConfig, LatentClassEnsemble
 class EnsembleAggregator:
     def __init__(
         self, names: list[str], window_steps: int, refit_every: int, seed: int = 0,
-        model: str = "gaussian", classes: int = 3,
+        model: str = "gaussian", classes: int = 3, necessary: list[str] | tuple[str, ...] = (),
     ):  # fmt: skip
         self.names = names
         self.model, self.classes = model, classes
+        if necessary and model != "latent_class":
+            raise UserError("reward.necessary_checks: needs reward.ensemble_model=latent_class")
+        if unknown := [n for n in necessary if n not in names]:
+            raise UserError(f"reward.necessary_checks: {unknown} are not among the verifiers {names}")
+        self.necessary = tuple(names.index(n) for n in necessary)
         self.window_steps = window_steps
         self.refit_every = refit_every
         self.seed = seed
@@ -67,7 +74,9 @@ class EnsembleAggregator:
 
     def _new_model(self) -> WeakVerifierEnsemble | LatentClassEnsemble:
         if self.model == "latent_class":
-            return LatentClassEnsemble(LatentClassConfig(classes=self.classes, seed=self.seed))
+            return LatentClassEnsemble(
+                LatentClassConfig(classes=self.classes, seed=self.seed, necessary=self.necessary)
+            )
         return WeakVerifierEnsemble(EnsembleConfig(classes=self.classes, seed=self.seed))
 
     def state_dict(self) -> dict:

@@ -24,7 +24,14 @@ Skene, 1979; Snorkel's label model is its two-class binary case):
    log-likelihood wins (EM on a mixture has several optima; these few rows make many starts cheap).
 4. Orientation: class 0 ("correct") is the class with the highest mean level over the verifiers, as in the
    Gaussian ensemble: verifiers are assumed better than chance on average.
-5. Output: the posterior of class 0 (naive Bayes over the verifiers with the fitted shares as prior).
+5. Necessary verifiers (optional, `necessary`): checks that by construction never fail a correct answer (a rule a
+   true result must satisfy: parity, a residue, a digit count, a unit test of a required behaviour). Class 0 is
+   pinned to their top category with probability 1 - `leak` in every M-step and stays class 0; everything else is
+   still fit. Without this, RL breaks the model from the policy side: once the policy produces many answers that
+   pass all but one check (measured on the tiny task: "999" for 9, which fails only the digit count), the refit
+   on those rollouts explains them as correct ones with a noisy check, rewards them, and the policy collapses onto
+   them. A pinned class 0 cannot absorb a failed check, so such answers end in a wrong class and lose their reward.
+6. Output: the posterior of class 0 (naive Bayes over the verifiers with the fitted shares as prior).
 
 `report()` gives the estimated class balance, and per verifier an implied AUROC (correct class vs the rest) and a
 weight: the difference of the mean level between the correct class and the wrong ones (the direction the model
@@ -52,10 +59,14 @@ class LatentClassConfig:
     """Pseudo-count added to every category of every class in each M-step."""
     max_iter: int = 300
     """EM steps at most per start."""
-    tol: float = 1e-7
+    tol: float = 1e-6
     """EM stops when the mean log-likelihood per candidate improves by less than this."""
     random_starts: int = 4
     """Random initial posteriors tried besides the mean-level and single-verifier starts."""
+    necessary: tuple[int, ...] = ()
+    """Verifiers (column indices) that are necessary conditions: a correct candidate gets their top category."""
+    leak: float = 1e-3
+    """P(a correct candidate is below the top category of a necessary verifier): room for a buggy check."""
     seed: int = 0
     """Seed of the random starts; the fit is deterministic given it."""
 
@@ -64,6 +75,8 @@ class LatentClassConfig:
             raise UserError("LatentClassConfig.classes: need a correct class and at least one wrong class")
         if self.levels < 2:
             raise UserError("LatentClassConfig.levels: a verifier needs at least 2 categories")
+        if not 0 < self.leak < 0.5:
+            raise UserError("LatentClassConfig.leak: must be in (0, 0.5)")
 
 
 @dataclass(frozen=True)
@@ -95,7 +108,7 @@ class LatentClassEnsemble:
         sizes = tuple(len(c) + 1 for c in self._cuts)
         patterns, counts = np.unique(codes, axis=0, return_counts=True)  # EM on distinct vote patterns
         start, params, loglik = _best_fit(patterns, counts.astype(np.float64), sizes, self.config)
-        self._params = _orient(params)
+        self._params = _orient(params, keep_first=bool(self.config.necessary))
         self._report = _make_report(self._params, names, start, loglik, codes, len(np.unique(groups)))
         return self
 
@@ -196,7 +209,7 @@ def _em(
     """EM from posteriors q [P, K] until the mean log-likelihood stops improving; returns (params, loglik)."""
     previous = -np.inf
     for _ in range(cfg.max_iter):
-        params = _m_step(onehot, sizes, q * counts[:, None], cfg.smoothing)
+        params = _pin(_m_step(onehot, sizes, q * counts[:, None], cfg.smoothing), cfg.necessary, cfg.leak)
         joint = _joint(onehot, params)  # [P, K]
         loglik = float(counts @ _logsumexp(joint) / counts.sum())
         q = np.exp(joint - _logsumexp(joint)[:, None])
@@ -215,6 +228,20 @@ def _m_step(onehot: np.ndarray, sizes: tuple[int, ...], q: np.ndarray, smoothing
     return _Params(np.log(pi), log_theta, sizes)
 
 
+def _pin(p: _Params, necessary: tuple[int, ...], leak: float) -> _Params:
+    """Class 0 gets the top category of each necessary verifier with probability 1 - leak (the rest spread evenly)."""
+    if not necessary:
+        return p
+    log_theta = p.log_theta.copy()
+    offsets = np.concatenate([[0], np.cumsum(p.sizes)[:-1]])
+    for v in necessary:
+        size = p.sizes[v]
+        if size > 1:  # a verifier with one value in the fit data says nothing either way
+            log_theta[0, offsets[v] : offsets[v] + size - 1] = np.log(leak / (size - 1))
+            log_theta[0, offsets[v] + size - 1] = np.log(1.0 - leak)
+    return _Params(p.log_pi, log_theta, p.sizes)
+
+
 def _joint(onehot: np.ndarray, p: _Params) -> np.ndarray:
     """[N, K] log pi_k + sum over observed verifiers of log theta_kv(category)."""
     return p.log_pi + onehot @ p.log_theta.T
@@ -231,9 +258,14 @@ def _mean_levels(p: _Params) -> np.ndarray:
     return np.stack(cols, axis=1)
 
 
-def _orient(p: _Params) -> _Params:
-    """Order classes by mean level over the verifiers, highest first: class 0 is "correct"."""
+def _orient(p: _Params, keep_first: bool = False) -> _Params:
+    """Order classes by mean level over the verifiers, highest first: class 0 is "correct".
+
+    With necessary verifiers class 0 is pinned to pass them (`_pin`), so it stays first and only the rest are ordered.
+    """
     order = np.argsort(-_mean_levels(p).mean(axis=1), kind="stable")
+    if keep_first:
+        order = np.concatenate([[0], order[order != 0]])
     return _Params(p.log_pi[order], p.log_theta[order], p.sizes)
 
 
