@@ -34,10 +34,12 @@ def tiny_unlabeled() -> RunConfig:
     Verifiers never see the answer column (`reward.label_free`); each checks one necessary condition of the true
     result computed from the prompt (parity, residue mod 3, residue mod 5, digit count; forge/rewards/weak.py), which
     a wrong answer passes by chance. A latent class model (forge/rewards/latent_class.py) refit every step on the last
-    8 steps learns without labels how the checks behave on right, wrong and malformed answers, and pays ~1 for
-    answers that pass them all and ~0 otherwise. Advantages are mean-centred, not divided by the group's std
-    (Dr. GRPO): in a group with no right answer the ensemble's rewards differ by a few hundredths, and dividing by
-    their std would turn that noise into full-size advantages (measured: the std version stalls at pass@1 0.18).
+    8 steps learns without labels how the checks behave on right, wrong and malformed answers; declared necessary
+    (`reward.necessary_checks`), a failed check cannot pass for noise on a right answer, so answers that pass them
+    all get ~1 and the rest ~0. Advantages are mean-centred, not divided by the group's std (Dr. GRPO): in a group
+    with no right answer the rewards differ by a few thousandths, and dividing by their std turns that noise into
+    full-size advantages. Measured (docs/verifier-ensemble.md): greedy pass@1 0.00 -> 0.42-0.58 at 200 steps over
+    seeds 0-3; `tiny` with the true answers reaches 0.85.
     """
     cfg = tiny()
     cfg.preset = "tiny-unlabeled"
