@@ -121,6 +121,12 @@ class RewardConfig:
     """ensemble: steps of recent scored rollouts the ensemble is fit on."""
     refit_every: int = 1
     """ensemble: refit every this many steps."""
+    ensemble_model: Literal["gaussian", "latent_class"] = "gaussian"
+    """ensemble: gaussian (any scores) or latent_class (discrete checks; forge/rewards/latent_class.py)."""
+    ensemble_classes: int = 3
+    """ensemble: latent classes, correct plus kinds of wrong."""
+    necessary_checks: list[str] = field(default_factory=list)
+    """latent_class ensemble: verifiers every correct answer passes (rule checks); failing one means wrong."""
     label_free: bool = False
     """Do not pass the reference answer column to verifiers (evaluation still scores against it)."""
 
@@ -296,6 +302,7 @@ class RunConfig:
             f"has {len(w)} values for {len(self.reward.verifiers)} verifiers",
         )
         _require(bool(self.reward.verifiers), "reward.verifiers", "needs at least one verifier")
+        _require(self.reward.ensemble_classes >= 2, "reward.ensemble_classes", "must be >= 2 (correct and wrong)")
         return self
 
 

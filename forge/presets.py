@@ -28,6 +28,29 @@ def tiny() -> RunConfig:
     return cfg
 
 
+def tiny_unlabeled() -> RunConfig:
+    """The tiny task without reference answers: the reward is P(correct) from a label-free ensemble of rule checks.
+
+    Verifiers never see the answer column (`reward.label_free`); each checks one necessary condition of the true
+    result computed from the prompt (parity, residue mod 3, residue mod 5, digit count; forge/rewards/weak.py), which
+    a wrong answer passes by chance. A latent class model (forge/rewards/latent_class.py) refit every step on the last
+    8 steps learns without labels how the checks behave on right, wrong and malformed answers; declared necessary
+    (`reward.necessary_checks`), a failed check cannot pass for noise on a right answer, so answers that pass them
+    all get ~1 and the rest ~0. Advantages are mean-centred, not divided by the group's std (Dr. GRPO): in a group
+    with no right answer the rewards differ by a few thousandths, and dividing by their std turns that noise into
+    full-size advantages. Measured (docs/verifier-ensemble.md): greedy pass@1 0.00 -> 0.42-0.58 at 200 steps over
+    seeds 0-3; `tiny` with the true answers reaches 0.85.
+    """
+    cfg = tiny()
+    cfg.preset = "tiny-unlabeled"
+    r = cfg.reward
+    r.verifiers = ["parity_check", "residue3_check", "residue5_check", "magnitude_check"]
+    r.label_free, r.aggregate, r.ensemble_model, r.ensemble_classes = True, "ensemble", "latent_class", 4
+    r.necessary_checks = list(r.verifiers)  # each tests a necessary condition of the true result
+    cfg.algo.advantage = "mean"
+    return cfg
+
+
 def smollm2_arith() -> RunConfig:
     """SmolLM2-135M-Instruct on 2-digit addition (the `make demo` job): bf16 autocast, short completions."""
     cfg = RunConfig(preset="smollm2-arith", seed=0, steps=20, threads=0)
@@ -51,6 +74,7 @@ def smollm2_arith() -> RunConfig:
 
 PRESETS: dict[str, Callable[[], RunConfig]] = {
     "tiny": tiny,
+    "tiny-unlabeled": tiny_unlabeled,
     "smollm2-arith": smollm2_arith,
 }
 

@@ -178,7 +178,10 @@ class GRPORun:
             from forge.rewards.aggregate import EnsembleAggregator
 
             names = [name for name, _ in self.verifiers]
-            self.aggregator = EnsembleAggregator(names, cfg.reward.window_steps, cfg.reward.refit_every, cfg.seed)
+            r = cfg.reward
+            self.aggregator = EnsembleAggregator(
+                names, r.window_steps, r.refit_every, cfg.seed, r.ensemble_model, r.ensemble_classes, r.necessary_checks
+            )
         # in-process with one update process; else persistent `accelerate launch` ranks publishing their weights
         self.trainer = start_trainer(model, cfg, run_dir, self.plan)
         self.backend = make_backend(

@@ -1,8 +1,9 @@
 """Reward aggregation with the label-free ensemble over a rolling window of recent scored rollouts.
 
 With `reward.aggregate: ensemble` the reward of a completion is P(correct | its verifier scores), from a
-`WeakVerifierEnsemble` refit every `reward.refit_every` steps on the last `reward.window_steps` steps' score
-matrices (the current one included). The window is part of the checkpoint, so a resumed run refits on the same
+`WeakVerifierEnsemble` (`reward.ensemble_model: gaussian`, any scores) or a `LatentClassEnsemble` (`latent_class`,
+discrete checks; `reward.necessary_checks` names the checks every correct answer passes), refit every
+`reward.refit_every` steps on the last `reward.window_steps` steps' score matrices (the current one included). The window is part of the checkpoint, so a resumed run refits on the same
 data. No reference answer is read here.
 
 A refit is accepted only if it still separates candidates and agrees in direction with the ensemble in use
@@ -17,17 +18,28 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from forge.rewards.ensemble import WeakVerifierEnsemble
+from forge.errors import UserError
+from forge.rewards.ensemble import EnsembleConfig, WeakVerifierEnsemble
+from forge.rewards.latent_class import LatentClassConfig, LatentClassEnsemble
 
 
 class EnsembleAggregator:
-    def __init__(self, names: list[str], window_steps: int, refit_every: int, seed: int = 0):
+    def __init__(
+        self, names: list[str], window_steps: int, refit_every: int, seed: int = 0,
+        model: str = "gaussian", classes: int = 3, necessary: list[str] | tuple[str, ...] = (),
+    ):  # fmt: skip
         self.names = names
+        self.model, self.classes = model, classes
+        if necessary and model != "latent_class":
+            raise UserError("reward.necessary_checks: needs reward.ensemble_model=latent_class")
+        if unknown := [n for n in necessary if n not in names]:
+            raise UserError(f"reward.necessary_checks: {unknown} are not among the verifiers {names}")
+        self.necessary = tuple(names.index(n) for n in necessary)
         self.window_steps = window_steps
         self.refit_every = refit_every
         self.seed = seed
         self.window: list[tuple[np.ndarray, np.ndarray]] = []  # per step: scores [N, V], groups [N]
-        self.ensemble: WeakVerifierEnsemble | None = None
+        self.ensemble: WeakVerifierEnsemble | LatentClassEnsemble | None = None
         self.refits = 0
         self.rejected = 0
 
@@ -43,9 +55,7 @@ class EnsembleAggregator:
         return torch.as_tensor(p, dtype=torch.float32), report
 
     def _refit(self) -> dict:
-        from forge.rewards.ensemble import EnsembleConfig
-
-        candidate = WeakVerifierEnsemble(EnsembleConfig(seed=self.seed)).fit(
+        candidate = self._new_model().fit(
             np.concatenate([w[0] for w in self.window]),
             np.concatenate([w[1] for w in self.window]),
             names=self.names,
@@ -61,6 +71,13 @@ class EnsembleAggregator:
             report = {**previous, "rejected_refit": reason}
         report["accepted"] = reason is None or previous is None
         return report
+
+    def _new_model(self) -> WeakVerifierEnsemble | LatentClassEnsemble:
+        if self.model == "latent_class":
+            return LatentClassEnsemble(
+                LatentClassConfig(classes=self.classes, seed=self.seed, necessary=self.necessary)
+            )
+        return WeakVerifierEnsemble(EnsembleConfig(classes=self.classes, seed=self.seed))
 
     def state_dict(self) -> dict:
         return {"window": self.window, "refits": self.refits, "rejected": self.rejected}
