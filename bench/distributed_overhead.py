@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from forge.config import to_dict  # noqa: E402
 from forge.presets import tiny  # noqa: E402
-from tests.flows.servers import BIN, free_port, start, stop, wait_http  # noqa: E402
+from tests.servers import BIN, free_port, start, stop, wait_http  # noqa: E402
 
 POOLS = [
     {"name": "gen", "kind": "cpu", "work_pool": "bench-gen", "stages": ["rollout", "reward", "evaluate"]},

@@ -7,16 +7,13 @@ functions that need it; it drives /usr/bin/chromium (never a browser playwright 
 
 import contextlib
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.servers import REPO, free_port, stop, wait_http
+
 CHROMIUM = Path("/usr/bin/chromium")
 # no sandbox (root in a container), and none of Chromium's background network traffic (there is no network)
 FLAGS = [
@@ -32,37 +29,6 @@ WAIT_MS = 90_000
 CHART = "[data-testid='stVegaLiteChart'] svg.marks"
 # the drawn data of a Vega chart (SVG renderer): the paths of its line / area / bar marks
 MARKS = "(svg) => svg.querySelectorAll('g.role-mark path').length"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    """Until `url` answers 200 (fails early if `proc` died)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, f"server exited with {proc.returncode}"
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.3)
-    raise TimeoutError(url)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """Stop a server this test started (its own process group) by PID: SIGTERM, then SIGKILL."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=15)
 
 
 def start_cli(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
@@ -81,7 +47,7 @@ def served_dashboard(runs_dir: Path, log: Path) -> Iterator[str]:
     port = free_port()
     proc = start_cli(["dashboard", "--runs-dir", str(runs_dir), "--port", str(port)], log)
     try:
-        wait_http(f"http://127.0.0.1:{port}/_stcore/health", proc, timeout=120)
+        wait_http(f"http://127.0.0.1:{port}/_stcore/health", timeout=120, proc=proc)
         yield f"http://127.0.0.1:{port}"
     finally:
         stop(proc)

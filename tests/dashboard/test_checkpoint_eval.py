@@ -5,8 +5,9 @@ import asyncio
 
 import pytest
 
-from tests.dashboard.browser import free_port, start_cli, stop, wait_http
+from tests.dashboard.browser import start_cli
 from tests.dashboard.conftest import open_page, texts
+from tests.servers import free_port, stop, wait_http
 
 
 @pytest.fixture
@@ -15,7 +16,7 @@ def prefect_api(tmp_path):
     env = {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     proc = start_cli(["server", "--port", str(port)], tmp_path / "server.log", env)
     try:
-        wait_http(f"http://127.0.0.1:{port}/api/health", proc, timeout=120)
+        wait_http(f"http://127.0.0.1:{port}/api/health", timeout=120, proc=proc)
         yield f"http://127.0.0.1:{port}/api"
     finally:
         stop(proc)

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from tests.flows.servers import BIN, free_port, start, stop, wait_http
+from tests.servers import BIN, free_port, start, stop, wait_http
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import yaml
 
 from forge.config import to_dict
 from forge.presets import tiny
-from tests.flows.servers import BIN, REPO, start, stop
+from tests.servers import BIN, REPO, start, stop
 
 POOLS = [
     {"name": "gen", "kind": "cpu", "work_pool": "fw-gen", "stages": ["rollout", "reward", "evaluate"]},

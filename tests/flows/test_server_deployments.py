@@ -6,7 +6,7 @@ import json
 import subprocess
 import time
 
-from tests.flows.servers import BIN, REPO, stop
+from tests.servers import BIN, REPO, stop
 
 
 async def _trigger_and_wait(api_url: str, params: dict, timeout: float) -> object:

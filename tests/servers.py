@@ -1,4 +1,5 @@
-"""Real servers for flow tests: a Prefect server on a free 127.0.0.1 port, started and stopped by PID."""
+"""Real servers for tests and benches: free 127.0.0.1 ports, readiness checks, processes started in their own
+session and stopped by PID (never by name)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
@@ -21,15 +22,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_http(url: str, timeout: float) -> None:
+def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    """Until `url` answers 200 (fails early if `proc`, the server being waited for, died)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
+        assert proc is None or proc.poll() is None, f"server exited with {proc.returncode}"
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
                     return
         except OSError:
-            time.sleep(0.5)
+            time.sleep(0.3)
     raise TimeoutError(url)
 
 
