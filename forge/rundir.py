@@ -149,3 +149,21 @@ def update_bar(bar, metrics: dict, last_eval: dict | None) -> None:
         post["eval_pass@1"] = f"{last_eval['pass@1']:.3f}"
     bar.set_postfix(post)
     bar.update(1)
+
+
+def run_summary(cfg, run_dir: Path, state, wall: float) -> dict:
+    """summary.json's content: `state` is the recipe's RunState (step, seconds, initial_eval, last_eval)."""
+
+    def brief(report):
+        return {k: v for k, v in (report or {}).items() if k.startswith("pass@") or k in ("step", "mean_reward")}
+
+    seconds = {**{k: round(v, 3) for k, v in state.seconds.items()}, "total": round(wall, 3)}
+    return {
+        "run": run_dir.name,
+        "preset": cfg.preset,
+        "model": cfg.model.path,
+        "steps": state.step,
+        "run_dir": str(run_dir.resolve()),
+        "eval": {"initial": brief(state.initial_eval), "final": brief(state.last_eval)},
+        "seconds": seconds,
+    }

@@ -44,6 +44,7 @@ from forge.rundir import (
     append_samples,
     claim_run_dir,
     progress_bar,
+    run_summary,
     track_run_start,
     truncate_samples,
     update_bar,
@@ -296,7 +297,7 @@ class GRPORun:
 
     def finish(self, **extra) -> dict:
         """Write summary.json (extra keys, e.g. the Prefect flow-run id, are added to it) and mark finished."""
-        summary = {**_summary(self.cfg, self.run_dir, self.state, time.perf_counter() - self.started), **extra}
+        summary = {**run_summary(self.cfg, self.run_dir, self.state, time.perf_counter() - self.started), **extra}
         summary.update(self.tracker.info())  # e.g. mlflow_run_id
         write_json(self.run_dir / "summary.json", summary)
         self.tracker.log_artifact(self.run_dir / "summary.json")
@@ -391,25 +392,6 @@ def _restore(
     return RunState(
         step=saved["step"], seconds=saved["seconds"], initial_eval=saved["initial_eval"], last_eval=saved["last_eval"]
     )
-
-
-# ---------------------------------------------------------------- run directory bookkeeping
-
-
-def _summary(cfg: RunConfig, run_dir: Path, state: RunState, wall: float) -> dict:
-    def brief(report):
-        return {k: v for k, v in (report or {}).items() if k.startswith("pass@") or k in ("step", "mean_reward")}
-
-    seconds = {**{k: round(v, 3) for k, v in state.seconds.items()}, "total": round(wall, 3)}
-    return {
-        "run": run_dir.name,
-        "preset": cfg.preset,
-        "model": cfg.model.path,
-        "steps": state.step,
-        "run_dir": str(run_dir.resolve()),
-        "eval": {"initial": brief(state.initial_eval), "final": brief(state.last_eval)},
-        "seconds": seconds,
-    }
 
 
 def _due(step: int, every: int, last: int) -> bool:
