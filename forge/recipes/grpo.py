@@ -259,7 +259,9 @@ class GRPORun:
     ) -> dict[str, float]:
         """Log the step's metrics and samples; returns the metrics."""
         metrics = _step_metrics(batch.rollouts, batch, stats, self.times)
-        metrics["perf/weight_sync_s"] = self.sync_s  # included in time/update_s
+        # new weights -> rollout: update ranks' publication + the pipeline's load, then the backend's own sync (vLLM
+        # engines); part of time/update_s
+        metrics["perf/weight_sync_s"] = stats.sync_seconds + self.sync_s
         if report is not None:
             metrics.update(eval_metrics(report))
         if self.ensemble_report is not None:
@@ -363,7 +365,6 @@ def _step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: d
             "train/lr_scale": stats.lr_scale,
             "train/advantage_abs_mean": float(batch.advantages.abs().mean()),
             "policy/version": float(stats.policy_version),
-            "time/weight_sync_s": stats.sync_seconds,
             "perf/rollout_tokens_per_s": tokens / max(times["rollout"], 1e-9),
             "perf/update_tokens_per_s": stats.tokens * 1.0 / max(times["update"], 1e-9),
         }

@@ -56,7 +56,7 @@ def test_tiny_learns_with_two_update_processes(runs_dir):
     assert summary["eval"]["final"]["pass@1"] > 0.6
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["policy/version"] for r in rows[1:]] == list(range(1, 201))  # the rollout always had the new weights
-    assert all(r["time/weight_sync_s"] > 0 for r in rows[1:])
+    assert all(r["perf/weight_sync_s"] > 0 for r in rows[1:])
     assert _all_gone(json.loads((run / "update" / "processes.json").read_text()))
 
 
