@@ -81,14 +81,14 @@ def run_stage(run_dir: Path, stage: str, step: int) -> Path:
 
 def _rollout(grpo: GRPORun, run_dir: Path, step: int) -> dict:
     rows, rollouts = grpo.rollout(step)
-    save_live(grpo)  # the sampler cursor and the RNG moved
+    save_live(grpo, policy=False)  # the sampler cursor and the RNG moved; weights did not
     return {"rows": rows, "rollouts": rollouts}
 
 
 def _reward(grpo: GRPORun, run_dir: Path, step: int) -> dict:
     prev = load_stage_output(run_dir, step, "rollout")
     batch = grpo.reward(prev["rows"], prev["rollouts"])
-    save_live(grpo)  # the ensemble's window grew
+    save_live(grpo, policy=False)  # the ensemble's window grew; weights did not
     return {"batch": batch, "ensemble_report": grpo.ensemble_report}
 
 

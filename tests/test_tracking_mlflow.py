@@ -8,7 +8,6 @@ seconds); the end-to-end tests run `forgeweave run` on the tiny preset, one of t
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from flows.cli import main
 from forge.config import RunConfig
 from forge.rundir import git_commit
 from forge.tracking_mlflow import default_uri, tracker_for_run
+from tests.servers import stop
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -279,12 +279,7 @@ def _start_server(runs_dir: Path, port: int) -> subprocess.Popen:
 
 
 def _stop_server(server: subprocess.Popen) -> None:
-    os.killpg(server.pid, signal.SIGTERM)
-    try:
-        server.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait(timeout=10)
+    stop(server)
     deadline = time.time() + 10  # the worker process of the group exits right after the server
     while time.time() < deadline:
         try:

@@ -6,8 +6,10 @@ the prepared data (`GRPORun.build`), then `load_live` restores what earlier stag
 anything calls `save_live` after it. Stages run one at a time, so there is exactly one writer.
 
 Layout under the run directory:
-- `live/components.pt`: policy weights, trainer state (optimizer, adaptive LR, step, policy version), data
-  sampler cursor, ensemble window, RNG states. Written by the stage processes only.
+- `live/policy.pt`: policy weights and trainer state (optimizer, adaptive LR, step, policy version); rewritten
+  only by stages that change them (prepare, update).
+- `live/cursor.pt`: data sampler cursor, ensemble window, RNG states; small, rewritten by every stage that moves
+  them. Both are written by the stage processes only.
 - `live/run_state.json`: the loop's `RunState` (step, seconds per stage, initial and last eval). Written by the
   driver (and by the prepare stage), read by everyone.
 - `steps/step-NNNNNN/<stage>.pt`: one stage's output for the next stage (rows + rollouts, scored batch, update
@@ -32,31 +34,36 @@ from forge.checkpoint import rng_state, set_rng_state, step_dir_name
 from forge.io import atomic_write_bytes, write_json
 from forge.recipes.grpo import GRPORun, RunState
 
-COMPONENTS = Path("live") / "components.pt"
+POLICY = Path("live") / "policy.pt"
+CURSOR = Path("live") / "cursor.pt"
 RUN_STATE = Path("live") / "run_state.json"
 
 
-def save_live(grpo: GRPORun) -> None:
-    """Write the components a stage may have changed (see the module docstring)."""
-    payload = {
-        "model": grpo.trainer.unwrapped.state_dict(),
-        "trainer": grpo.trainer.state_dict(),
+def save_live(grpo: GRPORun, policy: bool = True) -> None:
+    """Write what a stage may have changed (see the module docstring); `policy=False`: weights and optimizer are
+    unchanged, skip rewriting them."""
+    if policy:
+        _save_torch(
+            grpo.run_dir / POLICY, {"model": grpo.trainer.unwrapped.state_dict(), "trainer": grpo.trainer.state_dict()}
+        )
+    cursor = {
         "sampler": grpo.sampler.state_dict(),
         "aggregator": grpo.aggregator.state_dict() if grpo.aggregator is not None else None,
         "rng": rng_state(),
     }
-    _save_torch(grpo.run_dir / COMPONENTS, payload)
+    _save_torch(grpo.run_dir / CURSOR, cursor)
 
 
 def load_live(grpo: GRPORun) -> None:
     """Restore components and RunState into a freshly built GRPORun; the rollout backend gets the weights."""
-    saved = torch.load(grpo.run_dir / COMPONENTS, weights_only=False)
-    grpo.trainer.unwrapped.load_state_dict(saved["model"])
-    grpo.trainer.load_state_dict(saved["trainer"])
-    grpo.sampler.load_state_dict(saved["sampler"])
-    if grpo.aggregator is not None and saved["aggregator"] is not None:
-        grpo.aggregator.load_state_dict(saved["aggregator"])
-    set_rng_state(saved["rng"])
+    policy = torch.load(grpo.run_dir / POLICY, weights_only=False)
+    cursor = torch.load(grpo.run_dir / CURSOR, weights_only=False)
+    grpo.trainer.unwrapped.load_state_dict(policy["model"])
+    grpo.trainer.load_state_dict(policy["trainer"])
+    grpo.sampler.load_state_dict(cursor["sampler"])
+    if grpo.aggregator is not None and cursor["aggregator"] is not None:
+        grpo.aggregator.load_state_dict(cursor["aggregator"])
+    set_rng_state(cursor["rng"])
     grpo.backend.sync_weights(grpo.trainer.unwrapped, grpo.trainer.policy_version)
     grpo.state = read_run_state(grpo.run_dir)
 
