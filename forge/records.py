@@ -44,6 +44,14 @@ class ScoredBatch:
 
 
 @dataclass(frozen=True)
+class Scored:
+    """What the reward stage returns: the scored batch and, on steps the label-free ensemble was refit, its report."""
+
+    batch: ScoredBatch
+    ensemble_report: dict | None = None
+
+
+@dataclass(frozen=True)
 class UpdateStats:
     """What one update step did (means over micro-batches and PPO passes)."""
 

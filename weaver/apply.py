@@ -13,6 +13,10 @@ limits, work pools). Small pure functions over a `Plan` returning plain values; 
   `ACCELERATE_USE_CPU=1` (from `stage_env`). Devices are chosen by `CUDA_VISIBLE_DEVICES`, not `--gpu_ids`.
   Multi-node: rank r runs on `plan.for_stage("update").placements[r].host` with that placement's environment;
   the same arguments with `--machine_rank r` (or the `{machine_rank}` placeholder, filled by the caller).
+- `actor_specs` is what the Ray adapter (flows/ray_exec.py) starts: one `ActorSpec` per process of a stage (each
+  update rank, each rollout replica, the reward worker), with the pool it must land on (a Ray custom resource
+  `pool:<name>` that the pool's nodes carry), its devices and its environment from `stage_env`. A gpu update rank
+  sees only its own device (local rank 0); a rollout replica sees its block of `tensor_parallel` devices.
 - Prefect: every stage task carries `pool:<pool>` for each pool it uses and `stage:<stage>`. The limit on
   `pool:<name>` is the number of groups of that pool's stages that share no device: 1 for a cpu pool or a
   colocated gpu pool, 2 for a gpu pool split between update and rollout. Tag only the task that does the work,
@@ -21,10 +25,59 @@ limits, work pools). Small pure functions over a `Plan` returning plain values; 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from weaver.errors import PlanError
 from weaver.plan import ANCHOR, Assignment, Placement, Plan
 
 MAIN_PROCESS_PORT = 29500
+
+
+@dataclass(frozen=True)
+class ActorSpec:
+    """One long-lived worker process of a stage, as the execution layer must start it."""
+
+    stage: str
+    index: int
+    """Rank (update) or replica number (rollout); 0 for single-process stages."""
+    pool: str
+    host: str
+    devices: tuple[int, ...]
+    """GPU indices on `host` this process sees (empty: CPU only)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment to set before torch starts (CUDA_VISIBLE_DEVICES, thread counts, pool and stage names)."""
+
+    @property
+    def resources(self) -> dict[str, float]:
+        """Ray custom resources that pin the process to a node of its pool (each node offers `pool:<name>`)."""
+        return {pool_resource(self.pool): 0.001}
+
+
+def pool_resource(pool: str) -> str:
+    """The Ray custom resource a node of `pool` offers (`ray start --resources '{"pool:gen": 1}'`)."""
+    return f"pool:{pool}"
+
+
+def actor_specs(plan: Plan, stage: str, pool_cores: dict[str, int], per_process_devices: int = 1) -> list[ActorSpec]:
+    """The processes of `stage`: one per planned process, rank/replica order = placement order (rank 0 first).
+
+    `pool_cores` gives each pool's cores (threads per process = cores // the stage's processes on that pool);
+    `per_process_devices` is how many of a gpu placement's devices each process takes (tensor parallel size)."""
+    a = plan.for_stage(stage)
+    if a.kind == "gpu" and any(len(p.devices) % per_process_devices for p in a.placements):
+        raise PlanError(f"stage {stage!r}: {per_process_devices} devices per process do not divide its devices")
+    specs: list[ActorSpec] = []
+    for p in a.placements:
+        count = len(p.devices) // per_process_devices if a.kind == "gpu" else p.processes
+        threads = str(max(1, pool_cores.get(p.pool, 1) // max(1, count)))
+        for i in range(count):
+            devices = p.devices[i * per_process_devices : (i + 1) * per_process_devices] if a.kind == "gpu" else ()
+            env = {"OMP_NUM_THREADS": threads, "FORGEWEAVE_THREADS": threads, "FORGEWEAVE_STAGE": stage,
+                   "FORGEWEAVE_POOL": p.pool, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}  # fmt: skip
+            if a.kind == "cpu":
+                env["ACCELERATE_USE_CPU"] = "1"
+            specs.append(ActorSpec(stage, len(specs), p.pool, p.host, tuple(devices), env))
+    return specs
 
 
 def stage_env(plan: Plan, stage: str, total_cpu_cores: int, *, host: str | None = None) -> dict[str, str]:

@@ -1,45 +1,45 @@
 """GRPO, top to bottom: prep → [rollout → reward → advantages → update → (evaluate, checkpoint)] × steps.
 
-Runnable without Prefect: `run(cfg, run_dir)` does the whole job and returns the summary. The flows call the
-same stage functions one by one. Variants (Dr. GRPO, DAPO, GSPO, CISPO, RLOO advantages) are config choices
-of the components (`forge.losses`, `forge.advantages`), not branches in this loop.
+`run(cfg, run_dir)` is the only step loop in forgeweave. It calls every stage through one seam
+(`forge.stages`): `runner(stage, step, fn, *args)`, where `fn` is a method of a `Stages` object. Plain mode
+calls the function, the Prefect flow makes each call a task run, and the Ray adapter supplies `Stages` whose
+methods are calls on long-lived actors that Weaver placed; the loop is the same. Variants (Dr. GRPO, DAPO, GSPO,
+CISPO, RLOO advantages) are config choices of the components (`forge.losses`, `forge.advantages`).
 
-Run directory (the contract other tools read): config.yaml, status.json, data/{train,eval}.parquet,
+Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024) live in the components and are config: token-level
+loss normalisation by default (`algo.loss_type`), no KL term unless `algo.beta` > 0, an adaptive LR controller
+(`update.adaptive`), the sampler's seed chosen here per step (so a rollout is reproducible wherever it runs).
+
+Faults: a `WorkerLost` (an actor died) rebuilds the stages and continues from the last checkpoint (or from the
+start when there is none yet), up to `orchestration.max_restarts` times; the steps redone are cut from
+metrics.jsonl/samples.jsonl first, so no step is lost or recorded twice.
+
+Run directory (the contract other tools read): config.yaml, plan.json, status.json, data/{train,eval}.parquet,
 data/manifest.json, metrics.jsonl, samples.jsonl, eval/step-NNNNNN.json, checkpoints/step-NNNNNN/ +
-checkpoints/latest, update/ when the update runs on several processes (their config, log, pids; see
-forge/distributed/remote.py), and summary.json only once the run has finished.
+checkpoints/latest, ensemble/step-NNNNNN.json (label-free refits), workers.json (where every stage ran) and
+summary.json only once the run has finished.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from forge.advantages import frac_zero_std, group_advantages
-from forge.checkpoint import (
-    apply_retention,
-    latest_checkpoint,
-    load_state,
-    save_checkpoint,
-    set_rng_state,
-    step_dir_name,
-)
+from forge.advantages import frac_zero_std
+from forge.checkpoint import apply_retention, latest_checkpoint, load_state, set_rng_state, step_dir_name
 from forge.config import RunConfig, dump_yaml
 from forge.data import PromptSampler, prepare, read_split
-from forge.distributed.remote import start_trainer
 from forge.errors import UserError
-from forge.evaluate import evaluate
 from forge.io import atomic_write_text, write_json
-from forge.models import format_prompt_fn, load_policy
-from forge.records import Rollouts, ScoredBatch, UpdateStats
-from forge.rewards.registry import resolve_verifiers
-from forge.rewards.score import per_verifier_means, score_completions
-from forge.rollout import SamplingParams, make_backend
+from forge.models import format_prompt_fn, load_tokenizer
+from forge.records import Rollouts, Scored, ScoredBatch, UpdateStats
+from forge.rewards.score import per_verifier_means
+from forge.rollout import SamplingParams
 from forge.rundir import (
     append_samples,
     claim_run_dir,
@@ -50,13 +50,11 @@ from forge.rundir import (
     update_bar,
     write_status,
 )
+from forge.stages import LocalStages, StageRunner, Stages, StagesFactory, WorkerLost, call_stage
 from forge.tracking import JsonlTracker, MultiTracker, Tracker
 
-if TYPE_CHECKING:
-    from forge.distributed.remote import RemoteTrainer
-    from forge.trainer import Trainer
-
-STAGES = ("rollout", "reward", "update", "evaluate")
+STAGES = ("rollout", "reward", "update", "evaluate", "checkpoint")
+SEED_RANGE = 2**30  # per-row seeds (seed + row) stay below 2**31
 
 
 @dataclass
@@ -76,58 +74,74 @@ def run(
     tracker: Tracker | None = None,
     progress: bool = True,
     plan: dict | None = None,
-    balancer=None,
+    stages: StagesFactory = LocalStages,
+    runner: StageRunner = call_stage,
+    **summary_extra,
 ) -> dict:
-    """Train with GRPO and return summary.json's content. Raises UserError for problems a user can fix."""
-    grpo = GRPORun(cfg, Path(run_dir), resume=resume, tracker=tracker, plan=plan, balancer=balancer)
+    """Train with GRPO and return summary.json's content. Raises UserError for problems a user can fix.
+
+    `stages(cfg, run_dir, plan)` builds the workers (in-process by default); `runner` runs each stage call."""
+    grpo = GRPORun(cfg, Path(run_dir), stages, resume=resume, tracker=tracker, plan=plan)
     with grpo.failure_guard():
-        grpo.setup()
+        runner("prepare", 0, grpo.setup)
         bar = progress_bar(cfg.steps, grpo.state.step, progress)
-        for step in grpo.remaining_steps():
-            rows, rollouts = grpo.rollout(step)  # 1. G samples for each of B prompts, current policy version
-            batch = grpo.reward(rows, rollouts)  # 2. verifiers -> weighted reward -> group-relative advantages
-            stats = grpo.update(batch)  # 3. PPO-style passes; the backend then samples from the new weights
-            report = grpo.evaluate(step) if grpo.eval_due(step) else None  # 4. held-out pass@1 on schedule
-            metrics = grpo.end_step(step, rows, batch, stats, report)  # 5. log metrics and samples
-            if grpo.checkpoint_due(step):
-                grpo.checkpoint(step)  # 6. weights + optimizer + RNG + data cursor, atomically
-            update_bar(bar, metrics, grpo.state.last_eval)
+        while grpo.state.step < cfg.steps:
+            try:
+                for step in grpo.remaining_steps():
+                    rows, prompts, params = grpo.next_batch()  # B prompts; G samples each, this step's seed
+                    s, clock = grpo.stages, Stopwatch()
+                    with clock("rollout"):  # 1. G samples for each of B prompts, current policy version
+                        rollouts: Rollouts = runner("rollout", step, s.rollout, prompts, params)
+                    grpo.check_version(step, rollouts)
+                    with clock("reward"):  # 2. verifiers -> weighted reward -> group-relative advantages
+                        scored: Scored = runner("reward", step, s.reward, rows, rollouts, step)
+                    with clock("update"):  # 3. log-probs -> ratio/loss -> backward -> step; weights -> rollout
+                        stats: UpdateStats = runner("update", step, s.update, scored.batch)
+                    report = None
+                    if grpo.eval_due(step):  # 4. held-out pass@1 on schedule
+                        with clock("evaluate"):
+                            report = runner("evaluate", step, grpo.evaluate, step)
+                    metrics = grpo.end_step(step, rows, scored, stats, report, clock.laps)  # 5. metrics, samples
+                    if grpo.checkpoint_due(step):  # 6. weights + optimizer + sampler + seeds, atomically
+                        with clock("checkpoint"):
+                            runner("checkpoint", step, grpo.checkpoint, step)
+                        grpo.add_seconds({"checkpoint": clock.laps["checkpoint"]})
+                    update_bar(bar, metrics, grpo.state.last_eval)
+            except WorkerLost as lost:
+                grpo.recover(lost)  # rebuild the workers, continue from the last checkpoint (or re-raise)
         if bar is not None:
             bar.close()
-        return grpo.finish()
+        return grpo.finish(**summary_extra)
 
 
 class GRPORun:
-    """The stages of one GRPO run over shared state. `run()` chains them; a Prefect flow calls them as tasks."""
+    """The bookkeeping around the loop: run directory, data, sampler, seeds, metrics, checkpoints, recovery."""
 
     def __init__(
         self,
         cfg: RunConfig,
         run_dir: Path,
+        make_stages: StagesFactory = LocalStages,
         resume: bool = False,
         tracker: Tracker | None = None,
         plan: dict | None = None,
-        attach: bool = False,
-        balancer=None,
     ):
-        """Claim the run directory (new, or existing with resume; `attach`: a driver created it, use it as it is);
-        `plan` (a resource plan) is saved as plan.json. `balancer(replicas)` splits rollout prompts across vLLM
-        replicas (flows pass weaver's ThroughputBalancer)."""
+        """Claim the run directory (new, or existing with resume); `plan` (Weaver's) is saved as plan.json."""
         self.cfg = cfg.validate()
-        self.balancer = balancer
         self.run_dir = run_dir
+        self.make_stages = make_stages
         self.resume = resume
         self.plan = plan
         self.started = time.perf_counter()
-        if not attach:
-            claim_run_dir(run_dir, resume)
+        self.restarts = 0
+        claim_run_dir(run_dir, resume)
         if plan is not None:
             write_json(run_dir / "plan.json", plan)
         self.jsonl = JsonlTracker(run_dir)
         self.tracker: Tracker = MultiTracker(self.jsonl, tracker) if tracker else self.jsonl
         self.state = RunState()
-        self.times: dict[str, float] = {}
-        self.sync_s = 0.0
+        self.stages: Stages | None = None
+        self.seeds = torch.Generator().manual_seed(cfg.seed)  # one sampling seed per step, drawn here
 
     @contextlib.contextmanager
     def failure_guard(self):
@@ -142,108 +156,49 @@ class GRPORun:
             self.close()
 
     def close(self) -> None:
-        """Stop the processes this run started (update ranks, vLLM engines); safe to call twice."""
-        for part in (getattr(self, "trainer", None), getattr(self, "backend", None)):
-            if part is not None:
-                part.close()
+        """Stop the workers (actors, engines); safe to call twice."""
+        if self.stages is not None:
+            self.stages.close()
+            self.stages = None
 
-    def setup(self) -> None:
-        """Prep stage + everything the loop needs; then restore (resume) or run the initial evaluation."""
-        self.build()
-        track_run_start(self.tracker, self.cfg, self.run_dir)
+    def setup(self) -> dict:
+        """Prep stage (unless resuming), the workers, then restore (resume) or the initial evaluation."""
+        cfg, run_dir = self.cfg, self.run_dir
+        if not self.resume:
+            atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
+            tok = load_tokenizer(cfg.model)
+            prepare(cfg, run_dir, format_prompt_fn(tok, cfg.model), lambda s: len(tok(s, add_special_tokens=False).input_ids))
+        self.train_rows, self.eval_rows = read_split(run_dir, "train"), read_split(run_dir, "eval")
+        self.sampler = PromptSampler(self.train_rows, seed=cfg.seed)
+        self.stages = self.make_stages(cfg, run_dir, self.plan)
+        write_json(run_dir / "workers.json", self.stages.where())
+        track_run_start(self.tracker, cfg, run_dir)
         if self.resume:
-            self.state = _restore(self.run_dir, self.trainer, self.sampler, self.jsonl, self.aggregator)
-            self.backend.sync_weights(self.trainer.unwrapped, self.trainer.policy_version)
+            self._restore()
         else:
             self.state.initial_eval = self.state.last_eval = self._eval_report(0)
             self.state.seconds["evaluate"] += self.state.initial_eval["seconds"]
             self.tracker.log_metrics(eval_metrics(self.state.initial_eval), step=0)
-        write_status(self.run_dir, "running", step=self.state.step)
-
-    def build(self) -> None:
-        """Policy, data (prepared unless resuming), sampler, verifiers, aggregator, trainer, rollout backend."""
-        cfg, run_dir = self.cfg, self.run_dir
-        if cfg.threads > 0:
-            torch.set_num_threads(cfg.threads)
-        torch.manual_seed(cfg.seed)
-        model, self.tok = load_policy(cfg.model, seed=cfg.seed)
-        if not self.resume:
-            atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
-            fmt = format_prompt_fn(self.tok, cfg.model)
-            prepare(cfg, run_dir, fmt, lambda s: len(self.tok(s, add_special_tokens=False).input_ids))
-        self.train_rows, self.eval_rows = read_split(run_dir, "train"), read_split(run_dir, "eval")
-        self.sampler = PromptSampler(self.train_rows, seed=cfg.seed)
-        self.verifiers = resolve_verifiers(cfg.reward.verifiers)
-        self.aggregator = None
-        if cfg.reward.aggregate == "ensemble":
-            from forge.rewards.aggregate import EnsembleAggregator
-
-            names = [name for name, _ in self.verifiers]
-            r = cfg.reward
-            self.aggregator = EnsembleAggregator(
-                names, r.window_steps, r.refit_every, cfg.seed, r.ensemble_model, r.ensemble_classes, r.necessary_checks
-            )
-        # in-process with one update process; else persistent `accelerate launch` ranks publishing their weights
-        self.trainer = start_trainer(model, cfg, run_dir, self.plan)
-        self.backend = make_backend(
-            cfg.rollout.backend,
-            self.trainer.unwrapped,
-            self.tok,
-            autocast_bf16=cfg.rollout.autocast_bf16,
-            rollout=cfg.rollout,
-            work_dir=run_dir,
-            balancer=self.balancer,
-        )
-        self.ensemble_report = None
+        write_status(run_dir, "running", step=self.state.step)
+        return {"train_rows": len(self.train_rows), "eval_rows": len(self.eval_rows), "start_step": self.state.step}
 
     def remaining_steps(self) -> range:
         return range(self.state.step + 1, self.cfg.steps + 1)
 
-    def rollout(self, step: int) -> tuple[list[dict], Rollouts]:
-        t0 = time.perf_counter()
-        rows = self.sampler.next_batch(self.cfg.rollout.prompts_per_step)
+    def next_batch(self) -> tuple[list[dict], list[str], SamplingParams]:
+        """The step's prompt rows, their model inputs, and sampling settings with this step's seed."""
         r = self.cfg.rollout
-        params = SamplingParams(
-            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, n=r.group_size
-        )
-        rollouts = self.backend.generate([row["model_input"] for row in rows], params)
-        if rollouts.policy_version != self.trainer.policy_version:
+        rows = self.sampler.next_batch(r.prompts_per_step)
+        seed = int(torch.randint(0, SEED_RANGE, (), generator=self.seeds))
+        params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, n=r.group_size, seed=seed)
+        return rows, [row["model_input"] for row in rows], params
+
+    def check_version(self, step: int, rollouts: Rollouts) -> None:
+        if rollouts.policy_version != self.stages.policy_version:
             raise RuntimeError(
                 f"step {step}: rollout used policy version {rollouts.policy_version}, "
-                f"trainer is at {self.trainer.policy_version} (stale weights)"
+                f"trainer is at {self.stages.policy_version} (stale weights)"
             )
-        self.times = {"rollout": time.perf_counter() - t0}
-        return rows, rollouts
-
-    def reward(self, rows: list[dict], rollouts: Rollouts) -> ScoredBatch:
-        t0 = time.perf_counter()
-        g, step = self.cfg.rollout.group_size, self.state.step + 1
-        hidden = ("answer",) if self.cfg.reward.label_free else ()
-        result = score_completions(
-            self.verifiers, self.cfg.reward.weights, rollouts.prompts, rollouts.texts, _columns(rows, g, hidden)
-        )
-        rewards = result.rewards  # [N]
-        self.ensemble_report = None
-        if self.aggregator is not None:  # label-free: P(correct | the V scores), refit on recent steps
-            rewards, self.ensemble_report = self.aggregator(result.scores, g, step)
-        advantages = group_advantages(rewards, g, self.cfg.algo.advantage)  # [N]
-        batch = ScoredBatch(
-            rollouts=rollouts,
-            verifier_names=result.names,
-            scores=result.scores,
-            rewards=rewards,
-            advantages=advantages,
-            verifier_failures=result.failures,
-        )
-        self.times["reward"] = time.perf_counter() - t0
-        return batch
-
-    def update(self, batch: ScoredBatch) -> UpdateStats:
-        t0 = time.perf_counter()
-        stats = self.trainer.update(batch)
-        self.sync_s = self.backend.sync_weights(self.trainer.unwrapped, self.trainer.policy_version)
-        self.times["update"] = time.perf_counter() - t0
-        return stats
 
     def eval_due(self, step: int) -> bool:
         return _due(step, self.cfg.eval.every, self.cfg.steps)
@@ -251,55 +206,82 @@ class GRPORun:
     def evaluate(self, step: int) -> dict:
         report = self._eval_report(step)
         self.state.last_eval = report
-        self.times["evaluate"] = report["seconds"]
         return report
 
     def end_step(
-        self, step: int, rows: list[dict], batch: ScoredBatch, stats: UpdateStats, report: dict | None
-    ) -> dict[str, float]:
+        self, step: int, rows: list[dict], scored: Scored, stats: UpdateStats, report: dict | None,
+        times: dict[str, float],
+    ) -> dict[str, float]:  # fmt: skip
         """Log the step's metrics and samples; returns the metrics."""
-        metrics = _step_metrics(batch.rollouts, batch, stats, self.times)
-        # new weights -> rollout: update ranks' publication + the pipeline's load, then the backend's own sync (vLLM
-        # engines); part of time/update_s
-        metrics["perf/weight_sync_s"] = stats.sync_seconds + self.sync_s
+        batch = scored.batch
+        metrics = _step_metrics(batch.rollouts, batch, stats, times)
+        metrics["perf/weight_sync_s"] = stats.sync_seconds  # new weights -> rollout workers; part of time/update_s
         if report is not None:
             metrics.update(eval_metrics(report))
-        if self.ensemble_report is not None:
+        if scored.ensemble_report is not None:
             from forge.rewards.aggregate import report_metrics
 
-            metrics.update(report_metrics(self.ensemble_report))
-            write_json(self.run_dir / "ensemble" / f"{step_dir_name(step)}.json", self.ensemble_report)
-        for k, v in self.times.items():
-            self.state.seconds[k] += v
+            metrics.update(report_metrics(scored.ensemble_report))
+            write_json(self.run_dir / "ensemble" / f"{step_dir_name(step)}.json", scored.ensemble_report)
+        self.add_seconds(times)
         self.state.step = step
         self.tracker.log_metrics(metrics, step=step)
         self.tracker.log_table("samples", step, append_samples(self.run_dir, step, rows, batch))
         write_status(self.run_dir, "running", step=step)
         return metrics
 
+    def add_seconds(self, times: dict[str, float]) -> None:
+        for k, v in times.items():
+            self.state.seconds[k] = self.state.seconds.get(k, 0.0) + v
+
     def checkpoint_due(self, step: int) -> bool:
         return _due(step, self.cfg.checkpoint.every, self.cfg.steps)
 
     def checkpoint(self, step: int) -> Path:
         payload = {
-            "trainer": self.trainer.state_dict(),
             "sampler": self.sampler.state_dict(),
+            "seeds": self.seeds.get_state(),
             "seconds": dict(self.state.seconds),
             "initial_eval": self.state.initial_eval,
             "last_eval": self.state.last_eval,
-            "aggregator": self.aggregator.state_dict() if self.aggregator is not None else None,
+            "aggregator": self.stages.reward_state(),
         }
         last = self.state.last_eval
         score = last["pass@1"] if last and last.get("step") == step else None
         root = self.run_dir / "checkpoints"
-        path = save_checkpoint(root, step, self.trainer.unwrapped, self.tok, payload, eval_score=score)
+        path = self.stages.save(root, step, payload, score)
         self.tracker.register_checkpoint(path, step, score)
         apply_retention(root, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_best)
         return path
 
+    def recover(self, lost: WorkerLost) -> None:
+        """After a worker died: rebuild the stages and continue from the last checkpoint (or from the start)."""
+        self.restarts += 1
+        if self.restarts > self.cfg.orchestration.max_restarts:
+            raise UserError(
+                f"{lost} (after {self.restarts - 1} restarts; orchestration.max_restarts="
+                f"{self.cfg.orchestration.max_restarts}); continue with --resume"
+            ) from lost
+        print(f"forgeweave: {lost}; restarting the workers ({self.restarts}/{self.cfg.orchestration.max_restarts})",
+              file=sys.stderr, flush=True)  # fmt: skip
+        self.close()
+        self.stages = self.make_stages(self.cfg, self.run_dir, self.plan)
+        write_json(self.run_dir / "workers.json", self.stages.where())
+        if latest_checkpoint(self.run_dir / "checkpoints") is not None:
+            self._restore()
+        else:  # nothing saved yet: the rebuilt workers hold the initial weights; redo every step
+            self.sampler = PromptSampler(self.train_rows, seed=self.cfg.seed)
+            self.seeds = torch.Generator().manual_seed(self.cfg.seed)
+            first = self.state.initial_eval
+            self.state = RunState(initial_eval=first, last_eval=first)
+            self.state.seconds["evaluate"] = first["seconds"]
+            self.jsonl.truncate_after(0)
+            truncate_samples(self.run_dir, 0)
+
     def finish(self, **extra) -> dict:
         """Write summary.json (extra keys, e.g. the Prefect flow-run id, are added to it) and mark finished."""
         summary = {**run_summary(self.cfg, self.run_dir, self.state, time.perf_counter() - self.started), **extra}
+        summary["restarts"] = self.restarts
         summary.update(self.tracker.info())  # e.g. mlflow_run_id
         write_json(self.run_dir / "summary.json", summary)
         self.tracker.log_artifact(self.run_dir / "summary.json")
@@ -308,30 +290,25 @@ class GRPORun:
         return summary
 
     def _eval_report(self, step: int) -> dict:
-        cfg = self.cfg
-        report = evaluate(
-            self.backend,
-            self.eval_rows,
-            cfg.eval,
-            cfg.rollout,
-            self.verifiers,
-            cfg.reward.weights,
-            seed=cfg.seed + step,
-        )
-        report["step"] = step
+        report = self.stages.evaluate(self.eval_rows, step)
         path = self.run_dir / "eval" / f"{step_dir_name(step)}.json"
         write_json(path, report)
         self.tracker.log_artifact(path, "eval")
         return report
 
-
-# ---------------------------------------------------------------- stage helpers
-
-
-def _columns(rows: list[dict], group_size: int, hidden: tuple[str, ...] = ()) -> dict[str, list]:
-    """Data columns repeated G times so each completion sees its prompt's reference values."""
-    keys = [k for k in rows[0] if k not in ("prompt", "model_input", *hidden)]
-    return {k: [r[k] for r in rows for _ in range(group_size)] for k in keys}
+    def _restore(self) -> None:
+        ckpt = latest_checkpoint(self.run_dir / "checkpoints")
+        if ckpt is None:
+            raise UserError(f"cannot resume '{self.run_dir}': it has no checkpoint yet; start it again without --resume")
+        saved = load_state(ckpt)
+        self.stages.restore(ckpt, saved.get("aggregator"))  # weights + optimizer on every rank, then the rollout
+        self.sampler.load_state_dict(saved["sampler"])
+        if "seeds" in saved:
+            self.seeds.set_state(saved["seeds"])
+        set_rng_state(saved["rng"])
+        self.jsonl.truncate_after(saved["step"])
+        truncate_samples(self.run_dir, saved["step"])
+        self.state = RunState(saved["step"], saved["seconds"], saved["initial_eval"], saved["last_eval"])
 
 
 def eval_metrics(report: dict) -> dict[str, float]:
@@ -373,26 +350,22 @@ def _step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: d
     return m
 
 
-# ---------------------------------------------------------------- checkpoint / resume
+# ---------------------------------------------------------------- helpers
 
 
-def _restore(
-    run_dir: Path, trainer: Trainer | RemoteTrainer, sampler: PromptSampler, jsonl: JsonlTracker, aggregator
-) -> RunState:
-    ckpt = latest_checkpoint(run_dir / "checkpoints")
-    if ckpt is None:
-        raise UserError(f"cannot resume '{run_dir}': it has no checkpoint yet; start it again without --resume")
-    saved = load_state(ckpt)
-    trainer.restore(ckpt, saved["trainer"])  # weights + optimizer on every update process
-    sampler.load_state_dict(saved["sampler"])
-    set_rng_state(saved["rng"])
-    if aggregator is not None and saved.get("aggregator") is not None:
-        aggregator.load_state_dict(saved["aggregator"])
-    jsonl.truncate_after(saved["step"])
-    truncate_samples(run_dir, saved["step"])
-    return RunState(
-        step=saved["step"], seconds=saved["seconds"], initial_eval=saved["initial_eval"], last_eval=saved["last_eval"]
-    )
+class Stopwatch:
+    """Seconds per stage of one step: `with clock("rollout"): ...`; `laps` maps stage -> seconds."""
+
+    def __init__(self):
+        self.laps: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.laps[stage] = self.laps.get(stage, 0.0) + time.perf_counter() - t0
 
 
 def _due(step: int, every: int, last: int) -> bool:

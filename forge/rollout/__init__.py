@@ -16,17 +16,13 @@ def make_backend(
     autocast_bf16: bool = False,
     rollout: RolloutConfig | None = None,
     work_dir: Path | None = None,
-    policy_version: int = 0,
-    balancer=None,
 ) -> RolloutBackend:
-    """vllm: `work_dir` holds the engines' model copy, logs and published weights (a temp dir if None);
-    `balancer(replicas)` makes the object that splits prompts across replicas (default: equal shares)."""
+    """hf: `generate` on `model` itself; vllm: an engine in this process built from `model` (its venv must have
+    vllm: the Ray adapter runs it in .venv-vllm), its files under `work_dir` (a temp dir if None)."""
     if name == "hf":
         return HFBackend(model, tokenizer, autocast_bf16=autocast_bf16)
     if name == "vllm":
         from forge.rollout.vllm import VLLMBackend
 
-        return VLLMBackend(
-            model, tokenizer, rollout or RolloutConfig(backend="vllm"), work_dir, policy_version, balancer
-        )
+        return VLLMBackend(model, tokenizer, rollout or RolloutConfig(backend="vllm"), work_dir)
     raise ValueError(f"unknown rollout backend {name!r}")

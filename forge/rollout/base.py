@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from forge.records import Rollouts
 
 
@@ -14,6 +16,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     n: int = 1  # completions per prompt (G)
+    seed: int | None = None  # sampling seed chosen by the caller (None: the process's RNG); greedy ignores it
 
 
 class RolloutBackend(Protocol):
@@ -30,3 +33,31 @@ class RolloutBackend(Protocol):
     def close(self) -> None:
         """Release what the backend started (engine processes); safe to call twice."""
         ...
+
+
+def cat_padded(tensors: list[torch.Tensor], value, left: bool) -> torch.Tensor:
+    """Stack [n_i, T_i] tensors into [sum n_i, max T_i], padding with `value` on the left or the right."""
+    width = max(t.shape[1] for t in tensors)
+    padded = []
+    for t in tensors:
+        pad = torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype, device=t.device)
+        padded.append(torch.cat([pad, t] if left else [t, pad], dim=1))
+    return torch.cat(padded, dim=0)
+
+
+def concat_rollouts(parts: list[Rollouts], pad_id: int) -> Rollouts:
+    """One Rollouts record from several replicas' records of consecutive prompt groups (same G and version)."""
+    first = parts[0]
+    assert all(p.group_size == first.group_size and p.policy_version == first.policy_version for p in parts)
+    return Rollouts(
+        prompt_ids=cat_padded([p.prompt_ids for p in parts], pad_id, left=True),
+        prompt_mask=cat_padded([p.prompt_mask for p in parts], 0, left=True),
+        completion_ids=cat_padded([p.completion_ids for p in parts], pad_id, left=False),
+        completion_mask=cat_padded([p.completion_mask for p in parts], 0, left=False),
+        sampling_logprobs=cat_padded([p.sampling_logprobs for p in parts], 0.0, left=False),
+        texts=[t for p in parts for t in p.texts],
+        finish_reasons=[f for p in parts for f in p.finish_reasons],
+        group_size=first.group_size,
+        policy_version=first.policy_version,
+        prompts=[t for p in parts for t in p.prompts],
+    )

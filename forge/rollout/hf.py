@@ -13,7 +13,7 @@ import contextlib
 import torch
 
 from forge.records import Rollouts
-from forge.rollout.base import SamplingParams
+from forge.rollout.base import SamplingParams, cat_padded
 
 
 class HFBackend:
@@ -35,10 +35,14 @@ class HFBackend:
     @torch.no_grad()
     def generate(self, prompts: list[str], params: SamplingParams) -> Rollouts:
         expanded = [p for p in prompts for _ in range(params.n)]  # [N]
-        chunks = [
-            self._generate_chunk(expanded[i : i + self.batch_size], params)
-            for i in range(0, len(expanded), self.batch_size)
-        ]
+        seeded = params.seed is not None and params.temperature > 0
+        with torch.random.fork_rng() if seeded else contextlib.nullcontext():
+            if seeded:  # the caller's seed, not this process's RNG: the same completions wherever this runs
+                torch.manual_seed(params.seed)
+            chunks = [
+                self._generate_chunk(expanded[i : i + self.batch_size], params)
+                for i in range(0, len(expanded), self.batch_size)
+            ]
         return self._merge(chunks, expanded, params.n)
 
     def _generate_chunk(self, prompts: list[str], params: SamplingParams) -> dict:
@@ -79,11 +83,11 @@ class HFBackend:
     def _merge(self, chunks: list[dict], prompts: list[str], group_size: int) -> Rollouts:
         tok = self.tokenizer
         pad = tok.pad_token_id
-        prompt_ids = _cat_padded([c["prompt_ids"] for c in chunks], pad, left=True)
-        prompt_mask = _cat_padded([c["prompt_mask"] for c in chunks], 0, left=True)
-        completion_ids = _cat_padded([c["completion_ids"] for c in chunks], pad, left=False)
-        mask = _cat_padded([c["mask"] for c in chunks], 0, left=False)
-        logprobs = _cat_padded([c["logprobs"] for c in chunks], 0.0, left=False)
+        prompt_ids = cat_padded([c["prompt_ids"] for c in chunks], pad, left=True)
+        prompt_mask = cat_padded([c["prompt_mask"] for c in chunks], 0, left=True)
+        completion_ids = cat_padded([c["completion_ids"] for c in chunks], pad, left=False)
+        mask = cat_padded([c["mask"] for c in chunks], 0, left=False)
+        logprobs = cat_padded([c["logprobs"] for c in chunks], 0.0, left=False)
         completion_ids = torch.where(mask.bool(), completion_ids, torch.full_like(completion_ids, pad))
         texts = [
             tok.decode(ids[m.bool()], skip_special_tokens=True) for ids, m in zip(completion_ids, mask, strict=True)
@@ -120,13 +124,3 @@ def completion_mask(completion: torch.Tensor, eos_id: int) -> torch.Tensor:
 def _ends_with_eos(ids: torch.Tensor, mask: torch.Tensor, eos_id: int) -> bool:
     n = int(mask.sum())
     return n > 0 and int(ids[n - 1]) == eos_id
-
-
-def _cat_padded(tensors: list[torch.Tensor], value, left: bool) -> torch.Tensor:
-    width = max(t.shape[1] for t in tensors)
-    padded = []
-    for t in tensors:
-        extra = width - t.shape[1]
-        pad = torch.full((t.shape[0], extra), value, dtype=t.dtype, device=t.device)
-        padded.append(torch.cat([pad, t] if left else [t, pad], dim=1))
-    return torch.cat(padded, dim=0)

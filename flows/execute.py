@@ -1,0 +1,60 @@
+"""Run a training job where its config says: in this process, or on Ray actors placed by Weaver's plan.
+
+The one place that picks the `Stages` for the loop (`forge.recipes.grpo.run`); the CLI's plain mode and the
+Prefect flow both come through here, so both run in Ray mode the same way. Ray is imported only when used.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from forge.config import RunConfig
+from forge.errors import UserError
+from forge.stages import StageRunner, call_stage
+from forge.tracking import Tracker
+
+
+def use_ray(cfg: RunConfig, plan: dict | None) -> bool:
+    """Whether a run's stages go to Ray actors (see orchestration.execution)."""
+    o = cfg.orchestration
+    if o.execution != "auto":
+        return o.execution == "ray"
+    return cfg.rollout.backend == "vllm" or update_processes(cfg, plan) > 1 or bool(o.ray_address)
+
+
+def update_processes(cfg: RunConfig, plan: dict | None) -> int:
+    """update.num_processes if set, else what the plan gives the update stage, else 1."""
+    if cfg.update.num_processes > 0:
+        return cfg.update.num_processes
+    for a in (plan or {}).get("assignments", []):
+        if a.get("stage") == "update":
+            return sum(p["processes"] for p in a["placements"])
+    return 1
+
+
+def train(
+    cfg: RunConfig,
+    run_dir: Path,
+    plan: dict,
+    *,
+    resume: bool = False,
+    tracker: Tracker | None = None,
+    progress: bool = True,
+    runner: StageRunner = call_stage,
+    **summary_extra,
+) -> dict:
+    """Train (forge.recipes.grpo.run) with in-process stages or Ray stages; returns summary.json's content."""
+    from forge.recipes.grpo import run
+
+    kwargs = dict(resume=resume, tracker=tracker, progress=progress, plan=plan, runner=runner)
+    if use_ray(cfg, plan):
+        from flows.ray_exec import RayStages, ray_session
+
+        with ray_session(cfg, plan, run_dir.name):
+            return run(cfg, run_dir, stages=RayStages, **kwargs, execution="ray", **summary_extra)
+    if cfg.rollout.backend == "vllm" or update_processes(cfg, plan) > 1:
+        raise UserError(
+            "orchestration.execution=embedded runs one process, but rollout.backend=vllm and update.num_processes>1 "
+            "need several: set orchestration.execution=ray (or auto)"
+        )
+    return run(cfg, run_dir, **kwargs, execution="embedded", **summary_extra)

@@ -1,0 +1,241 @@
+"""Ray execution (`orchestration.execution: ray`): every stage in a long-lived actor on the pool Weaver planned.
+
+`RayStages` implements `forge.stages.Stages` over actors (`flows.ray_actor.StageActor`, one per process), so the
+loop in `forge.recipes.grpo` is the same as in-process; the Prefect flow still turns each stage call into a task
+run. Started once per run (and again after a recovery), each actor loads its model once:
+
+- update: N rank actors (`forge.workers.TrainerWorker`), rank r on the node of the plan's r-th process; they form
+  one torch.distributed group (gloo on CPU, NCCL on GPU) at an address and free port on rank 0's node;
+- rollout: `rollout.replicas` actors (`RolloutWorker`: hf, or a vLLM engine run by `.venv-vllm`'s python through
+  the actor's `runtime_env.py_executable`); a step's prompts are split between them in whole groups by measured
+  tokens/s (weaver's `ThroughputBalancer`); evaluation runs on replica 0 (Weaver: evaluate runs in rollout);
+- reward: one actor (`RewardWorker`) on reward's pool.
+
+Placement: each pool's nodes offer the custom resource `pool:<name>` (`ray start --resources '{"pool:gen": 1}'`)
+and every actor asks for a sliver of its pool's (`weaver.apply.actor_specs`); devices and thread counts are the
+plan's, set in the actor's environment before torch starts (Ray's own CPU/GPU accounting is not used: Weaver
+owns the devices, which lets stages share a GPU when the plan colocates them).
+
+Weights move once per step, actor to actor: each rank's `step` call returns (stats, weights), rank 0's weights
+stay in Ray's object store (`num_returns=2`: the driver never fetches them) and every rollout actor receives the
+same object (zero-copy reads on a node). Batches go the other way as one `ray.put`.
+
+Faults: an actor that dies surfaces as `forge.stages.WorkerLost`, on which the loop rebuilds these stages and
+resumes from the last checkpoint. Actors are owned by the driver (not detached) and killed by `close()`, so none
+outlives the run; the private Ray instance (`ray_session` without `orchestration.ray_address`) binds 127.0.0.1
+and is shut down at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from pathlib import Path
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+import forge
+from flows.ray_actor import StageActor
+from forge.config import RunConfig
+from forge.errors import UserError
+from forge.models import load_tokenizer
+from forge.records import Rollouts, Scored, ScoredBatch, UpdateStats
+from forge.rollout import SamplingParams
+from forge.rollout.base import concat_rollouts
+from forge.stages import WorkerLost
+from weaver.apply import ActorSpec, actor_specs, pool_resource
+from weaver.balance import ThroughputBalancer
+from weaver.plan import Plan
+
+REPO = Path(forge.__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def ray_session(cfg: RunConfig, plan: dict, run_name: str):
+    """Connect to orchestration.ray_address, or start a private local Ray whose one node offers every pool."""
+    address = cfg.orchestration.ray_address
+    namespace = f"forgeweave-{run_name}"
+    if ray.is_initialized():  # a caller (a test, a notebook) already connected: use that cluster as it is
+        yield
+        return
+    env = {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+    os.environ.update(env)
+    kwargs = {"namespace": namespace, "log_to_driver": True, "configure_logging": False}
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        pools = {pool_resource(p["name"]): 1000.0 for p in plan.get("pools", [])}
+        cores = max(1, os.cpu_count() or 1)
+        ray.init(num_cpus=cores, resources=pools, include_dashboard=False, _node_ip_address="127.0.0.1", **kwargs)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+class RayStages:
+    """`forge.stages.Stages` over Ray actors placed by Weaver's plan. Needs `ray_session` (or ray.init) first."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, plan: dict | None):
+        if plan is None:
+            raise UserError("Ray execution needs Weaver's plan (flows.planning.plan_run)")
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.plan = Plan.from_dict(plan)
+        cores = {p["name"]: int(p.get("cpu_cores", 1)) for p in plan.get("pools", [])}
+        self.actors: dict[str, list] = {}
+        self.names: dict[int, str] = {}
+        self.policy_version = 0
+        self.pad_id = load_tokenizer(cfg.model).pad_token_id
+        try:
+            self._start_trainers(actor_specs(self.plan, "update", cores), plan)
+            self._start_rollouts(cores)
+            self.reward_actor = self._actor(actor_specs(self.plan, "reward", cores)[0], "reward")
+            self._get([self.reward_actor.start.remote("reward", cfg)], "reward")
+            self.balancer = ThroughputBalancer(len(self.actors["rollout"]))
+            self._publish(0)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------ start
+
+    def _actor(self, spec: ActorSpec, stage: str, python: str = ""):
+        env = dict(spec.env)
+        runtime_env: dict = {"env_vars": env}
+        if python:  # another venv (vLLM's): its own packages plus this checkout of forgeweave
+            runtime_env["py_executable"] = python
+            env["PYTHONPATH"] = str(REPO)
+        actor = StageActor.options(resources=spec.resources, runtime_env=runtime_env).remote(env)
+        self.actors.setdefault(stage, []).append(actor)
+        self.names[id(actor)] = f"{stage} actor {spec.index} (pool {spec.pool})"
+        return actor
+
+    def _start_trainers(self, specs: list[ActorSpec], plan: dict) -> None:
+        world = self.cfg.update.num_processes or len(specs)
+        if world != len(specs):
+            raise UserError(f"update.num_processes={world}, but Weaver planned {len(specs)} update processes")
+        ranks = [self._actor(s, "update") for s in specs]
+        addr, port = self._get([ranks[0].rendezvous.remote()], "update")[0] if world > 1 else ("", 0)
+        starts = [a.start.remote("update", self.cfg, rank=r, world=world, master_addr=addr, master_port=port)
+                  for r, a in enumerate(ranks)]  # fmt: skip
+        self._get(starts, "update")
+
+    def _start_rollouts(self, cores: dict[str, int]) -> None:
+        r = self.cfg.rollout
+        python = ""
+        if r.backend == "vllm":
+            from forge.rollout.vllm import engine_env, vllm_python
+
+            python = str(vllm_python(r.vllm_python))
+        tp = r.tensor_parallel_size if r.backend == "vllm" else 1
+        specs = actor_specs(self.plan, "rollout", cores, per_process_devices=tp if self.plan.for_stage("rollout").kind == "gpu" else 1)
+        specs = specs[: r.replicas] if r.backend == "vllm" else specs[:1]
+        for s in specs:
+            if python:
+                s = dataclasses.replace(s, env={**s.env, **engine_env(r, s.index, list(range(cores.get(s.pool, 1))))})
+            self._actor(s, "rollout", python)
+        work = str(self.run_dir / "rollout")
+        starts = [a.start.remote("rollout", self.cfg, work_dir=work) for a in self.actors["rollout"]]
+        self._get(starts, "rollout", timeout=r.vllm_start_timeout_s)
+
+    def _publish(self, version: int) -> float:
+        """Rank 0's current weights to every rollout actor (every rank joins: a collective under FSDP)."""
+        refs = [a.call.remote("weights") for a in self.actors["update"]]
+        return self._load(refs[0], version, others=refs[1:])
+
+    def _load(self, weights_ref, version: int, others: list = ()) -> float:
+        t0 = time.perf_counter()
+        self._get([a.call.remote("load_weights", weights_ref, version) for a in self.actors["rollout"]], "rollout")
+        self._get(list(others), "update")
+        self.policy_version = version
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------ Stages
+
+    def rollout(self, prompts: list[str], params: SamplingParams) -> Rollouts:
+        actors, n = self.actors["rollout"], params.n
+        sizes = self.balancer.split(len(prompts)) if len(actors) > 1 else [len(prompts)]
+        calls, lo = [], 0
+        for i, size in enumerate(sizes):
+            if size:  # row j of this chunk is row lo*n + j of the step: its seed does not depend on the split
+                seed = None if params.seed is None else params.seed + lo * n
+                part = dataclasses.replace(params, seed=seed)
+                calls.append((i, size, time.perf_counter(), actors[i].call.remote("generate", prompts[lo : lo + size], part, self.policy_version)))
+            lo += size
+        parts = []
+        for i, _, t0, ref in calls:
+            ro = self._get([ref], "rollout")[0]
+            self.balancer.observe(i, int(ro.completion_mask.sum()), max(time.perf_counter() - t0, 1e-6))
+            parts.append(ro)
+        return parts[0] if len(parts) == 1 else concat_rollouts(parts, self.pad_id)
+
+    def reward(self, rows: list[dict], rollouts: Rollouts, step: int) -> Scored:
+        return self._get([self.reward_actor.call.remote("score", rows, rollouts, step)], "reward")[0]
+
+    def update(self, batch: ScoredBatch) -> UpdateStats:
+        batch_ref = ray.put(batch)
+        calls = [a.call.options(num_returns=2).remote("step", batch_ref, True) for a in self.actors["update"]]
+        stats = self._get([calls[0][0]], "update")[0]
+        sync = self._load(calls[0][1], stats.policy_version, others=[c[0] for c in calls[1:]])
+        return dataclasses.replace(stats, sync_seconds=sync)
+
+    def evaluate(self, rows: list[dict], step: int) -> dict:
+        return self._get([self.actors["rollout"][0].call.remote("evaluate", rows, step, self.policy_version)], "rollout")[0]
+
+    def save(self, root: Path, step: int, payload: dict, eval_score: float | None) -> Path:
+        paths = self._get([a.call.remote("save", str(root), step, payload, eval_score) for a in self.actors["update"]], "update")
+        return Path(paths[0])
+
+    def restore(self, ckpt: Path, reward_state: dict | None) -> None:
+        versions = self._get([a.call.remote("restore", str(ckpt)) for a in self.actors["update"]], "update")
+        self._get([self.reward_actor.call.remote("load_state_dict", reward_state)], "reward")
+        self._publish(versions[0])
+
+    def reward_state(self) -> dict | None:
+        return self._get([self.reward_actor.call.remote("state_dict")], "reward")[0]
+
+    def where(self) -> dict[str, list[dict]]:
+        return {stage: self._get([a.where.remote() for a in actors], stage) for stage, actors in self.actors.items()}
+
+    def close(self) -> None:
+        """Let each worker release what it holds, then kill every actor (none outlives the run)."""
+        actors = [a for group in self.actors.values() for a in group]
+        with contextlib.suppress(Exception):
+            ray.wait([a.close.remote() for a in actors], num_returns=len(actors), timeout=10)
+        for a in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(a, no_restart=True)
+        self.actors = {}
+
+    # ------------------------------------------------------------ results and failures
+
+    def _get(self, refs: list, stage: str, timeout: float | None = None) -> list:
+        """Results of `refs` in order. A dead actor -> WorkerLost (checked on every ref: a rank that saw its
+        peer die raises first, the peer's death is the cause); an error raised inside a worker is re-raised."""
+        results, raised = [], None
+        for ref in refs:
+            try:
+                results.append(ray.get(ref, timeout=timeout))
+            except RayActorError as e:
+                raise WorkerLost(f"{stage}: a Ray actor died ({_first_line(e)})") from None
+            except RayTaskError as e:
+                raised = raised or e
+                results.append(None)
+            except GetTimeoutError:
+                raise UserError(f"{stage}: the Ray actors did not answer within {timeout:.0f} s") from None
+        if raised is not None:
+            cause = raised.cause if isinstance(getattr(raised, "cause", None), BaseException) else None
+            raise (cause or raised) from None
+        return results
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else type(e).__name__
+
+
+def ray_stages_factory(cfg: RunConfig, run_dir: Path, plan: dict | None) -> RayStages:
+    return RayStages(cfg, run_dir, plan)

@@ -1,0 +1,228 @@
+"""Stage workers: the objects that do a stage's work, wherever they run.
+
+Each worker builds what it needs from the run config, keeps it for the whole run (a loaded model, an optimizer,
+an ensemble window) and answers method calls with the stage's record. In-process (`forge.stages.LocalStages`)
+they are plain objects in the driver; in Ray mode (`flows/ray_exec.py`) each one lives in a Ray actor on the
+node Weaver planned for its stage. Nothing here knows which: no Ray, no Prefect.
+
+- `RolloutWorker`: samples (`generate`) and evaluates (`evaluate`) with the hf backend or a vLLM engine in its own
+  process; receives new weights with `load_weights(weights, version)` and refuses to sample for another version.
+- `RewardWorker`: verifiers -> weighted reward or the label-free ensemble -> group advantages (`score`).
+- `TrainerWorker`: one update rank (rank r of a world of N: a torch.distributed group, gloo on CPU, NCCL on GPU,
+  with Accelerate inside); `step` trains on the rank's share of a batch and returns the new weights on rank 0;
+  `save` writes a checkpoint (rank 0 writes, every rank joins FSDP's gathers).
+
+Randomness: the sampling seed of every rollout is chosen by the loop and travels in `SamplingParams.seed`, so a
+rollout gives the same completions whichever process or node runs it, and a restarted worker needs no RNG state.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from forge.advantages import group_advantages
+from forge.checkpoint import assign_weights, load_state, save_checkpoint
+from forge.config import RunConfig
+from forge.evaluate import evaluate
+from forge.models import load_policy
+from forge.records import Rollouts, Scored, ScoredBatch, UpdateStats
+from forge.rewards.registry import resolve_verifiers
+from forge.rewards.score import score_completions
+from forge.rollout import SamplingParams, make_backend
+
+# a rank waits in a collective while the other ranks are still busy (slow micro-batches, a checkpoint)
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+
+
+def where() -> dict:
+    """Where this worker runs: host, pid, the devices and threads it was given."""
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "threads": torch.get_num_threads(),
+        "pool": os.environ.get("FORGEWEAVE_POOL", ""),
+    }
+
+
+def _init_process(cfg: RunConfig) -> None:
+    threads = int(os.environ.get("FORGEWEAVE_THREADS", "0") or 0) or cfg.threads
+    if threads > 0:
+        torch.set_num_threads(threads)
+    torch.manual_seed(cfg.seed)
+
+
+class RolloutWorker:
+    """The rollout and evaluate stages over one policy copy (or the trainer's own module, in-process)."""
+
+    def __init__(self, cfg: RunConfig, model=None, tokenizer=None, work_dir: str | Path | None = None):
+        self.cfg = cfg
+        if model is None:
+            _init_process(cfg)
+            model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
+            model.requires_grad_(False)
+            if torch.cuda.is_available() and cfg.rollout.backend == "hf":
+                model = model.to("cuda")
+        self.model, self.tokenizer = model, tokenizer
+        r = cfg.rollout
+        self.backend = make_backend(r.backend, model, tokenizer, autocast_bf16=r.autocast_bf16, rollout=r,
+                                    work_dir=Path(work_dir) if work_dir else None)  # fmt: skip
+        self.policy_version = 0
+        self._verifiers = None
+
+    def generate(self, prompts: list[str], params: SamplingParams, version: int) -> Rollouts:
+        """params.n completions per prompt from policy `version` (refused if this worker holds another one)."""
+        if version != self.policy_version:
+            raise RuntimeError(f"rollout worker holds policy version {self.policy_version}, asked for {version}")
+        return self.backend.generate(prompts, params)
+
+    def load_weights(self, weights: dict[str, torch.Tensor] | None, version: int) -> float:
+        """Sample from `weights` (None: the shared module already holds them) labelled `version`; returns seconds."""
+        t0 = time.perf_counter()
+        if self.cfg.rollout.backend == "hf":
+            if weights is not None:
+                assign_weights(self.model, weights, source=f"policy version {version}")
+            self.backend.sync_weights(self.model, version)
+        else:  # a vLLM engine loads the tensors into its own model
+            self.backend.sync_weights(weights, version)
+        self.policy_version = version
+        return time.perf_counter() - t0
+
+    def evaluate(self, rows: list[dict], step: int, version: int) -> dict:
+        """The eval report of policy `version` on `rows` (greedy pass@1, sampled pass@k, mean reward)."""
+        if version != self.policy_version:
+            raise RuntimeError(f"rollout worker holds policy version {self.policy_version}, asked for {version}")
+        if self._verifiers is None:
+            self._verifiers = resolve_verifiers(self.cfg.reward.verifiers)
+        c = self.cfg
+        report = evaluate(self.backend, rows, c.eval, c.rollout, self._verifiers, c.reward.weights, seed=c.seed + step)
+        report["step"] = step
+        return report
+
+    def where(self) -> dict:
+        return {**where(), "stage": "rollout", "backend": self.cfg.rollout.backend}
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+class RewardWorker:
+    """The reward stage: per-verifier scores, the weighted (or label-free ensemble) reward, group advantages."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.verifiers = resolve_verifiers(cfg.reward.verifiers)
+        self.aggregator = None
+        if cfg.reward.aggregate == "ensemble":
+            from forge.rewards.aggregate import EnsembleAggregator
+
+            r = cfg.reward
+            names = [name for name, _ in self.verifiers]
+            self.aggregator = EnsembleAggregator(
+                names, r.window_steps, r.refit_every, cfg.seed, r.ensemble_model, r.ensemble_classes, r.necessary_checks
+            )
+
+    def score(self, rows: list[dict], rollouts: Rollouts, step: int) -> Scored:
+        """Score step `step`'s completions; safe to repeat for the same step (the ensemble replaces its entry)."""
+        g = rollouts.group_size
+        hidden = ("answer",) if self.cfg.reward.label_free else ()
+        result = score_completions(
+            self.verifiers, self.cfg.reward.weights, rollouts.prompts, rollouts.texts, _columns(rows, g, hidden)
+        )
+        rewards, report = result.rewards, None  # [N]
+        if self.aggregator is not None:  # label-free: P(correct | the V scores), refit on recent steps
+            rewards, report = self.aggregator(result.scores, g, step)
+        advantages = group_advantages(rewards, g, self.cfg.algo.advantage)  # [N]
+        batch = ScoredBatch(rollouts, result.names, result.scores, rewards, advantages, result.failures)
+        return Scored(batch=batch, ensemble_report=report)
+
+    def state_dict(self) -> dict | None:
+        return self.aggregator.state_dict() if self.aggregator is not None else None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if self.aggregator is not None and state is not None:
+            self.aggregator.load_state_dict(state)
+
+    def where(self) -> dict:
+        return {**where(), "stage": "reward"}
+
+    def close(self) -> None:
+        pass
+
+
+class TrainerWorker:
+    """One update rank: the policy, AdamW and the LR controller (`forge.trainer.Trainer`) for the whole run.
+
+    With world > 1 the rank joins a torch.distributed group at `master_addr:master_port` (Accelerate reads RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT and forms it: gloo on CPU, NCCL on GPU) and DDP/FSDP averages gradients.
+    `local_rank` is the rank's index among the GPUs this process sees (0 when it was given only its own GPU).
+    """
+
+    def __init__(self, cfg: RunConfig, model=None, tokenizer=None, rank: int = 0, world: int = 1,
+                 master_addr: str = "", master_port: int = 0, local_rank: int = 0):  # fmt: skip
+        from forge.trainer import Trainer, make_accelerator
+
+        self.cfg, self.rank, self.world = cfg, rank, world
+        accelerator = None
+        if world > 1:
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
+                              LOCAL_WORLD_SIZE="1", MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))  # fmt: skip
+            accelerator = make_accelerator(timeout=COLLECTIVE_TIMEOUT)
+        if model is None:
+            _init_process(cfg)
+            model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
+        self.tokenizer = tokenizer
+        ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.beta > 0 else None
+        self.trainer = Trainer(model, cfg, total_steps=cfg.steps, ref_model=ref, accelerator=accelerator)
+
+    @property
+    def policy_version(self) -> int:
+        return self.trainer.policy_version
+
+    def step(self, batch: ScoredBatch, publish: bool = True) -> tuple[UpdateStats, dict[str, torch.Tensor] | None]:
+        """Train on this rank's share of `batch`; (stats, the new full weights on CPU on rank 0 if `publish`)."""
+        stats = self.trainer.update(batch)
+        return stats, self.weights() if publish else None
+
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        """The full weights on CPU (rank 0; None on the others). Every rank must call it under FSDP."""
+        full = self.trainer.full_weights()
+        return full if self.rank == 0 else None
+
+    def save(self, root: str, step: int, payload: dict, eval_score: float | None) -> str | None:
+        """Checkpoint `step` under `root` with the loop's `payload` (sampler, evals, ...) beside the trainer state.
+        Rank 0 writes (atomically); every rank must call it (FSDP gathers the full state)."""
+        state = self.trainer.state_dict()
+        if self.rank != 0:
+            return None
+        full = {"trainer": state, **payload}
+        return str(save_checkpoint(Path(root), step, self.trainer.unwrapped, self.tokenizer, full, eval_score))
+
+    def restore(self, ckpt: str) -> int:
+        """Weights and trainer state from checkpoint directory `ckpt`; returns the restored policy version."""
+        self.trainer.restore(Path(ckpt), load_state(Path(ckpt))["trainer"])
+        return self.trainer.policy_version
+
+    def checksums(self) -> list[float]:
+        """Per-tensor parameter sums (equal lists on every rank = the ranks hold the same weights; DDP)."""
+        return [float(p.detach().double().sum()) for p in self.trainer.unwrapped.parameters()]
+
+    def where(self) -> dict:
+        return {**where(), "stage": "update", "rank": self.rank, "world": self.world}
+
+    def close(self) -> None:
+        if self.world > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _columns(rows: list[dict], group_size: int, hidden: tuple[str, ...] = ()) -> dict[str, list]:
+    """Data columns repeated G times so each completion sees its prompt's reference values."""
+    keys = [k for k in rows[0] if k not in ("prompt", "model_input", *hidden)]
+    return {k: [r[k] for r in rows for _ in range(group_size)] for k in keys}
