@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 import torch
+from forge.distributed.remote import RemoteTrainer
 
 from forge.config import RunConfig
-from forge.distributed.remote import RemoteTrainer
 from forge.models import load_policy
 from forge.records import Rollouts, ScoredBatch
 from forge.trainer import Trainer

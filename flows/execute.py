@@ -6,6 +6,7 @@ Prefect flow both come through here, so both run in Ray mode the same way. Ray i
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from forge.config import RunConfig
@@ -19,7 +20,11 @@ def use_ray(cfg: RunConfig, plan: dict | None) -> bool:
     o = cfg.orchestration
     if o.execution != "auto":
         return o.execution == "ray"
-    return cfg.rollout.backend == "vllm" or update_processes(cfg, plan) > 1 or bool(o.ray_address)
+    return _needs_processes(cfg, plan) or bool(o.ray_address)
+
+
+def _needs_processes(cfg: RunConfig, plan: dict | None) -> bool:
+    return cfg.rollout.backend == "vllm" or cfg.rollout.replicas > 1 or update_processes(cfg, plan) > 1
 
 
 def update_processes(cfg: RunConfig, plan: dict | None) -> int:
@@ -48,13 +53,15 @@ def train(
 
     kwargs = dict(resume=resume, tracker=tracker, progress=progress, plan=plan, runner=runner)
     if use_ray(cfg, plan):
+        if not cfg.orchestration.ray_address:  # a private instance: one machine, 127.0.0.1 only (read at import)
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         from flows.ray_exec import RayStages, ray_session
 
         with ray_session(cfg, plan, run_dir.name):
             return run(cfg, run_dir, stages=RayStages, **kwargs, execution="ray", **summary_extra)
-    if cfg.rollout.backend == "vllm" or update_processes(cfg, plan) > 1:
+    if _needs_processes(cfg, plan):
         raise UserError(
-            "orchestration.execution=embedded runs one process, but rollout.backend=vllm and update.num_processes>1 "
-            "need several: set orchestration.execution=ray (or auto)"
+            "orchestration.execution=embedded runs one process, but rollout.backend=vllm, rollout.replicas>1 and "
+            "update.num_processes>1 need several: set orchestration.execution=ray (or auto)"
         )
     return run(cfg, run_dir, **kwargs, execution="embedded", **summary_extra)

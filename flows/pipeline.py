@@ -27,12 +27,18 @@ from prefect.utilities.annotations import quote
 
 from forge.config import RunConfig
 from forge.io import write_json
+from forge.stages import WorkerLost
+from weaver.apply import prefect_tags
+from weaver.plan import Plan
 
 STAGE_TASK = {"cache_policy": NONE, "persist_result": False}
 # stages that give the same result when repeated for their step (the rollout's seed is chosen before the call, the
 # ensemble replaces its entry for the step, a checkpoint is rewritten atomically); an update is never repeated:
 # a second attempt would take a second optimizer step
 RETRY_SAFE = {"prepare", "rollout", "reward", "evaluate", "checkpoint"}
+# the loop's stage -> the plan's stage (whose pool runs it); a checkpoint is written by the update ranks
+PLAN_STAGE = {"prepare": "prep", "rollout": "rollout", "reward": "reward", "update": "update",
+              "evaluate": "evaluate", "checkpoint": "update"}  # fmt: skip
 
 
 @task(name="stage", **STAGE_TASK)
@@ -40,18 +46,26 @@ def stage_task(fn, *args):
     return fn(*args)
 
 
+def _not_a_lost_worker(task, task_run, state) -> bool:
+    """A dead actor is not retried by Prefect: the loop rebuilds the workers and resumes (forge.stages.WorkerLost)."""
+    return not isinstance(state.result(raise_on_failure=False), WorkerLost)
+
+
 class PrefectRunner:
     """The loop's stage runner as Prefect task runs: one per stage per step, named `<stage>-<step>`, retried
     `orchestration.retries` times where that is safe; each eval report is also a markdown artifact."""
 
-    def __init__(self, cfg: RunConfig, run_name: str):
+    def __init__(self, cfg: RunConfig, run_name: str, plan: dict):
         self.cfg, self.run_name, self.task_runs = cfg, run_name, 0
+        p = Plan.from_dict(plan)
+        self.tags = {stage: prefect_tags(p, PLAN_STAGE.get(stage, stage)) for stage in PLAN_STAGE}
 
     def __call__(self, stage: str, step: int, fn, *args):
         o = self.cfg.orchestration
         retries = o.retries if stage in RETRY_SAFE else 0
         t = stage_task.with_options(
-            name=stage, task_run_name=f"{stage}-{step:06d}", retries=retries, retry_delay_seconds=o.retry_delay_s
+            name=stage, task_run_name=f"{stage}-{step:06d}", retries=retries, retry_delay_seconds=o.retry_delay_s,
+            retry_condition_fn=_not_a_lost_worker, tags=self.tags.get(stage, []),
         )
         # quote(): hand the batch over as is; Prefect would otherwise walk every string and tensor in it
         result = t(quote(fn), *[quote(a) for a in args])
@@ -88,7 +102,7 @@ def grpo_pipeline(
     cfg, run_dir = resolve_run(preset, config_path or None, list(overrides or []), name or None, runs_dir, resume)
     _, plan = plan_run(cfg)
     tracker = tracker_for_run(cfg, run_dir, tags={"forgeweave.prefect_flow_run_id": str(flow_run.id)})
-    runner = PrefectRunner(cfg, run_dir.name)
+    runner = PrefectRunner(cfg, run_dir.name, plan)
     summary = train(cfg, run_dir, plan, resume=resume, tracker=tracker, progress=progress, runner=runner,
                     prefect_flow_run_id=str(flow_run.id))  # fmt: skip
     summary["prefect_task_runs"] = runner.task_runs  # known only once the loop is done

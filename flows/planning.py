@@ -55,7 +55,7 @@ def resolve_pools(cfg: RunConfig, pools_file: str | None = None) -> list[Pool]:
 def make_plan(cfg: RunConfig, pools: list[Pool]) -> Plan:
     gpu = any(p.kind == "gpu" for p in pools)
     r = cfg.rollout
-    replicas = r.replicas if r.backend == "vllm" else 1  # vLLM engines; hf rollout runs in the pipeline's process
+    replicas = r.replicas  # rollout actors (vLLM engines or hf copies); one in-process
     needs = stage_needs(
         estimate_params(cfg),
         rollout_replicas=replicas,

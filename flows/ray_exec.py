@@ -31,6 +31,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -55,25 +57,29 @@ REPO = Path(forge.__file__).resolve().parent.parent
 
 @contextlib.contextmanager
 def ray_session(cfg: RunConfig, plan: dict, run_name: str):
-    """Connect to orchestration.ray_address, or start a private local Ray whose one node offers every pool."""
-    address = cfg.orchestration.ray_address
-    namespace = f"forgeweave-{run_name}"
+    """Connect to orchestration.ray_address, or start a private local Ray (127.0.0.1) whose one node offers every
+    pool; a watchdog (`flows.reaper`) stops what it started should this process be killed."""
     if ray.is_initialized():  # a caller (a test, a notebook) already connected: use that cluster as it is
         yield
         return
-    env = {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
-    os.environ.update(env)
-    kwargs = {"namespace": namespace, "log_to_driver": True, "configure_logging": False}
+    address = cfg.orchestration.ray_address
+    kwargs = {"namespace": f"forgeweave-{run_name}", "log_to_driver": False, "configure_logging": False}
+    reaper = None
     if address:
         ray.init(address=address, **kwargs)
     else:
         pools = {pool_resource(p["name"]): 1000.0 for p in plan.get("pools", [])}
-        cores = max(1, os.cpu_count() or 1)
-        ray.init(num_cpus=cores, resources=pools, include_dashboard=False, _node_ip_address="127.0.0.1", **kwargs)
+        ray.init(num_cpus=max(1, os.cpu_count() or 1), resources=pools, include_dashboard=False,
+                 _node_ip_address="127.0.0.1", **kwargs)  # fmt: skip
+        reaper = subprocess.Popen([sys.executable, "-m", "flows.reaper", "--watch", str(os.getpid())],
+                                  cwd=REPO, start_new_session=True)  # fmt: skip
     try:
         yield
     finally:
         ray.shutdown()
+        if reaper is not None:
+            reaper.terminate()
+            reaper.wait(timeout=10)
 
 
 class RayStages:
@@ -132,7 +138,7 @@ class RayStages:
             python = str(vllm_python(r.vllm_python))
         tp = r.tensor_parallel_size if r.backend == "vllm" else 1
         specs = actor_specs(self.plan, "rollout", cores, per_process_devices=tp if self.plan.for_stage("rollout").kind == "gpu" else 1)
-        specs = specs[: r.replicas] if r.backend == "vllm" else specs[:1]
+        specs = specs[: r.replicas]
         for s in specs:
             if python:
                 s = dataclasses.replace(s, env={**s.env, **engine_env(r, s.index, list(range(cores.get(s.pool, 1))))})
@@ -160,13 +166,13 @@ class RayStages:
         sizes = self.balancer.split(len(prompts)) if len(actors) > 1 else [len(prompts)]
         calls, lo = [], 0
         for i, size in enumerate(sizes):
-            if size:  # row j of this chunk is row lo*n + j of the step: its seed does not depend on the split
-                seed = None if params.seed is None else params.seed + lo * n
-                part = dataclasses.replace(params, seed=seed)
-                calls.append((i, size, time.perf_counter(), actors[i].call.remote("generate", prompts[lo : lo + size], part, self.policy_version)))
+            if size:  # with a seed, row j of this chunk is row lo*n + j of the step (vLLM seeds row by row)
+                part = params if params.seed is None else dataclasses.replace(params, seed=params.seed + lo * n)
+                ref = actors[i].call.remote("generate", prompts[lo : lo + size], part, self.policy_version)
+                calls.append((i, time.perf_counter(), ref))
             lo += size
         parts = []
-        for i, _, t0, ref in calls:
+        for i, t0, ref in calls:
             ro = self._get([ref], "rollout")[0]
             self.balancer.observe(i, int(ro.completion_mask.sum()), max(time.perf_counter() - t0, 1e-6))
             parts.append(ro)
@@ -178,8 +184,8 @@ class RayStages:
     def update(self, batch: ScoredBatch) -> UpdateStats:
         batch_ref = ray.put(batch)
         calls = [a.call.options(num_returns=2).remote("step", batch_ref, True) for a in self.actors["update"]]
-        stats = self._get([calls[0][0]], "update")[0]
-        sync = self._load(calls[0][1], stats.policy_version, others=[c[0] for c in calls[1:]])
+        stats = self._get([c[0] for c in calls], "update")[0]  # every rank: a dead one is named, not a peer's error
+        sync = self._load(calls[0][1], stats.policy_version)
         return dataclasses.replace(stats, sync_seconds=sync)
 
     def evaluate(self, rows: list[dict], step: int) -> dict:
@@ -189,10 +195,16 @@ class RayStages:
         paths = self._get([a.call.remote("save", str(root), step, payload, eval_score) for a in self.actors["update"]], "update")
         return Path(paths[0])
 
-    def restore(self, ckpt: Path, reward_state: dict | None) -> None:
+    def restore(self, ckpt: Path, reward_state: dict | None, rollout_rng: list | None) -> None:
         versions = self._get([a.call.remote("restore", str(ckpt)) for a in self.actors["update"]], "update")
         self._get([self.reward_actor.call.remote("load_state_dict", reward_state)], "reward")
+        rollouts = self.actors["rollout"]
+        if rollout_rng and len(rollout_rng) == len(rollouts):  # else (another replica count) fresh streams
+            self._get([a.call.remote("set_rng_state", s) for a, s in zip(rollouts, rollout_rng, strict=True)], "rollout")
         self._publish(versions[0])
+
+    def rollout_rng(self) -> list:
+        return self._get([a.call.remote("rng_state") for a in self.actors["rollout"]], "rollout")
 
     def reward_state(self) -> dict | None:
         return self._get([self.reward_actor.call.remote("state_dict")], "reward")[0]

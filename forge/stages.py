@@ -58,11 +58,16 @@ class Stages(Protocol):
 
     def save(self, root: Path, step: int, payload: dict, eval_score: float | None) -> Path: ...
 
-    def restore(self, ckpt: Path, reward_state: dict | None) -> None:
-        """Trainer (weights, optimizer) and reward state from a checkpoint; the rollout gets the weights."""
+    def restore(self, ckpt: Path, reward_state: dict | None, rollout_rng: list | None) -> None:
+        """Trainer (weights, optimizer), reward state and the rollout workers' RNG streams from a checkpoint;
+        the rollout workers get the weights."""
         ...
 
     def reward_state(self) -> dict | None: ...
+
+    def rollout_rng(self) -> list:
+        """Each rollout worker's RNG stream state (for the checkpoint)."""
+        ...
 
     def where(self) -> dict[str, list[dict]]:
         """stage -> one entry per worker: host, pid, devices, threads (and node id under Ray)."""
@@ -104,13 +109,18 @@ class LocalStages:
     def save(self, root: Path, step: int, payload: dict, eval_score: float | None) -> Path:
         return Path(self.trainer.save(str(root), step, payload, eval_score))
 
-    def restore(self, ckpt: Path, reward_state: dict | None) -> None:
+    def restore(self, ckpt: Path, reward_state: dict | None, rollout_rng: list | None) -> None:
         version = self.trainer.restore(str(ckpt))
         self.rollout_worker.load_weights(None, version)
         self.reward_worker.load_state_dict(reward_state)
+        if rollout_rng:
+            self.rollout_worker.set_rng_state(rollout_rng[0])
 
     def reward_state(self) -> dict | None:
         return self.reward_worker.state_dict()
+
+    def rollout_rng(self) -> list:
+        return [self.rollout_worker.rng_state()]
 
     def where(self) -> dict[str, list[dict]]:
         return {

@@ -12,8 +12,10 @@ node Weaver planned for its stage. Nothing here knows which: no Ray, no Prefect.
   with Accelerate inside); `step` trains on the rank's share of a batch and returns the new weights on rank 0;
   `save` writes a checkpoint (rank 0 writes, every rank joins FSDP's gathers).
 
-Randomness: the sampling seed of every rollout is chosen by the loop and travels in `SamplingParams.seed`, so a
-rollout gives the same completions whichever process or node runs it, and a restarted worker needs no RNG state.
+Randomness: a rollout worker samples from an RNG stream of its own, which starts where the process's RNG is once
+the policy is built (seeded `cfg.seed`) and advances only with its own samples; it is swapped in for each call and
+out again, so other work in the same process (the trainer, in-process) never shifts it and it is the same stream
+whether the worker runs in-process or in an actor. Its state travels in checkpoints (`rng_state`/`set_rng_state`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import copy
 import os
 import socket
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -49,6 +52,7 @@ def where() -> dict:
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "threads": torch.get_num_threads(),
         "pool": os.environ.get("FORGEWEAVE_POOL", ""),
+        "python": sys.executable,
     }
 
 
@@ -76,12 +80,23 @@ class RolloutWorker:
                                     work_dir=Path(work_dir) if work_dir else None)  # fmt: skip
         self.policy_version = 0
         self._verifiers = None
+        self._rng = _capture_rng()  # the sampling stream: where the process's RNG is once the policy is built
 
     def generate(self, prompts: list[str], params: SamplingParams, version: int) -> Rollouts:
         """params.n completions per prompt from policy `version` (refused if this worker holds another one)."""
         if version != self.policy_version:
             raise RuntimeError(f"rollout worker holds policy version {self.policy_version}, asked for {version}")
-        return self.backend.generate(prompts, params)
+        with torch.random.fork_rng(devices=_cuda_devices()):
+            _restore_rng(self._rng)
+            rollouts = self.backend.generate(prompts, params)
+            self._rng = _capture_rng()
+        return rollouts
+
+    def rng_state(self) -> dict:
+        return self._rng
+
+    def set_rng_state(self, state: dict) -> None:
+        self._rng = state
 
     def load_weights(self, weights: dict[str, torch.Tensor] | None, version: int) -> float:
         """Sample from `weights` (None: the shared module already holds them) labelled `version`; returns seconds."""
@@ -175,6 +190,7 @@ class TrainerWorker:
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
                               LOCAL_WORLD_SIZE="1", MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))  # fmt: skip
             accelerator = make_accelerator(timeout=COLLECTIVE_TIMEOUT)
+            _check_group(accelerator, world)
         if model is None:
             _init_process(cfg)
             model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
@@ -220,6 +236,31 @@ class TrainerWorker:
     def close(self) -> None:
         if self.world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _cuda_devices() -> list[int]:
+    return [torch.cuda.current_device()] if torch.cuda.is_available() else []
+
+
+def _capture_rng() -> dict:
+    return {"cpu": torch.get_rng_state(), "cuda": [torch.cuda.get_rng_state(d) for d in _cuda_devices()]}
+
+
+def _restore_rng(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    for d, s in zip(_cuda_devices(), state["cuda"], strict=False):
+        torch.cuda.set_rng_state(s, d)
+
+
+def _check_group(accelerator, world: int) -> None:
+    """Refuse to train unless this rank is one of `world` synchronised ranks: ranks that each train alone (the
+    silent Accelerate CPU pitfall) would diverge without a warning."""
+    dist = torch.distributed
+    if accelerator.num_processes != world or not dist.is_initialized():
+        raise RuntimeError(f"update rank sees {accelerator.num_processes} of {world} processes: they are not one group")
+    ones = torch.ones(1, device=accelerator.device)
+    dist.all_reduce(ones)
+    assert int(ones.item()) == world, f"all_reduce over {world} ranks gave {ones.item()}"
 
 
 def _columns(rows: list[dict], group_size: int, hidden: tuple[str, ...] = ()) -> dict[str, list]:

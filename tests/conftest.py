@@ -14,6 +14,9 @@ os.environ.pop("PREFECT_API_URL", None)
 # MLflow: every run tracks into the embedded store of its own (temporary) runs dir, never a developer's server
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+# Ray: clusters the tests start (several nodes on this machine) bind and advertise 127.0.0.1 only; Ray reads this
+# when it is imported, so it is set before any test module imports ray
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 @pytest.fixture

@@ -4,14 +4,7 @@
 `from weaver.plan import Plan, StageNeed, ...`.
 """
 
-from weaver.apply import (
-    accelerate_launch_args,
-    concurrency_limits,
-    prefect_tags,
-    stage_env,
-    work_pool_for,
-    work_pools,
-)
+from weaver.apply import ActorSpec, actor_specs, prefect_tags
 from weaver.balance import ThroughputBalancer
 from weaver.discover import Gpu, Resources, discover
 from weaver.errors import PlanError
@@ -19,6 +12,8 @@ from weaver.plan import Assignment, Placement, Plan, StageNeed, plan, stage_need
 from weaver.pools import Pool, autodetect_pools, pools_from_dicts
 
 __all__ = [
+    "ActorSpec",
+    "actor_specs",
     "Assignment",
     "Gpu",
     "Placement",
@@ -28,15 +23,10 @@ __all__ = [
     "Resources",
     "StageNeed",
     "ThroughputBalancer",
-    "accelerate_launch_args",
     "autodetect_pools",
-    "concurrency_limits",
     "discover",
     "plan",
     "pools_from_dicts",
     "prefect_tags",
-    "stage_env",
     "stage_needs",
-    "work_pool_for",
-    "work_pools",
 ]

@@ -8,7 +8,7 @@ CISPO, RLOO advantages) are config choices of the components (`forge.losses`, `f
 
 Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024) live in the components and are config: token-level
 loss normalisation by default (`algo.loss_type`), no KL term unless `algo.beta` > 0, an adaptive LR controller
-(`update.adaptive`), the sampler's seed chosen here per step (so a rollout is reproducible wherever it runs).
+(`update.adaptive`).
 
 Faults: a `WorkerLost` (an actor died) rebuilds the stages and continues from the last checkpoint (or from the
 start when there is none yet), up to `orchestration.max_restarts` times; the steps redone are cut from
@@ -27,8 +27,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 from forge.advantages import frac_zero_std
 from forge.checkpoint import apply_retention, latest_checkpoint, load_state, set_rng_state, step_dir_name
@@ -54,7 +52,6 @@ from forge.stages import LocalStages, StageRunner, Stages, StagesFactory, Worker
 from forge.tracking import JsonlTracker, MultiTracker, Tracker
 
 STAGES = ("rollout", "reward", "update", "evaluate", "checkpoint")
-SEED_RANGE = 2**30  # per-row seeds (seed + row) stay below 2**31
 
 
 @dataclass
@@ -88,7 +85,7 @@ def run(
         while grpo.state.step < cfg.steps:
             try:
                 for step in grpo.remaining_steps():
-                    rows, prompts, params = grpo.next_batch()  # B prompts; G samples each, this step's seed
+                    rows, prompts, params = grpo.next_batch()  # B prompts, G samples each
                     s, clock = grpo.stages, Stopwatch()
                     with clock("rollout"):  # 1. G samples for each of B prompts, current policy version
                         rollouts: Rollouts = runner("rollout", step, s.rollout, prompts, params)
@@ -102,7 +99,7 @@ def run(
                         with clock("evaluate"):
                             report = runner("evaluate", step, grpo.evaluate, step)
                     metrics = grpo.end_step(step, rows, scored, stats, report, clock.laps)  # 5. metrics, samples
-                    if grpo.checkpoint_due(step):  # 6. weights + optimizer + sampler + seeds, atomically
+                    if grpo.checkpoint_due(step):  # 6. weights, optimizer, data cursor, RNG, atomically
                         with clock("checkpoint"):
                             runner("checkpoint", step, grpo.checkpoint, step)
                         grpo.add_seconds({"checkpoint": clock.laps["checkpoint"]})
@@ -115,7 +112,7 @@ def run(
 
 
 class GRPORun:
-    """The bookkeeping around the loop: run directory, data, sampler, seeds, metrics, checkpoints, recovery."""
+    """The bookkeeping around the loop: run directory, data, sampler, metrics, checkpoints, recovery."""
 
     def __init__(
         self,
@@ -141,7 +138,6 @@ class GRPORun:
         self.tracker: Tracker = MultiTracker(self.jsonl, tracker) if tracker else self.jsonl
         self.state = RunState()
         self.stages: Stages | None = None
-        self.seeds = torch.Generator().manual_seed(cfg.seed)  # one sampling seed per step, drawn here
 
     @contextlib.contextmanager
     def failure_guard(self):
@@ -186,11 +182,10 @@ class GRPORun:
         return range(self.state.step + 1, self.cfg.steps + 1)
 
     def next_batch(self) -> tuple[list[dict], list[str], SamplingParams]:
-        """The step's prompt rows, their model inputs, and sampling settings with this step's seed."""
+        """The step's prompt rows, their model inputs, and sampling settings."""
         r = self.cfg.rollout
         rows = self.sampler.next_batch(r.prompts_per_step)
-        seed = int(torch.randint(0, SEED_RANGE, (), generator=self.seeds))
-        params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, n=r.group_size, seed=seed)
+        params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, n=r.group_size)
         return rows, [row["model_input"] for row in rows], params
 
     def check_version(self, step: int, rollouts: Rollouts) -> None:
@@ -240,7 +235,7 @@ class GRPORun:
     def checkpoint(self, step: int) -> Path:
         payload = {
             "sampler": self.sampler.state_dict(),
-            "seeds": self.seeds.get_state(),
+            "rollout_rng": self.stages.rollout_rng(),
             "seconds": dict(self.state.seconds),
             "initial_eval": self.state.initial_eval,
             "last_eval": self.state.last_eval,
@@ -271,7 +266,6 @@ class GRPORun:
             self._restore()
         else:  # nothing saved yet: the rebuilt workers hold the initial weights; redo every step
             self.sampler = PromptSampler(self.train_rows, seed=self.cfg.seed)
-            self.seeds = torch.Generator().manual_seed(self.cfg.seed)
             first = self.state.initial_eval
             self.state = RunState(initial_eval=first, last_eval=first)
             self.state.seconds["evaluate"] = first["seconds"]
@@ -301,10 +295,8 @@ class GRPORun:
         if ckpt is None:
             raise UserError(f"cannot resume '{self.run_dir}': it has no checkpoint yet; start it again without --resume")
         saved = load_state(ckpt)
-        self.stages.restore(ckpt, saved.get("aggregator"))  # weights + optimizer on every rank, then the rollout
+        self.stages.restore(ckpt, saved.get("aggregator"), saved.get("rollout_rng"))  # every rank, then the rollout
         self.sampler.load_state_dict(saved["sampler"])
-        if "seeds" in saved:
-            self.seeds.set_state(saved["seeds"])
         set_rng_state(saved["rng"])
         self.jsonl.truncate_after(saved["step"])
         truncate_samples(self.run_dir, saved["step"])

@@ -9,8 +9,9 @@ Same inputs and the same record as the hf backend: prompts are tokenised with th
 token ids; the Rollouts record has left-padded prompts, right-padded completions with the eos kept, the mask up to
 and including the first eos, texts decoded here, finish reasons "stop"/"length". Sampling log-probs are the
 engine's `processed_logprobs` (after temperature and top-p: the distribution actually sampled from). Row i of a
-call is one request seeded `params.seed + i`, so a seeded rollout is reproducible, also when the rows of a step
-are split between replicas; the hf and vllm backends use different random streams, so their sampled tokens
+call is one request seeded `seed + i`, where `seed` is `params.seed` or else drawn from torch's RNG (the rollout
+worker's stream), so a seeded run is reproducible; with `params.seed` the rows of a step may be split between
+replicas without changing them. The hf and vllm backends use different random streams, so their sampled tokens
 differ while greedy tokens agree.
 
 Weights (`sync_weights`): the tensors arrive in memory (from the trainer's rank 0 through Ray's object store) and
@@ -65,9 +66,9 @@ class VLLMBackend:
     """RolloutBackend over one vLLM engine in this process, built from `model`'s weights and config."""
 
     def __init__(self, model, tokenizer, cfg: RolloutConfig, work_dir: Path | None = None, seed: int = 0):
+        _check_head_size(model)
         from vllm import LLM
 
-        _check_head_size(model)
         self.tokenizer, self.cfg = tokenizer, cfg
         self.policy_version = 0
         if work_dir is not None:
@@ -102,8 +103,11 @@ class VLLMBackend:
         tok, n = self.tokenizer, params.n
         prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]  # [B] lists
         greedy = params.temperature == 0
-        base = 0 if greedy or params.seed is None else params.seed
         expanded_ids = [ids for ids in prompt_ids for _ in range(n)]  # [N]: one request per row, its own seed
+        # greedy draws nothing from torch's RNG (as hf's generate): a greedy eval must not shift the sampling stream
+        base = 0 if greedy else params.seed
+        if base is None:
+            base = int(torch.randint(0, 2**31 - 1 - len(expanded_ids), ()))
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in expanded_ids]
         sampling = [
             VSampling(n=1, temperature=params.temperature, top_p=1.0 if greedy else params.top_p, top_k=0,

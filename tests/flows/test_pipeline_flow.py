@@ -3,6 +3,7 @@
 import asyncio
 import json
 
+import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
@@ -32,6 +33,8 @@ def test_run_is_a_prefect_flow_with_a_task_run_per_stage_per_step(runs_dir):
     expected |= {"evaluate-000002", "evaluate-000004", "checkpoint-000002", "checkpoint-000004"}
     assert expected <= set(names), expected - set(names)
     assert all(names[n].state.is_completed() for n in expected)
+    assert {"pool:cpu", "stage:update"} <= set(names["update-000001"].tags)  # Weaver's pools, for the UI's filters
+    assert "stage:update" in names["checkpoint-000002"].tags  # the update ranks write checkpoints
     assert summary["prefect_task_runs"] == len(expected)
     assert any(a.key == artifact_key("pf") and "pass@1" in (a.data or "") for a in artifacts)
     plan = json.loads((runs_dir / "pf" / "plan.json").read_text())
@@ -52,24 +55,27 @@ def test_eval_markdown_is_a_table():
     assert artifact_key("My_Run 1") == "eval-my-run-1"
 
 
-def test_a_stage_that_keeps_failing_fails_the_flow_with_its_own_error(runs_dir, monkeypatch):
+@pytest.mark.parametrize("stage,tries", [("reward", 3), ("update", 1)])
+def test_a_stage_that_keeps_failing_fails_the_flow_with_its_own_error(runs_dir, monkeypatch, stage, tries):
+    """A stage safe to repeat (reward) is retried orchestration.retries times; an update never is (a second attempt
+    would take a second optimizer step)."""
     from flows.pipeline import grpo_pipeline
-    from forge.recipes.grpo import GRPORun
+    from forge.stages import LocalStages
 
     calls = []
 
-    def broken_update(self, batch):
+    def broken(self, *args):
         calls.append(1)
-        raise RuntimeError("update exploded")
+        raise RuntimeError(f"{stage} exploded")
 
-    monkeypatch.setattr(GRPORun, "update", broken_update)
+    monkeypatch.setattr(LocalStages, stage, broken)
     overrides = ["steps=2", "eval.k=0", "orchestration.retries=2", "orchestration.retry_delay_s=0"]
     try:
         grpo_pipeline(preset="tiny", overrides=overrides, name="boom", runs_dir=str(runs_dir))
         raise AssertionError("the flow should have failed")
     except RuntimeError as e:
-        assert "update exploded" in str(e)
-    assert len(calls) == 3  # the first try + 2 retries
+        assert f"{stage} exploded" in str(e)
+    assert len(calls) == tries
     status = json.loads((runs_dir / "boom" / "status.json").read_text())
-    assert status["state"] == "failed" and "update exploded" in status["error"]
+    assert status["state"] == "failed" and f"{stage} exploded" in status["error"]
     assert not (runs_dir / "boom" / "summary.json").exists()

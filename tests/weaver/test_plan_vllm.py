@@ -25,5 +25,7 @@ def test_config_replicas_reach_the_plan_on_cpu():
     cfg = get_preset("tiny")
     cfg.rollout.backend, cfg.rollout.replicas = "vllm", 2
     assert make_plan(cfg, [CPU]).for_stage("rollout").processes == 2
-    cfg.rollout.backend = "hf"  # hf samples in the pipeline's own process: one
+    cfg.rollout.backend = "hf"  # hf copies are rollout actors too (Ray mode)
+    assert make_plan(cfg, [CPU]).for_stage("rollout").processes == 2
+    cfg.rollout.replicas = 1
     assert make_plan(cfg, [CPU]).for_stage("rollout").processes == 1
