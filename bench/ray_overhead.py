@@ -38,7 +38,11 @@ def one_run(preset: str, steps: int, execution: str, run_dir: Path) -> dict:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps_s = [sum(r[f"time/{s}_s"] for s in ("rollout", "reward", "update")) for r in rows if r["step"] > 0]
     sync = [r["perf/weight_sync_s"] for r in rows if r["step"] > 1]
-    return {"step_s": statistics.median(steps_s[1:]), "startup_s": wall - sum(steps_s), "sync_s": statistics.median(sync)}
+    return {
+        "step_s": statistics.median(steps_s[1:]),
+        "startup_s": wall - sum(steps_s),
+        "sync_s": statistics.median(sync),
+    }
 
 
 def compare(preset: str, steps: int, repeats: int, root: Path) -> None:

@@ -2,9 +2,10 @@
 
 One synthetic scored batch (random prompts and completions of fixed length, random advantages) on a tiny random
 Llama, `--steps` updates per setting after one warm-up update. 1 process: the in-process Trainer (the rollout
-shares its module, nothing to publish). N processes: persistent ranks behind RemoteTrainer, timed from the
-pipeline (batch file out, update on the ranks, rank 0 publishes, the pipeline loads the weights back); the
-ranks' own update time and the publication (publish + load) time are shown apart.
+shares its module, nothing to publish). N processes: N update-rank actors on a private local Ray instance (one
+torch.distributed group over gloo, as in Ray execution), timed from the driver (the batch into the object store,
+the update on the ranks, rank 0's new weights back as an object and read here, as a rollout actor would); the
+ranks' own update time and the weight hand-over (rank 0's state dict -> object store -> a reader) are shown apart.
 On a machine with 2 busy CPU cores no speed-up is to be expected: the ranks share the cores the single process had
 (`--threads 1` gives every process one thread; sharing 2 threads on a loaded machine mostly measures OpenMP
 oversubscription of the one-process run).
@@ -15,12 +16,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
-from pathlib import Path
 
 import torch
-from forge.distributed.remote import RemoteTrainer
 
 from forge.config import RunConfig
 from forge.models import load_policy
@@ -58,24 +56,54 @@ def measure(cfg: RunConfig, processes: int, batch: ScoredBatch, steps: int, thre
     """`threads` CPU threads in all: the single process gets them all, each of N ranks threads // N."""
     cfg.threads = max(1, threads // processes)
     torch.set_num_threads(threads)
-    model, _ = load_policy(cfg.model, seed=0)
-    with tempfile.TemporaryDirectory() as d:
-        trainer = Trainer(model, cfg, total_steps=steps + 1) if processes == 1 else None
-        trainer = trainer or RemoteTrainer(model, cfg, Path(d) / "bench", processes)
-        try:
-            trainer.update(batch)  # warm-up
-            t0 = time.perf_counter()
-            stats = [trainer.update(batch) for _ in range(steps)]
-            wall = time.perf_counter() - t0
-        finally:
-            trainer.close()
+    if processes == 1:
+        model, _ = load_policy(cfg.model, seed=0)
+        trainer = Trainer(model, cfg, total_steps=steps + 1)
+        trainer.update(batch)  # warm-up
+        t0 = time.perf_counter()
+        stats = [trainer.update(batch) for _ in range(steps)]
+        wall, handover = time.perf_counter() - t0, [0.0] * steps
+    else:
+        stats, wall, handover = _on_ray(cfg, processes, batch, steps)
     tokens = sum(s.tokens for s in stats)
     return {
         "tokens_per_s": tokens / wall,
         "step_s": wall / steps,
         "ranks_update_s": sum(s.seconds for s in stats) / steps,
-        "publish_s": sum(s.sync_seconds for s in stats) / steps,
+        "publish_s": sum(handover) / steps,
     }
+
+
+def _on_ray(cfg: RunConfig, processes: int, batch: ScoredBatch, steps: int):
+    import ray
+
+    from flows.ray_actor import StageActor
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a private instance: 127.0.0.1 only
+    ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        env = {"OMP_NUM_THREADS": str(cfg.threads), "FORGEWEAVE_THREADS": str(cfg.threads),
+               "CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "1"}  # fmt: skip
+        ranks = [StageActor.options(runtime_env={"env_vars": env}).remote(env) for _ in range(processes)]
+        addr, port = ray.get(ranks[0].rendezvous.remote())
+        ray.get([a.start.remote("update", cfg, rank=r, world=processes, master_addr=addr, master_port=port)
+                 for r, a in enumerate(ranks)])  # fmt: skip
+
+        def step():
+            ref = ray.put(batch)
+            calls = [a.call.options(num_returns=2).remote("step", ref, True) for a in ranks]
+            stats = ray.get([c[0] for c in calls])[0]
+            t0 = time.perf_counter()
+            ray.get(calls[0][1])  # rank 0's weights, as a rollout actor reads them
+            return stats, time.perf_counter() - t0
+
+        step()  # warm-up
+        t0 = time.perf_counter()
+        results = [step() for _ in range(steps)]
+        wall = time.perf_counter() - t0
+        return [r[0] for r in results], wall, [r[1] for r in results]
+    finally:
+        ray.shutdown()
 
 
 def main() -> None:
@@ -100,7 +128,7 @@ def main() -> None:
         f"tiny Llama {params / 1e6:.2f}M params, batch {args.batch} x {args.tokens} tokens, {args.steps} steps, {args.threads} threads in all"
     )
     header = (
-        f"{'processes':<11}{'tokens/s':>10}{'vs first':>10}{'step s':>9}{'ranks update s':>16}{'publish+load s':>16}"
+        f"{'processes':<11}{'tokens/s':>10}{'vs first':>10}{'step s':>9}{'ranks update s':>16}{'weights out s':>16}"
     )
     print(header)
     for n, r in results.items():

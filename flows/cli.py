@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("server", help="start a Prefect server (UI + API) on 127.0.0.1")
     srv.add_argument("--port", type=int, default=4200)
     wk = sub.add_parser(
-        "worker", help="start a Prefect process worker for a work pool (runs the deployments' flow runs; creates the pool)"
+        "worker",
+        help="start a Prefect process worker for a work pool (runs the deployments' flow runs; creates the pool)",
     )
     wk.add_argument("--pool", required=True, help="Prefect work pool name (a pool's `work_pool` in the config)")
     wk.add_argument("--poll", type=float, default=1.0, help="seconds between polls for new stage runs (default 1)")

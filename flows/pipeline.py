@@ -64,8 +64,12 @@ class PrefectRunner:
         o = self.cfg.orchestration
         retries = o.retries if stage in RETRY_SAFE else 0
         t = stage_task.with_options(
-            name=stage, task_run_name=f"{stage}-{step:06d}", retries=retries, retry_delay_seconds=o.retry_delay_s,
-            retry_condition_fn=_not_a_lost_worker, tags=self.tags.get(stage, []),
+            name=stage,
+            task_run_name=f"{stage}-{step:06d}",
+            retries=retries,
+            retry_delay_seconds=o.retry_delay_s,
+            retry_condition_fn=_not_a_lost_worker,
+            tags=self.tags.get(stage, []),
         )
         # quote(): hand the batch over as is; Prefect would otherwise walk every string and tensor in it
         result = t(quote(fn), *[quote(a) for a in args])

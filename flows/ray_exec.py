@@ -137,7 +137,9 @@ class RayStages:
 
             python = str(vllm_python(r.vllm_python))
         tp = r.tensor_parallel_size if r.backend == "vllm" else 1
-        specs = actor_specs(self.plan, "rollout", cores, per_process_devices=tp if self.plan.for_stage("rollout").kind == "gpu" else 1)
+        specs = actor_specs(
+            self.plan, "rollout", cores, per_process_devices=tp if self.plan.for_stage("rollout").kind == "gpu" else 1
+        )
         specs = specs[: r.replicas]
         for s in specs:
             if python:
@@ -189,10 +191,14 @@ class RayStages:
         return dataclasses.replace(stats, sync_seconds=sync)
 
     def evaluate(self, rows: list[dict], step: int) -> dict:
-        return self._get([self.actors["rollout"][0].call.remote("evaluate", rows, step, self.policy_version)], "rollout")[0]
+        return self._get(
+            [self.actors["rollout"][0].call.remote("evaluate", rows, step, self.policy_version)], "rollout"
+        )[0]
 
     def save(self, root: Path, step: int, payload: dict, eval_score: float | None) -> Path:
-        paths = self._get([a.call.remote("save", str(root), step, payload, eval_score) for a in self.actors["update"]], "update")
+        paths = self._get(
+            [a.call.remote("save", str(root), step, payload, eval_score) for a in self.actors["update"]], "update"
+        )
         return Path(paths[0])
 
     def restore(self, ckpt: Path, reward_state: dict | None, rollout_rng: list | None) -> None:
@@ -200,7 +206,9 @@ class RayStages:
         self._get([self.reward_actor.call.remote("load_state_dict", reward_state)], "reward")
         rollouts = self.actors["rollout"]
         if rollout_rng and len(rollout_rng) == len(rollouts):  # else (another replica count) fresh streams
-            self._get([a.call.remote("set_rng_state", s) for a, s in zip(rollouts, rollout_rng, strict=True)], "rollout")
+            self._get(
+                [a.call.remote("set_rng_state", s) for a, s in zip(rollouts, rollout_rng, strict=True)], "rollout"
+            )
         self._publish(versions[0])
 
     def rollout_rng(self) -> list:

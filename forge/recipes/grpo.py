@@ -163,7 +163,12 @@ class GRPORun:
         if not self.resume:
             atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
             tok = load_tokenizer(cfg.model)
-            prepare(cfg, run_dir, format_prompt_fn(tok, cfg.model), lambda s: len(tok(s, add_special_tokens=False).input_ids))
+            prepare(
+                cfg,
+                run_dir,
+                format_prompt_fn(tok, cfg.model),
+                lambda s: len(tok(s, add_special_tokens=False).input_ids),
+            )
         self.train_rows, self.eval_rows = read_split(run_dir, "train"), read_split(run_dir, "eval")
         self.sampler = PromptSampler(self.train_rows, seed=cfg.seed)
         self.stages = self.make_stages(cfg, run_dir, self.plan)
@@ -293,7 +298,9 @@ class GRPORun:
     def _restore(self) -> None:
         ckpt = latest_checkpoint(self.run_dir / "checkpoints")
         if ckpt is None:
-            raise UserError(f"cannot resume '{self.run_dir}': it has no checkpoint yet; start it again without --resume")
+            raise UserError(
+                f"cannot resume '{self.run_dir}': it has no checkpoint yet; start it again without --resume"
+            )
         saved = load_state(ckpt)
         self.stages.restore(ckpt, saved.get("aggregator"), saved.get("rollout_rng"))  # every rank, then the rollout
         self.sampler.load_state_dict(saved["sampler"])

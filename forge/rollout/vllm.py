@@ -110,9 +110,17 @@ class VLLMBackend:
             base = int(torch.randint(0, 2**31 - 1 - len(expanded_ids), ()))
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in expanded_ids]
         sampling = [
-            VSampling(n=1, temperature=params.temperature, top_p=1.0 if greedy else params.top_p, top_k=0,
-                      max_tokens=params.max_new_tokens, stop_token_ids=[tok.eos_token_id], logprobs=0,
-                      seed=base + i, detokenize=False)  # fmt: skip
+            VSampling(
+                n=1,
+                temperature=params.temperature,
+                top_p=1.0 if greedy else params.top_p,
+                top_k=0,
+                max_tokens=params.max_new_tokens,
+                stop_token_ids=[tok.eos_token_id],
+                logprobs=0,
+                seed=base + i,
+                detokenize=False,
+            )  # fmt: skip
             for i in range(len(requests))
         ]
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)

@@ -123,6 +123,28 @@ def test_two_node_run_equals_the_in_process_run(two_node_run, reference):
         assert a["pass@1"] == b["pass@1"] and a["samples"] == b["samples"]
 
 
+def test_two_node_vllm_run_equals_a_one_rank_run(cluster, tmp_path):
+    """rollout.backend=vllm: the engine actor runs .venv-vllm's python on the gen node; with 2 update ranks on the
+    train node the run equals one with a single update rank (the engine is an actor in both: it cannot share a
+    process with the trainer)."""
+    runs = {}
+    for ranks in (2, 1):
+        cfg = ray_cfg(ranks=ranks)
+        cfg.rollout.backend, cfg.model.tiny_head_dim = "vllm", 32
+        runs[ranks] = tmp_path / f"vllm-{ranks}"
+        assert run(cfg, runs[ranks])["execution"] == "ray"
+    where = json.loads((runs[2] / "workers.json").read_text())
+    (engine,) = where["rollout"]
+    assert engine["backend"] == "vllm" and engine["python"].endswith(".venv-vllm/bin/python")
+    assert engine["node_id"] in cluster["gen"] and {w["node_id"] for w in where["update"]} <= set(cluster["train"])
+    assert_close_runs(runs[2], runs[1])
+    assert all(m["perf/weight_sync_s"] > 0 for m in _raw_metrics(runs[2]) if m["step"] > 0)
+
+
+def _raw_metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.parametrize("stage", ["rollout", "update"])
 def test_a_killed_actor_is_replaced_and_the_run_ends_as_if_uninterrupted(cluster, two_node_run, tmp_path, stage):
     """SIGKILL the rollout actor, or trainer rank 1, after a random step: the run rebuilds its actors, resumes from
