@@ -249,6 +249,26 @@ def plan_tables(plan: dict | None) -> tuple[pd.DataFrame, pd.DataFrame]:
     return pools, pd.DataFrame(rows)
 
 
+def workers_table(workers: dict | None) -> pd.DataFrame:
+    """One row per worker process of a run's workers.json (stage -> [host, pid, node, devices, threads, ...])."""
+    rows = [
+        {
+            "stage": stage,
+            "#": w.get("rank", i),
+            "host": w.get("host"),
+            "pid": w.get("pid"),
+            "ray node": (w.get("node_id") or "-")[:12],
+            "pool": w.get("pool") or "-",
+            "devices": w.get("cuda_visible_devices") or "-",
+            "threads": w.get("threads"),
+            "python": w.get("python", ""),
+        }
+        for stage, ws in (workers or {}).items()
+        for i, w in enumerate(ws)
+    ]
+    return pd.DataFrame(rows)
+
+
 def _placement(p: dict) -> str:
     devices = ",".join(map(str, p.get("devices") or []))
     where = f"{p.get('pool')}@{p.get('host')}" + (f" devices {devices}" if devices else "")

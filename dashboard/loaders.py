@@ -97,6 +97,16 @@ def _plan(path: str, key: tuple) -> tuple[pd.DataFrame, pd.DataFrame]:
     return data.plan_tables(data.read_json(Path(path)))
 
 
+def workers(name: str) -> pd.DataFrame:
+    path = run_path(name) / "workers.json"
+    return _workers(str(path), stamp(path))
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def _workers(path: str, key: tuple) -> pd.DataFrame:
+    return data.workers_table(data.read_json(Path(path)))
+
+
 def checkpoints(name: str) -> list[dict]:
     root = run_path(name) / "checkpoints"
     dirs = sorted(root.glob("step-*")) if root.is_dir() else []

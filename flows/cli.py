@@ -21,6 +21,8 @@ EPILOG = """examples:
   forgeweave run --preset smollm2-arith            # SmolLM2-135M-Instruct on 2-digit addition (make demo)
   forgeweave run --preset tiny --set update.lr=5e-4 --set steps=100 --name my-run
   forgeweave run --name my-run --resume            # continue from the last checkpoint
+  forgeweave run --preset tiny --set update.num_processes=2          # 2 update ranks as Ray actors (local Ray)
+  forgeweave run --config run.yaml --set orchestration.ray_address=auto   # on a Ray cluster (docs/ray.md)
   forgeweave eval runs/my-run/checkpoints/step-000100
   forgeweave dashboard                             # Streamlit dashboard of ./runs on http://127.0.0.1:8501
   forgeweave mlflow                                # MLflow UI on http://127.0.0.1:5000 for ./runs

@@ -92,11 +92,11 @@ class RayStages:
         self.plan = Plan.from_dict(plan)
         cores = {p["name"]: int(p.get("cpu_cores", 1)) for p in plan.get("pools", [])}
         self.actors: dict[str, list] = {}
-        self.names: dict[int, str] = {}
         self.policy_version = 0
         self.pad_id = load_tokenizer(cfg.model).pad_token_id
+        _check_pools(self.plan)
         try:
-            self._start_trainers(actor_specs(self.plan, "update", cores), plan)
+            self._start_trainers(actor_specs(self.plan, "update", cores))
             self._start_rollouts(cores)
             self.reward_actor = self._actor(actor_specs(self.plan, "reward", cores)[0], "reward")
             self._get([self.reward_actor.start.remote("reward", cfg)], "reward")
@@ -116,10 +116,9 @@ class RayStages:
             env["PYTHONPATH"] = str(REPO)
         actor = StageActor.options(resources=spec.resources, runtime_env=runtime_env).remote(env)
         self.actors.setdefault(stage, []).append(actor)
-        self.names[id(actor)] = f"{stage} actor {spec.index} (pool {spec.pool})"
         return actor
 
-    def _start_trainers(self, specs: list[ActorSpec], plan: dict) -> None:
+    def _start_trainers(self, specs: list[ActorSpec]) -> None:
         world = self.cfg.update.num_processes or len(specs)
         if world != len(specs):
             raise UserError(f"update.num_processes={world}, but Weaver planned {len(specs)} update processes")
@@ -252,10 +251,18 @@ class RayStages:
         return results
 
 
+def _check_pools(plan: Plan) -> None:
+    """Every pool the stages use must be offered by a node, else the actors would wait forever to be placed."""
+    offered = ray.cluster_resources()
+    for stage in ("rollout", "reward", "update"):
+        for pool in plan.for_stage(stage).pools:
+            if offered.get(pool_resource(pool), 0) <= 0:
+                raise UserError(
+                    f"no Ray node offers pool {pool!r} (stage {stage}): start its nodes with "
+                    f"`ray start --address HEAD:PORT --resources '{{\"{pool_resource(pool)}\": 1000}}'`"
+                )
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0][:300] if text else type(e).__name__
-
-
-def ray_stages_factory(cfg: RunConfig, run_dir: Path, plan: dict | None) -> RayStages:
-    return RayStages(cfg, run_dir, plan)

@@ -1,5 +1,6 @@
-"""forge must import where only torch / transformers / accelerate / safetensors / numpy exist (e.g. a GPU box):
-importing it must not pull in the orchestration, tracking or UI packages, nor the packages above it."""
+"""forge must import where only torch / transformers / accelerate / safetensors / numpy exist (e.g. a GPU box, or
+.venv-vllm for an engine actor): importing it must not pull in the orchestration (Prefect, Ray), tracking or UI
+packages, nor the packages above it."""
 
 import subprocess
 import sys
@@ -7,9 +8,10 @@ import sys
 CHECK = """
 import sys
 import forge.recipes.grpo, forge.rewards.ensemble, forge.rewards.aggregate, forge.rewards.judges, forge.trainer
+import forge.workers, forge.stages, forge.rollout.vllm  # the Ray actors' workers: vllm is imported only by an engine
 import forge.tracking_mlflow, forge.outbox  # mlflow itself is imported only when records are sent
 bad = sorted({m.split(".")[0] for m in sys.modules} & {"prefect", "mlflow", "streamlit", "pyarrow", "flows",
-                                                       "weaver", "dashboard", "pandas"})
+                                                       "weaver", "dashboard", "pandas", "ray", "vllm"})
 print("imported:", ",".join(bad) or "none")
 """
 

@@ -4,7 +4,7 @@
 `from weaver.plan import Plan, StageNeed, ...`.
 """
 
-from weaver.apply import ActorSpec, actor_specs, prefect_tags
+from weaver.apply import ActorSpec, actor_specs
 from weaver.balance import ThroughputBalancer
 from weaver.discover import Gpu, Resources, discover
 from weaver.errors import PlanError
@@ -27,6 +27,5 @@ __all__ = [
     "discover",
     "plan",
     "pools_from_dicts",
-    "prefect_tags",
     "stage_needs",
 ]

@@ -1,6 +1,5 @@
-"""Apply a plan: what each stage's processes get (devices, threads, the pool they must run on) and the Prefect tags of
-its task runs. Small pure functions over a `Plan` returning typed values; the execution layer (flows/) uses them
-and nothing else re-derives placement.
+"""Apply a plan: what each stage's processes get (devices, threads, the pool they must run on). Small pure functions
+over a `Plan` returning typed values; the execution layer (flows/) uses them and nothing else re-derives placement.
 
 - `actor_specs` is what the Ray adapter (flows/ray_exec.py) starts: one `ActorSpec` per process of a stage (each
   update rank, each rollout replica, the reward worker), rank/replica order = placement order (rank 0 first), with
@@ -11,8 +10,6 @@ and nothing else re-derives placement.
   Threads per process = the pool's cores // the stage's processes in that pool (at least 1), as `OMP_NUM_THREADS`
   and `FORGEWEAVE_THREADS` (for `torch.set_num_threads`). Stages of one pool take turns within a step (the loop is
   synchronous), so a stage does not divide cores with the stages it shares a pool with.
-- Prefect: every stage task carries `pool:<pool>` for each pool it uses and `stage:<stage>` (`prefect_tags`), so
-  the UI can filter a run's task runs by pool.
 """
 
 from __future__ import annotations
@@ -78,8 +75,3 @@ def process_env(stage: str, pool: str, devices: tuple[int, ...], threads: int, g
     if not gpu:
         env["ACCELERATE_USE_CPU"] = "1"
     return env
-
-
-def prefect_tags(plan: Plan, stage: str) -> list[str]:
-    """E.g. ["pool:gpu", "stage:update"]; one pool tag per pool the stage uses."""
-    return [f"pool:{p}" for p in dict.fromkeys(plan.for_stage(stage).pools)] + [f"stage:{stage}"]

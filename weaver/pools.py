@@ -10,8 +10,8 @@ Rules checked (by `pools_from_dicts` field by field, and by `validate_pools` for
 - a cpu pool lists no devices; its `memory_gib` is total RAM, 0 meaning "not declared" (memory is then not checked);
 - one GPU (host, index) belongs to at most one pool.
 A pool is one machine's share: a pool never spans hosts. Several pools may sit on one host (e.g. GPUs 0-5 for
-training and 6-7 for generation); `work_pool` names the Prefect work pool whose workers run this pool's stages in
-distributed mode ("" = run in-process, the default on one machine).
+training and 6-7 for generation). In Ray execution a pool's nodes offer the custom resource `pool:<name>`, which is
+how each stage's actors land on its pool (weaver.apply.actor_specs).
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ class Pool:
     host: str = "localhost"
     """Machine the pool lives on."""
     work_pool: str = ""
-    """Prefect work pool running this pool's stages in distributed mode ("" = in-process)."""
+    """Not used since Ray execution replaced the per-stage Prefect deployments; accepted so older configs load."""
     cpu_cores: int = 1
     """Cores on `host` this pool's processes may use."""
     memory_gib: float = 0.0
     """cpu: total RAM in GiB (0 = not declared, unchecked); gpu: memory PER device in GiB."""
     stages: tuple[str, ...] = ()
     """cpu pools: the stages this pool is reserved for (empty = any stage). E.g. a `gen` pool for rollout and a
-    `train` pool for update, each served by its own Prefect work pool in distributed mode."""
+    `train` pool for update, each a set of Ray nodes in Ray execution."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -118,6 +118,10 @@ def plan(name: str) -> None:
     st.dataframe(assignments, hide_index=True)
     st.caption("resource pools")
     st.dataframe(pools, hide_index=True)
+    workers = loaders.workers(name)
+    if not workers.empty:
+        st.caption("where each stage ran (one row per worker process; a Ray node id in Ray execution)")
+        st.dataframe(workers, hide_index=True)
 
 
 def config(name: str) -> None:

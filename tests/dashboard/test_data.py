@@ -126,6 +126,13 @@ def test_checkpoints_list_finished_ones_with_their_scores(tiny_run, tmp_path):
         (tiny_run / "checkpoints" / ".step-000016.tmp").rmdir()
 
 
+def test_workers_table_of_a_real_run(tiny_run):
+    table = data.workers_table(json.loads((tiny_run / "workers.json").read_text()))
+    assert set(table["stage"]) == {"rollout", "reward", "update"}
+    assert table["pid"].nunique() == 1  # in-process: every worker is the run's own process
+    assert set(table["ray node"]) == {"-"} and data.workers_table(None).empty
+
+
 def test_plan_tables_of_a_real_plan(tiny_run):
     pools, assignments = data.plan_tables(json.loads((tiny_run / "plan.json").read_text()))
     assert list(assignments["stage"]) == ["prep", "rollout", "reward", "update", "evaluate"]

@@ -61,6 +61,8 @@ def test_run_detail_shows_numbers_curves_samples_plan_and_config(tiny_run, monke
     # the Weaver plan and the config
     plan = next(d.value for d in at.dataframe if "stage" in d.value.columns)
     assert list(plan["stage"]) == ["prep", "rollout", "reward", "update", "evaluate"]
+    workers = next(d.value for d in at.dataframe if "ray node" in d.value.columns)
+    assert set(workers["stage"]) == {"rollout", "reward", "update"}
     config = next(d.value for d in at.dataframe if list(d.value.columns) == ["key", "value"])
     assert config.set_index("key").loc["update.lr", "value"] == "0.001"
 

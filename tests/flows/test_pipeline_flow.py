@@ -33,8 +33,6 @@ def test_run_is_a_prefect_flow_with_a_task_run_per_stage_per_step(runs_dir):
     expected |= {"evaluate-000002", "evaluate-000004", "checkpoint-000002", "checkpoint-000004"}
     assert expected <= set(names), expected - set(names)
     assert all(names[n].state.is_completed() for n in expected)
-    assert {"pool:cpu", "stage:update"} <= set(names["update-000001"].tags)  # Weaver's pools, for the UI's filters
-    assert "stage:update" in names["checkpoint-000002"].tags  # the update ranks write checkpoints
     assert summary["prefect_task_runs"] == len(expected)
     assert any(a.key == artifact_key("pf") and "pass@1" in (a.data or "") for a in artifacts)
     plan = json.loads((runs_dir / "pf" / "plan.json").read_text())

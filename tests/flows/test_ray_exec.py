@@ -174,6 +174,24 @@ def _kill_after(run_dir, step: int, stage: str) -> None:
         time.sleep(0.05)
 
 
+def test_a_pool_no_node_offers_is_a_one_line_error(cluster, tmp_path):
+    from forge.errors import UserError
+
+    cfg = ray_cfg()
+    cfg.pools[1]["name"] = "trainers"  # the cluster's nodes offer pool:gen and pool:train only
+    with pytest.raises(UserError, match="no Ray node offers pool 'trainers' \\(stage update\\): start its nodes"):
+        run(cfg, tmp_path / "nowhere")
+
+
+def test_resume_in_ray_mode_continues_a_finished_run(cluster, tmp_path):
+    d = tmp_path / "resumed"
+    run(ray_cfg(steps=2), d)
+    cfg = ray_cfg(steps=4)
+    _, plan = plan_run(cfg)
+    summary = train(cfg, d, plan, resume=True, progress=False)
+    assert summary["steps"] == 4 and [m["step"] for m in metrics(d)] == [0, 1, 2, 3, 4]
+
+
 def test_ray_mode_tiny_run_learns(cluster, tmp_path):
     cfg = tiny()
     cfg.orchestration.execution, cfg.tracking.mlflow, cfg.pools = "ray", False, copy.deepcopy(POOLS)

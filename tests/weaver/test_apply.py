@@ -1,8 +1,8 @@
-"""weaver.apply: the plan as the processes the execution layer starts (Ray actors) and the Prefect task tags."""
+"""weaver.apply: the plan as the processes the execution layer starts (Ray actors)."""
 
 import pytest
 
-from weaver.apply import actor_specs, prefect_tags
+from weaver.apply import actor_specs
 from weaver.errors import PlanError
 from weaver.plan import plan, stage_needs
 from weaver.pools import Pool
@@ -60,9 +60,3 @@ def test_multi_node_update_ranks_follow_the_placements_rank_0_first():
     assert {r.host for r in ranks[:7]} == {"node-a"} and {r.host for r in ranks[7:]} == {"node-b"}
     assert ranks[7].env["CUDA_VISIBLE_DEVICES"] == "0" and ranks[7].resources == {"pool:gpu-b": 0.001}
     assert [(r.host, r.devices) for r in actor_specs(p, "rollout", CORES)] == [("node-b", (7,))]
-
-
-def test_prefect_tags():
-    p = plan(stage_needs(B, gpu=True), TWO_NODES)
-    assert prefect_tags(p, "update") == ["pool:gpu-a", "pool:gpu-b", "stage:update"]
-    assert prefect_tags(p, "reward") == ["pool:cpu", "stage:reward"]
