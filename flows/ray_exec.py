@@ -93,6 +93,7 @@ class RayStages:
         cores = {p["name"]: int(p.get("cpu_cores", 1)) for p in plan.get("pools", [])}
         self.actors: dict[str, list] = {}
         self.policy_version = 0
+        self._in_store: tuple = (None, None)  # the last rollouts and their object-store copy (see `reward`)
         self.pad_id = load_tokenizer(cfg.model).pad_token_id
         _check_pools(self.plan)
         try:
@@ -177,10 +178,17 @@ class RayStages:
             ro = self._get([ref], "rollout")[0]
             self.balancer.observe(i, int(ro.completion_mask.sum()), max(time.perf_counter() - t0, 1e-6))
             parts.append(ro)
-        return parts[0] if len(parts) == 1 else concat_rollouts(parts, self.pad_id)
+        rollouts = parts[0] if len(parts) == 1 else concat_rollouts(parts, self.pad_id)
+        self._in_store = (rollouts, calls[0][2] if len(parts) == 1 else None)
+        return rollouts
 
     def reward(self, rows: list[dict], rollouts: Rollouts, step: int) -> Scored:
-        return self._get([self.reward_actor.call.remote("score", rows, rollouts, step)], "reward")[0]
+        """The reward actor reads the rollouts from the object store when they are still there (one replica) and
+        sends back only the scores: the rollouts do not cross the driver twice more."""
+        held, ref = self._in_store
+        arg = ref if held is rollouts and ref is not None else rollouts
+        scored = self._get([self.reward_actor.call.remote("score", rows, arg, step, False)], "reward")[0]
+        return dataclasses.replace(scored, batch=dataclasses.replace(scored.batch, rollouts=rollouts))
 
     def update(self, batch: ScoredBatch) -> UpdateStats:
         batch_ref = ray.put(batch)

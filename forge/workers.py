@@ -144,8 +144,10 @@ class RewardWorker:
                 names, r.window_steps, r.refit_every, cfg.seed, r.ensemble_model, r.ensemble_classes, r.necessary_checks
             )
 
-    def score(self, rows: list[dict], rollouts: Rollouts, step: int) -> Scored:
-        """Score step `step`'s completions; safe to repeat for the same step (the ensemble replaces its entry)."""
+    def score(self, rows: list[dict], rollouts: Rollouts, step: int, echo_rollouts: bool = True) -> Scored:
+        """Score step `step`'s completions; safe to repeat for the same step (the ensemble replaces its entry).
+        `echo_rollouts=False` leaves the rollouts out of the returned batch (`rollouts=None`) for a remote caller
+        that holds them already: they are the bulk of the record."""
         g = rollouts.group_size
         hidden = ("answer",) if self.cfg.reward.label_free else ()
         result = score_completions(
@@ -155,7 +157,8 @@ class RewardWorker:
         if self.aggregator is not None:  # label-free: P(correct | the V scores), refit on recent steps
             rewards, report = self.aggregator(result.scores, g, step)
         advantages = group_advantages(rewards, g, self.cfg.algo.advantage)  # [N]
-        batch = ScoredBatch(rollouts, result.names, result.scores, rewards, advantages, result.failures)
+        kept = rollouts if echo_rollouts else None
+        batch = ScoredBatch(kept, result.names, result.scores, rewards, advantages, result.failures)
         return Scored(batch=batch, ensemble_report=report)
 
     def state_dict(self) -> dict | None:

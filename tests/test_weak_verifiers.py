@@ -96,3 +96,5 @@ def test_ensemble_aggregator_ranks_passing_candidates_first_and_round_trips():
     clone.load_state_dict(agg.state_dict())
     again, _ = clone(scores, group_size=16, step=2)
     assert len(clone.window) == 2
+    retried, _ = clone(scores, group_size=16, step=2)  # a retried reward stage: the step's entry is replaced
+    assert len(clone.window) == 2 and torch.equal(retried, again)

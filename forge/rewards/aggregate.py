@@ -47,7 +47,9 @@ class EnsembleAggregator:
         """scores [N, V] (NaN = missing) -> (rewards [N], the ensemble report when it was refit this step)."""
         s = scores.double().numpy()
         groups = step * 1_000_000 + np.arange(len(s)) // group_size  # unique prompt ids across the window
-        self.window = [*self.window, (s, groups)][-self.window_steps :]
+        # a repeated call for the same step (a retried stage) replaces that step's entry instead of adding one
+        others = [w for w in self.window if int(w[1][0]) // 1_000_000 != step]
+        self.window = [*others, (s, groups)][-self.window_steps :]
         report = None
         if self.ensemble is None or step % self.refit_every == 0:
             report = self._refit()
