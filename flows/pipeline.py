@@ -27,7 +27,6 @@ from prefect.utilities.annotations import quote
 
 from forge.config import RunConfig
 from forge.io import write_json
-from forge.stages import WorkerLost
 
 STAGE_TASK = {"cache_policy": NONE, "persist_result": False}
 # stages that give the same result when repeated for their step (the rollout's seed is chosen before the call, the
@@ -39,11 +38,6 @@ RETRY_SAFE = {"prepare", "rollout", "reward", "evaluate", "checkpoint"}
 @task(name="stage", **STAGE_TASK)
 def stage_task(fn, *args):
     return fn(*args)
-
-
-def _not_a_lost_worker(task, task_run, state) -> bool:
-    """A dead actor is not retried by Prefect: the loop rebuilds the workers and resumes (forge.stages.WorkerLost)."""
-    return not isinstance(state.result(raise_on_failure=False), WorkerLost)
 
 
 class PrefectRunner:
@@ -65,7 +59,6 @@ class PrefectRunner:
             task_run_name=f"{stage}-{step:06d}",
             retries=retries,
             retry_delay_seconds=o.retry_delay_s,
-            retry_condition_fn=_not_a_lost_worker,
         )
         # quote(): hand the batch over as is; Prefect would otherwise walk every string and tensor in it
         result = t(quote(fn), *[quote(a) for a in args])
