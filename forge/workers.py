@@ -229,10 +229,6 @@ class TrainerWorker:
         self.trainer.restore(Path(ckpt), load_state(Path(ckpt))["trainer"])
         return self.trainer.policy_version
 
-    def checksums(self) -> list[float]:
-        """Per-tensor parameter sums (equal lists on every rank = the ranks hold the same weights; DDP)."""
-        return [float(p.detach().double().sum()) for p in self.trainer.unwrapped.parameters()]
-
     def where(self) -> dict:
         return {**where(), "stage": "update", "rank": self.rank, "world": self.world}
 
