@@ -8,7 +8,8 @@ its own contiguous share of the rows; DDP (and FSDP's reduce-scatter) average gr
 scales its loss by the world size to keep the same global sum. The reported loss, KL, clip fractions and entropy
 are summed over ranks, so they, too, do not depend on the split.
 
-Precision: bf16 mixed precision on GPUs, fp32 on CPU (`update.autocast_bf16` opts a CPU run into bf16 autocast).
+Precision: bf16 mixed precision on GPUs, fp32 on CPU (`update.autocast_bf16` opts a CPU run into bf16 autocast
+where the CPU has bf16 units; `forge.precision`).
 FSDP (`update.strategy=fsdp`, more than one rank) shards the model with torch's `fully_shard` (FSDP2) per decoder
 layer and at the root, because Accelerate 1.15's FSDP plugin is silently ignored on CPU (it wraps the model in
 DDP); trainer state is then gathered to full tensors, so checkpoints are the same whatever the strategy.
@@ -35,6 +36,7 @@ from forge.config import RunConfig
 from forge.distributed import fsdp
 from forge.losses import StepTotals, policy_loss
 from forge.lr import AdaptiveLR, scheduled_lr
+from forge.precision import bf16_autocast
 from forge.records import ScoredBatch, UpdateStats
 
 
@@ -104,6 +106,7 @@ class Trainer:
         assert cfg.algo.beta == 0 or ref_model is not None, "algo.beta > 0 needs a reference model"
         self.ref_model = ref_model
         self.adaptive = AdaptiveLR.from_config(u)
+        self.autocast_bf16 = bf16_autocast(u.autocast_bf16, self.accelerator.device.type, "update.autocast_bf16")
         self.step = 0
         self.policy_version = 0
 
@@ -183,7 +186,7 @@ class Trainer:
             mb["completion_ids"],
             mb["completion_mask"],
             temperature=self.cfg.rollout.temperature,
-            autocast_bf16=self.cfg.update.autocast_bf16,
+            autocast_bf16=self.autocast_bf16,
             completion_only=self.cfg.update.logits_completion_only,
         )
 

@@ -12,6 +12,7 @@ import contextlib
 
 import torch
 
+from forge.precision import bf16_autocast
 from forge.records import Rollouts
 from forge.rollout.base import SamplingParams, cat_padded
 
@@ -20,7 +21,7 @@ class HFBackend:
     def __init__(self, model, tokenizer, autocast_bf16: bool = False, batch_size: int = 64):
         self.model = model
         self.tokenizer = tokenizer
-        self.autocast_bf16 = autocast_bf16
+        self.autocast_bf16 = bf16_autocast(autocast_bf16, model.device.type, "rollout.autocast_bf16")
         self.batch_size = batch_size
         self.policy_version = 0
 
