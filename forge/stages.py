@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from forge.config import RunConfig
+from forge.errors import UserError
 from forge.records import Rollouts, Scored, ScoredBatch, UpdateStats
 from forge.rollout import SamplingParams
 from forge.workers import RewardWorker, RolloutWorker, TrainerWorker
@@ -109,6 +110,11 @@ class LocalStages:
     """All workers in this process: one update process; the rollout shares the trainer's module."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, plan: dict | None = None):
+        if cfg.algo.max_staleness > 0:  # the rollout samples from the trainer's own module: no older weights exist
+            raise UserError(
+                "algo.max_staleness > 0 needs the rollout in a process of its own: run it with "
+                "orchestration.execution=ray (or auto), or set algo.max_staleness=0"
+            )
         self.trainer = TrainerWorker(cfg)
         model = self.trainer.trainer.unwrapped
         self.rollout_worker = RolloutWorker(cfg, model=model, tokenizer=self.trainer.tokenizer)

@@ -8,7 +8,7 @@ CISPO, RLOO advantages) are config choices of the components (`forge.losses`, `f
 
 Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024) live in the components and are config: token-level
 loss normalisation by default (`algo.loss_type`), no KL term unless `algo.beta` > 0, an adaptive LR controller
-(`update.adaptive`).
+(`update.adaptive`), and optionally off-policy batches (asynchronous, below) with truncated importance weights.
 
 Asynchronous GRPO (`algo.max_staleness` = k >= 1, Ray actors): the rollouts of steps t+1..t+k are started before
 the update of step t, so sampling overlaps the update; the rollout of step t+k samples from the weights of step
@@ -390,7 +390,7 @@ def _overlap_metrics(ro: Rollouts, stats: UpdateStats, wall: float, staleness: i
         "train/is_truncated_frac": stats.is_truncated_frac,
         "perf/rollout_idle_frac": idle(ro.seconds),  # the sampler's own seconds vs the step's wall time
         "perf/trainer_idle_frac": idle(stats.seconds),
-        "time/step_s": wall,
+        "perf/step_s": wall,
     }
 
 
