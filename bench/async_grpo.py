@@ -10,7 +10,7 @@ greedy pass@1 on 200 held-out problems before and after.
 Seconds per step are `perf/step_s` (the loop's wall time of a step: waiting for the rollout, reward, update),
 median over the steps after the first two (warm-up, and the start of the one-step-off pipeline). "ideal" is
 max(rollout, update) / (rollout + update) from the on-policy run's own stage times: what a perfect overlap gives.
-Usage: python bench/async_grpo.py [--steps 32] [--eval-problems 200]
+Usage: python bench/async_grpo.py [--steps 32] [--eval-problems 200] [--set rollout.max_new_tokens=96 ...]
 """
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ POOLS = [
 ]
 
 
-def one_run(staleness: int, steps: int, problems: int, run_dir: Path) -> dict:
+def one_run(staleness: int, steps: int, problems: int, run_dir: Path, extra: list[str]) -> dict:
     from flows.execute import train
     from flows.planning import plan_run
     from flows.runs import resolve_run
 
-    sets = [*TASK, f"steps={steps}", f"eval.max_problems={problems}", f"algo.max_staleness={staleness}"]
+    sets = [*TASK, *extra, f"steps={steps}", f"eval.max_problems={problems}", f"algo.max_staleness={staleness}"]
     cfg, run_dir = resolve_run("smollm2-arith", None, sets, run_dir.name, str(run_dir.parent), False)
     cfg.pools = POOLS
     _, plan = plan_run(cfg)
@@ -82,17 +82,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--eval-problems", type=int, default=200)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for both runs")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="fw-bench-async-"))
     print(f"machine: {os.cpu_count()} cores; runs in {root}", flush=True)
-    res = {k: one_run(k, args.steps, args.eval_problems, root / f"staleness-{k}") for k in (0, 1)}
+    res = {k: one_run(k, args.steps, args.eval_problems, root / f"staleness-{k}", args.set) for k in (0, 1)}
     sync, off = res[0], res[1]
     print(f"\nSmolLM2-135M-Instruct, vLLM rollout and trainer on one core each, {args.steps} steps per run")
+    if args.set:
+        print("overrides: " + " ".join(args.set))
     head = ("s/step", "rollout wait", "update", "rollout idle", "trainer idle", "logprob diff", "pass@1", "wall s")
     print(f"{'run':<18}" + "".join(f"{h:>14}" for h in head))
     for name, r in (("on-policy", sync), ("max_staleness=1", off)):
         cells = [f"{r['step_s']:.2f}", f"{r['rollout_s']:.2f}", f"{r['update_s']:.2f}", f"{r['rollout_idle']:.2f}",
-                 f"{r['trainer_idle']:.2f}", f"{r['logprob_diff']:.4f}", f"{r['before']:.3f}->{r['after']:.3f}",
+                 f"{r['trainer_idle']:.2f}", f"{r['logprob_diff']:.1e}", f"{r['before']:.3f}->{r['after']:.3f}",
                  f"{r['wall_s']:.0f}"]  # fmt: skip
         print(f"{name:<18}" + "".join(f"{c:>14}" for c in cells))
     ideal = max(sync["rollout_s"], sync["update_s"]) / (sync["rollout_s"] + sync["update_s"])

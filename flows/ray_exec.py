@@ -193,7 +193,7 @@ class RayStages:
 
     def rollout(self, started: RayStep) -> Rollouts:
         if started.rollouts is None:
-            self._collect_loads()
+            self._collect_loads(wait=False)  # a load queued behind this rollout must not hold up the trainer
             got = self._get([ref for _, ref in started.parts], "rollout")
             for (i, _), ro in zip(started.parts, got, strict=True):  # the replica's own sampling time
                 self.balancer.observe(i, int(ro.completion_mask.sum()), max(ro.seconds, 1e-6))
@@ -219,11 +219,15 @@ class RayStages:
             return dataclasses.replace(stats, sync_seconds=self._load_seconds)
         return dataclasses.replace(stats, sync_seconds=self._load(calls[0][1], stats.policy_version))
 
-    def _collect_loads(self) -> None:
-        """Wait for (and check) the weight loads queued by an asynchronous update."""
-        if self._loads:
-            self._load_seconds = max(self._get(self._loads, "rollout"))
-            self._loads = []
+    def _collect_loads(self, wait: bool = True) -> None:
+        """Check the weight loads an asynchronous update queued (re-raising a failed one): all of them, or with
+        `wait=False` those done already."""
+        if not self._loads:
+            return
+        done = self._loads if wait else ray.wait(self._loads, num_returns=len(self._loads), timeout=0)[0]
+        if done:
+            self._load_seconds = max(self._get(done, "rollout"))
+            self._loads = [ref for ref in self._loads if ref not in done]
 
     def evaluate(self, rows: list[dict], step: int) -> dict:
         self._collect_loads()

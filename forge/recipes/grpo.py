@@ -372,7 +372,7 @@ def _step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: d
             "train/lr_scale": stats.lr_scale,
             "train/advantage_abs_mean": float(batch.advantages.abs().mean()),
             "policy/version": float(stats.policy_version),
-            "perf/rollout_tokens_per_s": tokens / max(times["rollout"], 1e-9),
+            "perf/rollout_tokens_per_s": tokens / max(ro.seconds or times["rollout"], 1e-9),  # the sampler's time
             "perf/update_tokens_per_s": stats.tokens * 1.0 / max(times["update"], 1e-9),
         }
     )

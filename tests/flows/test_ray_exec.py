@@ -186,9 +186,11 @@ def test_a_pool_no_node_offers_is_a_one_line_error(cluster, tmp_path):
 
 
 def test_ray_mode_tiny_run_learns_asynchronously(cluster, tmp_path):
-    """The tiny preset with one-step-off asynchronous GRPO (max_staleness=1, TIS by default) still learns."""
+    """The tiny preset with one-step-off asynchronous GRPO (max_staleness=1, TIS by default) still learns. One core
+    per pool: rollout and update now run at the same time, and more threads than cores would make both crawl."""
     cfg = tiny()
     cfg.orchestration.execution, cfg.tracking.mlflow, cfg.pools = "ray", False, copy.deepcopy(POOLS)
+    cfg.pools[1]["cpu_cores"] = 1
     cfg.eval.every = cfg.checkpoint.every = 100
     cfg.algo.max_staleness = 1
     summary = run(cfg, tmp_path / "learn")
