@@ -213,8 +213,8 @@ class RayStages:
         calls = [a.call.options(num_returns=2).remote("step", batch_ref, True) for a in self.actors["update"]]
         stats = self._get([c[0] for c in calls], "update")[0]  # every rank: a dead one is named, not a peer's error
         if self.cfg.algo.max_staleness > 0:
-            self._loads = [a.call.remote("load_weights", calls[0][1], stats.policy_version)
-                           for a in self.actors["rollout"]]  # fmt: skip
+            self._loads += [a.call.remote("load_weights", calls[0][1], stats.policy_version)
+                            for a in self.actors["rollout"]]  # fmt: skip
             self.policy_version = stats.policy_version
             return dataclasses.replace(stats, sync_seconds=self._load_seconds)
         return dataclasses.replace(stats, sync_seconds=self._load(calls[0][1], stats.policy_version))
