@@ -15,6 +15,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -28,6 +30,7 @@ from flows.planning import plan_run
 from flows.ray_exec import RayStages
 from forge.presets import tiny
 from forge.recipes.grpo import run as grpo_run
+from tests.servers import REPO
 
 pytestmark = pytest.mark.slow
 POOLS = [
@@ -242,14 +245,29 @@ def test_staleness_never_exceeds_the_cap_and_rollouts_overlap_a_slow_update(asyn
     assert all(0 <= m["perf/rollout_idle_frac"] <= 1 and 0 <= m["perf/trainer_idle_frac"] <= 1 for m in rows)
 
 
-def test_async_resume_matches_the_uninterrupted_run(cluster, async_run, tmp_path):
-    """A finished 2-step run resumed to 4 steps in Ray mode: the same numbers as the uninterrupted (and slowed) run
-    — the schedule does not depend on timing, and nothing was in flight at the checkpoint."""
-    d = tmp_path / "resumed"
-    run(async_cfg(steps=2), d)
+def test_async_run_killed_with_sigkill_resumes_to_the_uninterrupted_runs_numbers(cluster, async_run, tmp_path):
+    """A driver on the cluster is SIGKILLed once the checkpoint at step 2 is written (step 3's rollout, and the
+    next, started or running); its actors die with it. `--resume` then ends with the numbers of the uninterrupted
+    (and slowed) run: the schedule does not depend on timing, and nothing was in flight at the checkpoint."""
+    d = tmp_path / "killed"
+    script = (
+        "import sys, ray; from flows.execute import train; from flows.planning import plan_run; "
+        "from tests.flows.test_ray_exec import async_cfg; ray.init(address=sys.argv[1], log_to_driver=False); "
+        "cfg = async_cfg(); train(cfg, __import__('pathlib').Path(sys.argv[2]), plan_run(cfg)[1], progress=False)"
+    )
+    address = ray.get_runtime_context().gcs_address
+    driver = subprocess.Popen([sys.executable, "-c", script, address, str(d)], cwd=REPO, stderr=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, text=True)  # fmt: skip
+    latest = d / "checkpoints" / "latest"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and driver.poll() is None and not latest.exists():
+        time.sleep(0.05)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait(timeout=30)
+    assert latest.read_text().strip() == "step-000002", driver.stderr.read()[-2000:]
+    assert not (d / "summary.json").exists(), "the kill landed too late to test resume"
     cfg = async_cfg()
-    _, plan = plan_run(cfg)
-    train(cfg, d, plan, resume=True, progress=False)
+    train(cfg, d, plan_run(cfg)[1], resume=True, progress=False)
     assert_close_runs(d, async_run, rel=1e-6)
 
 
