@@ -44,7 +44,7 @@ from forge.outbox import Outbox, fresh_state, sending_lock
 from forge.rundir import flatten
 from forge.tracking import NullTracker
 
-CHECKPOINT_SKIP = {"trainer_state.pt"}  # optimizer/RNG state: needed to resume, not to use the model
+CHECKPOINT_SKIP = {"trainer_state.json", "trainer_state.safetensors", "trainer_state.pt"}  # resume state, not the model
 PERMANENT = {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST"}
 BATCH_LIMITS = {"metrics": 1000, "params": 100, "tags": 100}
 MAX_PARAM_CHARS = 6000
