@@ -354,3 +354,89 @@ def test_truncate_after_repairs_torn_line_before_appending(tmp_path: Path):
     t.log_metrics({"a": 3}, 3)
     assert read_metrics(t.path) == [{"step": 1, "a": 1}, {"step": 2, "a": 2}, {"step": 3, "a": 3}]
     assert t.path.read_text().endswith("\n")
+
+
+# ---------------------------------------------------------------- run level: metrics, SIGKILL mid background save
+
+KILL_RUN = """
+import sys, time
+import forge.checkpoint as c
+from tests.test_checkpoint import small_run_cfg
+from forge.recipes.grpo import run
+
+real = c.write_shards
+
+def held(path, shards, group=None):  # step 4's shards are written, then the writer never finishes
+    real(path, shards, group)
+    if "step-000004" in str(path):
+        time.sleep(600)
+
+c.write_shards = held
+run(small_run_cfg(), __import__("pathlib").Path(sys.argv[1]), progress=False)
+"""
+
+
+def small_run_cfg():
+    from forge.presets import tiny
+
+    cfg = tiny()
+    cfg.steps, cfg.threads, cfg.checkpoint.every, cfg.tracking.mlflow = 4, 1, 2, False
+    cfg.eval.every, cfg.eval.k, cfg.eval.max_problems = 0, 0, 8
+    cfg.rollout.prompts_per_step = 4
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory) -> Path:
+    from forge.recipes.grpo import run
+
+    d = tmp_path_factory.mktemp("straight") / "run"
+    run(small_run_cfg(), d, progress=False)
+    return d
+
+
+def test_checkpoint_seconds_stall_and_bytes_are_recorded(straight_run):
+    rows = {r["step"]: r for r in read_metrics(straight_run / "metrics.jsonl")}
+    assert sorted(rows) == [0, 1, 2, 3, 4]
+    for step in (2, 4):  # checkpoint.every=2 (and the last step)
+        r = rows[step]
+        assert 0 < r["time/checkpoint_stall_s"] <= r["time/checkpoint_s"]
+        assert "train/loss" in r  # the checkpoint's row merged into its step's
+    info = json.loads((straight_run / "checkpoints" / "step-000004" / "checkpoint.json").read_text())
+    assert rows[4]["checkpoint/bytes"] == info["bytes"] + len(json.dumps(info, indent=2)) + 1
+    summary = json.loads((straight_run / "summary.json").read_text())
+    assert summary["checkpoint"] == {"async_save": True, "bytes": rows[4]["checkpoint/bytes"], "last": "step-000004"}
+    assert summary["seconds"]["checkpoint_total"] >= summary["seconds"]["checkpoint_stall"] > 0
+
+
+def test_sigkill_during_a_background_save_keeps_latest_and_resumes_exactly(straight_run, tmp_path):
+    """The run is killed while step 4's save is being written in the background (its shards on disk, the rest
+    not): `latest` still names step 2, complete; --resume redoes steps 3-4 and ends as the uninterrupted run."""
+    import subprocess
+    import sys
+
+    from forge.recipes.grpo import run
+    from tests.servers import REPO
+
+    d = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    victim = subprocess.Popen([sys.executable, "-c", KILL_RUN, str(d)], cwd=REPO, env=env,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    partial = d / "checkpoints" / ".step-000004.partial" / "state"
+    deadline = time.time() + 240
+    while time.time() < deadline and victim.poll() is None and not list(partial.glob("*.safetensors")):
+        time.sleep(0.05)
+    assert victim.poll() is None, victim.stderr.read()[-2000:]
+    victim.kill()
+    victim.wait(timeout=30)
+    root = d / "checkpoints"
+    assert latest_checkpoint(root) == root / "step-000002" and not (root / "step-000004").exists()
+    assert load_state(root / "step-000002")["step"] == 2
+    run(small_run_cfg(), d, resume=True, progress=False)
+    assert not (root / ".step-000004.partial").exists()  # the killed save's leftovers are removed on resume
+    a, b = ckpt_mod.read_weights(straight_run / "checkpoints" / "step-000004"), ckpt_mod.read_weights(root / "step-000004")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    keep = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "checkpoint/"))}  # noqa: E731
+    assert [keep(r) for r in read_metrics(d / "metrics.jsonl")] == [
+        keep(r) for r in read_metrics(straight_run / "metrics.jsonl")
+    ]
