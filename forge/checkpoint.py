@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from forge.errors import UserError
-from forge.io import atomic_write_text, write_json
+from forge.io import atomic_write_text
 
 STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"

@@ -125,7 +125,8 @@ def test_a_planted_pickle_is_never_executed(tmp_path: Path, tok, monkeypatch):
     old = tmp_path / "old" / "step-000001"
     old.mkdir(parents=True)
     (old / "trainer_state.pt").write_bytes(pickle.dumps(_Planted()))
-    with pytest.raises(UserError, match=r"has no trainer_state.json \(a pickled .* never loaded\): start the run again") as e:
+    refused = r"has no trainer_state.json \(a pickled .* never loaded\): start the run again"
+    with pytest.raises(UserError, match=refused) as e:
         load_state(old)
     assert "\n" not in str(e.value) and not marker.exists()
 
@@ -434,7 +435,8 @@ def test_sigkill_during_a_background_save_keeps_latest_and_resumes_exactly(strai
     assert load_state(root / "step-000002")["step"] == 2
     run(small_run_cfg(), d, resume=True, progress=False)
     assert not (root / ".step-000004.partial").exists()  # the killed save's leftovers are removed on resume
-    a, b = ckpt_mod.read_weights(straight_run / "checkpoints" / "step-000004"), ckpt_mod.read_weights(root / "step-000004")
+    a = ckpt_mod.read_weights(straight_run / "checkpoints" / "step-000004")
+    b = ckpt_mod.read_weights(root / "step-000004")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     keep = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "checkpoint/"))}  # noqa: E731
     assert [keep(r) for r in read_metrics(d / "metrics.jsonl")] == [

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from flows.execute import train
 from flows.planning import plan_run
 from forge.presets import tiny
+from forge.tracking import read_metrics
 
 pytestmark = pytest.mark.slow
 POOLS = [
@@ -60,8 +61,8 @@ def ray_cfg(ranks: int = 2, steps: int = 4):
 
 
 def metrics(run_dir) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
+    rows = read_metrics(run_dir / "metrics.jsonl")  # one row per step: checkpoint records merged in
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "checkpoint/"))} for r in rows]
 
 
 def assert_close_runs(a, b, rel: float = 1e-4) -> None:
@@ -142,7 +143,7 @@ def test_two_node_vllm_run_equals_a_one_rank_run(cluster, tmp_path):
 
 
 def _raw_metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir / "metrics.jsonl")
 
 
 @pytest.mark.parametrize("stage", ["rollout", "update"])
