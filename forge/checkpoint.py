@@ -40,6 +40,7 @@ import random
 import shutil
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,8 @@ SHARDS = "state"
 WEIGHTS = "model.safetensors"
 LEGACY_STATE = "trainer_state.pt"  # pickled by forgeweave before issue 19: refused
 PARTIAL = ".partial"
+# DCP warns on every single-process save/load that it assumes one process: that is what no_dist asks for
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def step_dir_name(step: int) -> str:
@@ -245,12 +248,13 @@ def _size(path: Path) -> int:
 
 
 def write_shards(path: Path, shards: dict[str, torch.Tensor], group=None) -> None:
-    """Collective over `group`: each rank writes its tensors (fsynced) with DCP's safetensors storage."""
+    """Collective over `group` (None: one process): each rank writes its tensors (fsynced) with DCP's
+    safetensors storage."""
     from torch.distributed.checkpoint import save
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
 
     writer = HuggingFaceStorageWriter(str(path), save_distributed=True)
-    save(shards, storage_writer=writer, process_group=group, no_dist=group is None)
+    save(shards, storage_writer=writer, process_group=group, no_dist=not _distributed())
 
 
 def read_shards(ckpt: Path, targets: dict[str, torch.Tensor], group=None) -> None:
@@ -260,7 +264,11 @@ def read_shards(ckpt: Path, targets: dict[str, torch.Tensor], group=None) -> Non
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 
     load(targets, storage_reader=HuggingFaceStorageReader(str(ckpt / SHARDS)), process_group=group,
-         no_dist=group is None)  # fmt: skip
+         no_dist=not _distributed())  # fmt: skip
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def shard_keys(ckpt: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
