@@ -165,13 +165,13 @@ class SaveReport:
     bytes: int  # size of the checkpoint directory
 
 
-def begin_checkpoint(root: Path, step: int, rank: int, barrier: Callable[[], None]) -> Path:
-    """Collective: the empty `.step-NNNNNN.partial/` every rank writes into (rank 0 clears a stale one first)."""
+def begin_checkpoint(root: Path, step: int, rank: int) -> Path:
+    """The empty `.step-NNNNNN.partial/` every rank writes into; rank 0 clears a stale one first. No barrier is
+    needed: ranks write their shards only after DCP's planning collective, which rank 0 joins after this."""
     tmp = root / f".{step_dir_name(step)}{PARTIAL}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / SHARDS).mkdir(parents=True)
-    barrier()
     return tmp
 
 
@@ -287,21 +287,26 @@ def has_weights(ckpt: Path) -> bool:
 
 
 def export_model(ckpt: Path, out: Path | None = None) -> Path:
-    """Write the checkpoint's weights as an HF `model.safetensors` (into `out`, default the checkpoint itself),
-    assembled in this process from the shards; config and tokenizer files are copied when `out` is elsewhere."""
+    """Write the checkpoint's weights as an HF `model.safetensors` into `out` (default: the checkpoint itself),
+    assembled in this process from the shards (or copied, when the checkpoint has the file already); config and
+    tokenizer files are copied when `out` is elsewhere. Returns the weights file."""
     from safetensors.torch import save_file
 
     ckpt, out = Path(ckpt), Path(out or ckpt)
-    keys = {k: v for k, v in shard_keys(ckpt).items() if k.startswith("model.")}
-    if not keys:
-        raise UserError(f"checkpoint '{ckpt}' has no sharded weights to export (state/ is missing or has none)")
-    targets = {k: torch.empty(size, dtype=dtype) for k, (size, dtype) in keys.items()}
-    read_shards(ckpt, targets)
     out.mkdir(parents=True, exist_ok=True)
     if out != ckpt:
         for f in ckpt.iterdir():
             if f.is_file() and f.suffix == ".json" and not f.name.startswith(("trainer_state", "checkpoint")):
                 shutil.copy2(f, out / f.name)
+    if has_weights(ckpt):
+        if out != ckpt:
+            shutil.copy2(ckpt / WEIGHTS, out / WEIGHTS)
+        return out / WEIGHTS
+    keys = {k: v for k, v in shard_keys(ckpt).items() if k.startswith("model.")}
+    if not keys:
+        raise UserError(f"checkpoint '{ckpt}' has no weights to export (no model.safetensors, no state/ shards)")
+    targets = {k: torch.empty(size, dtype=dtype) for k, (size, dtype) in keys.items()}
+    read_shards(ckpt, targets)
     tmp = out / f".{WEIGHTS}.tmp"
     save_file({k[len("model.") :]: v for k, v in targets.items()}, tmp, metadata={"format": "pt"})
     _fsync(tmp)

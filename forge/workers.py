@@ -216,7 +216,9 @@ class TrainerWorker:
         ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.beta > 0 else None
         self.trainer = Trainer(model, cfg, total_steps=cfg.steps, ref_model=ref, accelerator=accelerator)
         self.saver = AsyncCheckpointer()
-        self._ckpt_group = None
+        # the checkpoint writer's DCP collectives run on a gloo group of their own, so they never interleave with
+        # training's on the default group; made now, while every rank is here (None with one process)
+        self.checkpoint_group = torch.distributed.new_group(backend="gloo") if world > 1 else None
 
     @property
     def policy_version(self) -> int:
@@ -237,11 +239,11 @@ class TrainerWorker:
         state; every rank must call it. Waits for the save in flight first (at most one), snapshots (a host copy
         when `checkpoint.async_save`) and writes in a background thread (async) or before returning."""
         self.saver.wait()
-        tmp = begin_checkpoint(Path(root), step, self.rank, self._barrier)
+        tmp = begin_checkpoint(Path(root), step, self.rank)
         if self.rank == 0:
             write_model_files(tmp, self.trainer.unwrapped, self.tokenizer)
         snap = self._snapshot(step, {**payload, "rng": rng_state()}, eval_score)
-        write = functools.partial(write_checkpoint, tmp, snap, self.rank, self._checkpoint_group())
+        write = functools.partial(write_checkpoint, tmp, snap, self.rank, self.checkpoint_group)
         (self.saver.submit if self.cfg.checkpoint.async_save else self.saver.run)(write)
 
     def wait_saved(self) -> SaveReport | None:
@@ -259,17 +261,6 @@ class TrainerWorker:
             shards, weights = host_copy(shards), host_copy(weights) if weights is not None else None
         state = {**payload, "trainer": plain, "step": step, "eval_score": eval_score} if self.rank == 0 else {}
         return Snapshot(step, shards, weights, *encode_state(state), eval_score, self.world)
-
-    def _checkpoint_group(self):
-        """A gloo group of the update ranks for checkpoint collectives alone: the background writer's DCP
-        collectives never interleave with training's on the default group (None with one process)."""
-        if self.world > 1 and self._ckpt_group is None:
-            self._ckpt_group = torch.distributed.new_group(backend="gloo")
-        return self._ckpt_group
-
-    def _barrier(self) -> None:
-        if self.world > 1:
-            torch.distributed.barrier(group=self._checkpoint_group())
 
     def restore(self, ckpt: str) -> int:
         """Weights and trainer state from checkpoint directory `ckpt`; returns the restored policy version."""

@@ -199,3 +199,20 @@ def test_existing_run_dir_is_not_overwritten(runs_dir, capsys):
     assert main(["run", "--preset", "tiny", "--name", "x", "--runs-dir", str(runs_dir)]) == 2
     assert "--resume" in _one_line_error(capsys)
     assert (runs_dir / "x" / "keep.txt").read_text() == "data"
+
+
+def test_export_writes_an_hf_directory_and_refuses_a_non_checkpoint(tmp_path, capsys):
+    from forge.models import build_char_tokenizer, build_tiny_model
+    from forge.workers import TrainerWorker
+    from tests.test_trainer import make_cfg
+
+    tok = build_char_tokenizer()
+    w = TrainerWorker(make_cfg(), model=build_tiny_model(tok, hidden=32, layers=1, seed=0), tokenizer=tok)
+    w.save(str(tmp_path / "checkpoints"), 1, {}, None)
+    ckpt = Path(w.wait_saved().path)
+    assert main(["export", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
+    assert load_file(tmp_path / "hf" / "model.safetensors").keys() == load_file(ckpt / "model.safetensors").keys()
+    assert (tmp_path / "hf" / "config.json").is_file()
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "hf")]) == 2
+    assert "is not a forgeweave checkpoint (no checkpoint.json)" in _one_line_error(capsys)
