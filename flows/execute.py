@@ -24,7 +24,9 @@ def use_ray(cfg: RunConfig, plan: dict | None) -> bool:
 
 
 def _needs_processes(cfg: RunConfig, plan: dict | None) -> bool:
-    return cfg.rollout.backend == "vllm" or cfg.rollout.replicas > 1 or update_processes(cfg, plan) > 1
+    r = cfg.rollout
+    # asynchronous GRPO samples from older weights while the trainer steps: a rollout process of its own
+    return r.backend == "vllm" or r.replicas > 1 or update_processes(cfg, plan) > 1 or cfg.algo.max_staleness > 0
 
 
 def update_processes(cfg: RunConfig, plan: dict | None) -> int:
@@ -61,7 +63,7 @@ def train(
             return run(cfg, run_dir, stages=RayStages, **kwargs, execution="ray", **summary_extra)
     if _needs_processes(cfg, plan):
         raise UserError(
-            "orchestration.execution=embedded runs one process, but rollout.backend=vllm, rollout.replicas>1 and "
-            "update.num_processes>1 need several: set orchestration.execution=ray (or auto)"
+            "orchestration.execution=embedded runs one process, but rollout.backend=vllm, rollout.replicas>1, "
+            "update.num_processes>1 and algo.max_staleness>0 need several: set orchestration.execution=ray (or auto)"
         )
     return run(cfg, run_dir, **kwargs, execution="embedded", **summary_extra)

@@ -34,6 +34,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -83,6 +84,15 @@ def ray_session(cfg: RunConfig, plan: dict, run_name: str):
             reaper.wait(timeout=10)
 
 
+@dataclass
+class RayStep:
+    """A started step: its generate calls (replica index, result ref), its scoring call, its rollouts once here."""
+
+    parts: list[tuple[int, ray.ObjectRef]]
+    score: ray.ObjectRef
+    rollouts: Rollouts | None = None
+
+
 class RayStages:
     """`forge.stages.Stages` over Ray actors placed by Weaver's plan. Needs `ray_session` (or ray.init) first."""
 
@@ -94,7 +104,8 @@ class RayStages:
         cores = {p["name"]: int(p.get("cpu_cores", 1)) for p in plan.get("pools", [])}
         self.actors: dict[str, list] = {}
         self.policy_version = 0
-        self._in_store: tuple = (None, None)  # the last rollouts and their object-store copy (see `reward`)
+        self._loads: list = []  # weight loads an asynchronous update queued on the rollout actors
+        self._load_seconds = 0.0
         self.pad_id = load_tokenizer(cfg.model).pad_token_id
         _check_pools(self.plan)
         try:
@@ -164,41 +175,59 @@ class RayStages:
 
     # ------------------------------------------------------------ Stages
 
-    def rollout(self, prompts: list[str], params: SamplingParams) -> Rollouts:
+    def start(self, rows: list[dict], prompts: list[str], params: SamplingParams, step: int) -> RayStep:
+        """Submit the step's generate calls (split over the replicas in whole groups) and its scoring, which the
+        reward actor runs as soon as the rollouts exist (Ray passes it their object-store copies): nothing waits.
+        Calls from this driver run on an actor in the order they were made, so each generate sees the weights
+        loaded last before it, whatever the update is doing meanwhile."""
         actors, n = self.actors["rollout"], params.n
         sizes = self.balancer.split(len(prompts)) if len(actors) > 1 else [len(prompts)]
-        calls, lo = [], 0
+        parts, lo = [], 0
         for i, size in enumerate(sizes):
             if size:  # with a seed, row j of this chunk is row lo*n + j of the step (vLLM seeds row by row)
                 part = params if params.seed is None else dataclasses.replace(params, seed=params.seed + lo * n)
-                ref = actors[i].call.remote("generate", prompts[lo : lo + size], part, self.policy_version)
-                calls.append((i, time.perf_counter(), ref))
+                parts.append((i, actors[i].call.remote("generate", prompts[lo : lo + size], part, self.policy_version)))
             lo += size
-        parts = []
-        for i, t0, ref in calls:
-            ro = self._get([ref], "rollout")[0]
-            self.balancer.observe(i, int(ro.completion_mask.sum()), max(time.perf_counter() - t0, 1e-6))
-            parts.append(ro)
-        rollouts = parts[0] if len(parts) == 1 else concat_rollouts(parts, self.pad_id)
-        self._in_store = (rollouts, calls[0][2] if len(parts) == 1 else None)
-        return rollouts
+        refs = [ref for _, ref in parts]
+        score = self.reward_actor.call.remote("score_parts", rows, step, self.pad_id, *refs)
+        return RayStep(parts, score)
 
-    def reward(self, rows: list[dict], rollouts: Rollouts, step: int) -> Scored:
-        """The reward actor reads the rollouts from the object store when they are still there (one replica) and
-        sends back only the scores: the rollouts do not cross the driver twice more."""
-        held, ref = self._in_store
-        arg = ref if held is rollouts and ref is not None else rollouts
-        scored = self._get([self.reward_actor.call.remote("score", rows, arg, step, False)], "reward")[0]
-        return dataclasses.replace(scored, batch=dataclasses.replace(scored.batch, rollouts=rollouts))
+    def rollout(self, started: RayStep) -> Rollouts:
+        if started.rollouts is None:
+            self._collect_loads()
+            got = self._get([ref for _, ref in started.parts], "rollout")
+            for (i, _), ro in zip(started.parts, got, strict=True):  # the replica's own sampling time
+                self.balancer.observe(i, int(ro.completion_mask.sum()), max(ro.seconds, 1e-6))
+            started.rollouts = got[0] if len(got) == 1 else concat_rollouts(got, self.pad_id)
+        return started.rollouts
+
+    def reward(self, started: RayStep) -> Scored:
+        """Only the scores come back: the driver holds the rollouts already."""
+        scored = self._get([started.score], "reward")[0]
+        return dataclasses.replace(scored, batch=dataclasses.replace(scored.batch, rollouts=self.rollout(started)))
 
     def update(self, batch: ScoredBatch) -> UpdateStats:
+        """One step on every rank; rank 0's new weights go to the rollout actors. On-policy the loop waits for them
+        to load; asynchronous (`algo.max_staleness` > 0) the loads queue behind the generate calls in flight and
+        `sync_seconds` is the rollout actors' own load time of the previous version."""
         batch_ref = ray.put(batch)
         calls = [a.call.options(num_returns=2).remote("step", batch_ref, True) for a in self.actors["update"]]
         stats = self._get([c[0] for c in calls], "update")[0]  # every rank: a dead one is named, not a peer's error
-        sync = self._load(calls[0][1], stats.policy_version)
-        return dataclasses.replace(stats, sync_seconds=sync)
+        if self.cfg.algo.max_staleness > 0:
+            self._loads = [a.call.remote("load_weights", calls[0][1], stats.policy_version)
+                           for a in self.actors["rollout"]]  # fmt: skip
+            self.policy_version = stats.policy_version
+            return dataclasses.replace(stats, sync_seconds=self._load_seconds)
+        return dataclasses.replace(stats, sync_seconds=self._load(calls[0][1], stats.policy_version))
+
+    def _collect_loads(self) -> None:
+        """Wait for (and check) the weight loads queued by an asynchronous update."""
+        if self._loads:
+            self._load_seconds = max(self._get(self._loads, "rollout"))
+            self._loads = []
 
     def evaluate(self, rows: list[dict], step: int) -> dict:
+        self._collect_loads()
         return self._get(
             [self.actors["rollout"][0].call.remote("evaluate", rows, step, self.policy_version)], "rollout"
         )[0]

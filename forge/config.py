@@ -145,6 +145,19 @@ class AlgoConfig:
     """CISPO: upper cap of the (stop-gradient) importance weight."""
     beta: float = 0.0
     """k3 KL penalty to the reference policy; 0 = no reference model is loaded."""
+    max_staleness: int = 0
+    """Asynchronous GRPO: the rollout of step t+k may run during the update of step t, from weights at most k
+    versions older than the trainer's (0 = on-policy: rollout and update take turns). k >= 1 runs on Ray actors."""
+    is_correction: Literal["auto", "none", "tis"] = "auto"
+    """Off-policy correction with the sampler's log-probs: tis = truncated token-level importance weights
+    min(pi_old/pi_sampler, is_cap) on the policy loss; auto = tis when max_staleness > 0, else none."""
+    is_cap: float = 2.0
+    """tis: upper bound of the importance weight."""
+
+    @property
+    def tis(self) -> bool:
+        """Whether the truncated importance-sampling correction is on (resolves is_correction=auto)."""
+        return self.is_correction == "tis" or (self.is_correction == "auto" and self.max_staleness > 0)
 
 
 @dataclass
@@ -234,7 +247,7 @@ class OrchestrationConfig:
     execution: Literal["auto", "embedded", "ray"] = "auto"
     """embedded: every stage in this process (one update process, hf rollout); ray: every stage in a long-lived
     Ray actor on the pool Weaver plans for it; auto: ray when the run needs other processes (rollout.backend=vllm,
-    update.num_processes > 1 or orchestration.ray_address set), else embedded."""
+    update.num_processes > 1, algo.max_staleness > 0 or orchestration.ray_address set), else embedded."""
     ray_address: str = ""
     """ray: the cluster to join (`auto` = the one this machine belongs to, or host:port); empty = start a private
     Ray instance on 127.0.0.1 for this run and stop it at the end."""
@@ -304,6 +317,8 @@ class RunConfig:
             f"is larger than the {r.prompts_per_step * r.group_size} completions of a step: lower it",
         )
         _require(u.lr > 0, "update.lr", "must be > 0")
+        _require(self.algo.max_staleness >= 0, "algo.max_staleness", "must be >= 0 (0 = on-policy)")
+        _require(self.algo.is_cap >= 1, "algo.is_cap", "must be >= 1 (a weight cap below 1 shrinks on-policy tokens)")
         _require(len(u.adam_betas) == 2, "update.adam_betas", "needs two values")
         w = self.reward.weights
         _require(

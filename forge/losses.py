@@ -11,6 +11,14 @@ Aggregation per loss type:
   gspo     one sequence-level ratio exp(mean_t (logp - logp_old)), sequence mean
   cispo    -sg(min(r, eps_max)) * A * logp, token mean
 Optional k3 KL to the reference (beta > 0) is added per token and aggregated like the policy term.
+
+Off-policy correction (`algo.is_correction=tis`, for asynchronous GRPO and sampler/trainer mismatch): the tokens
+were sampled by a policy mu (an older version, or the same weights in another engine), while the ratio above is
+taken against pi_old, the trainer's policy at the start of the update. Each token's policy term is multiplied by
+the truncated importance weight w_t = min(exp(logp_old_t - logp_mu_t), C) (stop-gradient; C = `algo.is_cap`),
+the token-level TIS correction of Yao et al. 2025 ("Your efficient RL framework secretly brings you off-policy RL
+training"), as TRL's vLLM importance-sampling correction and verl's rollout correction apply it. The KL term is
+not reweighted. `importance_weights` computes w.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ def policy_loss(
     cfg: AlgoConfig,
     totals: StepTotals,
     ref_logp: torch.Tensor | None = None,  # [n, T] reference policy, required when beta > 0
+    is_weight: torch.Tensor | None = None,  # [n, T] off-policy weight of each token's policy term (see above)
 ) -> LossOutput:
     mask = mask.to(logp.dtype)
     adv = advantages.to(logp.dtype).unsqueeze(1)  # [n, 1]
@@ -59,6 +68,8 @@ def policy_loss(
         log_ratio = seq_log_ratio.detach() + logp - logp.detach()
     ratio = torch.exp(log_ratio)
     per_token, low, high = _per_token_objective(ratio, adv, logp, cfg)
+    if is_weight is not None:
+        per_token = per_token * is_weight.detach()
     approx_kl = (ratio.detach() - 1) - log_ratio.detach()
     kl = approx_kl
     if cfg.beta > 0:
@@ -68,6 +79,16 @@ def policy_loss(
         per_token = per_token + cfg.beta * kl
     loss = _aggregate(per_token, mask, cfg.loss, totals)
     return LossOutput(loss=loss, kl=kl.detach(), clipped_low=low & mask.bool(), clipped_high=high & mask.bool())
+
+
+def importance_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated token-level importance weights min(pi_old / mu, cap), [n, T]; 1 where both agree.
+
+    >>> importance_weights(torch.tensor([[-1.0, -1.0]]), torch.tensor([[-1.0, -3.0]]), cap=2.0)
+    tensor([[1., 2.]])
+    """
+    log_w = (old_logp.detach() - sampler_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.exp(log_w).clamp(max=cap)
 
 
 def _per_token_objective(ratio, adv, logp, cfg: AlgoConfig):

@@ -25,6 +25,7 @@ class Rollouts:
     group_size: int  # G
     policy_version: int  # version of the weights that sampled these
     prompts: list[str] = field(default_factory=list)  # [N] prompt text as given to the model (template applied)
+    seconds: float = 0.0  # the sampler's own time for this batch (its busy time, not the caller's wait)
 
     @property
     def num_completions(self) -> int:
@@ -67,3 +68,5 @@ class UpdateStats:
     seconds: float
     policy_version: int  # version after this update
     sync_seconds: float = 0.0  # new weights -> rollout model: rank 0 publishes, the pipeline loads (0 in-process)
+    logprob_diff: float = 0.0  # mean |log pi_old - log mu| over the step's tokens: trainer vs sampler mismatch
+    is_truncated_frac: float = 0.0  # tis: share of tokens whose importance weight hit algo.is_cap

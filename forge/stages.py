@@ -10,6 +10,9 @@ The loop in `forge.recipes.grpo` calls `runner(stage, step, fn, *args)` for ever
   task run (`flows/pipeline.py`). Neither has a loop of its own.
 
 Every method takes its inputs and returns its record; nothing is left on a shared object for a later stage.
+A step's rollout and reward are started together (`start`, which only submits) and waited on separately
+(`rollout`, `reward`): that is what lets asynchronous GRPO (`algo.max_staleness`) sample later steps while the
+trainer updates, with the same loop.
 A `WorkerLost` error (an actor died) is what the loop recovers from by rebuilding the stages and resuming from
 the last checkpoint (`orchestration.max_restarts`).
 """
@@ -17,11 +20,13 @@ the last checkpoint (`orchestration.max_restarts`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from forge.checkpoint import SaveReport
 from forge.config import RunConfig
+from forge.errors import UserError
 from forge.records import Rollouts, Scored, ScoredBatch, UpdateStats
 from forge.rollout import SamplingParams
 from forge.workers import RewardWorker, RolloutWorker, TrainerWorker
@@ -47,9 +52,19 @@ class Stages(Protocol):
 
     policy_version: int
 
-    def rollout(self, prompts: list[str], params: SamplingParams) -> Rollouts: ...
+    def start(self, rows: list[dict], prompts: list[str], params: SamplingParams, step: int) -> Any:
+        """Start step `step`'s rollout from the current policy version, and its scoring once it is done; returns
+        the handle `rollout` and `reward` wait on. Submits and returns: under Ray the work runs while the loop
+        goes on (asynchronous GRPO starts the rollouts of later steps before this step's update)."""
+        ...
 
-    def reward(self, rows: list[dict], rollouts: Rollouts, step: int) -> Scored: ...
+    def rollout(self, started: Any) -> Rollouts:
+        """The started step's completions (waits for them)."""
+        ...
+
+    def reward(self, started: Any) -> Scored:
+        """The started step's scores, rewards and advantages (waits for them)."""
+        ...
 
     def update(self, batch: ScoredBatch) -> UpdateStats:
         """One update; the rollout workers then hold the new weights (`sync_seconds`: moving them)."""
@@ -87,10 +102,27 @@ class Stages(Protocol):
 StagesFactory = Callable[[RunConfig, Path, dict | None], Stages]
 
 
+@dataclass
+class LocalStep:
+    """A started step in-process: its inputs, the policy version it must sample from, its rollouts once done."""
+
+    rows: list[dict]
+    prompts: list[str]
+    params: SamplingParams
+    step: int
+    version: int
+    rollouts: Rollouts | None = None
+
+
 class LocalStages:
     """All workers in this process: one update process; the rollout shares the trainer's module."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, plan: dict | None = None):
+        if cfg.algo.max_staleness > 0:  # the rollout samples from the trainer's own module: no older weights exist
+            raise UserError(
+                "algo.max_staleness > 0 needs the rollout in a process of its own: run it with "
+                "orchestration.execution=ray (or auto), or set algo.max_staleness=0"
+            )
         self.trainer = TrainerWorker(cfg)
         model = self.trainer.trainer.unwrapped
         self.rollout_worker = RolloutWorker(cfg, model=model, tokenizer=self.trainer.tokenizer)
@@ -100,11 +132,17 @@ class LocalStages:
     def policy_version(self) -> int:
         return self.trainer.policy_version
 
-    def rollout(self, prompts: list[str], params: SamplingParams) -> Rollouts:
-        return self.rollout_worker.generate(prompts, params, self.policy_version)
+    def start(self, rows: list[dict], prompts: list[str], params: SamplingParams, step: int) -> LocalStep:
+        """In-process nothing runs ahead: the step's work runs when the loop asks for its results."""
+        return LocalStep(rows, prompts, params, step, self.policy_version)
 
-    def reward(self, rows: list[dict], rollouts: Rollouts, step: int) -> Scored:
-        return self.reward_worker.score(rows, rollouts, step)
+    def rollout(self, started: LocalStep) -> Rollouts:
+        if started.rollouts is None:  # a retry after a failure samples again; a second call does not
+            started.rollouts = self.rollout_worker.generate(started.prompts, started.params, started.version)
+        return started.rollouts
+
+    def reward(self, started: LocalStep) -> Scored:
+        return self.reward_worker.score(started.rows, self.rollout(started), started.step)
 
     def update(self, batch: ScoredBatch) -> UpdateStats:
         stats, _ = self.trainer.step(batch, publish=False)

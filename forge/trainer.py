@@ -18,6 +18,8 @@ checkpoint loads into any strategy and number of ranks.
 Log-probs are computed with explicit position ids from the attention mask (prompts are left-padded, as in
 `generate`), with logits divided by the sampling temperature, and log-softmax taken in fp32 even under bf16
 autocast. With one PPO pass the "old" log-probs are the current ones detached, so the ratio is exactly 1.
+The sampler's own log-probs (`Rollouts.sampling_logprobs`) are compared with them on every step
+(`train/logprob_diff`) and, with `algo.is_correction=tis`, weight the loss (`forge.losses.importance_weights`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from forge.checkpoint import has_weights, load_weights, read_shards, read_weight
 from forge.config import RunConfig
 from forge.distributed import fsdp
 from forge.distributed import state as dist_state
-from forge.losses import StepTotals, policy_loss
+from forge.losses import StepTotals, importance_weights, policy_loss
 from forge.lr import AdaptiveLR, scheduled_lr
 from forge.precision import bf16_autocast
 from forge.records import ScoredBatch, UpdateStats
@@ -146,6 +148,8 @@ class Trainer:
             clip_frac_low=mean("clip_low"),
             clip_frac_high=mean("clip_high"),
             entropy=passes[0]["entropy"],
+            logprob_diff=passes[0]["logprob_diff"],
+            is_truncated_frac=passes[0]["is_truncated"],
             grad_norm=grad_norm,
             lr=lr,
             lr_scale=scale,
@@ -176,6 +180,7 @@ class Trainer:
                     "completion_ids": ro.completion_ids[sl, :width].to(device),
                     "completion_mask": ro.completion_mask[sl, :width].to(device),
                     "advantages": batch.advantages[sl].to(device),
+                    "sampler_logp": ro.sampling_logprobs[sl, :width].to(device),
                 }
             )
         return out
@@ -198,16 +203,18 @@ class Trainer:
 
     def _one_pass(self, micro, olds, refs, totals: StepTotals) -> dict:
         self.optimizer.zero_grad(set_to_none=True)
-        acc = {"loss": 0.0, "kl": 0.0, "clip_low": 0.0, "clip_high": 0.0, "entropy": 0.0}
-        world = self.accelerator.num_processes
+        acc = dict.fromkeys(("loss", "kl", "clip_low", "clip_high", "entropy", "logprob_diff", "is_truncated"), 0.0)
+        world, algo = self.accelerator.num_processes, self.cfg.algo
         for i, (mb, old, ref) in enumerate(zip(micro, olds, refs, strict=True)):
             last = i == len(micro) - 1
             sync = contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
             with sync:
                 out = self._logprobs(self.model, mb)
-                old_logp = out.logp.detach() if old is None else old
+                old_logp = out.logp.detach() if old is None else old  # [n, T] pi_old
+                # off-policy: the tokens came from the sampler's policy mu (older weights or another engine)
+                weight = importance_weights(old_logp, mb["sampler_logp"], algo.is_cap) if algo.tis else None
                 res = policy_loss(
-                    out.logp, old_logp, mb["advantages"], mb["completion_mask"], self.cfg.algo, totals, ref
+                    out.logp, old_logp, mb["advantages"], mb["completion_mask"], algo, totals, ref, weight
                 )
                 self.accelerator.backward(res.loss * world)
             m = mb["completion_mask"].bool()
@@ -216,14 +223,14 @@ class Trainer:
             acc["clip_low"] += float(res.clipped_low.sum())
             acc["clip_high"] += float(res.clipped_high.sum())
             acc["entropy"] += float(out.entropy[m].sum())
+            acc["logprob_diff"] += float((old_logp - mb["sampler_logp"]).abs()[m].sum())  # trainer vs sampler
+            if weight is not None:
+                acc["is_truncated"] += float((weight[m] >= algo.is_cap).sum())
         grad_norm = self._clip_and_step()
         acc = self._sum_over_ranks(acc)
         tokens = max(totals.tokens, 1)
-        return {
-            "loss": acc["loss"],
-            "grad_norm": grad_norm,
-            **{k: acc[k] / tokens for k in ("kl", "clip_low", "clip_high", "entropy")},
-        }
+        per_token = ("kl", "clip_low", "clip_high", "entropy", "logprob_diff", "is_truncated")
+        return {"loss": acc["loss"], "grad_norm": grad_norm, **{k: acc[k] / tokens for k in per_token}}
 
     def _sum_over_ranks(self, acc: dict[str, float]) -> dict[str, float]:
         if self.accelerator.num_processes == 1:

@@ -22,6 +22,7 @@ whether the worker runs in-process or in an actor. Its state travels in checkpoi
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import os
 import socket
@@ -54,6 +55,7 @@ from forge.records import Rollouts, Scored, ScoredBatch, UpdateStats
 from forge.rewards.registry import resolve_verifiers
 from forge.rewards.score import score_completions
 from forge.rollout import SamplingParams, make_backend
+from forge.rollout.base import concat_rollouts
 
 # a rank waits in a collective while the other ranks are still busy (slow micro-batches, a checkpoint)
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
@@ -101,11 +103,12 @@ class RolloutWorker:
         """params.n completions per prompt from policy `version` (refused if this worker holds another one)."""
         if version != self.policy_version:
             raise RuntimeError(f"rollout worker holds policy version {self.policy_version}, asked for {version}")
+        t0 = time.perf_counter()
         with torch.random.fork_rng(devices=_cuda_devices()):
             _restore_rng(self._rng)
             rollouts = self.backend.generate(prompts, params)
             self._rng = _capture_rng()
-        return rollouts
+        return dataclasses.replace(rollouts, seconds=time.perf_counter() - t0)
 
     def rng_state(self) -> dict:
         return self._rng
@@ -175,6 +178,11 @@ class RewardWorker:
         kept = rollouts if echo_rollouts else None
         batch = ScoredBatch(kept, result.names, result.scores, rewards, advantages, result.failures)
         return Scored(batch=batch, ensemble_report=report)
+
+    def score_parts(self, rows: list[dict], step: int, pad_id: int, *parts: Rollouts) -> Scored:
+        """`score` of a step whose rollouts came from several replicas (consecutive groups), without echoing them."""
+        rollouts = parts[0] if len(parts) == 1 else concat_rollouts(list(parts), pad_id)
+        return self.score(rows, rollouts, step, echo_rollouts=False)
 
     def state_dict(self) -> dict | None:
         return self.aggregator.state_dict() if self.aggregator is not None else None

@@ -289,3 +289,43 @@ def test_micro_batch_split_gives_same_loss_and_gradient(loss, beta):
     for value, grad in splits:
         assert value == pytest.approx(loss_full, abs=1e-12)
         torch.testing.assert_close(grad, grad_full, rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------- off-policy correction (TIS)
+
+
+def test_importance_weights_are_truncated_ratios_to_the_sampler():
+    from forge.losses import importance_weights
+
+    # pi_old / mu per token: e^0 = 1, e^{ln 1.5} = 1.5, e^{ln 4} = 4 -> capped at 2; e^{-ln 2} = 0.5 (never floored)
+    old = torch.tensor([[0.0, math.log(1.5), math.log(4.0)], [-math.log(2.0), 0.0, 0.0]])
+    w = importance_weights(old, torch.zeros(2, 3), cap=2.0)
+    assert torch.allclose(w, torch.tensor([[1.0, 1.5, 2.0], [0.5, 1.0, 1.0]]))
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_is_weights_scale_each_tokens_policy_term_and_its_gradient(loss):
+    """Ratio 1 (see RATIO_ONE): the policy term of token t is -A_i, times w_t. With w = 1 nothing changes; with
+    w = 2 on every token loss and gradient double (the weight is a constant: no gradient flows into it)."""
+    cfg = AlgoConfig(loss=loss)
+    adv = torch.tensor([1.0, -0.5], dtype=torch.float64)
+    base = log_of([[1, 1, 1], [1, 1, 1]])
+    plain = policy_loss(base, base.detach(), adv, MASK, cfg, TOTALS)
+    plain.loss.backward()
+    for w, factor in ((1.0, 1.0), (2.0, 2.0)):
+        logp = log_of([[1, 1, 1], [1, 1, 1]])
+        weight = torch.full((2, 3), w, dtype=torch.float64, requires_grad=True)
+        out = policy_loss(logp, logp.detach(), adv, MASK, cfg, TOTALS, is_weight=weight)
+        out.loss.backward()
+        assert float(out.loss.detach()) == pytest.approx(factor * float(plain.loss.detach()))
+        assert torch.allclose(logp.grad, factor * base.grad)
+        assert weight.grad is None or not weight.grad.any()
+
+
+def test_is_weights_do_not_reweight_the_kl_term():
+    cfg = AlgoConfig(loss="dapo", beta=0.5)
+    adv = torch.zeros(2, dtype=torch.float64)  # no policy term: the loss is beta * token-mean KL only
+    logp, ref = log_of([[1, 1, 1], [1, 1, 1]]), torch.full((2, 3), -0.3, dtype=torch.float64)
+    a = policy_loss(logp, logp.detach(), adv, MASK, cfg, TOTALS, ref)
+    b = policy_loss(logp, logp.detach(), adv, MASK, cfg, TOTALS, ref, is_weight=torch.full((2, 3), 2.0))
+    assert float(a.loss) == pytest.approx(float(b.loss)) and float(a.loss) > 0

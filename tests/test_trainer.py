@@ -7,6 +7,7 @@ different lengths, G = 2), prompts left-padded, completions right-padded to T = 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -258,3 +259,26 @@ def test_update_stats_are_finite_and_versioned(tok, model):
     assert (first.policy_version, second.policy_version) == (1, 2)
     assert trainer.policy_version == 2 and trainer.step == 2
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(3e-4)
+
+
+def test_logprob_diff_measures_the_sampler_gap_and_tis_reweights(tok, model):
+    """The trainer compares its log-probs with the sampler's on every step (train/logprob_diff); with tis, tokens
+    whose sampler log-prob is far below the trainer's get the capped weight (is_truncated_frac)."""
+    batch = make_batch(tok)
+    exact = token_logprobs(model, *_inputs(batch.rollouts)).logp.detach() * batch.rollouts.completion_mask
+    on_policy = dataclasses.replace(batch, rollouts=dataclasses.replace(batch.rollouts, sampling_logprobs=exact))
+    stats = Trainer(copy.deepcopy(model), make_cfg(lr=1e-9), total_steps=1).update(on_policy)
+    assert stats.logprob_diff < 1e-6 and stats.is_truncated_frac == 0.0  # tis off: never counted
+    # the sampler saw every token 1 nat less likely: |diff| = 1, weights e^1 > cap 2 -> all truncated
+    shifted = dataclasses.replace(batch.rollouts, sampling_logprobs=(exact - 1.0) * batch.rollouts.completion_mask)
+    off = dataclasses.replace(batch, rollouts=shifted)
+    cfg = make_cfg(lr=1e-9)
+    cfg.algo.is_correction = "tis"
+    tis = Trainer(copy.deepcopy(model), cfg, total_steps=1).update(off)
+    assert tis.logprob_diff == pytest.approx(1.0, abs=1e-5) and tis.is_truncated_frac == 1.0
+    plain = Trainer(copy.deepcopy(model), make_cfg(lr=1e-9), total_steps=1).update(off)
+    assert tis.loss == pytest.approx(2.0 * plain.loss, rel=1e-5)  # every policy term weighted by the cap
+
+
+def _inputs(ro: Rollouts):
+    return ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask

@@ -17,6 +17,10 @@ CURVES = [
     ("clip fraction", ["train/clip_frac_low", "train/clip_frac_high"], False),
     ("completion length (tokens)", ["completion/len_mean", "completion/len_max"], False),
     ("tokens / s", ["perf/rollout_tokens_per_s", "perf/update_tokens_per_s"], False),
+    # asynchronous GRPO: how far the sampler lags the trainer, how much their log-probs differ, who waits
+    ("policy staleness (versions)", ["rollout/staleness_mean", "rollout/staleness_max"], False),
+    ("trainer vs sampler log-prob gap", ["train/logprob_diff"], False),
+    ("idle share of the step", ["perf/rollout_idle_frac", "perf/trainer_idle_frac"], False),
 ]
 
 

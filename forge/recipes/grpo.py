@@ -8,7 +8,14 @@ CISPO, RLOO advantages) are config choices of the components (`forge.losses`, `f
 
 Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024) live in the components and are config: token-level
 loss normalisation by default (`algo.loss_type`), no KL term unless `algo.beta` > 0, an adaptive LR controller
-(`update.adaptive`).
+(`update.adaptive`), and optionally off-policy batches (asynchronous, below) with truncated importance weights.
+
+Asynchronous GRPO (`algo.max_staleness` = k >= 1, Ray actors): the rollouts of steps t+1..t+k are started before
+the update of step t, so sampling overlaps the update; the rollout of step t+k samples from the weights of step
+t-1, at most k versions behind the trainer (checked each step), and `algo.is_correction=tis` reweights the loss for
+it (`forge.losses`). The schedule is fixed, not timing-dependent, and no rollout starts past the next checkpoint
+(in-flight work is drained there): a run gives the same result however fast its actors are, and resumes exactly.
+k = 0 is the synchronous loop: rollout, reward and update take turns.
 
 Faults: a `WorkerLost` (an actor died) rebuilds the stages and continues from the last checkpoint (or from the
 start when there is none yet), up to `orchestration.max_restarts` times; the steps redone are cut from
@@ -27,6 +34,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from forge.advantages import frac_zero_std
 from forge.checkpoint import (
@@ -95,20 +103,20 @@ def run(
         while grpo.state.step < cfg.steps:
             try:
                 for step in grpo.remaining_steps():
-                    rows, prompts, params = grpo.next_batch()  # B prompts, G samples each
                     s, clock = grpo.stages, Stopwatch()
-                    with clock("rollout"):  # 1. G samples for each of B prompts, current policy version
-                        rollouts: Rollouts = runner("rollout", step, s.rollout, prompts, params)
-                    grpo.check_version(step, rollouts)
+                    rows, started = grpo.start_rollouts(step)  # B prompts; this step's and up to k steps ahead
+                    with clock("rollout"):  # 1. G samples for each of B prompts, from a policy <= k versions old
+                        rollouts: Rollouts = runner("rollout", step, s.rollout, started)
+                    staleness = grpo.check_staleness(step, rollouts)
                     with clock("reward"):  # 2. verifiers -> weighted reward -> group-relative advantages
-                        scored: Scored = runner("reward", step, s.reward, rows, rollouts, step)
-                    with clock("update"):  # 3. log-probs -> ratio/loss -> backward -> step; weights -> rollout
+                        scored: Scored = runner("reward", step, s.reward, started)
+                    with clock("update"):  # 3. log-probs -> (IS-weighted) ratio/loss -> backward -> step; weights
                         stats: UpdateStats = runner("update", step, s.update, scored.batch)
                     report = None
                     if grpo.eval_due(step):  # 4. held-out pass@1 on schedule
                         with clock("evaluate"):
                             report = runner("evaluate", step, grpo.evaluate, step)
-                    metrics = grpo.end_step(step, rows, scored, stats, report, clock.laps)  # 5. metrics, samples
+                    metrics = grpo.end_step(step, rows, scored, stats, report, clock, staleness)  # 5. metrics
                     if grpo.checkpoint_due(step):  # 6. weights, optimizer, data cursor, RNG, atomically
                         with clock("checkpoint"):
                             runner("checkpoint", step, grpo.checkpoint, step)
@@ -148,6 +156,7 @@ class GRPORun:
         self.tracker: Tracker = MultiTracker(self.jsonl, tracker) if tracker else self.jsonl
         self.state = RunState()
         self.stages: Stages | None = None
+        self.in_flight: dict[int, tuple[list[dict], Any]] = {}  # step -> (rows, handle) of started rollouts
         self.saving: tuple[int, float] | None = None  # the checkpoint in flight: (step, seconds the loop waited)
         self.last_saved: SaveReport | None = None
 
@@ -205,12 +214,27 @@ class GRPORun:
         params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, n=r.group_size)
         return rows, [row["model_input"] for row in rows], params
 
-    def check_version(self, step: int, rollouts: Rollouts) -> None:
-        if rollouts.policy_version != self.stages.policy_version:
+    def start_rollouts(self, step: int) -> tuple[list[dict], Any]:
+        """Start the rollouts of `step` and of up to algo.max_staleness later steps, each from the policy the
+        trainer holds now; returns `step`'s rows and handle. None starts past the next checkpoint: in-flight work is
+        drained there, so a run resumed from it goes on exactly as the uninterrupted run did."""
+        last = min(step + self.cfg.algo.max_staleness, self.next_checkpoint(step))
+        for ahead in range(step, last + 1):
+            if ahead not in self.in_flight:
+                rows, prompts, params = self.next_batch()
+                self.in_flight[ahead] = (rows, self.stages.start(rows, prompts, params, ahead))
+        return self.in_flight.pop(step)
+
+    def check_staleness(self, step: int, rollouts: Rollouts) -> int:
+        """Policy versions between the sampler and the trainer (0 on-policy); never above algo.max_staleness."""
+        trainer, cap = self.stages.policy_version, self.cfg.algo.max_staleness
+        staleness = trainer - rollouts.policy_version
+        if not 0 <= staleness <= cap:
             raise RuntimeError(
-                f"step {step}: rollout used policy version {rollouts.policy_version}, "
-                f"trainer is at {self.stages.policy_version} (stale weights)"
+                f"step {step}: rollout used policy version {rollouts.policy_version}, trainer is at {trainer}: "
+                f"{staleness} versions stale, algo.max_staleness={cap}"
             )
+        return staleness
 
     def eval_due(self, step: int) -> bool:
         return _due(step, self.cfg.eval.every, self.cfg.steps)
@@ -222,12 +246,13 @@ class GRPORun:
 
     def end_step(
         self, step: int, rows: list[dict], scored: Scored, stats: UpdateStats, report: dict | None,
-        times: dict[str, float],
+        clock: Stopwatch, staleness: int,
     ) -> dict[str, float]:  # fmt: skip
         """Log the step's metrics and samples; returns the metrics."""
-        batch = scored.batch
+        batch, times = scored.batch, clock.laps
         metrics = _step_metrics(batch.rollouts, batch, stats, times)
         metrics["perf/weight_sync_s"] = stats.sync_seconds  # new weights -> rollout workers; part of time/update_s
+        metrics.update(_overlap_metrics(batch.rollouts, stats, clock.elapsed(), staleness))
         if report is not None:
             metrics.update(eval_metrics(report))
         if scored.ensemble_report is not None:
@@ -248,6 +273,11 @@ class GRPORun:
 
     def checkpoint_due(self, step: int) -> bool:
         return _due(step, self.cfg.checkpoint.every, self.cfg.steps)
+
+    def next_checkpoint(self, step: int) -> int:
+        """The first checkpoint step at or after `step`."""
+        every, last = self.cfg.checkpoint.every, self.cfg.steps
+        return min(last, -(-step // every) * every) if every > 0 else last
 
     def checkpoint(self, step: int) -> None:
         """Start checkpoint `step` once the previous one is durable (at most one in flight); written in the
@@ -305,6 +335,7 @@ class GRPORun:
         print(f"forgeweave: {lost}; restarting the workers ({self.restarts}/{self.cfg.orchestration.max_restarts})",
               file=sys.stderr, flush=True)  # fmt: skip
         self.close()
+        self.in_flight = {}  # started on the dead workers; the sampler goes back to the checkpoint's cursor below
         self.stages = self.make_stages(self.cfg, self.run_dir, self.plan)
         write_json(self.run_dir / "workers.json", self.stages.where())
         if latest_checkpoint(self.run_dir / "checkpoints") is not None:
@@ -395,6 +426,20 @@ def _step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: d
     return m
 
 
+def _overlap_metrics(ro: Rollouts, stats: UpdateStats, wall: float, staleness: int) -> dict[str, float]:
+    """Off-policy and overlap figures of a step: staleness, sampler/trainer log-prob gap, idle shares."""
+    idle = lambda busy: min(1.0, max(0.0, 1.0 - busy / max(wall, 1e-9)))  # noqa: E731
+    return {
+        "rollout/staleness_mean": float(staleness),  # one policy version per step's batch: mean == max
+        "rollout/staleness_max": float(staleness),
+        "train/logprob_diff": stats.logprob_diff,
+        "train/is_truncated_frac": stats.is_truncated_frac,
+        "perf/rollout_idle_frac": idle(ro.seconds),  # the sampler's own seconds vs the step's wall time
+        "perf/trainer_idle_frac": idle(stats.seconds),
+        "perf/step_s": wall,
+    }
+
+
 # ---------------------------------------------------------------- helpers
 
 
@@ -403,6 +448,10 @@ class Stopwatch:
 
     def __init__(self):
         self.laps: dict[str, float] = {}
+        self.started = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
 
     @contextlib.contextmanager
     def __call__(self, stage: str):

@@ -60,4 +60,5 @@ def concat_rollouts(parts: list[Rollouts], pad_id: int) -> Rollouts:
         group_size=first.group_size,
         policy_version=first.policy_version,
         prompts=[t for p in parts for t in p.prompts],
+        seconds=max(p.seconds for p in parts),  # the replicas sample side by side
     )

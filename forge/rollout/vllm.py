@@ -52,9 +52,11 @@ def vllm_python(configured: str = "") -> Path:
 
 
 def engine_env(cfg: RolloutConfig, replica: int, cores: list[int] | None = None) -> dict[str, str]:
-    """Environment a vLLM engine process needs before vllm is imported; on CPU, pin replica i to its cores."""
+    """Environment a vLLM engine process needs before vllm is imported; on CPU, pin replica i to its cores (when
+    there are several replicas, or the pool is smaller than the machine: vLLM would otherwise bind every core and
+    crowd out the stages on the other pools)."""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(cfg.vllm_kv_cache_gib)}
-    if cores and cfg.replicas > 1:
+    if cores and (cfg.replicas > 1 or len(cores) < (os.cpu_count() or 1)):
         share = max(1, len(cores) // cfg.replicas)
         mine = cores[(replica * share) % len(cores) :][:share]
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))

@@ -42,8 +42,12 @@ def test_run_detail_shows_numbers_curves_samples_plan_and_config(tiny_run, monke
     shown = charts(at)
     for title in ("reward (mean ± std, per verifier)", "eval pass@k (held-out)", "KL to the reference", "entropy",
                   "learning rate", "grad norm", "clip fraction", "completion length (tokens)", "tokens / s",
+                  "policy staleness (versions)", "trainer vs sampler log-prob gap", "idle share of the step",
                   "seconds per stage"):  # fmt: skip
         assert title in shown, title
+    idle = shown["idle share of the step"][0]  # the async/overlap figures of every step, as logged
+    trainer_idle = idle[idle["metric"] == "perf/trainer_idle_frac"] if "metric" in idle else idle
+    assert len(trainer_idle) == 12 and ((trainer_idle["value"] >= 0) & (trainer_idle["value"] <= 1)).all()
     band = shown["reward (mean ± std, per verifier)"][0]  # the ±std band: mean - std .. mean + std per step
     assert list(band["step"]) == list(range(1, 13))
     assert band["high"].to_numpy() - band["low"].to_numpy() == pytest.approx([2 * r["reward/std"] for r in rows[1:]])

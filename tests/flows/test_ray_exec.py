@@ -25,7 +25,9 @@ from safetensors.torch import load_file
 
 from flows.execute import train
 from flows.planning import plan_run
+from flows.ray_exec import RayStages
 from forge.presets import tiny
+from forge.recipes.grpo import run as grpo_run
 from forge.tracking import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -146,11 +148,11 @@ def _raw_metrics(run_dir) -> list[dict]:
     return read_metrics(run_dir / "metrics.jsonl")
 
 
-@pytest.mark.parametrize("stage", ["rollout", "update"])
-def test_a_killed_actor_is_replaced_and_the_run_ends_as_if_uninterrupted(cluster, two_node_run, tmp_path, stage):
-    """SIGKILL the rollout actor, or trainer rank 1, after a random step: the run rebuilds its actors, resumes from
-    the last checkpoint (or the start) by itself, and its metrics and weights are those of the uninterrupted run,
-    with no step lost or recorded twice."""
+def test_a_killed_actor_is_replaced_and_the_run_ends_as_if_uninterrupted(cluster, two_node_run, tmp_path):
+    """SIGKILL trainer rank 1 after a random step: the run rebuilds its actors, resumes from the last checkpoint (or
+    the start) by itself, and its metrics and weights are those of the uninterrupted run, with no step lost or
+    recorded twice. (A killed rollout actor, with work in flight: the asynchronous test below.)"""
+    stage = "update"
     step = random.Random(stage).randint(1, 3)
     d = tmp_path / "faulty"
     killer = threading.Thread(target=_kill_after, args=(d, step, stage), daemon=True)
@@ -184,22 +186,80 @@ def test_a_pool_no_node_offers_is_a_one_line_error(cluster, tmp_path):
         run(cfg, tmp_path / "nowhere")
 
 
-def test_resume_in_ray_mode_continues_a_finished_run(cluster, tmp_path):
-    d = tmp_path / "resumed"
-    run(ray_cfg(steps=2), d)
-    cfg = ray_cfg(steps=4)
-    _, plan = plan_run(cfg)
-    summary = train(cfg, d, plan, resume=True, progress=False)
-    assert summary["steps"] == 4 and [m["step"] for m in metrics(d)] == [0, 1, 2, 3, 4]
-
-
-def test_ray_mode_tiny_run_learns(cluster, tmp_path):
+def test_ray_mode_tiny_run_learns_asynchronously(cluster, tmp_path):
+    """The tiny preset with one-step-off asynchronous GRPO (max_staleness=1, TIS by default) still learns."""
     cfg = tiny()
     cfg.orchestration.execution, cfg.tracking.mlflow, cfg.pools = "ray", False, copy.deepcopy(POOLS)
     cfg.eval.every = cfg.checkpoint.every = 100
+    cfg.algo.max_staleness = 1
     summary = run(cfg, tmp_path / "learn")
     assert summary["eval"]["initial"]["pass@1"] < 0.1
     assert summary["eval"]["final"]["pass@1"] >= 0.6
+    stale = [m["rollout/staleness_max"] for m in _raw_metrics(tmp_path / "learn") if m["step"] > 0]
+    assert max(stale) == 1 and stale.count(0) == 2  # the first step and the one after the checkpoint at 100
+
+
+# ---------------------------------------------------------------- asynchronous GRPO (algo.max_staleness)
+
+SLOW_S = 1.0
+
+
+class SlowUpdate(RayStages):
+    """A trainer made slow on purpose: each update starts SLOW_S late (the rollouts already started run on)."""
+
+    def update(self, batch):
+        time.sleep(SLOW_S)
+        return super().update(batch)
+
+
+def async_cfg(steps: int = 4):
+    cfg = ray_cfg(ranks=1, steps=steps)
+    cfg.algo.max_staleness = 1
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def async_run(cluster, tmp_path_factory):
+    d = tmp_path_factory.mktemp("async") / "slow-trainer"
+    cfg = async_cfg()
+    _, plan = plan_run(cfg)
+    summary = grpo_run(cfg, d, progress=False, plan=plan, stages=SlowUpdate, execution="ray")
+    assert summary["steps"] == 4
+    return d
+
+
+def test_staleness_never_exceeds_the_cap_and_rollouts_overlap_a_slow_update(async_run):
+    """Checkpoints every 2 steps: steps 1 and 3 start from freshly drained queues (staleness 0), steps 2 and 4 were
+    sampled during the previous update (staleness 1), so the loop did not wait for them; the trainer's log-probs
+    differ from the sampler's once it is a version ahead."""
+    rows = [m for m in _raw_metrics(async_run) if m["step"] > 0]
+    assert [m["rollout/staleness_max"] for m in rows] == [0, 1, 0, 1]
+    assert all(m["rollout/staleness_mean"] <= 1 for m in rows)
+    ahead = [m for m in rows if m["rollout/staleness_max"] == 1]
+    assert all(m["time/rollout_s"] < SLOW_S / 2 for m in ahead), [m["time/rollout_s"] for m in ahead]
+    assert all(m["train/logprob_diff"] > 1e-4 for m in ahead)
+    assert all(0 <= m["perf/rollout_idle_frac"] <= 1 and 0 <= m["perf/trainer_idle_frac"] <= 1 for m in rows)
+
+
+def test_async_resume_matches_the_uninterrupted_run(cluster, async_run, tmp_path):
+    """A finished 2-step run resumed to 4 steps in Ray mode: the same numbers as the uninterrupted (and slowed) run
+    — the schedule does not depend on timing, and nothing was in flight at the checkpoint."""
+    d = tmp_path / "resumed"
+    run(async_cfg(steps=2), d)
+    cfg = async_cfg()
+    _, plan = plan_run(cfg)
+    train(cfg, d, plan, resume=True, progress=False)
+    assert_close_runs(d, async_run, rel=1e-6)
+
+
+def test_async_run_recovers_from_a_killed_rollout_actor_with_work_in_flight(cluster, async_run, tmp_path):
+    d = tmp_path / "faulty-async"
+    killer = threading.Thread(target=_kill_after, args=(d, 3, "rollout"), daemon=True)  # after step 3: 4 in flight
+    killer.start()
+    summary = run(async_cfg(), d)
+    killer.join(timeout=1)
+    assert summary["restarts"] == 1 and [m["step"] for m in metrics(d)] == [0, 1, 2, 3, 4]
+    assert_close_runs(d, async_run, rel=1e-6)
 
 
 def _gone(pids: list[int], timeout: float = 20.0) -> bool:
