@@ -260,11 +260,14 @@ class TrainerWorker:
         return self.saver.wait()
 
     def _snapshot(self, step: int, payload: dict, eval_score: float | None) -> Snapshot:
+        """This rank's part of checkpoint `step`: its DCP tensors, the HF weights (one process, tied copies
+        once), rank 0's JSON state; copied to host memory when the write goes on in the background (or off a GPU)."""
         hf = self.world == 1 and self.cfg.checkpoint.hf_model
         shards, plain = self.trainer.checkpoint_tensors(with_model=not hf)
-        weights = self.trainer.full_weights() if hf else None
-        if weights is not None:
-            weights = {k: v for k, v in weights.items() if k in dist_state.unique_names(self.trainer.unwrapped)}
+        weights = None
+        if hf:
+            unique = dist_state.unique_names(self.trainer.unwrapped)
+            weights = {k: v for k, v in self.trainer.full_weights().items() if k in unique}
         if self.cfg.checkpoint.async_save or self.trainer.accelerator.device.type != "cpu":
             shards, weights = host_copy(shards), host_copy(weights) if weights is not None else None
         state = {**payload, "trainer": plain, "step": step, "eval_score": eval_score} if self.rank == 0 else {}
