@@ -25,15 +25,17 @@ rank 0 writes the JSON files, fsyncs every file and the directory, renames it to
 and only then replaces `checkpoints/latest` (a text file naming the directory) atomically. A crash at any moment
 leaves `latest` naming the previous complete checkpoint.
 
-Asynchronous save (`AsyncCheckpointer`, `checkpoint.async_save`): the state is copied to host memory in the
-foreground (the training stall), written by one background thread while training continues; at most one save is
-in flight (the next one waits for it); the error of a failed background save is raised by every later wait.
+Asynchronous save (`AsyncCheckpointer`, `checkpoint.async_save`): one background thread copies the state to host
+memory while the next update's forward and backward passes run (the state changes only at its optimizer step,
+which waits for the copy), then writes it while training continues; at most one save is in flight (the next one
+waits for it); the error of a failed background save is raised by every later wait.
 
 Retention keeps the `keep_last` newest plus the `keep_best` best by eval pass@1.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -42,7 +44,6 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -141,7 +142,7 @@ def host_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- what one save writes
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Snapshot:
     """What one rank contributes to checkpoint `step` (host copies for an asynchronous save)."""
 
@@ -154,15 +155,22 @@ class Snapshot:
     world: int
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class SaveReport:
     """A checkpoint that is durable and named by `latest`."""
 
     step: int
     path: str
     eval_score: float | None
-    seconds: float  # from the start of the write to `latest` moved (the snapshot copy is in the stall, not here)
+    seconds: float  # from the start of the write to `latest` moved
     bytes: int  # size of the checkpoint directory
+    stall_seconds: float = 0.0  # what the trainer's next optimizer step waited for the host copy (asynchronous)
+
+
+def host_snapshot(snap: Snapshot) -> Snapshot:
+    """`snap` with host copies of its live tensors (the JSON state's tensors are copies already)."""
+    weights = host_copy(snap.weights) if snap.weights is not None else None
+    return dataclasses.replace(snap, shards=host_copy(snap.shards), weights=weights)
 
 
 def begin_checkpoint(root: Path, step: int, rank: int) -> Path:
@@ -183,7 +191,7 @@ def write_model_files(tmp: Path, model, tokenizer) -> None:
     tokenizer.save_pretrained(tmp)
 
 
-def write_checkpoint(tmp: Path, snap: Snapshot, rank: int, group=None) -> SaveReport | None:
+def write_checkpoint(snap: Snapshot, tmp: Path, rank: int, group=None) -> SaveReport | None:
     """Collective over `group` (None: one process): every rank writes its shard into `tmp/state`; then rank 0
     writes the rest, makes it durable, renames `tmp` into place and moves `latest`. Returns rank 0's report."""
     from safetensors.torch import save_file
@@ -320,23 +328,40 @@ def export_model(ckpt: Path, out: Path | None = None) -> Path:
 class AsyncCheckpointer:
     """At most one save in flight, run by a background thread; `wait` returns its report or raises its error.
 
-    A failed save's error is kept: every later `wait` (and so every later save) raises it again, so the run fails
-    with it instead of carrying on without checkpoints. `run` does the same work in the calling thread."""
+    A background save runs `stage` first (the host copy of the state), then `write`. The state does not change
+    until the trainer's next optimizer step, so the copy overlaps the next update's forward and backward passes:
+    `wait_staged` (called by the optimizer's step pre-hook) blocks until the copy is done, and the seconds it
+    blocked are added to the save's `stall_seconds`. A failed save's error is kept: every later `wait` (and so every
+    later save) raises it again, so the run fails with it instead of carrying on without checkpoints. `run` does
+    the write in the calling thread (a synchronous save)."""
 
     def __init__(self):
         self._thread: threading.Thread | None = None
+        self._staged = threading.Event()
+        self._staged.set()
+        self._waited = 0.0  # seconds the trainer waited for the copy of the save in flight
         self._report: SaveReport | None = None
         self._error: BaseException | None = None
 
-    def submit(self, write: Callable[[], SaveReport | None]) -> None:
-        """Start `write` in the background once the save in flight (if any) has finished."""
+    def submit(self, stage: Callable[[], Snapshot], write: Callable[[Snapshot], SaveReport | None]) -> None:
+        """Copy (`stage`) then write in the background, once the save in flight (if any) has finished."""
         self.wait()
-        self._thread = threading.Thread(target=self._run, args=(write,), name="forgeweave-checkpoint", daemon=True)
+        self._staged.clear()
+        self._waited = 0.0
+        self._thread = threading.Thread(target=self._run, args=(stage, write), name="forgeweave-checkpoint",
+                                        daemon=True)  # fmt: skip
         self._thread.start()
 
-    def run(self, write: Callable[[], SaveReport | None]) -> None:
+    def run(self, snap: Snapshot, write: Callable[[Snapshot], SaveReport | None]) -> None:
         self.wait()
-        self._report = write()
+        self._report = write(snap)
+
+    def wait_staged(self) -> None:
+        """Block until the save in flight holds its own copy of the state (the state may change after this)."""
+        if not self._staged.is_set():
+            t0 = time.perf_counter()
+            self._staged.wait()
+            self._waited += time.perf_counter() - t0
 
     def wait(self) -> SaveReport | None:
         """Block until no save is in flight; the last finished save's report (once), or its error (always)."""
@@ -346,11 +371,18 @@ class AsyncCheckpointer:
         if self._error is not None:
             raise self._error
         report, self._report = self._report, None
+        if report is not None and self._waited:
+            report = dataclasses.replace(report, stall_seconds=report.stall_seconds + self._waited)
+            self._waited = 0.0
         return report
 
-    def _run(self, write: Callable[[], SaveReport | None]) -> None:
+    def _run(self, stage: Callable[[], Snapshot], write: Callable[[Snapshot], SaveReport | None]) -> None:
         try:
-            self._report = write()
+            try:
+                snap = stage()
+            finally:
+                self._staged.set()
+            self._report = write(snap)
         except BaseException as e:  # kept for the caller's next wait
             self._error = e
 

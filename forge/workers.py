@@ -41,7 +41,7 @@ from forge.checkpoint import (
     assign_weights,
     begin_checkpoint,
     encode_state,
-    host_copy,
+    host_snapshot,
     load_state,
     rng_state,
     write_checkpoint,
@@ -224,6 +224,7 @@ class TrainerWorker:
         ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.beta > 0 else None
         self.trainer = Trainer(model, cfg, total_steps=cfg.steps, ref_model=ref, accelerator=accelerator)
         self.saver = AsyncCheckpointer()
+        _torch_optimizer(self.trainer.optimizer).register_step_pre_hook(lambda *_: self.saver.wait_staged())
         # the checkpoint writer's DCP collectives run on a gloo group of their own, so they never interleave with
         # training's on the default group; made now, while every rank is here (None with one process)
         self.checkpoint_group = torch.distributed.new_group(backend="gloo") if world > 1 else None
@@ -251,8 +252,11 @@ class TrainerWorker:
         if self.rank == 0:
             write_model_files(tmp, self.trainer.unwrapped, self.tokenizer)
         snap = self._snapshot(step, {**payload, "rng": rng_state()}, eval_score)
-        write = functools.partial(write_checkpoint, tmp, snap, self.rank, self.checkpoint_group)
-        (self.saver.submit if self.cfg.checkpoint.async_save else self.saver.run)(write)
+        write = functools.partial(write_checkpoint, tmp=tmp, rank=self.rank, group=self.checkpoint_group)
+        if self.cfg.checkpoint.async_save:  # copy in the background too: see AsyncCheckpointer
+            self.saver.submit(functools.partial(host_snapshot, snap), write)
+        else:
+            self.saver.run(host_snapshot(snap) if self.trainer.accelerator.device.type != "cpu" else snap, write)
 
     def wait_saved(self) -> SaveReport | None:
         """Wait for the save in flight: rank 0's report (None elsewhere, or when there was none); raises the error
@@ -260,16 +264,14 @@ class TrainerWorker:
         return self.saver.wait()
 
     def _snapshot(self, step: int, payload: dict, eval_score: float | None) -> Snapshot:
-        """This rank's part of checkpoint `step`: its DCP tensors, the HF weights (one process, tied copies
-        once), rank 0's JSON state; copied to host memory when the write goes on in the background (or off a GPU)."""
+        """This rank's part of checkpoint `step`: its DCP tensors and the HF weights (one process, tied copies
+        once), both live (`host_snapshot` copies them), and rank 0's state as JSON + tensor copies."""
         hf = self.world == 1 and self.cfg.checkpoint.hf_model
         shards, plain = self.trainer.checkpoint_tensors(with_model=not hf)
         weights = None
         if hf:
             unique = dist_state.unique_names(self.trainer.unwrapped)
             weights = {k: v for k, v in self.trainer.full_weights().items() if k in unique}
-        if self.cfg.checkpoint.async_save or self.trainer.accelerator.device.type != "cpu":
-            shards, weights = host_copy(shards), host_copy(weights) if weights is not None else None
         state = {**payload, "trainer": plain, "step": step, "eval_score": eval_score} if self.rank == 0 else {}
         return Snapshot(step, shards, weights, *encode_state(state), eval_score, self.world)
 
@@ -284,6 +286,10 @@ class TrainerWorker:
     def close(self) -> None:
         if self.world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
+    return getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper holds the torch optimizer
 
 
 def _cuda_devices() -> list[int]:

@@ -228,6 +228,33 @@ def test_async_save_returns_before_the_write_and_keeps_the_snapshot(tmp_path: Pa
     assert not torch.equal(saved["model.norm.weight"], w.trainer.unwrapped.state_dict()["model.norm.weight"])
 
 
+def test_the_next_optimizer_step_waits_for_the_host_copy(tmp_path: Path, tok, monkeypatch):
+    """The background copy overlaps the next update's forward/backward; its optimizer step (the first change of
+    the state) waits for the copy, and that wait is reported as the save's stall."""
+    release, real = threading.Event(), ckpt_mod.host_copy
+
+    def slow_copy(tensors):
+        assert release.wait(30)
+        return real(tensors)
+
+    monkeypatch.setattr(ckpt_mod, "host_copy", slow_copy)
+    w, batch = worker(tok, async_save=True), make_batch(tok)
+    w.step(batch, publish=False)
+    before = {k: v.clone() for k, v in w.trainer.unwrapped.state_dict().items()}
+    w.save(str(tmp_path), 1, {}, None)
+    update = threading.Thread(target=w.step, args=(batch, False))
+    update.start()
+    time.sleep(0.5)
+    assert update.is_alive() and torch.equal(w.trainer.unwrapped.state_dict()["model.norm.weight"], before[
+        "model.norm.weight"])  # fmt: skip
+    release.set()
+    update.join(30)
+    report = w.wait_saved()
+    assert report.stall_seconds >= 0.4
+    saved = ckpt_mod.read_weights(Path(report.path))
+    assert all(torch.equal(saved[k], before[k]) for k in saved)
+
+
 @pytest.mark.parametrize("async_save", [False, True])
 def test_failed_save_keeps_previous_checkpoint(tmp_path: Path, tok, monkeypatch, async_save):
     """A save that fails mid-write leaves `latest` on the previous checkpoint; in the background its error is

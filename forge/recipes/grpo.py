@@ -301,7 +301,7 @@ class GRPORun:
 
     def collect_saved(self) -> None:
         """Wait for the checkpoint in flight (a failed save fails the run with its error), then record it as a
-        second metrics row of its step: `time/checkpoint_stall_s` (what the loop waited for it), `time/checkpoint_s`
+        second metrics row of its step: `time/checkpoint_stall_s` (what training waited for it), `time/checkpoint_s`
         (until it was durable: the stall plus the background write) and `checkpoint/bytes`; export the HF weights
         of the run's last checkpoint if they are sharded; register it; apply retention."""
         if self.saving is None:
@@ -309,8 +309,8 @@ class GRPORun:
         (step, stall), start = self.saving, time.perf_counter()
         report = self.stages.wait_saved()
         self.saving = None
-        background = self.cfg.checkpoint.async_save
-        stall += 0.0 if background else time.perf_counter() - start
+        background = self.cfg.checkpoint.async_save  # then the next optimizer step may have waited for the copy
+        stall += report.stall_seconds if background else time.perf_counter() - start
         total = stall + report.seconds if background else stall
         self.tracker.log_metrics(
             {"time/checkpoint_s": total, "time/checkpoint_stall_s": stall, "checkpoint/bytes": float(report.bytes)},
