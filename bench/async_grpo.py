@@ -16,7 +16,6 @@ Usage: python bench/async_grpo.py [--steps 32] [--eval-problems 200] [--set roll
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -54,6 +53,7 @@ def one_run(staleness: int, steps: int, problems: int, run_dir: Path, extra: lis
     from flows.execute import train
     from flows.planning import plan_run
     from flows.runs import resolve_run
+    from forge.tracking import read_metrics
 
     sets = [*TASK, *extra, f"steps={steps}", f"eval.max_problems={problems}", f"algo.max_staleness={staleness}"]
     cfg, run_dir = resolve_run("smollm2-arith", None, sets, run_dir.name, str(run_dir.parent), False)
@@ -62,7 +62,7 @@ def one_run(staleness: int, steps: int, problems: int, run_dir: Path, extra: lis
     t0 = time.perf_counter()
     summary = train(cfg, run_dir, plan, progress=False)
     wall = time.perf_counter() - t0
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir / "metrics.jsonl")
     rows = [r for r in rows if r["step"] > 2]
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     return {

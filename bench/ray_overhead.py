@@ -12,7 +12,6 @@ Usage: python bench/ray_overhead.py [--tiny-steps 40] [--smollm-steps 6] [--repe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -28,6 +27,7 @@ def one_run(preset: str, steps: int, execution: str, run_dir: Path) -> dict:
     from flows.execute import train
     from flows.planning import plan_run
     from flows.runs import resolve_run
+    from forge.tracking import read_metrics
 
     cfg, run_dir = resolve_run(preset, None, [f"steps={steps}", f"orchestration.execution={execution}", *QUIET],
                                run_dir.name, str(run_dir.parent), False)  # fmt: skip
@@ -35,7 +35,7 @@ def one_run(preset: str, steps: int, execution: str, run_dir: Path) -> dict:
     t0 = time.perf_counter()
     train(cfg, run_dir, plan, progress=False)
     wall = time.perf_counter() - t0
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir / "metrics.jsonl")
     steps_s = [sum(r[f"time/{s}_s"] for s in ("rollout", "reward", "update")) for r in rows if r["step"] > 0]
     sync = [r["perf/weight_sync_s"] for r in rows if r["step"] > 1]
     return {

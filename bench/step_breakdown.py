@@ -8,13 +8,13 @@ Usage: python bench/step_breakdown.py [--preset smollm2-arith] [--steps 3] [--se
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
 from forge.config import apply_overrides
 from forge.presets import get_preset
 from forge.recipes.grpo import run
+from forge.tracking import read_metrics
 
 
 def breakdown(preset: str, steps: int, overrides: list[str]) -> dict[str, float]:
@@ -24,7 +24,7 @@ def breakdown(preset: str, steps: int, overrides: list[str]) -> dict[str, float]
     )
     with tempfile.TemporaryDirectory() as d:
         run(cfg, Path(d) / "bench", progress=False)
-        rows = [json.loads(x) for x in (Path(d) / "bench" / "metrics.jsonl").read_text().splitlines()][1:]
+        rows = read_metrics(Path(d) / "bench" / "metrics.jsonl")[1:]
     keys = ("rollout", "reward", "update")
     per_step = {k: sum(r[f"time/{k}_s"] for r in rows) / len(rows) for k in keys}
     per_step["update_tokens_per_s"] = sum(r["perf/update_tokens_per_s"] for r in rows) / len(rows)

@@ -19,6 +19,8 @@ import yaml
 STAGES = ("rollout", "reward", "update", "evaluate")
 # files whose presence makes a directory under the runs dir a run (mlflow.db and artifact folders are not)
 RUN_MARKERS = ("config.yaml", "status.json", "metrics.jsonl")
+CHECKPOINT_TOTAL, CHECKPOINT_STALL = "time/checkpoint_s", "time/checkpoint_stall_s"
+CHECKPOINT_NAMES = {CHECKPOINT_STALL: "checkpoint stall", CHECKPOINT_TOTAL: "checkpoint background"}
 
 
 def read_json(path: Path) -> dict | None:
@@ -129,7 +131,7 @@ def run_duration(summary: dict, frame: pd.DataFrame) -> float | None:
     total = (summary.get("seconds") or {}).get("total")
     if total is not None:
         return float(total)
-    cols = [c for c in frame.columns if c.startswith("time/") and c.endswith("_s")]
+    cols = [c for c in frame.columns if c.startswith("time/") and c.endswith("_s") and c != CHECKPOINT_TOTAL]
     return float(frame[cols].sum().sum()) if cols else None
 
 
@@ -137,12 +139,13 @@ def run_duration(summary: dict, frame: pd.DataFrame) -> float | None:
 
 
 def metrics_frame(rows: list[dict]) -> pd.DataFrame:
-    """metrics.jsonl rows as a float frame indexed by step (a repeated step keeps its last row)."""
+    """metrics.jsonl rows as a float frame indexed by step; rows of one step are merged, the last value of each
+    column winning (a checkpoint's record is a second row of its step; a redone step overrides)."""
     rows = [r for r in rows if isinstance(r.get("step"), int)]
     if not rows:
         return pd.DataFrame(index=pd.Index([], name="step", dtype=int))
-    frame = pd.DataFrame(rows).drop_duplicates("step", keep="last").set_index("step").sort_index()
-    return frame.apply(pd.to_numeric, errors="coerce")
+    frame = pd.DataFrame(rows).apply(pd.to_numeric, errors="coerce")
+    return frame.groupby("step").last().sort_index()
 
 
 def metric_names(frame: pd.DataFrame) -> list[str]:
@@ -151,8 +154,14 @@ def metric_names(frame: pd.DataFrame) -> list[str]:
 
 
 def stage_times(frame: pd.DataFrame) -> pd.DataFrame:
-    """Long frame (step, stage, seconds) of the `time/<stage>_s` columns, for a stacked bar per step."""
-    cols = {c: c[len("time/") : -len("_s")] for c in frame.columns if c.startswith("time/") and c.endswith("_s")}
+    """Long frame (step, stage, seconds) of the `time/<stage>_s` columns, for a stacked bar per step. A checkpoint
+    is two segments that add up to `time/checkpoint_s`: `checkpoint stall` (the loop waited) and `checkpoint
+    background` (written while training went on; 0 for a synchronous save)."""
+    frame = frame.copy()
+    if CHECKPOINT_TOTAL in frame.columns and CHECKPOINT_STALL in frame.columns:
+        frame[CHECKPOINT_TOTAL] = (frame[CHECKPOINT_TOTAL] - frame[CHECKPOINT_STALL]).clip(lower=0)
+    cols = {c: CHECKPOINT_NAMES.get(c, c[len("time/") : -len("_s")]) for c in frame.columns
+            if c.startswith("time/") and c.endswith("_s")}  # fmt: skip
     if not cols:
         return pd.DataFrame(columns=["step", "stage", "seconds"])
     long = frame[list(cols)].rename(columns=cols).reset_index().melt("step", var_name="stage", value_name="seconds")

@@ -1,4 +1,4 @@
-"""The `forgeweave` command line: run, eval, presets, plan, serve, server, worker, dashboard, mlflow, sync.
+"""The `forgeweave` command line: run, eval, export, presets, plan, serve, server, worker, dashboard, mlflow, sync.
 
 Errors a user can fix (a bad config key, a malformed data file, a missing model path) are printed as one
 line on stderr with exit code 2; no traceback.
@@ -24,6 +24,7 @@ EPILOG = """examples:
   forgeweave run --preset tiny --set update.num_processes=2          # 2 update ranks as Ray actors (local Ray)
   forgeweave run --config run.yaml --set orchestration.ray_address=auto   # on a Ray cluster (docs/ray.md)
   forgeweave eval runs/my-run/checkpoints/step-000100
+  forgeweave export runs/my-run/checkpoints/step-000100 --out my-model   # HF directory of a sharded checkpoint
   forgeweave dashboard                             # Streamlit dashboard of ./runs on http://127.0.0.1:8501
   forgeweave mlflow                                # MLflow UI on http://127.0.0.1:5000 for ./runs
   forgeweave sync my-run                           # send what MLflow missed while it was unreachable
@@ -66,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--preset", help="preset giving data/eval settings when the checkpoint is not inside a run")
     e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     e.add_argument("--out", help="write the JSON report here (default: <checkpoint>/eval.json)")
+    x = sub.add_parser("export", help="write a checkpoint's weights as an HF model directory (model.safetensors)")
+    x.add_argument("checkpoint", help="checkpoint directory, e.g. runs/NAME/checkpoints/step-000040")
+    x.add_argument("--out", help="HF model directory to write (default: the checkpoint directory itself)")
     sub.add_parser("presets", help="list the named presets")
     pl = sub.add_parser("plan", help="print Weaver's stage -> resource-pool plan for a config (runs nothing)")
     src = pl.add_mutually_exclusive_group()
@@ -115,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         commands = {
             "run": cmd_run,
             "eval": cmd_eval,
+            "export": cmd_export,
             "presets": cmd_presets,
             "plan": cmd_plan,
             "serve": cmd_serve,
@@ -205,6 +210,18 @@ def cmd_eval(args) -> int:
     brief = {k: round(v, 4) for k, v in report.items() if k.startswith("pass@")}
     print(json.dumps({"checkpoint": str(ckpt), "problems": report["problems"], **brief}))
     print(f"report: {Path(args.out) if args.out else ckpt / 'eval.json'}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from forge.checkpoint import export_model
+
+    ckpt = Path(args.checkpoint)
+    if not (ckpt / "checkpoint.json").is_file():
+        raise UserError(
+            f"'{ckpt}' is not a forgeweave checkpoint (no checkpoint.json): pass runs/NAME/checkpoints/step-N"
+        )
+    print(f"wrote {export_model(ckpt, Path(args.out) if args.out else None)}")
     return 0
 
 

@@ -10,6 +10,7 @@ from forge.errors import UserError
 def evaluate_checkpoint_dir(ckpt: Path, preset: str | None, overrides: list[str], out: Path | None = None) -> dict:
     """pass@1 / pass@k of `ckpt` on its run's eval split (or `preset`'s data); writes the report to `out`."""
     from flows.runs import resolve_config
+    from forge.checkpoint import SHARDS, export_model, has_weights
     from forge.config import apply_overrides, load_yaml
     from forge.data import build, read_split
     from forge.evaluate import evaluate
@@ -19,6 +20,8 @@ def evaluate_checkpoint_dir(ckpt: Path, preset: str | None, overrides: list[str]
 
     if not (ckpt / "config.json").is_file():
         raise UserError(f"'{ckpt}' is not a model directory (no config.json): pass a checkpoint directory")
+    if not has_weights(ckpt) and (ckpt / SHARDS).is_dir():  # saved sharded by several ranks: assemble it once
+        export_model(ckpt)
     run_dir = ckpt.resolve().parent.parent
     in_run = (run_dir / "config.yaml").is_file() and not preset
     cfg = load_yaml(run_dir / "config.yaml") if in_run else resolve_config(preset, None, [])

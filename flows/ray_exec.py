@@ -42,6 +42,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 import forge
 from flows.ray_actor import StageActor
+from forge.checkpoint import SaveReport
 from forge.config import RunConfig
 from forge.errors import UserError
 from forge.models import load_tokenizer
@@ -235,11 +236,13 @@ class RayStages:
             [self.actors["rollout"][0].call.remote("evaluate", rows, step, self.policy_version)], "rollout"
         )[0]
 
-    def save(self, root: Path, step: int, payload: dict, eval_score: float | None) -> Path:
-        paths = self._get(
-            [a.call.remote("save", str(root), step, payload, eval_score) for a in self.actors["update"]], "update"
-        )
-        return Path(paths[0])
+    def save(self, root: Path, step: int, payload: dict, eval_score: float | None) -> None:
+        """Every rank snapshots its state and writes its own shard (in the background unless async_save is off)."""
+        self._get([a.call.remote("save", str(root), step, payload, eval_score) for a in self.actors["update"]],
+                  "update")  # fmt: skip
+
+    def wait_saved(self) -> SaveReport | None:
+        return self._get([a.call.remote("wait_saved") for a in self.actors["update"]], "update")[0]
 
     def restore(self, ckpt: Path, reward_state: dict | None, rollout_rng: list | None) -> None:
         versions = self._get([a.call.remote("restore", str(ckpt)) for a in self.actors["update"]], "update")

@@ -1,89 +1,426 @@
-"""Checkpoints: an HF model directory plus the trainer state needed for an exact resume.
+"""Checkpoints: tensors in safetensors, everything else in JSON, written sharded and (by default) asynchronously.
 
-Layout: `checkpoints/step-NNNNNN/` holds `config.json`, `model.safetensors`, tokenizer files and
-`trainer_state.pt` (optimizer, adaptive-LR state, step, policy version, RNG states, data-sampler cursor,
-eval score). Each directory is written under a temporary name and renamed into place, and `checkpoints/latest`
-(a text file naming the directory) is replaced atomically afterwards: a crash leaves the previous
-checkpoint intact and `latest` never points at a half-written one.
+Layout of `checkpoints/step-NNNNNN/`:
+
+- `state/shard-0000R-*.safetensors`: the trainer's tensors as written by `torch.distributed.checkpoint` (DCP) with
+  its safetensors storage: each update rank writes its own shard (FSDP: its slice of every parameter and AdamW
+  moment; DDP: a share of the replicated tensors, each written once), nothing is gathered to one process. Keys
+  are `model.<fqn>` and `optim.<fqn>.<name>`; the sharding (offsets) is in each file's safetensors header, so a
+  checkpoint loads into any number of ranks, or one process (DCP reshards on load).
+- `model.safetensors`, `config.json`, tokenizer files: the Hugging Face model directory. With one update process
+  (`checkpoint.hf_model`, the default) the weights are written here and not in `state/` (they are in that process
+  already, so this costs nothing extra); with several ranks `config.json` and the tokenizer are written and
+  `model.safetensors` is produced by `export_model` (the run exports its last checkpoint when it finishes).
+- `trainer_state.json` + `trainer_state.safetensors`: optimizer param groups, adaptive-LR state, step, policy
+  version, process RNG, data-sampler cursor, ensemble window, rollout RNG streams, evals. Tensors and arrays go
+  to the safetensors file and appear in the JSON as `{"__tensor__": key}` / `{"__ndarray__": key}`.
+- `checkpoint.json`: step, eval pass@1, ranks, bytes.
+
+Nothing is pickled and nothing is unpickled: safetensors and JSON only (DCP's own `.metadata` pickle is not used;
+its safetensors reader rebuilds the metadata from the file headers). A pickled `trainer_state.pt` from an older
+version is refused, never loaded.
+
+Atomicity: every rank writes into `.step-NNNNNN.partial/`; after the last shard is written (DCP's final collective)
+rank 0 writes the JSON files, fsyncs every file and the directory, renames it to `step-NNNNNN/`, fsyncs the parent,
+and only then replaces `checkpoints/latest` (a text file naming the directory) atomically. A crash at any moment
+leaves `latest` naming the previous complete checkpoint.
+
+Asynchronous save (`AsyncCheckpointer`, `checkpoint.async_save`): one background thread copies the state to host
+memory while the next update's forward and backward passes run (the state changes only at its optimizer step,
+which waits for the copy), then writes it while training continues; at most one save is in flight (the next one
+waits for it); the error of a failed background save is raised by every later wait.
 
 Retention keeps the `keep_last` newest plus the `keep_best` best by eval pass@1.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import random
 import shutil
-import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from forge.io import atomic_write_text, write_json
+from forge.errors import UserError
+from forge.io import atomic_write_text
 
-STATE_FILE = "trainer_state.pt"
+STATE_JSON = "trainer_state.json"
+STATE_TENSORS = "trainer_state.safetensors"
+SHARDS = "state"
+WEIGHTS = "model.safetensors"
+LEGACY_STATE = "trainer_state.pt"  # pickled by forgeweave before issue 19: refused
+PARTIAL = ".partial"
+# DCP warns on every single-process save/load that it assumes one process: that is what no_dist asks for
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
+# ---------------------------------------------------------------- RNG and the JSON + tensors codec
+
+
 def rng_state() -> dict:
+    """This process's RNG states (python, numpy, torch, CUDA) as JSON values, arrays and tensors."""
     return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": np.random.get_state(legacy=False),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
+    version, internal, gauss = state["python"]  # JSON turned the tuples into lists
+    random.setstate((version, tuple(internal), gauss))
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if state.get("cuda") and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(root: Path, step: int, model, tokenizer, state: dict, eval_score: float | None = None) -> Path:
-    """Write checkpoint `step` under root (= run_dir/checkpoints) atomically and point `latest` at it."""
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / step_dir_name(step)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        torch.save({**state, "step": step, "rng": rng_state(), "eval_score": eval_score}, tmp / STATE_FILE)
-        write_json(tmp / "checkpoint.json", {"step": step, "eval_pass@1": eval_score})
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    finally:
+def split_tensors(tree, tensors: dict[str, torch.Tensor], path: str = "s"):
+    """`tree` as JSON values; its tensors and numpy arrays go into `tensors` under their path (tuples -> lists)."""
+    if isinstance(tree, torch.Tensor):
+        tensors[path] = tree.detach().to("cpu", copy=True).contiguous()
+        return {"__tensor__": path}
+    if isinstance(tree, np.ndarray):
+        tensors[path] = torch.from_numpy(tree.astype(np.int64) if tree.dtype.kind == "u" else tree.copy())
+        return {"__ndarray__": path, "dtype": str(tree.dtype)}
+    if isinstance(tree, dict):
+        assert all(isinstance(k, str) for k in tree), f"{path}: checkpoint state keys must be strings"
+        return {k: split_tensors(v, tensors, f"{path}.{k}") for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [split_tensors(v, tensors, f"{path}.{i}") for i, v in enumerate(tree)]
+    assert tree is None or isinstance(tree, (str, int, float, bool)), f"{path}: {type(tree).__name__} is not JSON"
+    return tree
+
+
+def join_tensors(tree, tensors: dict[str, torch.Tensor]):
+    """Inverse of `split_tensors` (tuples come back as lists)."""
+    if isinstance(tree, dict):
+        if "__tensor__" in tree:
+            return tensors[tree["__tensor__"]]
+        if "__ndarray__" in tree:
+            return tensors[tree["__ndarray__"]].numpy().astype(tree["dtype"])
+        return {k: join_tensors(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [join_tensors(v, tensors) for v in tree]
+    return tree
+
+
+def encode_state(state: dict) -> tuple[str, dict[str, torch.Tensor]]:
+    """`state` as JSON text and copies of its tensors (`split_tensors`): what `trainer_state.*` will hold."""
+    tensors: dict[str, torch.Tensor] = {}
+    return json.dumps(split_tensors(state, tensors), indent=1) + "\n", tensors
+
+
+def host_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A CPU copy of a flat tensor dict, DTensor shards included (each keeps its mesh and placements): what an
+    asynchronous save writes while training changes the originals."""
+    from torch.distributed.tensor import DTensor
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor):
+            local = t.to_local().detach().to("cpu", copy=True)
+            return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                      stride=t.stride())  # fmt: skip
+        return t.detach().to("cpu", copy=True)
+
+    return {k: copy(v) for k, v in tensors.items()}
+
+
+# ---------------------------------------------------------------- what one save writes
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """What one rank contributes to checkpoint `step` (host copies for an asynchronous save)."""
+
+    step: int
+    shards: dict[str, torch.Tensor]  # this rank's DCP tensors: `model.<fqn>`, `optim.<fqn>.<name>` (DTensor shards)
+    weights: dict[str, torch.Tensor] | None  # full HF weights for model.safetensors (one process), else None
+    state_json: str  # rank 0: trainer plain state + the loop's payload + RNG, as `encode_state` gives them
+    state_tensors: dict[str, torch.Tensor]
+    eval_score: float | None
+    world: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveReport:
+    """A checkpoint that is durable and named by `latest`."""
+
+    step: int
+    path: str
+    eval_score: float | None
+    seconds: float  # from the start of the write to `latest` moved
+    bytes: int  # size of the checkpoint directory
+    stall_seconds: float = 0.0  # what the trainer's next optimizer step waited for the host copy (asynchronous)
+
+
+def host_snapshot(snap: Snapshot) -> Snapshot:
+    """`snap` with host copies of its live tensors (the JSON state's tensors are copies already)."""
+    weights = host_copy(snap.weights) if snap.weights is not None else None
+    return dataclasses.replace(snap, shards=host_copy(snap.shards), weights=weights)
+
+
+def begin_checkpoint(root: Path, step: int, rank: int) -> Path:
+    """The empty `.step-NNNNNN.partial/` every rank writes into; rank 0 clears a stale one first. No barrier is
+    needed: ranks write their shards only after DCP's planning collective, which rank 0 joins after this."""
+    tmp = root / f".{step_dir_name(step)}{PARTIAL}"
+    if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    atomic_write_text(root / "latest", final.name + "\n")
-    return final
+        (tmp / SHARDS).mkdir(parents=True)
+    return tmp
+
+
+def write_model_files(tmp: Path, model, tokenizer) -> None:
+    """config.json, generation_config.json and the tokenizer (small; in the foreground: they read live objects)."""
+    model.config.save_pretrained(tmp)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+
+
+def write_checkpoint(snap: Snapshot, tmp: Path, rank: int, group=None) -> SaveReport | None:
+    """Collective over `group` (None: one process): every rank writes its shard into `tmp/state`; then rank 0
+    writes the rest, makes it durable, renames `tmp` into place and moves `latest`. Returns rank 0's report."""
+    from safetensors.torch import save_file
+
+    t0 = time.perf_counter()
+    write_shards(tmp / SHARDS, snap.shards, group)
+    if rank != 0:
+        return None
+    if snap.weights is not None:
+        save_file(snap.weights, tmp / WEIGHTS, metadata={"format": "pt"})
+    (tmp / STATE_JSON).write_text(snap.state_json)
+    save_file(snap.state_tensors, tmp / STATE_TENSORS)
+    size = dir_bytes(tmp)
+    info = {"step": snap.step, "eval_pass@1": snap.eval_score, "ranks": snap.world, "bytes": size}
+    (tmp / "checkpoint.json").write_text(json.dumps(info, indent=2) + "\n")
+    final = tmp.parent / step_dir_name(snap.step)
+    commit(tmp, final)
+    return SaveReport(snap.step, str(final), snap.eval_score, time.perf_counter() - t0, size + _size(final))
+
+
+def remove_partial(root: Path) -> list[Path]:
+    """Delete `.step-*.partial/` directories (saves that never finished); only while no save is in flight."""
+    partial = sorted(p for p in Path(root).glob(f".step-*{PARTIAL}") if p.is_dir())
+    for p in partial:
+        shutil.rmtree(p, ignore_errors=True)
+    return partial
+
+
+def commit(tmp: Path, final: Path) -> None:
+    """fsync every file of `tmp` and `tmp` itself, rename it to `final` (replacing an older one), fsync the parent,
+    then point `latest` at it (atomic replace, fsynced)."""
+    for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        _fsync(f)
+    for d in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True):
+        _fsync(d)
+    _fsync(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    _fsync(final.parent)
+    atomic_write_text(final.parent / "latest", final.name + "\n")
+    _fsync(final.parent)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def _size(path: Path) -> int:
+    return (path / "checkpoint.json").stat().st_size
+
+
+# ---------------------------------------------------------------- DCP shards
+
+
+def write_shards(path: Path, shards: dict[str, torch.Tensor], group=None) -> None:
+    """Collective over `group` (None: one process): each rank writes its tensors (fsynced) with DCP's
+    safetensors storage."""
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+
+    writer = HuggingFaceStorageWriter(str(path), save_distributed=True)
+    save(shards, storage_writer=writer, process_group=group, no_dist=not _distributed())
+
+
+def read_shards(ckpt: Path, targets: dict[str, torch.Tensor], group=None) -> None:
+    """Collective over `group`: fill `targets` (full tensors or DTensor shards, any layout) in place from the
+    checkpoint's shards, whatever the number of ranks that wrote them."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+    load(targets, storage_reader=HuggingFaceStorageReader(str(ckpt / SHARDS)), process_group=group,
+         no_dist=not _distributed())  # fmt: skip
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def shard_keys(ckpt: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """The tensors in the checkpoint's shards: key -> (full shape, dtype)."""
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+    if not (ckpt / SHARDS).is_dir():
+        return {}
+    meta = HuggingFaceStorageReader(str(ckpt / SHARDS)).read_metadata().state_dict_metadata
+    return {k: (m.size, m.properties.dtype) for k, m in meta.items()}
+
+
+def has_weights(ckpt: Path) -> bool:
+    """Whether the checkpoint holds an HF `model.safetensors` (else its weights are in the shards)."""
+    return (Path(ckpt) / WEIGHTS).is_file()
+
+
+def export_model(ckpt: Path, out: Path | None = None) -> Path:
+    """Write the checkpoint's weights as an HF `model.safetensors` into `out` (default: the checkpoint itself),
+    assembled in this process from the shards (or copied, when the checkpoint has the file already); config and
+    tokenizer files are copied when `out` is elsewhere. Returns the weights file."""
+    from safetensors.torch import save_file
+
+    ckpt, out = Path(ckpt), Path(out or ckpt)
+    out.mkdir(parents=True, exist_ok=True)
+    if out != ckpt:
+        for f in ckpt.iterdir():
+            if f.is_file() and f.suffix == ".json" and not f.name.startswith(("trainer_state", "checkpoint")):
+                shutil.copy2(f, out / f.name)
+    if has_weights(ckpt):
+        if out != ckpt:
+            shutil.copy2(ckpt / WEIGHTS, out / WEIGHTS)
+        return out / WEIGHTS
+    keys = {k: v for k, v in shard_keys(ckpt).items() if k.startswith("model.")}
+    if not keys:
+        raise UserError(f"checkpoint '{ckpt}' has no weights to export (no model.safetensors, no state/ shards)")
+    targets = {k: torch.empty(size, dtype=dtype) for k, (size, dtype) in keys.items()}
+    read_shards(ckpt, targets)
+    tmp = out / f".{WEIGHTS}.tmp"
+    save_file({k[len("model.") :]: v for k, v in targets.items()}, tmp, metadata={"format": "pt"})
+    _fsync(tmp)
+    tmp.replace(out / WEIGHTS)
+    return out / WEIGHTS
+
+
+# ---------------------------------------------------------------- asynchronous save
+
+
+class AsyncCheckpointer:
+    """At most one save in flight, run by a background thread; `wait` returns its report or raises its error.
+
+    A background save runs `stage` first (the host copy of the state), then `write`. The state does not change
+    until the trainer's next optimizer step, so the copy overlaps the next update's forward and backward passes:
+    `wait_staged` (called by the optimizer's step pre-hook) blocks until the copy is done, and the seconds it
+    blocked are added to the save's `stall_seconds`. A failed save's error is kept: every later `wait` (and so every
+    later save) raises it again, so the run fails with it instead of carrying on without checkpoints. `run` does
+    the write in the calling thread (a synchronous save)."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._staged = threading.Event()
+        self._staged.set()
+        self._waited = 0.0  # seconds the trainer waited for the copy of the save in flight
+        self._report: SaveReport | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, stage: Callable[[], Snapshot], write: Callable[[Snapshot], SaveReport | None]) -> None:
+        """Copy (`stage`) then write in the background, once the save in flight (if any) has finished."""
+        self.wait()
+        self._staged.clear()
+        self._waited = 0.0
+        self._thread = threading.Thread(target=self._run, args=(stage, write), name="forgeweave-checkpoint",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+
+    def run(self, snap: Snapshot, write: Callable[[Snapshot], SaveReport | None]) -> None:
+        self.wait()
+        self._report = write(snap)
+
+    def wait_staged(self) -> None:
+        """Block until the save in flight holds its own copy of the state (the state may change after this)."""
+        if not self._staged.is_set():
+            t0 = time.perf_counter()
+            self._staged.wait()
+            self._waited += time.perf_counter() - t0
+
+    def wait(self) -> SaveReport | None:
+        """Block until no save is in flight; the last finished save's report (once), or its error (always)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            raise self._error
+        report, self._report = self._report, None
+        if report is not None and self._waited:
+            report = dataclasses.replace(report, stall_seconds=report.stall_seconds + self._waited)
+            self._waited = 0.0
+        return report
+
+    def _run(self, stage: Callable[[], Snapshot], write: Callable[[Snapshot], SaveReport | None]) -> None:
+        try:
+            try:
+                snap = stage()
+            finally:
+                self._staged.set()
+            self._report = write(snap)
+        except BaseException as e:  # kept for the caller's next wait
+            self._error = e
+
+
+# ---------------------------------------------------------------- reading
 
 
 def latest_checkpoint(root: Path) -> Path | None:
+    """The complete checkpoint `latest` names, or None."""
     pointer = root / "latest"
     if not pointer.is_file():
         return None
     path = root / pointer.read_text().strip()
-    return path if (path / STATE_FILE).is_file() else None
+    return path if (path / STATE_JSON).is_file() or (path / LEGACY_STATE).is_file() else None
 
 
 def load_state(ckpt: Path) -> dict:
-    return torch.load(ckpt / STATE_FILE, weights_only=False, map_location="cpu")  # never onto a GPU
+    """The checkpoint's non-model state (JSON + safetensors; nothing is unpickled)."""
+    from safetensors.torch import load_file
+
+    ckpt = Path(ckpt)
+    if not (ckpt / STATE_JSON).is_file():
+        raise UserError(
+            f"checkpoint '{ckpt}' has no {STATE_JSON} (a pickled {LEGACY_STATE} from an older forgeweave is never "
+            "loaded): start the run again, or resume it with the forgeweave version that wrote it"
+        )
+    tensors = load_file(ckpt / STATE_TENSORS) if (ckpt / STATE_TENSORS).is_file() else {}
+    return join_tensors(json.loads((ckpt / STATE_JSON).read_text()), tensors)
 
 
 def read_weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights as one state dict (tied copies appear once)."""
+    """The checkpoint's HF weights as one state dict (tied copies appear once)."""
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
     for f in sorted(Path(ckpt).glob("*.safetensors")):
-        state.update(load_file(f))
+        if f.name != STATE_TENSORS:
+            state.update(load_file(f))
     return state
 
 
@@ -99,6 +436,9 @@ def assign_weights(model, state: dict[str, torch.Tensor], source: str = "weights
     assert not (set(missing) - tied) and not unexpected, f"{source} does not match the model"
     if tied:
         model.tie_weights()
+
+
+# ---------------------------------------------------------------- retention
 
 
 def apply_retention(root: Path, keep_last: int, keep_best: int) -> list[Path]:

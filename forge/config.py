@@ -229,6 +229,12 @@ class CheckpointConfig:
     """Keep this many most recent checkpoints."""
     keep_best: int = 1
     """Also keep this many best-by-eval-pass@1 checkpoints."""
+    async_save: bool = True
+    """Copy the state to host memory, let training continue and write it in a background thread (at most one save
+    in flight; the run waits for it before it ends); false = training waits until the checkpoint is written."""
+    hf_model: bool = True
+    """With one update process, write the HF weights (model.safetensors) into every checkpoint (they are in that
+    process already). With several ranks checkpoints are sharded and the run exports its last one at the end."""
 
 
 @dataclass

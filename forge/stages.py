@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from forge.checkpoint import SaveReport
 from forge.config import RunConfig
 from forge.errors import UserError
 from forge.records import Rollouts, Scored, ScoredBatch, UpdateStats
@@ -71,7 +72,14 @@ class Stages(Protocol):
 
     def evaluate(self, rows: list[dict], step: int) -> dict: ...
 
-    def save(self, root: Path, step: int, payload: dict, eval_score: float | None) -> Path: ...
+    def save(self, root: Path, step: int, payload: dict, eval_score: float | None) -> None:
+        """Start checkpoint `step` (every update rank snapshots; written in the background unless
+        `checkpoint.async_save` is off); the save in flight, if any, finishes first."""
+        ...
+
+    def wait_saved(self) -> SaveReport | None:
+        """Wait for the save in flight; its report (None if there was none); raises a failed save's error."""
+        ...
 
     def restore(self, ckpt: Path, reward_state: dict | None, rollout_rng: list | None) -> None:
         """Trainer (weights, optimizer), reward state and the rollout workers' RNG streams from a checkpoint;
@@ -144,8 +152,11 @@ class LocalStages:
     def evaluate(self, rows: list[dict], step: int) -> dict:
         return self.rollout_worker.evaluate(rows, step, self.policy_version)
 
-    def save(self, root: Path, step: int, payload: dict, eval_score: float | None) -> Path:
-        return Path(self.trainer.save(str(root), step, payload, eval_score))
+    def save(self, root: Path, step: int, payload: dict, eval_score: float | None) -> None:
+        self.trainer.save(str(root), step, payload, eval_score)
+
+    def wait_saved(self) -> SaveReport | None:
+        return self.trainer.wait_saved()
 
     def restore(self, ckpt: Path, reward_state: dict | None, rollout_rng: list | None) -> None:
         version = self.trainer.restore(str(ckpt))

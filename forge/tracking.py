@@ -1,6 +1,7 @@
 """Trackers: where params, metrics and artifacts go. The recipe only sees the `Tracker` protocol.
 
-`JsonlTracker` writes `metrics.jsonl` (one JSON object per step) in the run directory; `NullTracker`
+`JsonlTracker` writes `metrics.jsonl` (one JSON object per step, plus one per checkpoint, for its step, once it is
+durable; `read_metrics` merges them) in the run directory; `NullTracker`
 drops everything; `MultiTracker` fans out. `forge.tracking_mlflow.MlflowTracker` implements the same protocol
 (mlflow is imported only there, and only when it sends). Trackers must never raise into the training loop.
 """
@@ -80,14 +81,18 @@ class JsonlTracker(NullTracker):
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """Read metrics.jsonl, ignoring a torn last line (a run killed mid-write)."""
-    rows = []
+    """Read metrics.jsonl, one row per step: rows of the same step are merged in file order (a checkpoint's
+    record is a second row of its step, written when the save is durable); a torn last line (a run killed
+    mid-write) is ignored."""
+    rows: dict = {}
     for line in path.read_text().splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except ValueError:
             continue
-    return rows
+        key = row.get("step", len(rows))
+        rows[key] = {**rows.get(key, {}), **row}
+    return list(rows.values())
 
 
 def _finite(v):

@@ -18,7 +18,7 @@ Layout in MLflow (the dashboard relies on it):
 - params: the resolved config flattened (`update.lr`, ...); metrics: the step's namespaced metrics with its
   step number; MLflow allows only `[/\\w.\\- :]` in names, so `@` becomes `_at_` (`eval/pass@1` -> `eval/pass_at_1`).
 - artifacts: config.yaml, plan.json, data/manifest.json, eval/step-NNNNNN.json, samples/step-NNNNNN.json (a
-  table: {"columns": [...], "data": [[...], ...]}), checkpoints/step-NNNNNN/ (HF files; not trainer_state.pt),
+  table: {"columns": [...], "data": [[...], ...]}), checkpoints/step-NNNNNN/ (HF files; not trainer_state.* or the state/ shards),
   summary.json.
 - registry: each checkpoint is a version of `tracking.registered_model` (default `forgeweave-<preset>`), source
   `runs:/<run_id>/checkpoints/step-NNNNNN`, tags `forgeweave.run_name`, `forgeweave.run_dir`, `forgeweave.run_id`,
@@ -44,7 +44,7 @@ from forge.outbox import Outbox, fresh_state, sending_lock
 from forge.rundir import flatten
 from forge.tracking import NullTracker
 
-CHECKPOINT_SKIP = {"trainer_state.pt"}  # optimizer/RNG state: needed to resume, not to use the model
+CHECKPOINT_SKIP = {"trainer_state.json", "trainer_state.safetensors", "trainer_state.pt"}  # resume state, not the model
 PERMANENT = {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST"}
 BATCH_LIMITS = {"metrics": 1000, "params": 100, "tags": 100}
 MAX_PARAM_CHARS = 6000

@@ -12,7 +12,8 @@ Precision: bf16 mixed precision on GPUs, fp32 on CPU (`update.autocast_bf16` opt
 where the CPU has bf16 units; `forge.precision`).
 FSDP (`update.strategy=fsdp`, more than one rank) shards the model with torch's `fully_shard` (FSDP2) per decoder
 layer and at the root, because Accelerate 1.15's FSDP plugin is silently ignored on CPU (it wraps the model in
-DDP); trainer state is then gathered to full tensors, so checkpoints are the same whatever the strategy.
+DDP). Checkpoints are sharded (`forge.distributed.state`, `forge.checkpoint`): each rank saves its own slice and a
+checkpoint loads into any strategy and number of ranks.
 
 Log-probs are computed with explicit position ids from the attention mask (prompts are left-padded, as in
 `generate`), with logits divided by the sampling temperature, and log-softmax taken in fp32 even under bf16
@@ -33,9 +34,10 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 
-from forge.checkpoint import load_weights, read_weights
+from forge.checkpoint import has_weights, load_weights, read_shards, read_weights
 from forge.config import RunConfig
 from forge.distributed import fsdp
+from forge.distributed import state as dist_state
 from forge.losses import StepTotals, importance_weights, policy_loss
 from forge.lr import AdaptiveLR, scheduled_lr
 from forge.precision import bf16_autocast
@@ -250,32 +252,30 @@ class Trainer:
             return fsdp.full_model_state(self.model)
         return {k: v.detach().cpu() for k, v in self.unwrapped.state_dict().items()}
 
-    def restore(self, ckpt: Path, state: dict) -> None:
-        """Resume from checkpoint directory `ckpt`: its weights (in place), then the trainer state saved in it."""
-        if self.fsdp:
+    def checkpoint_tensors(self, with_model: bool) -> tuple[dict[str, torch.Tensor], dict]:
+        """This rank's tensors for a sharded checkpoint (`forge.distributed.state`: the weights if `with_model`,
+        AdamW's moments; live, DTensor shards under FSDP) and the rest as plain values: the optimizer's param
+        groups, the adaptive LR state, step and policy version."""
+        flat, groups = dist_state.trainer_tensors(self.unwrapped, self.optimizer, with_model)
+        plain = {"param_groups": groups, "adaptive": self.adaptive.state_dict(), "step": self.step,
+                 "policy_version": self.policy_version}  # fmt: skip
+        return flat, plain
+
+    def restore(self, ckpt: Path, plain: dict) -> None:
+        """Resume from checkpoint directory `ckpt` (a collective with several ranks): the weights from its HF file
+        (in place) or its shards, the optimizer from its shards, resharded to this rank layout by DCP; then the
+        plain values `checkpoint_tensors` gave (the `trainer` entry of `forge.checkpoint.load_state`)."""
+        in_shards = not has_weights(ckpt)
+        if not in_shards and self.fsdp:
             fsdp.load_full_model_state(self.model, read_weights(ckpt))
-        else:
+        elif not in_shards:
             load_weights(self.unwrapped, ckpt)
-        self.load_state_dict(state)
-
-    def state_dict(self) -> dict:
-        """Optimizer (full, parameter-index keyed whatever the strategy), adaptive LR, step, policy version."""
-        optimizer = fsdp.full_optimizer_state(self.model, self.optimizer) if self.fsdp else self.optimizer.state_dict()
-        return {
-            "optimizer": optimizer,
-            "adaptive": self.adaptive.state_dict(),
-            "step": self.step,
-            "policy_version": self.policy_version,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.fsdp:
-            fsdp.load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
-        else:
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.adaptive.load_state_dict(state["adaptive"])
-        self.step = state["step"]
-        self.policy_version = state["policy_version"]
+        targets, _ = dist_state.trainer_tensors(self.unwrapped, self.optimizer, with_model=in_shards)
+        read_shards(ckpt, targets)
+        dist_state.load_trainer_tensors(self.unwrapped, self.optimizer, targets, plain["param_groups"])
+        self.adaptive.load_state_dict(plain["adaptive"])
+        self.step = plain["step"]
+        self.policy_version = plain["policy_version"]
 
     def close(self) -> None:
         """Nothing to stop in-process (the multi-process `RemoteTrainer` stops its ranks here)."""

@@ -10,7 +10,8 @@ node Weaver planned for its stage. Nothing here knows which: no Ray, no Prefect.
 - `RewardWorker`: verifiers -> weighted reward or the label-free ensemble -> group advantages (`score`).
 - `TrainerWorker`: one update rank (rank r of a world of N: a torch.distributed group, gloo on CPU, NCCL on GPU,
   with Accelerate inside); `step` trains on the rank's share of a batch and returns the new weights on rank 0;
-  `save` writes a checkpoint (rank 0 writes, every rank joins FSDP's gathers).
+  `save` starts a checkpoint (every rank snapshots and writes its own shard, in a background thread by default)
+  and `wait_saved` waits for it.
 
 Randomness: a rollout worker samples from an RNG stream of its own, which starts where the process's RNG is once
 the policy is built (seeded `cfg.seed`) and advances only with its own samples; it is swapped in for each call and
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import os
 import socket
 import sys
@@ -32,8 +34,21 @@ from pathlib import Path
 import torch
 
 from forge.advantages import group_advantages
-from forge.checkpoint import assign_weights, load_state, save_checkpoint
+from forge.checkpoint import (
+    AsyncCheckpointer,
+    SaveReport,
+    Snapshot,
+    assign_weights,
+    begin_checkpoint,
+    encode_state,
+    host_snapshot,
+    load_state,
+    rng_state,
+    write_checkpoint,
+    write_model_files,
+)
 from forge.config import RunConfig
+from forge.distributed import state as dist_state
 from forge.evaluate import evaluate
 from forge.models import load_policy
 from forge.records import Rollouts, Scored, ScoredBatch, UpdateStats
@@ -208,6 +223,11 @@ class TrainerWorker:
         self.tokenizer = tokenizer
         ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.beta > 0 else None
         self.trainer = Trainer(model, cfg, total_steps=cfg.steps, ref_model=ref, accelerator=accelerator)
+        self.saver = AsyncCheckpointer()
+        _torch_optimizer(self.trainer.optimizer).register_step_pre_hook(lambda *_: self.saver.wait_staged())
+        # the checkpoint writer's DCP collectives run on a gloo group of their own, so they never interleave with
+        # training's on the default group; made now, while every rank is here (None with one process)
+        self.checkpoint_group = torch.distributed.new_group(backend="gloo") if world > 1 else None
 
     @property
     def policy_version(self) -> int:
@@ -223,14 +243,37 @@ class TrainerWorker:
         full = self.trainer.full_weights()
         return full if self.rank == 0 else None
 
-    def save(self, root: str, step: int, payload: dict, eval_score: float | None) -> str | None:
-        """Checkpoint `step` under `root` with the loop's `payload` (sampler, evals, ...) beside the trainer state.
-        Rank 0 writes (atomically); every rank must call it (FSDP gathers the full state)."""
-        state = self.trainer.state_dict()
-        if self.rank != 0:
-            return None
-        full = {"trainer": state, **payload}
-        return str(save_checkpoint(Path(root), step, self.trainer.unwrapped, self.tokenizer, full, eval_score))
+    def save(self, root: str, step: int, payload: dict, eval_score: float | None) -> None:
+        """Start checkpoint `step` under `root` with the loop's `payload` (sampler, evals, ...) beside the trainer
+        state; every rank must call it. Waits for the save in flight first (at most one), snapshots (a host copy
+        when `checkpoint.async_save`) and writes in a background thread (async) or before returning."""
+        self.saver.wait()
+        tmp = begin_checkpoint(Path(root), step, self.rank)
+        if self.rank == 0:
+            write_model_files(tmp, self.trainer.unwrapped, self.tokenizer)
+        snap = self._snapshot(step, {**payload, "rng": rng_state()}, eval_score)
+        write = functools.partial(write_checkpoint, tmp=tmp, rank=self.rank, group=self.checkpoint_group)
+        if self.cfg.checkpoint.async_save:  # copy in the background too: see AsyncCheckpointer
+            self.saver.submit(functools.partial(host_snapshot, snap), write)
+        else:
+            self.saver.run(host_snapshot(snap) if self.trainer.accelerator.device.type != "cpu" else snap, write)
+
+    def wait_saved(self) -> SaveReport | None:
+        """Wait for the save in flight: rank 0's report (None elsewhere, or when there was none); raises the error
+        of a failed save (and keeps raising it)."""
+        return self.saver.wait()
+
+    def _snapshot(self, step: int, payload: dict, eval_score: float | None) -> Snapshot:
+        """This rank's part of checkpoint `step`: its DCP tensors and the HF weights (one process, tied copies
+        once), both live (`host_snapshot` copies them), and rank 0's state as JSON + tensor copies."""
+        hf = self.world == 1 and self.cfg.checkpoint.hf_model
+        shards, plain = self.trainer.checkpoint_tensors(with_model=not hf)
+        weights = None
+        if hf:
+            unique = dist_state.unique_names(self.trainer.unwrapped)
+            weights = {k: v for k, v in self.trainer.full_weights().items() if k in unique}
+        state = {**payload, "trainer": plain, "step": step, "eval_score": eval_score} if self.rank == 0 else {}
+        return Snapshot(step, shards, weights, *encode_state(state), eval_score, self.world)
 
     def restore(self, ckpt: str) -> int:
         """Weights and trainer state from checkpoint directory `ckpt`; returns the restored policy version."""
@@ -243,6 +286,10 @@ class TrainerWorker:
     def close(self) -> None:
         if self.world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
+    return getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper holds the torch optimizer
 
 
 def _cuda_devices() -> list[int]:

@@ -12,6 +12,7 @@ import pytest
 from safetensors.torch import load_file
 
 from flows.cli import main
+from forge.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,7 +39,7 @@ def test_tiny_preset_learns(runs_dir, capsys):
     ):
         assert (run / f).exists(), f
     assert (run / "checkpoints" / "step-000200" / "model.safetensors").is_file()
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run / "metrics.jsonl")  # a checkpoint's record is merged into its step's row
     assert [r["step"] for r in rows] == list(range(0, 201))
     for key in (
         "reward/mean",
@@ -90,8 +91,8 @@ def _sets(settings):
 
 
 def _comparable(run: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
+    rows = read_metrics(run / "metrics.jsonl")  # one row per step: checkpoint records merged in
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "checkpoint/"))} for r in rows]
 
 
 def test_resume_after_kill_matches_straight_run(runs_dir):
@@ -198,3 +199,20 @@ def test_existing_run_dir_is_not_overwritten(runs_dir, capsys):
     assert main(["run", "--preset", "tiny", "--name", "x", "--runs-dir", str(runs_dir)]) == 2
     assert "--resume" in _one_line_error(capsys)
     assert (runs_dir / "x" / "keep.txt").read_text() == "data"
+
+
+def test_export_writes_an_hf_directory_and_refuses_a_non_checkpoint(tmp_path, capsys):
+    from forge.models import build_char_tokenizer, build_tiny_model
+    from forge.workers import TrainerWorker
+    from tests.test_trainer import make_cfg
+
+    tok = build_char_tokenizer()
+    w = TrainerWorker(make_cfg(), model=build_tiny_model(tok, hidden=32, layers=1, seed=0), tokenizer=tok)
+    w.save(str(tmp_path / "checkpoints"), 1, {}, None)
+    ckpt = Path(w.wait_saved().path)
+    assert main(["export", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
+    assert load_file(tmp_path / "hf" / "model.safetensors").keys() == load_file(ckpt / "model.safetensors").keys()
+    assert (tmp_path / "hf" / "config.json").is_file()
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "hf")]) == 2
+    assert "is not a forgeweave checkpoint (no checkpoint.json)" in _one_line_error(capsys)

@@ -140,7 +140,7 @@ def test_state_dict_round_trip_continues_identically():
     a = AdaptiveLR(signal="grad_norm", target=2.0)
     for g in (1.0, 1.2, 6.0, 0.4):
         a.observe(0.0, g)
-    state = json.loads(json.dumps(a.state_dict()))  # plain values only (it goes into trainer_state.pt)
+    state = json.loads(json.dumps(a.state_dict()))  # plain values only (it goes into trainer_state.json)
     b = AdaptiveLR()
     b.load_state_dict(state)
     assert b == a

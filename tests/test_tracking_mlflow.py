@@ -123,7 +123,7 @@ def test_resend_and_resume_leave_no_duplicates(store):
     ckpt = store / "r" / "checkpoints" / "step-000004"
     ckpt.mkdir(parents=True)
     (ckpt / "config.json").write_text("{}")
-    (ckpt / "trainer_state.pt").write_bytes(b"optimizer")
+    (ckpt / "trainer_state.json").write_text("{}")  # resume state: not logged
     tracker.set_tags({"forgeweave.dataset_hash": "abc123"})
     for step in range(1, 7):
         tracker.log_metrics({"reward/mean": step / 10}, step=step)

@@ -5,9 +5,9 @@ type stays MULTI_CPU and the model is wrapped in DDP, without a warning), while 
 on CPU and over NCCL on GPUs alike. Parameters become DTensors sharded on dim 0 across ranks; the gradient
 reduce-scatter averages over ranks, as DDP does.
 
-Trainer state crosses this boundary as *full* tensors (gathered to CPU on rank 0 when saving, given in full to
-every rank when loading), and the optimizer state is converted to the parameter-index keys of a plain
-`optimizer.state_dict()`: a checkpoint does not depend on the strategy or the number of ranks that wrote it.
+The weights published to the rollout workers cross this boundary as *full* tensors (gathered to CPU on rank 0);
+a checkpoint's HF weights are given in full to every rank when loading. Checkpoints themselves are sharded
+(`forge.distributed.state`: each rank saves and loads its own slice).
 """
 
 from __future__ import annotations
@@ -51,30 +51,3 @@ def load_full_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     set_model_state_dict(model, state, options=_full(cpu_offload=False, strict=False))
-
-
-def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Collective: the full optimizer state, parameter-index keyed as `optimizer.state_dict()` is, on rank 0."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    state = get_optimizer_state_dict(model, optimizer, options=_full())
-    if not state:
-        return {}
-    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
-    return {
-        "state": {index[k]: v for k, v in state["state"].items()},
-        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
-    }
-
-
-def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Collective: every rank passes the same index-keyed full state (from `full_optimizer_state` or a plain
-    optimizer's state_dict) and keeps its shard of it."""
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-    names = [name for name, _ in model.named_parameters()]
-    by_name = {
-        "state": {names[i]: v for i, v in state["state"].items()},
-        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
-    }
-    set_optimizer_state_dict(model, optimizer, by_name, options=_full(cpu_offload=False))

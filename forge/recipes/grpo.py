@@ -37,7 +37,17 @@ from pathlib import Path
 from typing import Any
 
 from forge.advantages import frac_zero_std
-from forge.checkpoint import apply_retention, latest_checkpoint, load_state, set_rng_state, step_dir_name
+from forge.checkpoint import (
+    SaveReport,
+    apply_retention,
+    export_model,
+    has_weights,
+    latest_checkpoint,
+    load_state,
+    remove_partial,
+    set_rng_state,
+    step_dir_name,
+)
 from forge.config import RunConfig, dump_yaml
 from forge.data import PromptSampler, prepare, read_split
 from forge.errors import UserError
@@ -147,6 +157,8 @@ class GRPORun:
         self.state = RunState()
         self.stages: Stages | None = None
         self.in_flight: dict[int, tuple[list[dict], Any]] = {}  # step -> (rows, handle) of started rollouts
+        self.saving: tuple[int, float] | None = None  # the checkpoint in flight: (step, seconds the loop waited)
+        self.last_saved: SaveReport | None = None
 
     @contextlib.contextmanager
     def failure_guard(self):
@@ -267,7 +279,11 @@ class GRPORun:
         every, last = self.cfg.checkpoint.every, self.cfg.steps
         return min(last, -(-step // every) * every) if every > 0 else last
 
-    def checkpoint(self, step: int) -> Path:
+    def checkpoint(self, step: int) -> None:
+        """Start checkpoint `step` once the previous one is durable (at most one in flight); written in the
+        background (`checkpoint.async_save`) or waited for here. `collect_saved` records it when it is done."""
+        start = time.perf_counter()
+        self.collect_saved()
         payload = {
             "sampler": self.sampler.state_dict(),
             "rollout_rng": self.stages.rollout_rng(),
@@ -278,15 +294,39 @@ class GRPORun:
         }
         last = self.state.last_eval
         score = last["pass@1"] if last and last.get("step") == step else None
-        root = self.run_dir / "checkpoints"
-        path = self.stages.save(root, step, payload, score)
-        self.tracker.register_checkpoint(path, step, score)
-        apply_retention(root, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_best)
-        return path
+        self.stages.save(self.run_dir / "checkpoints", step, payload, score)
+        self.saving = (step, time.perf_counter() - start)
+        if not self.cfg.checkpoint.async_save:
+            self.collect_saved()
+
+    def collect_saved(self) -> None:
+        """Wait for the checkpoint in flight (a failed save fails the run with its error), then record it as a
+        second metrics row of its step: `time/checkpoint_stall_s` (what training waited for it), `time/checkpoint_s`
+        (until it was durable: the stall plus the background write) and `checkpoint/bytes`; export the HF weights
+        of the run's last checkpoint if they are sharded; register it; apply retention."""
+        if self.saving is None:
+            return
+        (step, stall), start = self.saving, time.perf_counter()
+        report = self.stages.wait_saved()
+        self.saving = None
+        background = self.cfg.checkpoint.async_save  # then the next optimizer step may have waited for the copy
+        stall += report.stall_seconds if background else time.perf_counter() - start
+        total = stall + report.seconds if background else stall
+        self.tracker.log_metrics(
+            {"time/checkpoint_s": total, "time/checkpoint_stall_s": stall, "checkpoint/bytes": float(report.bytes)},
+            step=step,
+        )
+        self.add_seconds({"checkpoint_total": total, "checkpoint_stall": stall})
+        self.last_saved = report
+        if step == self.cfg.steps and not has_weights(Path(report.path)):
+            export_model(Path(report.path))  # sharded by several ranks: the run's final model as an HF directory
+        self.tracker.register_checkpoint(Path(report.path), step, report.eval_score)
+        apply_retention(self.run_dir / "checkpoints", self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_best)
 
     def recover(self, lost: WorkerLost) -> None:
         """After a worker died: rebuild the stages and continue from the last checkpoint (or from the start)."""
         self.restarts += 1
+        self.saving = None  # a save in flight died with its workers; `latest` names the last complete one
         if self.restarts > self.cfg.orchestration.max_restarts:
             raise UserError(
                 f"{lost} (after {self.restarts - 1} restarts; orchestration.max_restarts="
@@ -309,9 +349,14 @@ class GRPORun:
             truncate_samples(self.run_dir, 0)
 
     def finish(self, **extra) -> dict:
-        """Write summary.json (extra keys, e.g. the Prefect flow-run id, are added to it) and mark finished."""
+        """Wait for the checkpoint in flight; write summary.json (extra keys, e.g. the Prefect flow-run id, are
+        added to it) and mark finished."""
+        self.collect_saved()
         summary = {**run_summary(self.cfg, self.run_dir, self.state, time.perf_counter() - self.started), **extra}
         summary["restarts"] = self.restarts
+        if self.last_saved is not None:
+            summary["checkpoint"] = {"async_save": self.cfg.checkpoint.async_save, "bytes": self.last_saved.bytes,
+                                     "last": Path(self.last_saved.path).name}  # fmt: skip
         summary.update(self.tracker.info())  # e.g. mlflow_run_id
         write_json(self.run_dir / "summary.json", summary)
         self.tracker.log_artifact(self.run_dir / "summary.json")
@@ -332,6 +377,7 @@ class GRPORun:
             raise UserError(
                 f"cannot resume '{self.run_dir}': it has no checkpoint yet; start it again without --resume"
             )
+        remove_partial(self.run_dir / "checkpoints")  # what a killed save left behind (no save is in flight now)
         saved = load_state(ckpt)
         self.stages.restore(ckpt, saved.get("aggregator"), saved.get("rollout_rng"))  # every rank, then the rollout
         self.sampler.load_state_dict(saved["sampler"])

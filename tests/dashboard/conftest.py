@@ -72,13 +72,10 @@ def make_variant(runs: Path, name: str, lr: float) -> Path:
 
 
 def read_metrics(run: Path) -> list[dict]:
-    rows = []
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            pass
-    return rows
+    """One row per step (a checkpoint's record, a second row of its step, merged in)."""
+    from forge.tracking import read_metrics as read
+
+    return read(run / "metrics.jsonl")
 
 
 def open_page(runs: Path, monkeypatch, page: str | None = None) -> AppTest:

@@ -48,8 +48,8 @@ def test_overview_of_a_half_written_run(runs_copy):
     assert [r["step"] for r in rows] == list(range(7))  # the torn 7th row is skipped
     assert (o.state, o.step, o.total_steps) == ("running", 6, 12)
     assert o.best_step in (0, 4) and o.last_pass1 == pytest.approx(rows[4]["eval/pass@1"])
-    # no summary yet: the duration is the stage seconds logged so far
-    expected = sum(v for r in rows for k, v in r.items() if k.startswith("time/"))
+    # no summary yet: the duration is the stage seconds logged so far (a checkpoint's stall, not its background)
+    expected = sum(v for r in rows for k, v in r.items() if k.startswith("time/") and k != "time/checkpoint_s")
     assert o.duration_s == pytest.approx(expected)
     assert [c["step"] for c in data.checkpoints(run)] == [4]
 
@@ -73,23 +73,38 @@ def test_overview_of_a_failed_run_and_of_a_bare_directory(tmp_path):
     assert data.find_runs(tmp_path / "absent") == []
 
 
-def test_metrics_frame_keeps_the_last_row_of_a_repeated_step():
-    rows = [{"step": 0, "eval/pass@1": 0.1}, {"step": 1, "reward/mean": 0.2}, {"step": 1, "reward/mean": 0.3}, {"x": 1}]
+def test_metrics_frame_merges_the_rows_of_a_repeated_step():
+    rows = [{"step": 0, "eval/pass@1": 0.1}, {"step": 1, "reward/mean": 0.2}, {"step": 1, "reward/mean": 0.3}, {"x": 1},
+            {"step": 0, "time/checkpoint_s": 2.0}]  # fmt: skip
     frame = data.metrics_frame(rows)
     assert list(frame.index) == [0, 1]
     assert frame.loc[1, "reward/mean"] == 0.3 and math.isnan(frame.loc[0, "reward/mean"])
-    assert data.metric_names(frame) == ["eval/pass@1", "reward/mean"]
+    assert frame.loc[0, "eval/pass@1"] == 0.1 and frame.loc[0, "time/checkpoint_s"] == 2.0
+    assert data.metric_names(frame) == ["eval/pass@1", "reward/mean", "time/checkpoint_s"]
     assert data.metrics_frame([]).empty
 
 
 def test_stage_times_are_a_long_frame_of_the_time_columns(tiny_run):
     frame = data.metrics_frame(read_metrics(tiny_run))
     times = data.stage_times(frame)
-    assert set(times["stage"]) == {"rollout", "reward", "update", "evaluate"}
+    assert set(times["stage"]) == {"rollout", "reward", "update", "evaluate", "checkpoint stall",
+                                   "checkpoint background"}  # fmt: skip
+    saves = times[times.stage.str.startswith("checkpoint")].groupby("step")["seconds"].sum()
+    assert list(saves.index) == [4, 8, 12]  # checkpoint.every=4: the two segments add up to time/checkpoint_s
+    assert saves.to_numpy() == pytest.approx(frame.loc[[4, 8, 12], "time/checkpoint_s"].to_numpy())
     # evaluate only on eval steps (4, 8, 12: the step-0 eval row has no time/ columns)
     assert sorted(times[times.stage == "evaluate"]["step"]) == [4, 8, 12]
     for stage in ("rollout", "update"):
         assert times[times.stage == stage]["seconds"].sum() == pytest.approx(frame[f"time/{stage}_s"].sum())
+
+
+def test_a_checkpoint_is_a_stall_and_a_background_segment():
+    # async save: the loop waited 0.1 s, the write finished 0.4 s later; sync save: all 0.7 s were a stall
+    frame = data.metrics_frame([{"step": 1, "time/checkpoint_s": 0.5, "time/checkpoint_stall_s": 0.1},
+                                {"step": 2, "time/checkpoint_s": 0.7, "time/checkpoint_stall_s": 0.7}])  # fmt: skip
+    got = {(r.step, r.stage): r.seconds for r in data.stage_times(frame).itertuples()}
+    assert got == pytest.approx({(1, "checkpoint background"): 0.4, (2, "checkpoint background"): 0.0,
+                                 (1, "checkpoint stall"): 0.1, (2, "checkpoint stall"): 0.7})  # fmt: skip
 
 
 def test_samples_filter_by_step_reward_and_text():

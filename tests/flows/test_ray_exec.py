@@ -30,6 +30,7 @@ from flows.planning import plan_run
 from flows.ray_exec import RayStages
 from forge.presets import tiny
 from forge.recipes.grpo import run as grpo_run
+from forge.tracking import read_metrics
 from tests.servers import REPO
 
 pytestmark = pytest.mark.slow
@@ -65,8 +66,8 @@ def ray_cfg(ranks: int = 2, steps: int = 4):
 
 
 def metrics(run_dir) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
+    rows = read_metrics(run_dir / "metrics.jsonl")  # one row per step: checkpoint records merged in
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "checkpoint/"))} for r in rows]
 
 
 def assert_close_runs(a, b, rel: float = 1e-4) -> None:
@@ -147,7 +148,7 @@ def test_two_node_vllm_run_equals_a_one_rank_run(cluster, tmp_path):
 
 
 def _raw_metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir / "metrics.jsonl")
 
 
 def test_a_killed_actor_is_replaced_and_the_run_ends_as_if_uninterrupted(cluster, two_node_run, tmp_path):
@@ -172,7 +173,7 @@ def _kill_after(run_dir, step: int, stage: str) -> None:
     deadline = time.monotonic() + 300
     metrics_file = run_dir / "metrics.jsonl"
     while time.monotonic() < deadline:
-        if metrics_file.is_file() and len(metrics_file.read_text().splitlines()) > step:
+        if metrics_file.is_file() and len(read_metrics(metrics_file)) > step:
             where = json.loads((run_dir / "workers.json").read_text())
             os.kill(where[stage][-1]["pid"], signal.SIGKILL)  # rollout replica 0, or the last update rank
             return
