@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forge.advantages import frac_zero_std
 from forge.checkpoint import (
     SaveReport,
     apply_retention,
@@ -52,9 +51,9 @@ from forge.config import RunConfig, dump_yaml
 from forge.data import PromptSampler, prepare, read_split
 from forge.errors import UserError
 from forge.io import atomic_write_text, write_json
+from forge.metrics import eval_metrics, overlap_metrics, step_metrics
 from forge.models import format_prompt_fn, load_tokenizer
-from forge.records import Rollouts, Scored, ScoredBatch, UpdateStats
-from forge.rewards.score import per_verifier_means
+from forge.records import Rollouts, Scored, UpdateStats
 from forge.rollout import SamplingParams
 from forge.rundir import (
     append_samples,
@@ -250,9 +249,9 @@ class GRPORun:
     ) -> dict[str, float]:  # fmt: skip
         """Log the step's metrics and samples; returns the metrics."""
         batch, times = scored.batch, clock.laps
-        metrics = _step_metrics(batch.rollouts, batch, stats, times)
+        metrics = step_metrics(batch.rollouts, batch, stats, times)
         metrics["perf/weight_sync_s"] = stats.sync_seconds  # new weights -> rollout workers; part of time/update_s
-        metrics.update(_overlap_metrics(batch.rollouts, stats, clock.elapsed(), staleness))
+        metrics.update(overlap_metrics(batch.rollouts, stats, clock.elapsed(), staleness))
         if report is not None:
             metrics.update(eval_metrics(report))
         if scored.ensemble_report is not None:
@@ -385,59 +384,6 @@ class GRPORun:
         self.jsonl.truncate_after(saved["step"])
         truncate_samples(self.run_dir, saved["step"])
         self.state = RunState(saved["step"], saved["seconds"], saved["initial_eval"], saved["last_eval"])
-
-
-def eval_metrics(report: dict) -> dict[str, float]:
-    keys = [k for k in report if k.startswith("pass@") or k == "mean_reward"]
-    return {f"eval/{k}": report[k] for k in keys}
-
-
-def _step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: dict[str, float]) -> dict[str, float]:
-    lengths = ro.completion_mask.sum(1).float()  # [N]
-    tokens = float(lengths.sum())
-    m = {
-        "reward/mean": float(batch.rewards.mean()),
-        "reward/std": float(batch.rewards.std()),
-        "reward/frac_zero_std": frac_zero_std(batch.rewards, ro.group_size),
-    }
-    for name, mean in per_verifier_means(batch.verifier_names, batch.scores).items():
-        m[f"reward/{name}/mean"] = mean
-        m[f"reward/{name}/failures"] = float(batch.verifier_failures[name])
-    m.update(
-        {
-            "completion/len_mean": float(lengths.mean()),
-            "completion/len_max": float(lengths.max()),
-            "completion/truncated_frac": sum(f == "length" for f in ro.finish_reasons) / len(ro.finish_reasons),
-            "train/loss": stats.loss,
-            "train/kl": stats.kl,
-            "train/clip_frac_low": stats.clip_frac_low,
-            "train/clip_frac_high": stats.clip_frac_high,
-            "train/entropy": stats.entropy,
-            "train/grad_norm": stats.grad_norm,
-            "train/lr": stats.lr,
-            "train/lr_scale": stats.lr_scale,
-            "train/advantage_abs_mean": float(batch.advantages.abs().mean()),
-            "policy/version": float(stats.policy_version),
-            "perf/rollout_tokens_per_s": tokens / max(ro.seconds or times["rollout"], 1e-9),  # the sampler's time
-            "perf/update_tokens_per_s": stats.tokens * 1.0 / max(times["update"], 1e-9),
-        }
-    )
-    m.update({f"time/{k}_s": v for k, v in times.items()})
-    return m
-
-
-def _overlap_metrics(ro: Rollouts, stats: UpdateStats, wall: float, staleness: int) -> dict[str, float]:
-    """Off-policy and overlap figures of a step: staleness, sampler/trainer log-prob gap, idle shares."""
-    idle = lambda busy: min(1.0, max(0.0, 1.0 - busy / max(wall, 1e-9)))  # noqa: E731
-    return {
-        "rollout/staleness_mean": float(staleness),  # one policy version per step's batch: mean == max
-        "rollout/staleness_max": float(staleness),
-        "train/logprob_diff": stats.logprob_diff,
-        "train/is_truncated_frac": stats.is_truncated_frac,
-        "perf/rollout_idle_frac": idle(ro.seconds),  # the sampler's own seconds vs the step's wall time
-        "perf/trainer_idle_frac": idle(stats.seconds),
-        "perf/step_s": wall,
-    }
 
 
 # ---------------------------------------------------------------- helpers

@@ -1,0 +1,63 @@
+"""The metrics of a GRPO step, namespaced (`reward/`, `completion/`, `train/`, `rollout/`, `perf/`, `time/`, `eval/`),
+computed from the stage records the loop in `forge.recipes.grpo` passes along."""
+
+from __future__ import annotations
+
+from forge.advantages import frac_zero_std
+from forge.records import Rollouts, ScoredBatch, UpdateStats
+from forge.rewards.score import per_verifier_means
+
+
+def eval_metrics(report: dict) -> dict[str, float]:
+    """An eval report's pass@k and mean reward as `eval/...` metrics."""
+    keys = [k for k in report if k.startswith("pass@") or k == "mean_reward"]
+    return {f"eval/{k}": report[k] for k in keys}
+
+
+def step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: dict[str, float]) -> dict[str, float]:
+    """A step's rewards, completions, update figures and stage seconds (`times`: stage -> seconds)."""
+    lengths = ro.completion_mask.sum(1).float()  # [N]
+    tokens = float(lengths.sum())
+    m = {
+        "reward/mean": float(batch.rewards.mean()),
+        "reward/std": float(batch.rewards.std()),
+        "reward/frac_zero_std": frac_zero_std(batch.rewards, ro.group_size),
+    }
+    for name, mean in per_verifier_means(batch.verifier_names, batch.scores).items():
+        m[f"reward/{name}/mean"] = mean
+        m[f"reward/{name}/failures"] = float(batch.verifier_failures[name])
+    m.update(
+        {
+            "completion/len_mean": float(lengths.mean()),
+            "completion/len_max": float(lengths.max()),
+            "completion/truncated_frac": sum(f == "length" for f in ro.finish_reasons) / len(ro.finish_reasons),
+            "train/loss": stats.loss,
+            "train/kl": stats.kl,
+            "train/clip_frac_low": stats.clip_frac_low,
+            "train/clip_frac_high": stats.clip_frac_high,
+            "train/entropy": stats.entropy,
+            "train/grad_norm": stats.grad_norm,
+            "train/lr": stats.lr,
+            "train/lr_scale": stats.lr_scale,
+            "train/advantage_abs_mean": float(batch.advantages.abs().mean()),
+            "policy/version": float(stats.policy_version),
+            "perf/rollout_tokens_per_s": tokens / max(ro.seconds or times["rollout"], 1e-9),  # the sampler's time
+            "perf/update_tokens_per_s": stats.tokens * 1.0 / max(times["update"], 1e-9),
+        }
+    )
+    m.update({f"time/{k}_s": v for k, v in times.items()})
+    return m
+
+
+def overlap_metrics(ro: Rollouts, stats: UpdateStats, wall: float, staleness: int) -> dict[str, float]:
+    """Off-policy and overlap figures of a step: staleness, sampler/trainer log-prob gap, idle shares."""
+    idle = lambda busy: min(1.0, max(0.0, 1.0 - busy / max(wall, 1e-9)))  # noqa: E731
+    return {
+        "rollout/staleness_mean": float(staleness),  # one policy version per step's batch: mean == max
+        "rollout/staleness_max": float(staleness),
+        "train/logprob_diff": stats.logprob_diff,
+        "train/is_truncated_frac": stats.is_truncated_frac,
+        "perf/rollout_idle_frac": idle(ro.seconds),  # the sampler's own seconds vs the step's wall time
+        "perf/trainer_idle_frac": idle(stats.seconds),
+        "perf/step_s": wall,
+    }
