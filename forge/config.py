@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -127,6 +128,9 @@ class RewardConfig:
     """latent_class ensemble: verifiers every correct answer passes (rule checks); failing one means wrong."""
     label_free: bool = False
     """Do not pass the reference answer column to verifiers (evaluation still scores against it)."""
+    score_timeout_s: float = 60.0
+    """Seconds one verifier may take on one step's batch; past it the run stops with an error naming the verifier
+    (a hung verifier cannot be cut off safely in-process). 0 = no limit."""
 
 
 @dataclass
@@ -198,6 +202,9 @@ class UpdateConfig:
     """Update processes: 0 = what Weaver's plan gives the update pool (1 on a CPU machine); >1 = that many rank
     actors on Ray forming one torch.distributed group (gloo on CPU, NCCL on GPUs); rank 0 hands the new weights
     to the rollout actors through Ray's object store."""
+    max_skipped_steps: int = 3
+    """A step whose loss or gradient norm is not finite is skipped (no optimizer step, `train/skipped_steps`);
+    this many in a row stop the run."""
     strategy: Literal["ddp", "fsdp"] = "ddp"
     """With several update processes: DDP (replicated weights) or FSDP full shard (for models that do not fit one
     device; torch FSDP2, on CPU too). No effect with one process."""
@@ -297,38 +304,125 @@ class RunConfig:
     """Resource pools for Weaver (name, kind cpu/gpu, devices, host, work_pool); empty = autodetect this machine."""
 
     def validate(self) -> RunConfig:
-        """Check cross-field constraints; raises ConfigError with the offending key."""
+        """Check every number (finite, in range: `RANGES`) and the cross-field constraints; raises ConfigError
+        naming the dotted key, the value and what to do."""
+        _check_finite(self, "")
+        for key, (ok, why) in RANGES.items():
+            value = _get(self, key)
+            values = value if isinstance(value, list) else [value]
+            for i, v in enumerate(values):
+                name = f"{key}[{i}]" if isinstance(value, list) else key
+                _require(ok(v), name, f"{why}, got {v!r}")
         r, u = self.rollout, self.update
-        _require(self.steps >= 1, "steps", "must be >= 1")
-        _require(r.group_size >= 2, "rollout.group_size", "must be >= 2 (advantages compare samples of a prompt)")
-        _require(r.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
-        _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
-        _require(r.temperature > 0, "rollout.temperature", "must be > 0 (use eval for greedy)")
-        _require(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
-        _require(
-            r.replicas >= 1 and r.tensor_parallel_size >= 1, "rollout.replicas", "and tensor_parallel_size must be >= 1"
-        )
-        _require(u.micro_batch_size >= 1, "update.micro_batch_size", "must be >= 1")
-        _require(u.num_iterations >= 1, "update.num_iterations", "must be >= 1")
-        _require(u.num_processes >= 0, "update.num_processes", "must be >= 0 (0 = from the Weaver plan)")
         _require(
             r.prompts_per_step * r.group_size >= u.num_processes,
             "update.num_processes",
             f"is larger than the {r.prompts_per_step * r.group_size} completions of a step: lower it",
         )
-        _require(u.lr > 0, "update.lr", "must be > 0")
-        _require(self.algo.max_staleness >= 0, "algo.max_staleness", "must be >= 0 (0 = on-policy)")
-        _require(self.algo.is_cap >= 1, "algo.is_cap", "must be >= 1 (a weight cap below 1 shrinks on-policy tokens)")
-        _require(len(u.adam_betas) == 2, "update.adam_betas", "needs two values")
+        _require(len(u.adam_betas) == 2, "update.adam_betas", "needs two values, e.g. [0.9, 0.99]")
         w = self.reward.weights
         _require(
             not w or len(w) == len(self.reward.verifiers),
             "reward.weights",
-            f"has {len(w)} values for {len(self.reward.verifiers)} verifiers",
+            f"has {len(w)} values for {len(self.reward.verifiers)} verifiers: give one per verifier (or none)",
         )
         _require(bool(self.reward.verifiers), "reward.verifiers", "needs at least one verifier")
-        _require(self.reward.ensemble_classes >= 2, "reward.ensemble_classes", "must be >= 2 (correct and wrong)")
         return self
+
+
+def _positive(v) -> bool:
+    return v > 0
+
+
+def _non_negative(v) -> bool:
+    return v >= 0
+
+
+# dotted key -> (check, why it failed); a list field is checked item by item. Floats are checked finite first.
+RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
+    "seed": (_non_negative, "must be >= 0"),
+    "steps": (lambda v: v >= 1, "must be >= 1"),
+    "threads": (_non_negative, "must be >= 0 (0 = torch's default)"),
+    "model.tiny_hidden": (_positive, "must be >= 1"),
+    "model.tiny_layers": (_positive, "must be >= 1"),
+    "model.tiny_head_dim": (_positive, "must be >= 1"),
+    "data.train_size": (_positive, "must be >= 1"),
+    "data.eval_size": (_positive, "must be >= 1 (an empty eval split cannot be evaluated)"),
+    "data.digits": (lambda v: 1 <= v <= 18, "must be in [1, 18]"),
+    "data.min_operand": (lambda v: v >= -1, "must be >= -1 (-1 = the smallest number with `digits` digits)"),
+    "data.max_result": (lambda v: v >= -1, "must be >= -1 (-1 = no limit)"),
+    "data.max_prompt_tokens": (_positive, "must be >= 1"),
+    "rollout.prompts_per_step": (_positive, "must be >= 1"),
+    "rollout.group_size": (lambda v: v >= 2, "must be >= 2 (advantages compare samples of a prompt)"),
+    "rollout.max_new_tokens": (_positive, "must be >= 1"),
+    "rollout.temperature": (_positive, "must be > 0 (use eval for greedy)"),
+    "rollout.top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    "rollout.batch_size": (_positive, "must be >= 1"),
+    "rollout.vllm_kv_cache_gib": (_positive, "must be >= 1"),
+    "rollout.vllm_start_timeout_s": (_positive, "must be > 0 seconds"),
+    "rollout.replicas": (_positive, "must be >= 1"),
+    "rollout.tensor_parallel_size": (_positive, "must be >= 1"),
+    "reward.window_steps": (_positive, "must be >= 1"),
+    "reward.refit_every": (_positive, "must be >= 1"),
+    "reward.ensemble_classes": (lambda v: v >= 2, "must be >= 2 (correct and wrong)"),
+    "reward.score_timeout_s": (_non_negative, "must be >= 0 seconds (0 = no limit)"),
+    "algo.eps_low": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "algo.eps_high": (_non_negative, "must be >= 0"),
+    "algo.dual_clip": (lambda v: v > 1, "must be > 1 (the DAPO dual-clip constant)"),
+    "algo.cispo_eps_max": (_positive, "must be > 0"),
+    "algo.beta": (_non_negative, "must be >= 0 (0 = no KL term)"),
+    "algo.max_staleness": (_non_negative, "must be >= 0 (0 = on-policy)"),
+    "algo.is_cap": (lambda v: v >= 1, "must be >= 1 (a weight cap below 1 shrinks on-policy tokens)"),
+    "update.lr": (_positive, "must be > 0"),
+    "update.weight_decay": (_non_negative, "must be >= 0"),
+    "update.adam_betas": (lambda v: 0 <= v < 1, "must be in [0, 1), e.g. [0.9, 0.99]"),
+    "update.max_grad_norm": (_non_negative, "must be >= 0 (0 = no clipping)"),
+    "update.micro_batch_size": (_positive, "must be >= 1"),
+    "update.num_iterations": (_positive, "must be >= 1"),
+    "update.warmup_steps": (_non_negative, "must be >= 0"),
+    "update.min_lr_ratio": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "update.adaptive_target": (_positive, "must be > 0"),
+    "update.adaptive_cut": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    "update.adaptive_recover": (lambda v: v >= 1, "must be >= 1"),
+    "update.num_processes": (_non_negative, "must be >= 0 (0 = from the Weaver plan)"),
+    "update.max_skipped_steps": (_positive, "must be >= 1"),
+    "eval.every": (_non_negative, "must be >= 0 (0 = only at start and end)"),
+    "eval.max_problems": (_positive, "must be >= 1 (an empty eval split cannot be evaluated)"),
+    "eval.k": (_non_negative, "must be >= 0 (0 = skip pass@k)"),
+    "eval.temperature": (_positive, "must be > 0"),
+    "eval.max_new_tokens": (_non_negative, "must be >= 0 (0 = rollout.max_new_tokens)"),
+    "eval.batch_size": (_positive, "must be >= 1"),
+    "eval.num_samples_saved": (_non_negative, "must be >= 0"),
+    "checkpoint.every": (_non_negative, "must be >= 0 (0 = only at the end)"),
+    "checkpoint.keep_last": (_positive, "must be >= 1 (the newest checkpoint is what --resume continues from)"),
+    "checkpoint.keep_best": (_non_negative, "must be >= 0"),
+    "orchestration.retries": (_non_negative, "must be >= 0"),
+    "orchestration.retry_delay_s": (_non_negative, "must be >= 0 seconds"),
+    "orchestration.max_restarts": (_non_negative, "must be >= 0"),
+    "tracking.timeout_s": (_positive, "must be >= 1 second"),
+    "tracking.finish_timeout_s": (_non_negative, "must be >= 0 seconds"),
+}
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _check_finite(obj: Any, prefix: str) -> None:
+    """Every float field (and float list item) of the config tree is finite: NaN or inf would reach the weights."""
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, f"{key}.")
+            continue
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for i, v in items:
+            if isinstance(v, float) and not math.isfinite(v):
+                name = key if i is None else f"{key}[{i}]"
+                raise ConfigError(f"config key '{name}' must be a finite number, got {v!r}: set a real value")
 
 
 def _require(ok: bool, key: str, why: str) -> None:

@@ -224,9 +224,11 @@ def _read_jsonl(p: Path) -> tuple[list[dict], list[str]]:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = strict_json_loads(line)
         except json.JSONDecodeError as e:
             raise UserError(f"{p}: line {n} is not valid JSON ({e.msg} at column {e.colno}); fix that line") from None
+        except ValueError as e:
+            raise UserError(f"{p}: line {n}: {e}; fix that line") from None
         if not isinstance(obj, dict):
             raise UserError(f"{p}: line {n} is a JSON {type(obj).__name__}, not an object; write one object per line")
         rows.append(obj)
@@ -235,15 +237,40 @@ def _read_jsonl(p: Path) -> tuple[list[dict], list[str]]:
 
 def _read_json(p: Path) -> tuple[list[dict], list[str]]:
     try:
-        data = json.loads(_read_text(p))
+        data = strict_json_loads(_read_text(p))
     except json.JSONDecodeError as e:
         raise UserError(f"{p}: line {e.lineno} is not valid JSON ({e.msg} at column {e.colno}); fix it") from None
+    except ValueError as e:
+        raise UserError(f"{p}: {e}; fix it") from None
     if not isinstance(data, list):
         raise UserError(f"{p}: expected a JSON list of objects, got a {type(data).__name__}; or use .jsonl")
     for i, item in enumerate(data, 1):
         if not isinstance(item, dict):
             raise UserError(f"{p}: item {i} is a JSON {type(item).__name__}, not an object; make every item an object")
     return data, _union_keys(data)
+
+
+def strict_json_loads(text: str) -> Any:
+    """json.loads that refuses what the standard module silently accepts: a key twice in one object (the last one
+    would win) and the non-standard constants NaN, Infinity, -Infinity. Raises ValueError saying which.
+
+    >>> strict_json_loads('{"a": 1, "a": 2}')
+    Traceback (most recent call last):
+    ValueError: duplicate key 'a' in one object
+    """
+
+    def pairs(items: list[tuple[str, Any]]) -> dict:
+        seen: dict[str, Any] = {}
+        for k, v in items:
+            if k in seen:
+                raise ValueError(f"duplicate key {k!r} in one object")
+            seen[k] = v
+        return seen
+
+    def constant(name: str) -> Any:
+        raise ValueError(f"{name} is not a JSON number; write the value as a string or a finite number")
+
+    return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
 
 
 def _read_csv(p: Path) -> tuple[list[dict], list[str]]:
@@ -329,6 +356,11 @@ def _row_problem(
         return f"empty {prompt_column}"
     if isinstance(answer, bool) or not isinstance(answer, str | int | float):
         return f"{answer_column} is not a string or number (got {type(answer).__name__})"
+    if isinstance(answer, float) and math.isinf(answer):
+        return f"{answer_column} is not a finite number (got {answer})"
+    for column, value in ((prompt_column, prompt), (answer_column, answer)):
+        if isinstance(value, str) and "\x00" in value:
+            return f"{column} contains a NUL byte (a binary or mis-encoded file?)"
     if not _answer_text(answer).strip():
         return f"empty {answer_column}"
     n_tokens = count_tokens(prompt)
@@ -513,10 +545,34 @@ def read_split(run_dir: Path, split: str) -> list[dict]:
     """Rows of run_dir/data/{split}.parquet ('train' or 'eval') as dicts of str."""
     import pyarrow.parquet as pq
 
+    import pyarrow as pa
+
     path = Path(run_dir) / "data" / f"{split}.parquet"
     if not path.is_file():
         raise UserError(f"{path} does not exist; run the prep stage first")
-    return pq.read_table(path).to_pylist()
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as e:
+        first_line = str(e).strip().split("\n")[0]
+        raise UserError(f"{path}: not a readable parquet file ({first_line}); the run's data is damaged: "
+                        "start a new run") from None
+
+
+def check_data_hash(run_dir: Path, train: list[dict], eval_: list[dict], saved: str | None = None) -> str:
+    """The splits' content hash, checked against data/manifest.json and (on resume) the checkpoint's `saved`
+    one: a run never continues on data other than what it started with. Raises UserError naming the file."""
+    manifest = Path(run_dir) / "data" / "manifest.json"
+    try:
+        expected = json.loads(manifest.read_text(encoding="utf-8"))["content_hash"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{manifest}: missing or unreadable ({type(e).__name__}); the run's data is damaged: "
+                        "start a new run") from None
+    actual = content_hash(train, eval_)
+    for what, want in (("data/manifest.json", expected), ("the checkpoint", saved)):
+        if want is not None and want != actual:
+            raise UserError(f"{Path(run_dir) / 'data'}: the train/eval splits changed since {what} was written "
+                            f"(hash {actual[:12]} != {want[:12]}); restore the run's own data or start a new run")
+    return actual
 
 
 # ---------------------------------------------------------------- sampling prompts

@@ -5,8 +5,10 @@ r"""Final-answer extraction and answer comparison for math-style tasks.
 in the text. `answers_match` compares a prediction with a reference: numerically when both are plain numbers,
 symbolically with sympy when both are short, safe expressions, otherwise as normalised strings.
 
-Sympy has no timeout here, so the symbolic path only runs on strings under 100 characters made of digits,
-operators, parentheses, single-letter variables and a few named functions, with no stacked or 3-digit powers:
+Numbers are bounded: a number with an exponent beyond 400 or over 400 characters is compared as text (building
+it exactly could take hours). Sympy has no timeout here, so the symbolic path only runs on strings under 100 characters made of digits,
+operators, parentheses, single-letter variables and a few named functions, with no stacked or 3-digit powers, no
+exponent notation and no 30-digit literals:
 `parse_expr` evaluates its input with `eval`, and completions are model output. Simple LaTeX (`\frac`, `\sqrt`,
 `\cdot`, `^`) is rewritten first and implicit multiplication is allowed, so `2\sqrt{2}` matches `sqrt(8)`.
 """
@@ -42,6 +44,11 @@ _SAFE_CHARS = re.compile(r"[A-Za-z0-9\s+\-*/().]*")
 _SAFE_NAMES = {"sqrt", "pi", "sin", "cos", "tan", "log", "exp"}
 _RISKY_POWER = re.compile(r"\*\*\s*\(?\s*-?\s*\d{3,}|\*\*[^+\-*/]*\*\*")
 _REL_TOL = 1e-6
+# Fraction("1e999999999") computes 10**999999999 (hours, in C: no signal can stop it): numbers with a larger
+# exponent or more digits than these are compared as text, never built
+_MAX_EXPONENT = 400
+_MAX_NUMBER_CHARS = 400
+_EXPONENT = re.compile(r"[eE]([+-]?\d+)")
 
 
 def extract_answer(text: str) -> str | None:
@@ -125,9 +132,16 @@ def _normalise(s: str) -> str:
 
 
 def _as_number(s: str) -> Fraction | None:
+    """The number `s` spells, or None; bounded: see _MAX_EXPONENT.
+
+    >>> _as_number("1e999999999") is None, _as_number("2.5e3")
+    (True, Fraction(2500, 1))
+    """
     s = s.replace(" ", "")
     if _THOUSANDS.fullmatch(s):
         s = s.replace(",", "")
+    if len(s) > _MAX_NUMBER_CHARS or any(abs(int(e)) > _MAX_EXPONENT for e in _EXPONENT.findall(s)):
+        return None
     try:
         return Fraction(s)  # ints, decimals, "3/4", "1e-6"
     except (ValueError, ZeroDivisionError):
@@ -178,6 +192,8 @@ def _is_safe_expression(s: str) -> bool:
     if not s.strip() or len(s) >= 100 or not _SAFE_CHARS.fullmatch(s) or _RISKY_POWER.search(s):
         return False
     if re.search(r"\.\s*[A-Za-z]", s):  # attribute access
+        return False
+    if re.search(r"\d[eE]|\d{30}", s):  # sympy builds 1e999999999 or a 10**k literal exactly: unbounded time
         return False
     return all(len(name) == 1 or name in _SAFE_NAMES for name in re.findall(r"[A-Za-z]+", s))
 

@@ -6,12 +6,20 @@ called again item by item so one bad item does not void the batch. Items it rais
 scored with a non-finite or non-numeric value get NaN and are counted as failures; a result of the wrong
 length fails every item. None of this is fatal: the first error per verifier is kept for the logs.
 
-Reward = sum_v w_v * score_v with NaN counted as 0, so a missing score is neither rewarded nor excluded.
+Reward = sum_v w_v * score_v with NaN counted as 0, so a missing score is neither rewarded nor excluded. A score
+beyond float32's range is a failure too, and a weighted sum that overflows is 0: nothing non-finite reaches the
+advantages.
+
+Time budget (`reward.score_timeout_s`): each verifier's work on a batch runs in a daemon thread; if it is not done
+in time the stage raises a `VerifierTimeout` (a UserError naming the verifier) and the run stops, resumable from its
+last checkpoint. We stop rather than count the items as failures because a Python thread cannot be killed: a hung
+verifier would keep running (and holding the GIL) beside the training it was meant to score.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +27,13 @@ import torch
 
 from forge.errors import UserError
 from forge.rewards.verifiers import Verifier
+
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+class VerifierTimeout(UserError):
+    """A verifier did not finish a batch within reward.score_timeout_s."""
 
 
 @dataclass(frozen=True)
@@ -38,8 +53,10 @@ def score_completions(
     prompts: list[str],
     completions: list[str],
     columns: dict[str, list],
+    timeout_s: float = 0.0,
 ) -> RewardResult:
-    """Score N completions with V verifiers. prompts and every column hold one entry per completion."""
+    """Score N completions with V verifiers. prompts and every column hold one entry per completion. Each verifier
+    gets `timeout_s` seconds for the batch (0 = no limit), else VerifierTimeout."""
     n = len(completions)
     names = [name for name, _ in verifiers]
     _check_inputs(names, weights, prompts, completions, columns)
@@ -48,13 +65,39 @@ def score_completions(
     failures: dict[str, int] = {}
     errors: dict[str, str] = {}
     for v, (name, fn) in enumerate(verifiers):
-        column, error = _run_verifier(fn, prompts, completions, columns)
+        column, error = _within(timeout_s, name, lambda fn=fn: _run_verifier(fn, prompts, completions, columns))
         scores[:, v] = torch.tensor(column, dtype=torch.float32)
         failures[name] = sum(math.isnan(s) for s in column)
         if error is not None:
             errors[name] = error
-    rewards = (scores.nan_to_num(nan=0.0) * w).sum(dim=1)  # [N]
+    rewards = (scores.double().nan_to_num(nan=0.0) * w.double()).sum(dim=1)  # [N]; float64: no overflow here
+    rewards = torch.where(rewards.abs() <= FLOAT32_MAX, rewards, 0.0).float()  # a sum past float32's range: 0
     return RewardResult(names=names, scores=scores, rewards=rewards, failures=failures, errors=errors)
+
+
+def _within(timeout_s: float, name: str, work):
+    """work() in a daemon thread, waited for at most timeout_s seconds (0 = no limit); re-raises its error."""
+    if timeout_s <= 0:
+        return work()
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = work()
+        except BaseException as e:  # handed to the caller below
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name=f"verifier-{name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise VerifierTimeout(
+            f"verifier '{name}' did not finish scoring a batch within reward.score_timeout_s={timeout_s:g}s: make it "
+            "faster (or make it return None for what it cannot score), or raise the limit; resume with --resume"
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 def per_verifier_means(names: list[str], scores: torch.Tensor) -> dict[str, float]:
@@ -113,4 +156,6 @@ def _to_score(x: Any) -> tuple[float, str | None]:
         s = float(x)
     except (TypeError, ValueError) as e:
         return math.nan, repr(e)
-    return (s, None) if math.isfinite(s) else (math.nan, f"returned a non-finite score {s}")
+    if not math.isfinite(s) or abs(s) > FLOAT32_MAX:
+        return math.nan, f"returned a non-finite score {s} (float32 holds at most {FLOAT32_MAX:.3g})"
+    return s, None
