@@ -167,6 +167,33 @@ class SaveReport:
     stall_seconds: float = 0.0  # what the trainer's next optimizer step waited for the host copy (asynchronous)
 
 
+def nonfinite_tensors(tensors: dict[str, torch.Tensor] | None) -> list[str]:
+    """Names of the floating-point tensors holding a NaN or inf (a DTensor: this rank's shard)."""
+    bad = []
+    for name, t in (tensors or {}).items():
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            bad.append(name)
+    return bad
+
+
+def check_finite(snap: Snapshot, root: Path, group=None) -> None:
+    """Refuse to write checkpoint `snap.step` if any rank's tensors hold a NaN or inf (a collective over `group`
+    with several ranks, so every rank refuses together): `latest` keeps naming the last good checkpoint."""
+    bad = nonfinite_tensors(snap.shards) + nonfinite_tensors(snap.weights) + nonfinite_tensors(snap.state_tensors)
+    count = len(bad)
+    if group is not None:
+        flag = torch.tensor([count], dtype=torch.int64)
+        torch.distributed.all_reduce(flag, group=group)
+        count = int(flag.item())
+    if count:
+        named = f" (e.g. {bad[0]})" if bad else " (on another rank)"
+        raise UserError(
+            f"refusing to write checkpoint {step_dir_name(snap.step)} under '{root}': {count} tensor(s) are not "
+            f"finite{named}; {root / 'latest'} still names the last good one: lower update.lr and --resume"
+        )
+
+
 def host_snapshot(snap: Snapshot) -> Snapshot:
     """`snap` with host copies of its live tensors (the JSON state's tensors are copies already)."""
     weights = host_copy(snap.weights) if snap.weights is not None else None

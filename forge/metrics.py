@@ -37,6 +37,7 @@ def step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: di
             "train/clip_frac_high": stats.clip_frac_high,
             "train/entropy": stats.entropy,
             "train/grad_norm": stats.grad_norm,
+            "train/skipped_steps": float(stats.skipped),
             "train/lr": stats.lr,
             "train/lr_scale": stats.lr_scale,
             "train/advantage_abs_mean": float(batch.advantages.abs().mean()),

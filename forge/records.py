@@ -70,3 +70,4 @@ class UpdateStats:
     sync_seconds: float = 0.0  # new weights -> rollout model: rank 0 publishes, the pipeline loads (0 in-process)
     logprob_diff: float = 0.0  # mean |log pi_old - log mu| over the step's tokens: trainer vs sampler mismatch
     is_truncated_frac: float = 0.0  # tis: share of tokens whose importance weight hit algo.is_cap
+    skipped: int = 0  # optimizer steps (PPO passes) skipped because the loss or gradient norm was not finite

@@ -25,6 +25,7 @@ The sampler's own log-probs (`Rollouts.sampling_logprobs`) are compared with the
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -138,7 +139,9 @@ class Trainer:
         passes = [self._one_pass(micro, olds, refs, totals) for _ in range(self.cfg.update.num_iterations)]
         grad_norm = sum(p["grad_norm"] for p in passes) / len(passes)
         kl = passes[-1]["kl"]
-        scale = self.adaptive.observe(kl, grad_norm) if self.cfg.update.adaptive else 1.0
+        skipped = sum(p["skipped"] for p in passes)
+        observe = self.cfg.update.adaptive and not skipped  # a NaN would poison the controller's moving average
+        scale = self.adaptive.observe(kl, grad_norm) if observe else self.adaptive.scale
         self.step += 1
         self.policy_version += 1
         mean = lambda k: sum(p[k] for p in passes) / len(passes)  # noqa: E731
@@ -156,6 +159,7 @@ class Trainer:
             tokens=totals.tokens,
             seconds=time.perf_counter() - start,
             policy_version=self.policy_version,
+            skipped=skipped,
         )
 
     def _my_rows(self, n: int) -> range:
@@ -226,11 +230,12 @@ class Trainer:
             acc["logprob_diff"] += float((old_logp - mb["sampler_logp"]).abs()[m].sum())  # trainer vs sampler
             if weight is not None:
                 acc["is_truncated"] += float((weight[m] >= algo.is_cap).sum())
-        grad_norm = self._clip_and_step()
-        acc = self._sum_over_ranks(acc)
+        acc = self._sum_over_ranks(acc)  # before the step: every rank decides on the same global loss
+        grad_norm, stepped = self._clip_and_step(acc["loss"])
         tokens = max(totals.tokens, 1)
         per_token = ("kl", "clip_low", "clip_high", "entropy", "logprob_diff", "is_truncated")
-        return {"loss": acc["loss"], "grad_norm": grad_norm, **{k: acc[k] / tokens for k in per_token}}
+        return {"loss": acc["loss"], "grad_norm": grad_norm, "skipped": int(not stepped),
+                **{k: acc[k] / tokens for k in per_token}}  # fmt: skip
 
     def _sum_over_ranks(self, acc: dict[str, float]) -> dict[str, float]:
         if self.accelerator.num_processes == 1:
@@ -238,13 +243,19 @@ class Trainer:
         values = torch.tensor(list(acc.values()), dtype=torch.float64, device=self.accelerator.device)
         return dict(zip(acc, self.accelerator.reduce(values, reduction="sum").tolist(), strict=True))
 
-    def _clip_and_step(self) -> float:
-        """Clip to update.max_grad_norm (0 = no clipping: an infinite bound only measures the norm); step."""
+    def _clip_and_step(self, loss: float) -> tuple[float, bool]:
+        """Clip to update.max_grad_norm (0 = no clipping: an infinite bound only measures the norm); step, unless
+        the (global) loss or gradient norm is not finite: then the gradients are dropped and the weights and AdamW
+        moments stay as they were. Returns (pre-clip norm, whether the optimizer stepped)."""
         max_norm = self.cfg.update.max_grad_norm if self.cfg.update.max_grad_norm > 0 else float("inf")
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = self.accelerator.clip_grad_norm_(params, max_norm) if params else torch.tensor(0.0)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if not (math.isfinite(norm) and math.isfinite(loss)):
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm, False
         self.optimizer.step()
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return norm, True
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The full state dict on CPU, on rank 0 at least (under FSDP a collective: every rank must call it)."""

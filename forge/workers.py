@@ -40,6 +40,7 @@ from forge.checkpoint import (
     Snapshot,
     assign_weights,
     begin_checkpoint,
+    check_finite,
     encode_state,
     host_snapshot,
     load_state,
@@ -249,10 +250,11 @@ class TrainerWorker:
         state; every rank must call it. Waits for the save in flight first (at most one), snapshots (a host copy
         when `checkpoint.async_save`) and writes in a background thread (async) or before returning."""
         self.saver.wait()
+        snap = self._snapshot(step, {**payload, "rng": rng_state()}, eval_score)
+        check_finite(snap, Path(root), self.checkpoint_group)  # a NaN never reaches a checkpoint (nor `latest`)
         tmp = begin_checkpoint(Path(root), step, self.rank)
         if self.rank == 0:
             write_model_files(tmp, self.trainer.unwrapped, self.tokenizer)
-        snap = self._snapshot(step, {**payload, "rng": rng_state()}, eval_score)
         write = functools.partial(write_checkpoint, tmp=tmp, rank=self.rank, group=self.checkpoint_group)
         if self.cfg.checkpoint.async_save:  # copy in the background too: see AsyncCheckpointer
             self.saver.submit(functools.partial(host_snapshot, snap), write)

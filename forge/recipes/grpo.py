@@ -111,6 +111,7 @@ def run(
                         scored: Scored = runner("reward", step, s.reward, started)
                     with clock("update"):  # 3. log-probs -> (IS-weighted) ratio/loss -> backward -> step; weights
                         stats: UpdateStats = runner("update", step, s.update, scored.batch)
+                    grpo.check_skipped(step, stats)  # a non-finite step was skipped: stop after too many in a row
                     report = None
                     if grpo.eval_due(step):  # 4. held-out pass@1 on schedule
                         with clock("evaluate"):
@@ -148,6 +149,7 @@ class GRPORun:
         self.plan = plan
         self.started = time.perf_counter()
         self.restarts = 0
+        self.skipped_in_a_row = 0
         claim_run_dir(run_dir, resume)
         if plan is not None:
             write_json(run_dir / "plan.json", plan)
@@ -234,6 +236,17 @@ class GRPORun:
                 f"{staleness} versions stale, algo.max_staleness={cap}"
             )
         return staleness
+
+    def check_skipped(self, step: int, stats: UpdateStats) -> None:
+        """Count updates skipped for a non-finite loss/gradient (`forge.trainer`); update.max_skipped_steps in a
+        row stop the run: the weights are still the last finite ones, and so is every checkpoint."""
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if stats.skipped else 0
+        limit = self.cfg.update.max_skipped_steps
+        if self.skipped_in_a_row >= limit:
+            raise UserError(
+                f"step {step}: {limit} updates in a row had a non-finite loss or gradient norm and were skipped "
+                f"(update.max_skipped_steps={limit}); check the rewards and lower update.lr, then --resume"
+            )
 
     def eval_due(self, step: int) -> bool:
         return _due(step, self.cfg.eval.every, self.cfg.steps)
