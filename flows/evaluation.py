@@ -18,6 +18,7 @@ def evaluate_checkpoint_dir(ckpt: Path, preset: str | None, overrides: list[str]
     from forge.models import format_prompt_fn, load_policy
     from forge.rollout import make_backend
 
+    out = eval_output(out or ckpt / "eval.json")
     if not (ckpt / "config.json").is_file():
         raise UserError(f"'{ckpt}' is not a model directory (no config.json): pass a checkpoint directory")
     if not has_weights(ckpt) and (ckpt / SHARDS).is_dir():  # saved sharded by several ranks: assemble it once
@@ -25,7 +26,7 @@ def evaluate_checkpoint_dir(ckpt: Path, preset: str | None, overrides: list[str]
     run_dir = ckpt.resolve().parent.parent
     in_run = (run_dir / "config.yaml").is_file() and not preset
     cfg = load_yaml(run_dir / "config.yaml") if in_run else resolve_config(preset, None, [])
-    cfg = apply_overrides(cfg, overrides)
+    cfg = apply_overrides(cfg, overrides).validate()
     cfg.model.path = str(ckpt)
     model, tok = load_policy(cfg.model, seed=cfg.seed)
     if in_run and (run_dir / "data" / "eval.parquet").is_file():
@@ -36,5 +37,27 @@ def evaluate_checkpoint_dir(ckpt: Path, preset: str | None, overrides: list[str]
     # HF generate in this process whatever the run sampled with: greedy tokens are the same as vLLM's (tested)
     backend = make_backend("hf", model, tok, autocast_bf16=cfg.rollout.autocast_bf16, rollout=cfg.rollout)
     report = evaluate(backend, rows, cfg.eval, cfg.rollout, seed=cfg.seed)
-    write_json(out or ckpt / "eval.json", report)
+    write_json(out, report)
     return report
+
+
+def eval_output(out: Path) -> Path:
+    """Where an eval report may go: a .json file in an existing directory, new or an earlier eval report (never a
+    run's own record, a directory, or a file of another kind). Raises UserError naming the path."""
+    import json
+
+    out = Path(out)
+    if out.suffix != ".json":
+        raise UserError(f"--out '{out}': the report is JSON; give a path ending in .json")
+    if not out.parent.is_dir():
+        raise UserError(f"--out '{out}': directory '{out.parent}' does not exist; create it first")
+    if out.is_symlink() or (out.exists() and not out.is_file()):
+        raise UserError(f"--out '{out}' exists and is not a plain file; choose another path")
+    if out.exists():
+        try:
+            earlier = json.loads(out.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            earlier = None
+        if not (isinstance(earlier, dict) and "problems" in earlier and "pass@1" in earlier):
+            raise UserError(f"--out '{out}' exists and is not an eval report; choose another path")
+    return out

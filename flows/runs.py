@@ -21,14 +21,15 @@ def resolve_run(
 ):
     """(config, run directory) for a new run or, with resume, for an existing one (its saved config + overrides)."""
     from forge.config import apply_overrides, load_yaml
+    from forge.rundir import check_run_name
 
     if resume:
         if not name:
             raise UserError("--resume needs --name RUN (the run directory to continue)")
-        run_dir = Path(runs_dir) / name
+        run_dir = Path(runs_dir) / check_run_name(name)
         if not (run_dir / "config.yaml").is_file():
             raise UserError(f"cannot resume '{run_dir}': no such run (config.yaml missing)")
         return apply_overrides(load_yaml(run_dir / "config.yaml"), overrides).validate(), run_dir
     cfg = resolve_config(preset, config, overrides)
-    name = name or f"{cfg.preset or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = check_run_name(name) if name else f"{cfg.preset or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
     return cfg, Path(runs_dir) / name

@@ -39,6 +39,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import shutil
 import threading
 import time
@@ -298,8 +299,11 @@ def read_shards(ckpt: Path, targets: dict[str, torch.Tensor], group=None) -> Non
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 
-    load(targets, storage_reader=HuggingFaceStorageReader(str(ckpt / SHARDS)), process_group=group,
-         no_dist=not _distributed())  # fmt: skip
+    try:
+        load(targets, storage_reader=HuggingFaceStorageReader(str(ckpt / SHARDS)), process_group=group,
+             no_dist=not _distributed())  # fmt: skip
+    except Exception as e:  # DCP wraps a truncated shard's error in CheckpointException
+        raise damaged(ckpt, e) from None
 
 
 def _distributed() -> bool:
@@ -418,16 +422,35 @@ class AsyncCheckpointer:
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    """The complete checkpoint `latest` names, or None."""
+    """The complete checkpoint `latest` names, or None. `latest` must name a `step-NNNNNN` directory beside it
+    (never a path elsewhere): anything else is a UserError."""
     pointer = root / "latest"
     if not pointer.is_file():
         return None
-    path = root / pointer.read_text().strip()
+    try:
+        name = pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        name = None
+    if name is None or not _STEP_DIR.fullmatch(name):
+        shown = repr(name[:60]) if name is not None else "unreadable bytes"
+        raise UserError(
+            f"{pointer} names {shown}, not a checkpoint directory step-NNNNNN beside it: write the name of the "
+            f"checkpoint to continue from into it (e.g. {_newest_name(root)}), or start a new run"
+        )
+    path = root / name
     return path if (path / STATE_JSON).is_file() or (path / LEGACY_STATE).is_file() else None
 
 
+_STEP_DIR = re.compile(r"step-\d{6,}")
+
+
+def _newest_name(root: Path) -> str:
+    found = sorted(p.name for p in root.glob("step-*") if _STEP_DIR.fullmatch(p.name))
+    return found[-1] if found else "step-000010"
+
+
 def load_state(ckpt: Path) -> dict:
-    """The checkpoint's non-model state (JSON + safetensors; nothing is unpickled)."""
+    """The checkpoint's non-model state (JSON + safetensors; nothing is unpickled); a damaged file is a UserError."""
     from safetensors.torch import load_file
 
     ckpt = Path(ckpt)
@@ -436,8 +459,23 @@ def load_state(ckpt: Path) -> dict:
             f"checkpoint '{ckpt}' has no {STATE_JSON} (a pickled {LEGACY_STATE} from an older forgeweave is never "
             "loaded): start the run again, or resume it with the forgeweave version that wrote it"
         )
-    tensors = load_file(ckpt / STATE_TENSORS) if (ckpt / STATE_TENSORS).is_file() else {}
-    return join_tensors(json.loads((ckpt / STATE_JSON).read_text()), tensors)
+    try:
+        tensors = load_file(ckpt / STATE_TENSORS) if (ckpt / STATE_TENSORS).is_file() else {}
+        state = join_tensors(json.loads((ckpt / STATE_JSON).read_text(encoding="utf-8")), tensors)
+        if not isinstance(state, dict) or not {"step", "trainer"} <= state.keys():
+            raise ValueError("missing keys")
+        return state
+    except Exception as e:  # json, safetensors (SafetensorError), unicode, a missing tensor key
+        raise damaged(ckpt, e) from None
+
+
+def damaged(ckpt: Path, e: BaseException) -> UserError:
+    """The one-line error for a checkpoint whose files cannot be read (truncated, edited, half-copied)."""
+    first = (str(e).strip().splitlines() or [""])[0][:160]
+    return UserError(
+        f"checkpoint '{ckpt}' is damaged ({type(e).__name__}: {first}): point {Path(ckpt).parent / 'latest'} at an "
+        "earlier step-NNNNNN directory, or start a new run"
+    )
 
 
 def read_weights(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -447,7 +485,10 @@ def read_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for f in sorted(Path(ckpt).glob("*.safetensors")):
         if f.name != STATE_TENSORS:
-            state.update(load_file(f))
+            try:
+                state.update(load_file(f))
+            except Exception as e:  # SafetensorError on a truncated or edited file
+                raise damaged(ckpt, e) from None
     return state
 
 

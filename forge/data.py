@@ -543,9 +543,8 @@ def _parquet_bytes(rows: list[dict], columns: list[str]) -> bytes:
 
 def read_split(run_dir: Path, split: str) -> list[dict]:
     """Rows of run_dir/data/{split}.parquet ('train' or 'eval') as dicts of str."""
-    import pyarrow.parquet as pq
-
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
     path = Path(run_dir) / "data" / f"{split}.parquet"
     if not path.is_file():

@@ -45,8 +45,8 @@ def load_policy(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTr
         )
     else:
         path = smollm2_dir() if cfg.path == SMOLLM2 else _resolve_path(cfg.path)
-        tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        tok = _load(AutoTokenizer.from_pretrained, path)
+        model = _load(AutoModelForCausalLM.from_pretrained, path, dtype=torch.float32)
     _fix_special_tokens(tok, model)
     model.to(getattr(torch, cfg.dtype))
     model.train()
@@ -58,11 +58,22 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     if cfg.path == TINY:
         tok = build_char_tokenizer()
     else:
-        tok = AutoTokenizer.from_pretrained(smollm2_dir() if cfg.path == SMOLLM2 else _resolve_path(cfg.path))
+        tok = _load(AutoTokenizer.from_pretrained, smollm2_dir() if cfg.path == SMOLLM2 else _resolve_path(cfg.path))
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return tok
+
+
+def _load(loader, path: str, **kwargs):
+    """`loader(path)` (a from_pretrained); a damaged model directory (garbage config.json, truncated weights,
+    unknown architecture) is a one-line UserError naming it, not a transformers traceback."""
+    try:
+        return loader(path, **kwargs)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UserError(f"model '{path}' cannot be loaded ({type(e).__name__}: {first}); check its config.json, "
+                        "tokenizer and weight files") from None
 
 
 def _resolve_path(path: str) -> str:

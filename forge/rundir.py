@@ -1,16 +1,29 @@
-"""Run-directory bookkeeping shared by the recipes: claim, status.json, samples.jsonl, run tags, progress bar.
+"""Run-directory bookkeeping shared by the recipes: claim, lock, status.json, samples.jsonl, run tags, progress bar.
 
-status.json says running / failed (with the error) / finished; summary.json is written only on completion, so a
-half-written run never looks complete. samples.jsonl keeps a few completions per step for inspection.
+One process per run directory: `RunLock` holds an exclusive `fcntl.flock` on `<run>/.lock` for as long as the
+run is going (the kernel drops it when the process dies, SIGKILL included); the lock file names the holder's pid
+and host. A second process on the same directory (a second `--resume`, a resume while it still runs) is refused
+with a one-line error naming that pid, before it writes anything. flock is per machine: on a filesystem shared
+by several hosts it may not exclude a process on another host (see docs/hardening.md).
+
+status.json says running / failed (with the error) / finished, with the pid and host of the process and a
+heartbeat (rewritten every HEARTBEAT_S seconds while the run holds its lock); `run_status` reads it and reports a
+"running" run whose lock nobody holds as stale (its process died without finishing). summary.json is written only
+on completion, so a half-written run never looks complete. samples.jsonl keeps a few completions per step for inspection.
 `track_run_start` hands a tracker what identifies a run: tags (preset, model, dataset hash, git commit), the
 flattened config as params, and config.yaml / plan.json / data/manifest.json as artifacts.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import math
+import os
+import socket
 import subprocess
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -23,6 +36,8 @@ from forge.records import ScoredBatch
 from forge.tracking import Tracker
 
 SAMPLES_PER_STEP = 8
+LOCK = ".lock"
+HEARTBEAT_S = 30.0
 
 
 def append_samples(run_dir: Path, step: int, rows: list[dict], batch: ScoredBatch) -> list[dict]:
@@ -55,7 +70,7 @@ def _num(x: torch.Tensor) -> float | None:
 def truncate_samples(run_dir: Path, step: int) -> None:
     path = run_dir / "samples.jsonl"
     if path.exists():
-        keep = [line for line in path.read_text().splitlines() if _line_step(line) <= step]
+        keep = [line for line in path.read_text(errors="replace").splitlines() if _line_step(line) <= step]
         atomic_write_text(path, "".join(line + "\n" for line in keep))
 
 
@@ -66,23 +81,145 @@ def _line_step(line: str) -> int:
         return 1 << 30
 
 
+def check_run_name(name: str) -> str:
+    """`name` if it can be a run directory under the runs dir: one path component, no '..', not hidden."""
+    ok = bool(name) and name not in (".", "..") and not name.startswith(".") and "/" not in name
+    ok = ok and "\\" not in name and "\x00" not in name and len(name) <= 200
+    if not ok:
+        raise UserError(
+            f"run name {name!r} is not a plain directory name (no '/', '..', leading '.', absolute paths): "
+            "pass --name my-run and --runs-dir for where runs live"
+        )
+    return name
+
+
 def claim_run_dir(run_dir: Path, resume: bool) -> None:
+    """Check `run_dir` can be started (new: absent or empty but for its lock) or resumed; creates it when new."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"run directory '{run_dir}' is a file, not a directory: choose another --name")
     if resume:
         if not (run_dir / "config.yaml").is_file():
             raise UserError(f"cannot resume '{run_dir}': no such run (config.yaml missing)")
         return
-    if run_dir.exists() and any(run_dir.iterdir()):
+    if run_dir.exists() and any(p.name != LOCK for p in run_dir.iterdir()):
         raise UserError(
             f"run directory '{run_dir}' already exists: pass --resume to continue it or choose another --name"
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create run directory '{run_dir}' ({e.strerror}): check --runs-dir") from None
+
+
+class RunLock:
+    """The exclusive lock of one run directory for this process (re-entrant: the CLI and the recipe may both hold
+    it); `release` when the run is over. Also keeps status.json's heartbeat fresh."""
+
+    _held: dict[str, RunLock] = {}
+
+    def __init__(self, run_dir: Path, fd: int):
+        self.run_dir, self.fd, self.depth = run_dir, fd, 1
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name="forgeweave-heartbeat", daemon=True)
+        self._beat.start()
+
+    @classmethod
+    def acquire(cls, run_dir: Path) -> RunLock:
+        key = str(Path(run_dir).resolve())
+        if key in cls._held:
+            cls._held[key].depth += 1
+            return cls._held[key]
+        path = Path(run_dir) / LOCK
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UserError(f"cannot open the lock file '{path}' ({e.strerror}): is the runs dir writable?") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = _read_holder(fd)
+            os.close(fd)
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise UserError(f"cannot lock '{path}' ({e.strerror})") from None
+            raise UserError(
+                f"run directory '{run_dir}' is in use by process {holder.get('pid', '?')} on "
+                f"{holder.get('host', '?')}: wait for it to finish or stop it (kill {holder.get('pid', 'PID')})"
+            ) from None
+        holder = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (holder + "\n").encode(), 0)
+        lock = cls._held[key] = cls(Path(run_dir), fd)
+        return lock
+
+    def release(self) -> None:
+        self.depth -= 1
+        if self.depth > 0:
+            return
+        self._stop.set()
+        self._held.pop(str(self.run_dir.resolve()), None)
+        os.close(self.fd)  # drops the flock
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            last = _last_status.get(str(self.run_dir))
+            if last is not None and last.get("state") == "running":
+                with _status_lock:
+                    try:
+                        write_json(self.run_dir / "status.json", {**last, "heartbeat": time.time()})
+                    except OSError:  # a full disk: the loop's own writes report it
+                        pass
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def lock_is_held(run_dir: Path) -> bool:
+    """Whether some process holds the run directory's lock now (this one included)."""
+    if str(Path(run_dir).resolve()) in RunLock._held:
+        return True
+    try:
+        fd = os.open(Path(run_dir) / LOCK, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
+_last_status: dict[str, dict] = {}
+_status_lock = threading.Lock()
 
 
 def write_status(run_dir: Path, state: str, step: int = 0, error: str = "") -> None:
-    status = {"state": state, "step": step, "updated": time.time()}
+    """status.json: state, step, this process's pid and host, when (updated; heartbeat) and the error, if any."""
+    now = time.time()
+    status = {"state": state, "step": step, "pid": os.getpid(), "host": socket.gethostname(), "updated": now,
+              "heartbeat": now}  # fmt: skip
     if error:
         status["error"] = error
-    write_json(run_dir / "status.json", status)
+    _last_status[str(run_dir)] = status
+    with _status_lock:
+        write_json(run_dir / "status.json", status)
+
+
+def run_status(run_dir: Path) -> dict:
+    """status.json's content (state "unknown" if absent or unreadable), with `stale`: it says running but no
+    process holds the run's lock (the process was killed; `--resume` continues it)."""
+    try:
+        status = json.loads((Path(run_dir) / "status.json").read_text())
+        status = status if isinstance(status, dict) else {"state": "unknown"}
+    except (OSError, ValueError):
+        status = {"state": "unknown"}
+    status["stale"] = status.get("state") == "running" and not lock_is_held(run_dir)
+    return status
 
 
 def track_run_start(tracker: Tracker, cfg, run_dir: Path) -> None:

@@ -76,22 +76,33 @@ class JsonlTracker(NullTracker):
         """Drop rows logged after `step` (they belong to work a resume will redo)."""
         if not self.path.exists():
             return
-        rows = read_metrics(self.path)
+        rows = read_metrics(self.path, strict=True)
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in rows if r.get("step", 0) <= step))
 
 
-def read_metrics(path: Path) -> list[dict]:
+def read_metrics(path: Path, strict: bool = False) -> list[dict]:
     """Read metrics.jsonl, one row per step: rows of the same step are merged in file order (a checkpoint's
     record is a second row of its step, written when the save is durable); a torn last line (a run killed
-    mid-write) is ignored."""
+    mid-write) is ignored. Other damaged lines (not UTF-8, not a JSON object with an integer step) are skipped,
+    or, with `strict` (a resume, which rewrites the file), a UserError naming the line."""
+    from forge.errors import UserError
+
     rows: dict = {}
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
+    lines = path.read_bytes().split(b"\n")
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
             continue
-        key = row.get("step", len(rows))
-        rows[key] = {**rows.get(key, {}), **row}
+        try:
+            row = json.loads(raw.decode("utf-8"))
+            ok = isinstance(row, dict) and isinstance(row.get("step"), int)
+        except ValueError:
+            ok = False
+        if not ok:
+            if strict and n < len(lines) - (lines[-1] == b""):
+                raise UserError(f"{path}: line {n} is not a metrics row (a JSON object with an integer step); "
+                                "the file is damaged: repair or delete that line, then --resume")  # fmt: skip
+            continue
+        rows[row["step"]] = {**rows.get(row["step"], {}), **row}
     return list(rows.values())
 
 

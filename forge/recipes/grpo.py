@@ -56,9 +56,11 @@ from forge.models import format_prompt_fn, load_tokenizer
 from forge.records import Rollouts, Scored, UpdateStats
 from forge.rollout import SamplingParams
 from forge.rundir import (
+    RunLock,
     append_samples,
     claim_run_dir,
     progress_bar,
+    run_status,
     run_summary,
     track_run_start,
     truncate_samples,
@@ -151,6 +153,12 @@ class GRPORun:
         self.restarts = 0
         self.skipped_in_a_row = 0
         claim_run_dir(run_dir, resume)
+        previous = run_status(run_dir) if resume else {}
+        self.lock = RunLock.acquire(run_dir)  # one process per run directory; released by close()
+        if previous.get("stale"):
+            print(f"forgeweave: {run_dir.name}: its last process ({previous.get('pid', '?')} on "
+                  f"{previous.get('host', '?')}) stopped at step {previous.get('step')} without finishing; resuming",
+                  file=sys.stderr, flush=True)  # fmt: skip
         if plan is not None:
             write_json(run_dir / "plan.json", plan)
         self.jsonl = JsonlTracker(run_dir)
@@ -167,11 +175,14 @@ class GRPORun:
         try:
             yield
         except BaseException as e:
-            write_status(self.run_dir, "failed", step=self.state.step, error=f"{type(e).__name__}: {e}")
-            self.tracker.finish("FAILED")
+            with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped the run
+                write_status(self.run_dir, "failed", step=self.state.step, error=f"{type(e).__name__}: {e}")
+            with contextlib.suppress(Exception):
+                self.tracker.finish("FAILED")
             raise
         finally:  # also on Ctrl-C / SIGTERM (the CLI turns it into SystemExit): no process outlives the run
             self.close()
+            self.lock.release()
 
     def close(self) -> None:
         """Stop the workers (actors, engines); safe to call twice."""

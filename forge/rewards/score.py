@@ -28,7 +28,6 @@ import torch
 from forge.errors import UserError
 from forge.rewards.verifiers import Verifier
 
-
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
