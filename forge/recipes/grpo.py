@@ -48,7 +48,7 @@ from forge.checkpoint import (
     step_dir_name,
 )
 from forge.config import RunConfig, dump_yaml
-from forge.data import PromptSampler, prepare, read_split
+from forge.data import PromptSampler, check_data_hash, prepare, read_split
 from forge.errors import UserError
 from forge.io import atomic_write_text, write_json
 from forge.metrics import eval_metrics, overlap_metrics, step_metrics
@@ -159,6 +159,8 @@ class GRPORun:
             print(f"forgeweave: {run_dir.name}: its last process ({previous.get('pid', '?')} on "
                   f"{previous.get('host', '?')}) stopped at step {previous.get('step')} without finishing; resuming",
                   file=sys.stderr, flush=True)  # fmt: skip
+        if not resume:  # first: with config.yaml a run killed at any later moment can be resumed
+            atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
         if plan is not None:
             write_json(run_dir / "plan.json", plan)
         self.jsonl = JsonlTracker(run_dir)
@@ -193,8 +195,13 @@ class GRPORun:
     def setup(self) -> dict:
         """Prep stage (unless resuming), the workers, then restore (resume) or the initial evaluation."""
         cfg, run_dir = self.cfg, self.run_dir
+        if self.resume and latest_checkpoint(run_dir / "checkpoints") is None:  # killed before its first checkpoint
+            print(f"forgeweave: {run_dir.name} has no checkpoint yet: starting it again from step 0",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            self.resume = False
+            self.jsonl.truncate_after(-1)
+            truncate_samples(run_dir, -1)
         if not self.resume:
-            atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
             tok = load_tokenizer(cfg.model)
             prepare(
                 cfg,
@@ -203,6 +210,7 @@ class GRPORun:
                 lambda s: len(tok(s, add_special_tokens=False).input_ids),
             )
         self.train_rows, self.eval_rows = read_split(run_dir, "train"), read_split(run_dir, "eval")
+        self.data_hash = check_data_hash(run_dir, self.train_rows, self.eval_rows)
         self.sampler = PromptSampler(self.train_rows, seed=cfg.seed)
         self.stages = self.make_stages(cfg, run_dir, self.plan)
         write_json(run_dir / "workers.json", self.stages.where())
@@ -314,6 +322,7 @@ class GRPORun:
             "initial_eval": self.state.initial_eval,
             "last_eval": self.state.last_eval,
             "aggregator": self.stages.reward_state(),
+            "data_hash": self.data_hash,
         }
         last = self.state.last_eval
         score = last["pass@1"] if last and last.get("step") == step else None
@@ -396,12 +405,9 @@ class GRPORun:
 
     def _restore(self) -> None:
         ckpt = latest_checkpoint(self.run_dir / "checkpoints")
-        if ckpt is None:
-            raise UserError(
-                f"cannot resume '{self.run_dir}': it has no checkpoint yet; start it again without --resume"
-            )
         remove_partial(self.run_dir / "checkpoints")  # what a killed save left behind (no save is in flight now)
         saved = load_state(ckpt)
+        check_data_hash(self.run_dir, self.train_rows, self.eval_rows, saved.get("data_hash"))
         self.stages.restore(ckpt, saved.get("aggregator"), saved.get("rollout_rng"))  # every rank, then the rollout
         self.sampler.load_state_dict(saved["sampler"])
         set_rng_state(saved["rng"])

@@ -3,8 +3,8 @@
 With `reward.aggregate: ensemble` the reward of a completion is P(correct | its verifier scores), from a
 `WeakVerifierEnsemble` (`reward.ensemble_model: gaussian`, any scores) or a `LatentClassEnsemble` (`latent_class`,
 discrete checks; `reward.necessary_checks` names the checks every correct answer passes), refit every
-`reward.refit_every` steps on the last `reward.window_steps` steps' score matrices (the current one included). The window is part of the checkpoint, so a resumed run refits on the same
-data. No reference answer is read here.
+`reward.refit_every` steps on the last `reward.window_steps` steps' score matrices (the current one included). The window and the fitted ensemble are part of the checkpoint, so a resumed run
+predicts with the same fit and refits on the same data. No reference answer is read here.
 
 A refit is accepted only if it still separates candidates and agrees in direction with the ensemble in use
 (`refit_verdict`). In RL the scored data drift with the policy: once most samples of a prompt look alike (a
@@ -82,11 +82,17 @@ class EnsembleAggregator:
         return WeakVerifierEnsemble(EnsembleConfig(classes=self.classes, seed=self.seed))
 
     def state_dict(self) -> dict:
-        return {"window": self.window, "refits": self.refits, "rejected": self.rejected}
+        """The window and the fitted ensemble in use: a resumed run predicts with the same fit until its next
+        refit (with refit_every > 1, refitting on resume would change the rewards)."""
+        model = self.ensemble.state_dict() if self.ensemble is not None else None
+        return {"window": self.window, "refits": self.refits, "rejected": self.rejected, "model": model}
 
     def load_state_dict(self, state: dict) -> None:
         self.window, self.refits, self.rejected = state["window"], state["refits"], state.get("rejected", 0)
-        self.ensemble = None  # refit on the restored window at the next step
+        self.window = [(np.asarray(s), np.asarray(g)) for s, g in self.window]  # JSON turned the pairs into lists
+        model = state.get("model")
+        # an older checkpoint without the fit: refit on the restored window at the next step
+        self.ensemble = self._new_model().load_state_dict(model) if model is not None else None
 
 
 def refit_verdict(report: dict, previous: dict | None, min_weight: float = 1e-3) -> str | None:

@@ -183,6 +183,19 @@ class WeakVerifierEnsemble:
             raise UserError("WeakVerifierEnsemble.report: call fit(scores, groups) first")
         return asdict(self._report)
 
+    def state_dict(self) -> dict:
+        """The fitted model as arrays and JSON values (for checkpoints): `load_state_dict` predicts the same."""
+        if self._params is None or self._transform is None or self._report is None:
+            raise UserError("WeakVerifierEnsemble.state_dict: call fit(scores, groups) first")
+        return {"transform": asdict(self._transform), "params": asdict(self._params), "report": asdict(self._report)}
+
+    def load_state_dict(self, state: dict) -> WeakVerifierEnsemble:
+        tf, p = state["transform"], state["params"]
+        self._transform = _Transform([np.asarray(x) for x in tf["knots_x"]], [np.asarray(z) for z in tf["knots_z"]])
+        self._params = _Params(np.asarray(p["shares"]), np.asarray(p["means"]), np.asarray(p["cov"]), int(p["correct"]))
+        self._report = EnsembleReport(**state["report"])
+        return self
+
 
 # ---------------------------------------------------------------- inputs
 

@@ -126,6 +126,21 @@ class LatentClassEnsemble:
             raise UserError("LatentClassEnsemble.report: call fit(scores, groups) first")
         return dict(self._report)
 
+    def state_dict(self) -> dict:
+        """The fitted model as arrays and JSON values (for checkpoints): `load_state_dict` predicts the same."""
+        if self._params is None or self._cuts is None or self._report is None:
+            raise UserError("LatentClassEnsemble.state_dict: call fit(scores, groups) first")
+        p = self._params
+        params = {"log_pi": p.log_pi, "log_theta": p.log_theta, "sizes": list(p.sizes)}
+        return {"cuts": list(self._cuts), "params": params, "report": dict(self._report)}
+
+    def load_state_dict(self, state: dict) -> LatentClassEnsemble:
+        p = state["params"]
+        self._cuts = [np.asarray(c, dtype=np.float64) for c in state["cuts"]]
+        self._params = _Params(np.asarray(p["log_pi"]), np.asarray(p["log_theta"]), tuple(int(x) for x in p["sizes"]))
+        self._report = dict(state["report"])
+        return self
+
 
 # ---------------------------------------------------------------- categories
 
