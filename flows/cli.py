@@ -7,6 +7,7 @@ line on stderr with exit code 2; no traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import signal
@@ -131,11 +132,27 @@ def main(argv: list[str] | None = None) -> int:
         }
         return commands[args.command](args)
     except UserError as e:
-        print(f"forgeweave: error: {e}", file=sys.stderr)
+        print(f"forgeweave: error: {one_line(str(e))}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.errno not in DISK_ERRORS:
+            raise
+        where = f" '{e.filename}'" if e.filename else ""
+        print(f"forgeweave: error: cannot write{where}: {e.strerror}; free space or fix permissions (or choose "
+              "another --runs-dir), then --resume", file=sys.stderr)  # fmt: skip
         return 2
     except KeyboardInterrupt:
         print("forgeweave: interrupted; continue with `forgeweave run --name NAME --resume`", file=sys.stderr)
         return 130
+
+
+# a full, read-only or forbidden disk: the user's to fix, not a bug (any other OSError keeps its traceback)
+DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def one_line(text: str) -> str:
+    """An error message as one line: what a library put on further lines is joined with ' | '."""
+    return " | ".join(line.strip() for line in text.strip().splitlines() if line.strip())
 
 
 def cmd_run(args) -> int:
@@ -322,7 +339,8 @@ def cmd_sync(args) -> int:
     except Busy:
         raise UserError(f"run '{run_dir.name}' is being sent by its own process right now; try again later") from None
     except Exception as e:
-        raise UserError(f"could not reach MLflow for '{run_dir.name}' ({str(e)[:200]}); nothing is lost, retry") from e
+        why = one_line(str(e))[:200]
+        raise UserError(f"could not reach MLflow for '{run_dir.name}' ({why}); nothing is lost, retry") from None
     print(f"sent {result['sent']} records of run {run_dir.name} to {result['uri']} (MLflow run {result['run_id']})")
     if result["skipped"]:
         print(f"{result['skipped']} record(s) were rejected by MLflow: see {run_dir / 'mlflow_state.json'}")

@@ -8,9 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import yaml
-
-from forge.config import RunConfig
+from forge.config import RunConfig, read_yaml_file
 from forge.errors import UserError
 from weaver import discover
 from weaver.errors import PlanError
@@ -31,8 +29,13 @@ def estimate_params(cfg: RunConfig) -> int:
         config_file = Path(m.path).expanduser() / "config.json"
         if not config_file.is_file():
             return 1_000_000_000  # a hub id: plan conservatively for a 1B model
-        c = json.loads(config_file.read_text())
-        hidden, layers, vocab = c.get("hidden_size", 1024), c.get("num_hidden_layers", 24), c.get("vocab_size", 50000)
+        try:
+            c = json.loads(config_file.read_text(encoding="utf-8"))
+            hidden, layers, vocab = (int(c.get(k, d)) for k, d in (("hidden_size", 1024), ("num_hidden_layers", 24),
+                                                                    ("vocab_size", 50000)))  # fmt: skip
+        except (ValueError, TypeError, AttributeError) as e:
+            raise UserError(f"{config_file}: not a model config ({type(e).__name__}); point model.path at a "
+                            "Hugging Face model directory") from None  # fmt: skip
     return 12 * layers * hidden * hidden + vocab * hidden
 
 
@@ -40,9 +43,7 @@ def resolve_pools(cfg: RunConfig, pools_file: str | None = None) -> list[Pool]:
     try:
         if pools_file:
             p = Path(pools_file)
-            if not p.is_file():
-                raise UserError(f"pools file '{p}' does not exist")
-            data = yaml.safe_load(p.read_text()) or []
+            data = read_yaml_file(p, "pools file") or []
             items = data.get("pools", []) if isinstance(data, dict) else data
             return pools_from_dicts(items, source=str(p))
         if cfg.pools:

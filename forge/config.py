@@ -585,17 +585,24 @@ def _sections(obj: Any) -> list[str]:
     return [k for k, t in _field_types(type(obj)).items() if dataclasses.is_dataclass(t)]
 
 
-def load_yaml(path: str | Path) -> RunConfig:
+def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
+    """A YAML file's content; a missing, non-UTF-8 or malformed file is a one-line ConfigError naming it."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"config file '{p}' does not exist")
+        raise ConfigError(f"{what} '{p}' does not exist")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        return yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} '{p}' is not UTF-8 text (bad byte at offset {e.start}): re-save it as UTF-8") from None
     except yaml.YAMLError as e:
         line = getattr(getattr(e, "problem_mark", None), "line", None)
         where = f" (line {line + 1})" if line is not None else ""
-        raise ConfigError(f"config file '{p}' is not valid YAML{where}: fix the syntax") from None
-    return from_dict(data, RunConfig, "", f"{p}: ")
+        raise ConfigError(f"{what} '{p}' is not valid YAML{where}: fix the syntax") from None
+
+
+def load_yaml(path: str | Path) -> RunConfig:
+    p = Path(path)
+    return from_dict(read_yaml_file(p) or {}, RunConfig, "", f"{p}: ")
 
 
 def dump_yaml(cfg: RunConfig) -> str:

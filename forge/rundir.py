@@ -23,6 +23,7 @@ import math
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import asdict
@@ -177,21 +178,34 @@ def _read_holder(fd: int) -> dict:
         return {}
 
 
-def lock_is_held(run_dir: Path) -> bool:
-    """Whether some process holds the run directory's lock now (this one included)."""
+def lock_holder(run_dir: Path) -> dict | None:
+    """Who holds the run directory's lock now ({"pid", "host", ...}; this process included), or None. Read-only."""
     if str(Path(run_dir).resolve()) in RunLock._held:
-        return True
+        return {"pid": os.getpid(), "host": socket.gethostname()}
     try:
         fd = os.open(Path(run_dir) / LOCK, os.O_RDONLY)
     except OSError:
-        return False
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
+        return None
     except OSError:
-        return True
+        return _read_holder(fd)
     finally:
         os.close(fd)
+
+
+def lock_is_held(run_dir: Path) -> bool:
+    return lock_holder(run_dir) is not None
+
+
+def refuse_if_locked(run_dir: Path) -> None:
+    """Raise the 'in use by process PID' UserError if another process holds the run's lock (writes nothing)."""
+    holder = lock_holder(run_dir)
+    if holder is not None and str(Path(run_dir).resolve()) not in RunLock._held:
+        pid = holder.get("pid", "?")
+        raise UserError(f"run directory '{run_dir}' is in use by process {pid} on {holder.get('host', '?')}: "
+                        f"wait for it to finish or stop it (kill {pid})")  # fmt: skip
 
 
 _last_status: dict[str, dict] = {}
@@ -220,6 +234,14 @@ def run_status(run_dir: Path) -> dict:
         status = {"state": "unknown"}
     status["stale"] = status.get("state") == "running" and not lock_is_held(run_dir)
     return status
+
+
+def note_stale(run_dir: Path) -> None:
+    """Say on stderr when the run's last process died without finishing (status.json still says running)."""
+    last = run_status(run_dir)
+    if last.get("stale"):
+        print(f"forgeweave: {run_dir.name}: its last process ({last.get('pid', '?')} on {last.get('host', '?')}) "
+              f"stopped at step {last.get('step')} without finishing; resuming", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def track_run_start(tracker: Tracker, cfg, run_dir: Path) -> None:

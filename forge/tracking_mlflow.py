@@ -80,8 +80,7 @@ def tracker_for_run(cfg, run_dir: Path, tags: dict[str, str] | None = None) -> M
     if not t.mlflow:
         return None
     run_dir = Path(run_dir).resolve()
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(t.timeout_s))
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the outbox retries; a dead server costs ~0 s
+    _short_timeouts(t.timeout_s)  # the outbox retries; a dead server costs ~0 s
     target = Target(resolve_uri(t.uri, run_dir.parent), t.experiment, run_dir)
     return MlflowTracker(target, registered_model_name(cfg), t.log_checkpoints, t.finish_timeout_s, tags or {})
 
@@ -484,6 +483,7 @@ def sync_run(run_dir: Path, uri: str = "") -> dict:
     Returns {"uri", "run_id", "sent", "skipped"}; raises Busy if another process is sending, or the store's
     error if it is unreachable (nothing is lost: try again later)."""
     run_dir = Path(run_dir).resolve()
+    _short_timeouts(_run_config(run_dir).get("tracking", {}).get("timeout_s", 10))
     outbox = Outbox(run_dir)
     if not uri:
         try:
@@ -499,15 +499,27 @@ def sync_run(run_dir: Path, uri: str = "") -> dict:
     return {"uri": uri, "run_id": state.get("run_id"), "sent": before, "skipped": len(state.get("skipped", []))}
 
 
-def _run_experiment(run_dir: Path) -> str:
-    """The experiment named in the run's config.yaml (tracking.experiment), else the default."""
+def _run_config(run_dir: Path) -> dict:
+    """The run's config.yaml as a plain dict ({} when unreadable)."""
     try:
         import yaml
 
-        cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-        return cfg.get("tracking", {}).get("experiment") or "forgeweave"
-    except (OSError, ValueError, AttributeError):
-        return "forgeweave"
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) or {}
+        return cfg if isinstance(cfg, dict) and isinstance(cfg.get("tracking", {}), dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _short_timeouts(timeout_s) -> None:
+    """A dead or black-holed server costs `timeout_s` per request, not MLflow's defaults (120 s, 7 retries with
+    backoff: minutes); the outbox keeps what was not sent. Variables set by the user win."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(timeout_s) if str(timeout_s).isdigit() else 10))
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+
+
+def _run_experiment(run_dir: Path) -> str:
+    """The experiment named in the run's config.yaml (tracking.experiment), else the default."""
+    return _run_config(run_dir).get("tracking", {}).get("experiment") or "forgeweave"
 
 
 def _fill_summary(run_dir: Path, run_id: str | None) -> None:

@@ -54,13 +54,15 @@ from forge.io import atomic_write_text, write_json
 from forge.metrics import eval_metrics, overlap_metrics, step_metrics
 from forge.models import format_prompt_fn, load_tokenizer
 from forge.records import Rollouts, Scored, UpdateStats
+from forge.resume import check_resumable
 from forge.rollout import SamplingParams
 from forge.rundir import (
     RunLock,
     append_samples,
     claim_run_dir,
+    note_stale,
     progress_bar,
-    run_status,
+    refuse_if_locked,
     run_summary,
     track_run_start,
     truncate_samples,
@@ -153,12 +155,12 @@ class GRPORun:
         self.restarts = 0
         self.skipped_in_a_row = 0
         claim_run_dir(run_dir, resume)
-        previous = run_status(run_dir) if resume else {}
+        self.resume_from: Path | None = None
+        if resume:  # read-only checks first: a refused resume leaves the directory exactly as it was
+            refuse_if_locked(run_dir)
+            self.resume_from = check_resumable(run_dir)
+            note_stale(run_dir)
         self.lock = RunLock.acquire(run_dir)  # one process per run directory; released by close()
-        if previous.get("stale"):
-            print(f"forgeweave: {run_dir.name}: its last process ({previous.get('pid', '?')} on "
-                  f"{previous.get('host', '?')}) stopped at step {previous.get('step')} without finishing; resuming",
-                  file=sys.stderr, flush=True)  # fmt: skip
         if not resume:  # first: with config.yaml a run killed at any later moment can be resumed
             atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
         if plan is not None:
@@ -195,9 +197,8 @@ class GRPORun:
     def setup(self) -> dict:
         """Prep stage (unless resuming), the workers, then restore (resume) or the initial evaluation."""
         cfg, run_dir = self.cfg, self.run_dir
-        if self.resume and latest_checkpoint(run_dir / "checkpoints") is None:  # killed before its first checkpoint
-            print(f"forgeweave: {run_dir.name} has no checkpoint yet: starting it again from step 0",
-                  file=sys.stderr, flush=True)  # fmt: skip
+        if self.resume and self.resume_from is None:  # stopped before its first checkpoint: start from step 0
+            print(f"forgeweave: {run_dir.name} has no checkpoint yet: starting it from step 0", file=sys.stderr)
             self.resume = False
             self.jsonl.truncate_after(-1)
             truncate_samples(run_dir, -1)

@@ -1,0 +1,47 @@
+"""What a `--resume` needs, checked before the resumed run writes anything into its directory.
+
+`check_resumable(run_dir)` reads (never writes) every file a resume depends on: `checkpoints/latest` (it must name
+a step directory beside it), the checkpoint's trainer state (JSON + safetensors) and weight-file headers,
+`metrics.jsonl` (every line but a torn last one must be a metrics row), the data splits (readable parquet whose
+content hash matches data/manifest.json and the checkpoint). Any problem is a one-line UserError naming the file,
+raised while the directory is still exactly as it was. Returns the checkpoint directory, or None when the run has
+no checkpoint yet (it was stopped before its first one: the recipe starts it again from step 0).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from forge.checkpoint import STATE_TENSORS, damaged, latest_checkpoint, load_state
+from forge.data import check_data_hash, read_split
+from forge.tracking import read_metrics
+
+
+def check_resumable(run_dir: Path) -> Path | None:
+    """The checkpoint a resume of `run_dir` continues from (None: none yet), after checking what it reads."""
+    run_dir = Path(run_dir)
+    if (run_dir / "metrics.jsonl").is_file():
+        read_metrics(run_dir / "metrics.jsonl", strict=True)
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    if ckpt is None:
+        return None
+    saved = load_state(ckpt)
+    check_weight_files(ckpt)
+    check_data_hash(run_dir, read_split(run_dir, "train"), read_split(run_dir, "eval"), saved.get("data_hash"))
+    return ckpt
+
+
+def check_weight_files(ckpt: Path) -> None:
+    """Every safetensors file of the checkpoint has a valid header and is as long as it says (reads headers only)."""
+    from safetensors import safe_open
+
+    files = [f for f in Path(ckpt).glob("*.safetensors") if f.name != STATE_TENSORS]
+    files += list((Path(ckpt) / "state").glob("*.safetensors"))
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                keys = list(handle.keys())
+                if keys:
+                    handle.get_slice(keys[-1])  # the last tensor's bytes must be inside the file
+        except Exception as e:  # SafetensorError: truncated or edited
+            raise damaged(ckpt, e) from None
