@@ -111,6 +111,7 @@ class LocalStep:
     params: SamplingParams
     step: int
     version: int
+    rng: dict | None = None  # the sampling stream when the step started: a retried rollout samples the same again
     rollouts: Rollouts | None = None
 
 
@@ -134,10 +135,11 @@ class LocalStages:
 
     def start(self, rows: list[dict], prompts: list[str], params: SamplingParams, step: int) -> LocalStep:
         """In-process nothing runs ahead: the step's work runs when the loop asks for its results."""
-        return LocalStep(rows, prompts, params, step, self.policy_version)
+        return LocalStep(rows, prompts, params, step, self.policy_version, self.rollout_worker.rng_state())
 
     def rollout(self, started: LocalStep) -> Rollouts:
-        if started.rollouts is None:  # a retry after a failure samples again; a second call does not
+        if started.rollouts is None:  # a retry after a failure samples again, from the same RNG state; a second
+            self.rollout_worker.set_rng_state(started.rng)  # call does not sample at all
             started.rollouts = self.rollout_worker.generate(started.prompts, started.params, started.version)
         return started.rollouts
 

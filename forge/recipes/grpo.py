@@ -200,9 +200,9 @@ class GRPORun:
         if self.resume and self.resume_from is None:  # stopped before its first checkpoint: start from step 0
             print(f"forgeweave: {run_dir.name} has no checkpoint yet: starting it from step 0", file=sys.stderr)
             self.resume = False
+        if not self.resume:  # a fresh start (or a retried prepare): nothing recorded yet
             self.jsonl.truncate_after(-1)
             truncate_samples(run_dir, -1)
-        if not self.resume:
             tok = load_tokenizer(cfg.model)
             prepare(
                 cfg,
@@ -213,6 +213,7 @@ class GRPORun:
         self.train_rows, self.eval_rows = read_split(run_dir, "train"), read_split(run_dir, "eval")
         self.data_hash = check_data_hash(run_dir, self.train_rows, self.eval_rows)
         self.sampler = PromptSampler(self.train_rows, seed=cfg.seed)
+        self.close()  # a retried prepare: the workers of the failed attempt are stopped, not leaked
         self.stages = self.make_stages(cfg, run_dir, self.plan)
         write_json(run_dir / "workers.json", self.stages.where())
         track_run_start(self.tracker, cfg, run_dir)
