@@ -4,6 +4,7 @@ computed from the stage records the loop in `forge.recipes.grpo` passes along.""
 from __future__ import annotations
 
 from forge.advantages import frac_zero_std
+from forge.errors import UserError
 from forge.records import Rollouts, ScoredBatch, UpdateStats
 from forge.rewards.score import per_verifier_means
 
@@ -62,3 +63,15 @@ def overlap_metrics(ro: Rollouts, stats: UpdateStats, wall: float, staleness: in
         "perf/trainer_idle_frac": idle(stats.seconds),
         "perf/step_s": wall,
     }
+
+
+def skipped_in_a_row(before: int, stats: UpdateStats, step: int, limit: int) -> int:
+    """Updates skipped in a row for a non-finite loss or gradient norm (`forge.trainer`), counting this step's;
+    `limit` in a row stop the run (UserError): the weights are still the last finite ones, as is every checkpoint."""
+    count = before + 1 if stats.skipped else 0
+    if count >= limit:
+        raise UserError(
+            f"step {step}: {limit} updates in a row had a non-finite loss or gradient norm and were skipped "
+            f"(update.max_skipped_steps={limit}); check the rewards and lower update.lr, then --resume"
+        )
+    return count

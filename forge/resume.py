@@ -5,29 +5,36 @@ a step directory beside it), the checkpoint's trainer state (JSON + safetensors)
 `metrics.jsonl` (every line but a torn last one must be a metrics row), the data splits (readable parquet whose
 content hash matches data/manifest.json and the checkpoint). Any problem is a one-line UserError naming the file,
 raised while the directory is still exactly as it was. Returns the checkpoint directory, or None when the run has
-no checkpoint yet (it was stopped before its first one: the recipe starts it again from step 0).
+no checkpoint yet (it was stopped before its first one: the recipe starts it again from step 0). A second
+process on the run (`forge.rundir.RunLock`) is refused here too, before anything is written.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from forge.checkpoint import STATE_TENSORS, damaged, latest_checkpoint, load_state
 from forge.data import check_data_hash, read_split
+from forge.rundir import note_stale, refuse_if_locked
 from forge.tracking import read_metrics
 
 
 def check_resumable(run_dir: Path) -> Path | None:
-    """The checkpoint a resume of `run_dir` continues from (None: none yet), after checking what it reads."""
+    """The checkpoint a resume of `run_dir` continues from (None: none yet), after checking that no other process
+    holds the run and what a resume reads; says so on stderr when the last process died without finishing."""
     run_dir = Path(run_dir)
+    refuse_if_locked(run_dir)
     if (run_dir / "metrics.jsonl").is_file():
         read_metrics(run_dir / "metrics.jsonl", strict=True)
     ckpt = latest_checkpoint(run_dir / "checkpoints")
+    if ckpt is not None:
+        saved = load_state(ckpt)
+        check_weight_files(ckpt)
+        check_data_hash(run_dir, read_split(run_dir, "train"), read_split(run_dir, "eval"), saved.get("data_hash"))
+    note_stale(run_dir)
     if ckpt is None:
-        return None
-    saved = load_state(ckpt)
-    check_weight_files(ckpt)
-    check_data_hash(run_dir, read_split(run_dir, "train"), read_split(run_dir, "eval"), saved.get("data_hash"))
+        print(f"forgeweave: {run_dir.name} has no checkpoint yet: starting it from step 0", file=sys.stderr)
     return ckpt
 
 

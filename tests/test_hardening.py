@@ -220,7 +220,7 @@ def test_too_many_skipped_steps_in_a_row_stop_the_run():
     from forge.recipes.grpo import GRPORun
     from forge.records import UpdateStats
 
-    run = GRPORun.__new__(GRPORun)
+    run = GRPORun.__new__(GRPORun)  # the loop's bookkeeping alone
     run.cfg, run.skipped_in_a_row = RunConfig(), 0
     stats = UpdateStats(*([0.0] * 8), tokens=1, seconds=0.0, policy_version=1, skipped=1)
     ok = UpdateStats(*([0.0] * 8), tokens=1, seconds=0.0, policy_version=1)

@@ -51,7 +51,7 @@ from forge.config import RunConfig, dump_yaml
 from forge.data import PromptSampler, check_data_hash, prepare, read_split
 from forge.errors import UserError
 from forge.io import atomic_write_text, write_json
-from forge.metrics import eval_metrics, overlap_metrics, step_metrics
+from forge.metrics import eval_metrics, overlap_metrics, skipped_in_a_row, step_metrics
 from forge.models import format_prompt_fn, load_tokenizer
 from forge.records import Rollouts, Scored, UpdateStats
 from forge.resume import check_resumable
@@ -60,9 +60,7 @@ from forge.rundir import (
     RunLock,
     append_samples,
     claim_run_dir,
-    note_stale,
     progress_bar,
-    refuse_if_locked,
     run_summary,
     track_run_start,
     truncate_samples,
@@ -155,11 +153,8 @@ class GRPORun:
         self.restarts = 0
         self.skipped_in_a_row = 0
         claim_run_dir(run_dir, resume)
-        self.resume_from: Path | None = None
-        if resume:  # read-only checks first: a refused resume leaves the directory exactly as it was
-            refuse_if_locked(run_dir)
-            self.resume_from = check_resumable(run_dir)
-            note_stale(run_dir)
+        # read-only checks first: a refused resume leaves the directory exactly as it was; None = no checkpoint yet
+        self.resume_from = check_resumable(run_dir) if resume else None
         self.lock = RunLock.acquire(run_dir)  # one process per run directory; released by close()
         if not resume:  # first: with config.yaml a run killed at any later moment can be resumed
             atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
@@ -197,9 +192,7 @@ class GRPORun:
     def setup(self) -> dict:
         """Prep stage (unless resuming), the workers, then restore (resume) or the initial evaluation."""
         cfg, run_dir = self.cfg, self.run_dir
-        if self.resume and self.resume_from is None:  # stopped before its first checkpoint: start from step 0
-            print(f"forgeweave: {run_dir.name} has no checkpoint yet: starting it from step 0", file=sys.stderr)
-            self.resume = False
+        self.resume = self.resume and self.resume_from is not None  # stopped before a first checkpoint: from 0
         if not self.resume:  # a fresh start (or a retried prepare): nothing recorded yet
             self.jsonl.truncate_after(-1)
             truncate_samples(run_dir, -1)
@@ -259,15 +252,8 @@ class GRPORun:
         return staleness
 
     def check_skipped(self, step: int, stats: UpdateStats) -> None:
-        """Count updates skipped for a non-finite loss/gradient (`forge.trainer`); update.max_skipped_steps in a
-        row stop the run: the weights are still the last finite ones, and so is every checkpoint."""
-        self.skipped_in_a_row = self.skipped_in_a_row + 1 if stats.skipped else 0
-        limit = self.cfg.update.max_skipped_steps
-        if self.skipped_in_a_row >= limit:
-            raise UserError(
-                f"step {step}: {limit} updates in a row had a non-finite loss or gradient norm and were skipped "
-                f"(update.max_skipped_steps={limit}); check the rewards and lower update.lr, then --resume"
-            )
+        """Updates skipped in a row for a non-finite loss/gradient; update.max_skipped_steps of them stop the run."""
+        self.skipped_in_a_row = skipped_in_a_row(self.skipped_in_a_row, stats, step, self.cfg.update.max_skipped_steps)
 
     def eval_due(self, step: int) -> bool:
         return _due(step, self.cfg.eval.every, self.cfg.steps)
