@@ -593,7 +593,9 @@ def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
     try:
         return yaml.safe_load(p.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{what} '{p}' is not UTF-8 text (bad byte at offset {e.start}): re-save it as UTF-8") from None
+        raise ConfigError(
+            f"{what} '{p}' is not UTF-8 text (bad byte at offset {e.start}): re-save it as UTF-8"
+        ) from None
     except yaml.YAMLError as e:
         line = getattr(getattr(e, "problem_mark", None), "line", None)
         where = f" (line {line + 1})" if line is not None else ""

@@ -553,8 +553,9 @@ def read_split(run_dir: Path, split: str) -> list[dict]:
         return pq.read_table(path).to_pylist()
     except (pa.ArrowException, OSError) as e:
         first_line = str(e).strip().split("\n")[0]
-        raise UserError(f"{path}: not a readable parquet file ({first_line}); the run's data is damaged: "
-                        "start a new run") from None
+        raise UserError(
+            f"{path}: not a readable parquet file ({first_line}); the run's data is damaged: start a new run"
+        ) from None
 
 
 def check_data_hash(run_dir: Path, train: list[dict], eval_: list[dict], saved: str | None = None) -> str:
@@ -564,13 +565,16 @@ def check_data_hash(run_dir: Path, train: list[dict], eval_: list[dict], saved: 
     try:
         expected = json.loads(manifest.read_text(encoding="utf-8"))["content_hash"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{manifest}: missing or unreadable ({type(e).__name__}); the run's data is damaged: "
-                        "start a new run") from None
+        raise UserError(
+            f"{manifest}: missing or unreadable ({type(e).__name__}); the run's data is damaged: start a new run"
+        ) from None
     actual = content_hash(train, eval_)
     for what, want in (("data/manifest.json", expected), ("the checkpoint", saved)):
         if want is not None and want != actual:
-            raise UserError(f"{Path(run_dir) / 'data'}: the train/eval splits changed since {what} was written "
-                            f"(hash {actual[:12]} != {want[:12]}); restore the run's own data or start a new run")
+            raise UserError(
+                f"{Path(run_dir) / 'data'}: the train/eval splits changed since {what} was written "
+                f"(hash {actual[:12]} != {want[:12]}); restore the run's own data or start a new run"
+            )
     return actual
 
 

@@ -72,8 +72,10 @@ def _load(loader, path: str, **kwargs):
         return loader(path, **kwargs)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise UserError(f"model '{path}' cannot be loaded ({type(e).__name__}: {first}); check its config.json, "
-                        "tokenizer and weight files") from None
+        raise UserError(
+            f"model '{path}' cannot be loaded ({type(e).__name__}: {first}); check its config.json, "
+            "tokenizer and weight files"
+        ) from None
 
 
 def _resolve_path(path: str) -> str:

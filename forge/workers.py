@@ -170,7 +170,11 @@ class RewardWorker:
         g = rollouts.group_size
         hidden = ("answer",) if self.cfg.reward.label_free else ()
         result = score_completions(
-            self.verifiers, self.cfg.reward.weights, rollouts.prompts, rollouts.texts, _columns(rows, g, hidden),
+            self.verifiers,
+            self.cfg.reward.weights,
+            rollouts.prompts,
+            rollouts.texts,
+            _columns(rows, g, hidden),
             timeout_s=self.cfg.reward.score_timeout_s,
         )
         rewards, report = result.rewards, None  # [N]
