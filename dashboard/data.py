@@ -106,7 +106,7 @@ def run_overview(run_dir: Path) -> RunOverview:
         best_step=best_step,
         last_pass1=last,
         duration_s=run_duration(summary, frame),
-        updated=status.get("updated"),
+        updated=status.get("heartbeat", status.get("updated")),  # heartbeat: every 30 s while the run holds its lock
         error=str(status.get("error", "")),
         mlflow_run_id=str(summary.get("mlflow_run_id") or ""),
     )

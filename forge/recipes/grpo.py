@@ -155,11 +155,14 @@ class GRPORun:
         claim_run_dir(run_dir, resume)
         # read-only checks first: a refused resume leaves the directory exactly as it was; None = no checkpoint yet
         self.resume_from = check_resumable(run_dir) if resume else None
-        self.lock = RunLock.acquire(run_dir)  # one process per run directory; released by close()
-        if not resume:  # first: with config.yaml a run killed at any later moment can be resumed
-            atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
-        if plan is not None:
-            write_json(run_dir / "plan.json", plan)
+        self.lock = RunLock.acquire(run_dir)  # one process per run directory; released when the run is over
+        with contextlib.ExitStack() as on_error:
+            on_error.callback(self.lock.release)
+            if not resume:  # first: with config.yaml a run killed at any later moment can be resumed
+                atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
+            if plan is not None:
+                write_json(run_dir / "plan.json", plan)
+            on_error.pop_all()
         self.jsonl = JsonlTracker(run_dir)
         self.tracker: Tracker = MultiTracker(self.jsonl, tracker) if tracker else self.jsonl
         self.state = RunState()
