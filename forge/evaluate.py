@@ -26,8 +26,10 @@ def evaluate(
     verifiers: list | None = None,
     weights: list[float] | None = None,
     seed: int = 0,
+    timeout_s: float = 0.0,
 ) -> dict:
-    """Return the eval report (JSON-ready). rows: eval split rows with model_input and answer."""
+    """Return the eval report (JSON-ready). rows: eval split rows with model_input and answer. `timeout_s`: each
+    verifier's budget for the batch (reward.score_timeout_s; 0 = none)."""
     start = time.perf_counter()
     rows = rows[: cfg.max_problems]
     prompts = [r["model_input"] for r in rows]
@@ -43,7 +45,7 @@ def evaluate(
     }
     if verifiers:
         columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "model_input")} if rows else {}
-        res = score_completions(verifiers, weights, prompts, greedy.texts, columns)
+        res = score_completions(verifiers, weights, prompts, greedy.texts, columns, timeout_s=timeout_s)
         report["mean_reward"] = float(res.rewards.mean()) if len(rows) else 0.0
     if cfg.k > 0 and rows:
         report[f"pass@{cfg.k}"] = _pass_at_k(backend, prompts, answers, cfg, rollout, seed)

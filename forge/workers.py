@@ -136,7 +136,8 @@ class RolloutWorker:
         if self._verifiers is None:
             self._verifiers = resolve_verifiers(self.cfg.reward.verifiers)
         c = self.cfg
-        report = evaluate(self.backend, rows, c.eval, c.rollout, self._verifiers, c.reward.weights, seed=c.seed + step)
+        report = evaluate(self.backend, rows, c.eval, c.rollout, self._verifiers, c.reward.weights, seed=c.seed + step,
+                          timeout_s=c.reward.score_timeout_s)  # fmt: skip
         report["step"] = step
         return report
 
