@@ -227,7 +227,7 @@ class EvalConfig:
     max_new_tokens: int = 0
     """Completion length cap during evaluation (0 = rollout.max_new_tokens)."""
     batch_size: int = 64
-    """Prompts per generate() call during evaluation."""
+    """Sequences per generate() call during evaluation (hf backend; vLLM batches by itself)."""
     num_samples_saved: int = 20
     """Samples stored in each eval report."""
 

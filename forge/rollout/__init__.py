@@ -20,7 +20,8 @@ def make_backend(
     """hf: `generate` on `model` itself; vllm: an engine in this process built from `model` (its venv must have
     vllm: the Ray adapter runs it in .venv-vllm), its files under `work_dir` (a temp dir if None)."""
     if name == "hf":
-        return HFBackend(model, tokenizer, autocast_bf16=autocast_bf16)
+        batch_size = rollout.batch_size if rollout is not None else RolloutConfig.batch_size
+        return HFBackend(model, tokenizer, autocast_bf16=autocast_bf16, batch_size=batch_size)
     if name == "vllm":
         from forge.rollout.vllm import VLLMBackend
 
