@@ -53,6 +53,12 @@ def load_policy(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTr
     return model, tok
 
 
+def default_device() -> torch.device:
+    """Where a model that no Trainer places goes (rollout copies, `forgeweave eval`, benches): the first CUDA GPU
+    this process sees, else the CPU. Chosen here once, so every such stage agrees."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """The policy's tokenizer alone (pad token, left padding), for processes that never hold the model."""
     if cfg.path == TINY:

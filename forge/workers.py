@@ -50,7 +50,7 @@ from forge.checkpoint import (
 from forge.config import RunConfig
 from forge.distributed import state as dist_state
 from forge.evaluate import evaluate
-from forge.models import load_policy
+from forge.models import default_device, load_policy
 from forge.records import Rollouts, Scored, ScoredBatch, UpdateStats
 from forge.rewards.registry import resolve_verifiers
 from forge.rewards.score import score_completions
@@ -89,8 +89,8 @@ class RolloutWorker:
             _init_process(cfg)
             model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
             model.requires_grad_(False)
-            if torch.cuda.is_available() and cfg.rollout.backend == "hf":
-                model = model.to("cuda")
+            if cfg.rollout.backend == "hf":  # a vLLM engine places its own copy
+                model = model.to(default_device())
         self.model, self.tokenizer = model, tokenizer
         r = cfg.rollout
         self.sleeps = rollout_sleeps(cfg)
