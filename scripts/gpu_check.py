@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -72,14 +71,15 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def timed(fn, device: torch.device) -> float:
+def timed(device: torch.device, fn, *args, **kwargs):
+    """(seconds, fn's result), the device synchronised on both sides."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
-    fn()
+    out = fn(*args, **kwargs)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, out
 
 
 # ---------------------------------------------------------------- sections
@@ -129,8 +129,7 @@ def rollout_speed(device: torch.device, dry: bool) -> None:
             backend = HFBackend(model, tok, autocast_bf16=bf16, batch_size=n)
             backend._generate_chunk(prompts[:2], params)  # warm-up
             reset_peak(device)
-            out = {}
-            seconds = timed(lambda b=backend: out.update(b._generate_chunk(prompts, params)), device)
+            seconds, out = timed(device, backend._generate_chunk, prompts, params)
             rate = int(out["mask"].sum()) / seconds
             line.append(f"{label} {rate:,.0f} tok/s (peak {peak_gib(device)})")
         print(f"rollout: {name}-shaped, {n} prompts x {tokens} tokens: " + "; ".join(line))
@@ -167,10 +166,14 @@ def update_speed(device: torch.device, dry: bool) -> None:
         batch = random_batch(model.config.vocab_size, n, prompt_len, tokens)
         trainer.update(batch)  # warm-up (optimizer state allocated)
         reset_peak(device)
-        seconds = timed(lambda t=trainer, b=batch: t.update(b), device)
+        seconds, _ = timed(device, trainer.update, batch)
         print(f"update: {name}-shaped, {n} x ({prompt_len} + {tokens}) tokens, bf16 autocast {trainer.autocast_bf16}: "
               f"{n * tokens / seconds:,.0f} completion tok/s, {seconds:.2f} s/step, peak {peak_gib(device)}")  # fmt: skip
         del trainer, model
+
+
+def host_copy(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}
 
 
 def weight_sync(device: torch.device, dry: bool) -> None:
@@ -180,11 +183,9 @@ def weight_sync(device: torch.device, dry: bool) -> None:
         model, _ = random_model(name, device, dry)
         copy_model, _ = random_model(name, device, dry)
         for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            box = {}
-            gather = timed(lambda d=dtype: box.update(w={k: v.detach().to("cpu", d) for k, v in
-                                                         model.state_dict().items()}), device)  # fmt: skip
-            load = timed(lambda: assign_weights(copy_model, box["w"], source="sync check"), device)
-            size = sum(v.numel() * v.element_size() for v in box["w"].values()) / GIB
+            gather, weights = timed(device, host_copy, model, dtype)
+            load, _ = timed(device, assign_weights, copy_model, weights, source="sync check")
+            size = sum(v.numel() * v.element_size() for v in weights.values()) / GIB
             print(f"sync: {name}-shaped {label} ({size:.2f} GiB): to CPU {gather:.3f} s, into a GPU copy {load:.3f} s")
         del model, copy_model
 
