@@ -225,7 +225,7 @@ class TrainerWorker:
             _check_group(accelerator, world)
         if model is None:
             _init_process(cfg)
-            model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
+            model, tokenizer = load_policy(cfg.model, seed=cfg.seed, weights=loads_weights(cfg, rank, world))
         self.tokenizer = tokenizer
         ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.beta > 0 else None
         self.trainer = Trainer(model, cfg, total_steps=cfg.steps, ref_model=ref, accelerator=accelerator)
@@ -297,6 +297,13 @@ class TrainerWorker:
     def close(self) -> None:
         if self.world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def loads_weights(cfg: RunConfig, rank: int, world: int) -> bool:
+    """Whether update rank `rank` reads the policy's weights: under FSDP only rank 0 does (the others build the
+    model on the meta device and receive their shards from it), unless a reference model (algo.beta > 0, a full
+    copy on every rank) needs them anyway."""
+    return rank == 0 or world == 1 or cfg.update.strategy != "fsdp" or cfg.algo.beta > 0
 
 
 def publish_dtype(cfg: RunConfig, trainer_dtype: torch.dtype) -> torch.dtype:
