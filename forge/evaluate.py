@@ -3,7 +3,7 @@
 Correctness is the `math_answer` check against the reference answer column. pass@k is the share of problems
 with at least one correct completion among k samples (n = k, so the unbiased estimator of Chen et al. 2021
 reduces to this). Sampling for pass@k uses its own seed (`SamplingParams.seed`) and leaves the training RNG untouched, so
-evaluating does not change the training trajectory.
+evaluating does not change the training trajectory. The hf backend generates `eval.batch_size` sequences per call.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ def evaluate(
     prompts = [r["model_input"] for r in rows]
     answers = [r["answer"] for r in rows]
     max_new = cfg.max_new_tokens or rollout.max_new_tokens
-    greedy = backend.generate(prompts, SamplingParams(max_new_tokens=max_new, temperature=0.0, n=1))
+    greedy = backend.generate(
+        prompts, SamplingParams(max_new_tokens=max_new, temperature=0.0, n=1, batch_size=cfg.batch_size)
+    )
     correct = math_answer(prompts, greedy.texts, answer=answers)
     report = {
         "problems": len(rows),
@@ -64,6 +66,7 @@ def _pass_at_k(backend, prompts, answers, cfg: EvalConfig, rollout: RolloutConfi
         top_p=rollout.top_p,
         n=cfg.k,
         seed=seed,
+        batch_size=cfg.batch_size,
     )
     sampled = backend.generate(prompts, params)
     hits = math_answer(sampled.prompts, sampled.texts, answer=[a for a in answers for _ in range(cfg.k)])

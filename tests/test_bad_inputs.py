@@ -189,7 +189,7 @@ CASES = [
     (
         "model-config-garbage",
         with_file("m/config.json", b"{garbage", "model.path={tmp}/m"),
-        "config.json: not a model config",
+        "config.json': Expecting property name",
     ),
     # resuming a damaged run (-> the file)
     (
