@@ -110,7 +110,7 @@ class RolloutConfig:
 @dataclass
 class RewardConfig:
     verifiers: list[str] = field(default_factory=lambda: ["math_answer"])
-    """Verifier names (built-ins: math_answer, format_integer, format_tags) or import paths 'pkg.mod:fn'."""
+    """Verifier names (built-ins: math_answer, format_integer, format_tags, code_exec) or import paths 'pkg.mod:fn'."""
     weights: list[float] = field(default_factory=list)
     """One weight per verifier; empty = all 1.0. Reward = sum(w_v * score_v), missing scores count as 0."""
     aggregate: Literal["weighted", "ensemble"] = "weighted"
@@ -127,6 +127,18 @@ class RewardConfig:
     """latent_class ensemble: verifiers every correct answer passes (rule checks); failing one means wrong."""
     label_free: bool = False
     """Do not pass the reference answer column to verifiers (evaluation still scores against it)."""
+    code_timeout_s: float = 5.0
+    """code_exec: wall-clock seconds per completion (program + all its tests); then its processes are killed."""
+    code_test_timeout_s: float = 2.0
+    """code_exec: wall-clock seconds for loading the program and for each test."""
+    code_memory_mb: int = 512
+    """code_exec: address-space limit of the sandboxed process (RLIMIT_AS)."""
+    code_max_procs: int = 16
+    """code_exec: processes and threads the sandboxed code may have at once (RLIMIT_NPROC of its own uid)."""
+    code_workers: int = 2
+    """code_exec: completions run at once (one process each)."""
+    allow_network_code: bool = False
+    """code_exec: where no network namespace can be made, run code anyway (it could reach the network)."""
 
 
 @dataclass
@@ -219,6 +231,8 @@ class EvalConfig:
     """Prompts per generate() call during evaluation."""
     num_samples_saved: int = 20
     """Samples stored in each eval report."""
+    check: str = "math_answer"
+    """Verifier whose score 1.0 makes a completion correct for pass@1/pass@k (math_answer, or e.g. code_exec)."""
 
 
 @dataclass

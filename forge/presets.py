@@ -72,10 +72,31 @@ def smollm2_arith() -> RunConfig:
     return cfg
 
 
+def smollm2_code() -> RunConfig:
+    """SmolLM2-135M-Instruct completing one-line Python functions, rewarded by running hidden tests (code_exec).
+
+    Prompts are the start of a function with a docstring, ending at `return` (forge/code_tasks.py: 500 train,
+    100 held-out problems of 12 kinds); the completion continues the code and runs against 5 hidden asserts in
+    the sandbox. Reward = share passed; eval pass@1 = all 5 pass. No chat template: the model continues code.
+    """
+    from forge.code_tasks import EVAL_FILE, TRAIN_FILE
+
+    cfg = smollm2_arith()
+    cfg.preset = "smollm2-code"
+    cfg.model.chat_template = False
+    cfg.data.source, cfg.data.eval_source = str(TRAIN_FILE), str(EVAL_FILE)
+    cfg.rollout.max_new_tokens = 12
+    cfg.reward.verifiers = ["code_exec"]
+    cfg.reward.code_timeout_s, cfg.reward.code_test_timeout_s = 3.0, 1.0
+    cfg.eval.check, cfg.eval.max_problems, cfg.eval.max_new_tokens = "code_exec", 100, 12
+    return cfg
+
+
 PRESETS: dict[str, Callable[[], RunConfig]] = {
     "tiny": tiny,
     "tiny-unlabeled": tiny_unlabeled,
     "smollm2-arith": smollm2_arith,
+    "smollm2-code": smollm2_code,
 }
 
 
