@@ -131,9 +131,9 @@ class RewardConfig:
     """code_exec: wall-clock seconds per completion (program + all its tests); then its processes are killed."""
     code_test_timeout_s: float = 2.0
     """code_exec: wall-clock seconds for loading the program and for each test."""
-    code_memory_mb: int = 512
-    """code_exec: address-space limit of the sandboxed process (RLIMIT_AS)."""
-    code_max_procs: int = 16
+    code_memory_mb: int = 256
+    """code_exec: address-space limit of each sandboxed process (RLIMIT_AS); a run holds at most code_max_procs."""
+    code_max_procs: int = 8
     """code_exec: processes and threads the sandboxed code may have at once (RLIMIT_NPROC of its own uid)."""
     code_workers: int = 2
     """code_exec: completions run at once (one process each)."""

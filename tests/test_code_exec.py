@@ -219,7 +219,14 @@ def test_refuses_without_a_network_namespace_unless_allowed(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "field,value", [("code_timeout_s", math.nan), ("code_timeout_s", 0.0), ("code_memory_mb", 8), ("code_workers", 0)]
+    "field,value",
+    [
+        ("code_timeout_s", math.nan),
+        ("code_timeout_s", 0.0),
+        ("code_memory_mb", 8),
+        ("code_workers", 0),
+        ("code_workers", 65),
+    ],
 )
 def test_bad_limits_are_one_line_errors(field, value):
     with pytest.raises(UserError, match=f"reward.{field}"):
@@ -245,3 +252,12 @@ def test_task_reference_solutions_pass_and_a_constant_scores_its_share(clean_mac
     # `return 0` passes exactly the asserts whose expected value equals 0 (False == 0 in Python)
     expected = [sum(eval(t.split(" == ")[1]) == 0 for t in json.loads(r["answer"])["tests"]) / 5 for r in rows]
     assert scores[100:] == pytest.approx(expected) and max(expected) < 1.0
+
+
+@needs_sandbox
+def test_eval_check_counts_a_completion_correct_only_when_every_test_passes(clean_machine):
+    from forge.evaluate import _check_fn, _correct
+
+    check = _check_fn("code_exec", None)
+    texts = ["def f(x): return x + 3", "def f(x): return x + 3 if x > 0 else 0", "nonsense"]
+    assert _correct(check, ["p"] * 3, texts, [TESTS] * 3) == [True, False, False]

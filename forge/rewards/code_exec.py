@@ -66,8 +66,8 @@ class SandboxLimits:
 
     timeout_s: float = 5.0  # wall clock for the whole run; then the process group and PID namespace are killed
     per_test_s: float = 2.0  # wall clock per test (and for loading the program)
-    memory_mb: int = 512  # RLIMIT_AS
-    max_procs: int = 16  # RLIMIT_NPROC (processes and threads of the sandbox uid)
+    memory_mb: int = 256  # RLIMIT_AS, per process
+    max_procs: int = 8  # RLIMIT_NPROC (processes and threads of the sandbox uid)
     file_kb: int = 1024  # RLIMIT_FSIZE; also caps the captured stdout/stderr
     tmpfs_kb: int = 8192  # size of the private /tmp
     workers: int = 2  # runs at once
@@ -190,10 +190,11 @@ def limits_from(reward: RewardConfig) -> SandboxLimits:
     for key, value in (("code_timeout_s", r.code_timeout_s), ("code_test_timeout_s", r.code_test_timeout_s)):
         if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= 3600):
             raise UserError(f"config key 'reward.{key}' must be a number of seconds in (0, 3600], got {value!r}")
-    for key, value, lo in (("code_memory_mb", r.code_memory_mb, 64), ("code_max_procs", r.code_max_procs, 1),
-                           ("code_workers", r.code_workers, 1)):  # fmt: skip
-        if not (isinstance(value, int) and lo <= value <= 1 << 20):
-            raise UserError(f"config key 'reward.{key}' must be an integer >= {lo}, got {value!r}")
+    for key, value, lo, hi in (("code_memory_mb", r.code_memory_mb, 64, 1 << 20),
+                               ("code_max_procs", r.code_max_procs, 1, 4096),
+                               ("code_workers", r.code_workers, 1, 64)):  # fmt: skip
+        if not (isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi):
+            raise UserError(f"config key 'reward.{key}' must be an integer in [{lo}, {hi}], got {value!r}")
     return SandboxLimits(
         timeout_s=float(r.code_timeout_s),
         per_test_s=min(float(r.code_test_timeout_s), float(r.code_timeout_s)),
