@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 import threading
 from pathlib import Path
@@ -261,3 +262,28 @@ def test_eval_check_counts_a_completion_correct_only_when_every_test_passes(clea
     check = _check_fn("code_exec", None)
     texts = ["def f(x): return x + 3", "def f(x): return x + 3 if x > 0 else 0", "nonsense"]
     assert _correct(check, ["p"] * 3, texts, [TESTS] * 3) == [True, False, False]
+
+
+@needs_sandbox
+def test_a_run_dies_with_the_process_that_started_it(clean_machine, tmp_path):
+    """forge SIGKILLed mid-run (no timeout handling left to run): the sandbox goes with it."""
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "from forge.rewards import code_exec as ce\n"
+        "ce.run_sandboxed('import time\\ntime.sleep(120)', ce.CodeTests(('assert 1',)), "
+        "ce.SandboxLimits(timeout_s=100.0, per_test_s=100.0), ce.probe_isolation())\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    deadline = time.monotonic() + 30
+    while not _sandbox_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _sandbox_processes(), "the sandboxed program never started"
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _sandbox_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _sandbox_processes() == []

@@ -156,6 +156,8 @@ def _worker(req: dict, results: int) -> None:
     """W: isolate further, then run the program and its tests, reporting each test on `results`."""
     _limits(req)
     _drop_privileges(req)
+    if req["mode"] == "none":  # no PID namespace to take us down with the runner
+        _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
     if req["mode"] != "none":
         _use_stdlib_view()
     work = req.get("workdir") or "/tmp/work"
@@ -245,8 +247,19 @@ def _child_main(req: dict) -> None:
 _RESULTS_FD = 1
 
 
+def req_wall_s() -> float:
+    """The caller's wall-clock timeout, passed as argv[1] so it applies before the request is read."""
+    try:
+        return max(1.0, float(sys.argv[1]))
+    except (IndexError, ValueError):
+        return 60.0
+
+
 def main() -> int:
     global _RESULTS_FD
+    # if forge dies (or forgets us), so do we, and our namespace with us: no run outlives its caller's deadline
+    _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
+    signal.alarm(int(req_wall_s()) + 2)
     req = json.loads(sys.stdin.buffer.read(64 << 20))
     _RESULTS_FD = os.dup(1)  # results travel on the original stdout; the program's stdout goes to a file
     try:

@@ -278,7 +278,7 @@ def _run_request(mode: Isolation, req: dict, limits: SandboxLimits, slot: int) -
 
 def _spawn(req: dict, timeout_s: float) -> RunResult:
     proc = subprocess.Popen(
-        [sys.executable, "-I", "-S", "-B", str(_RUNNER)],
+        [sys.executable, "-I", "-S", "-B", str(_RUNNER), str(timeout_s)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
