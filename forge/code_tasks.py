@@ -10,8 +10,14 @@ against them in its sandbox. For example (prompt, then a right completion):
         return| n * 7 + 2
 
 12 kinds of function (arithmetic, order of operands, digits, min/max, remainders), 5 variable names, random
-constants: 600 distinct problems, a seeded 100 of them held out for evaluation. `python -m forge.code_tasks`
-rewrites the shipped files (forge/tasks/code_fn_{train,eval}.jsonl); a test checks they match this generator.
+constants: 600 distinct problems, a seeded 100 of them held out for evaluation (the `smollm2-code` preset).
+
+The tiny random model cannot write any of that from scratch (a right 3-character body is a one-in-a-million
+draw for it), so `tiny-code` gets a fill-in-the-middle version: `n times 7: def f(n): return n` + completion +
+suffix `7`, where the completion is the operator (`generate_operator_tasks`: 135 problems, 27 held out).
+
+`python -m forge.code_tasks` rewrites the shipped files (forge/tasks/code_{fn,op}_{train,eval}.jsonl); a test
+checks they match this generator.
 '''
 
 from __future__ import annotations
@@ -83,6 +89,35 @@ def generate_function_tasks(seed: int = 0) -> tuple[list[dict], list[dict]]:
     return rows[EVAL_SIZE:], rows[:EVAL_SIZE]
 
 
+OP_TRAIN_FILE, OP_EVAL_FILE = TASKS_DIR / "code_op_train.jsonl", TASKS_DIR / "code_op_eval.jsonl"
+OPERATORS = {"plus": "+", "minus": "-", "times": "*"}
+
+
+def operator_task(var: str, word: str, const: int) -> dict:
+    """The tiny model's version: the completion is the one character between `return n` and the constant.
+
+    >>> row = operator_task("n", "times", 7)
+    >>> row["prompt"], json.loads(row["answer"])["suffix"], row["solution"]
+    ('n times 7: def f(n): return n', '7', '*')
+    """
+    fn = {"plus": lambda v: v + const, "minus": lambda v: v - const, "times": lambda v: v * const}[word]
+    prefix = f"def f({var}): return {var}"
+    tests = [f"assert f({x}) == {fn(x)}" for x in TEST_INPUTS]
+    return {
+        "id": f"op-{var}-{word}-{const}",
+        "prompt": f"{var} {word} {const}: {prefix}",
+        "answer": json.dumps({"prefix": prefix, "suffix": str(const), "tests": tests}),
+        "solution": OPERATORS[word],
+    }
+
+
+def generate_operator_tasks(seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """(train, eval): 5 variables x 3 operators x constants 1-9 = 135 problems, a seeded 27 held out."""
+    rows = [operator_task(v, w, c) for v in VARIABLES for w in OPERATORS for c in range(1, 10)]
+    order = np.random.default_rng(seed).permutation(len(rows))
+    return [rows[i] for i in order[27:]], [rows[i] for i in order[:27]]
+
+
 def to_jsonl(rows: list[dict]) -> bytes:
     return "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()
 
@@ -91,6 +126,9 @@ def write_task_files() -> None:
     train, evaluation = generate_function_tasks()
     atomic_write_bytes(TRAIN_FILE, to_jsonl(train))
     atomic_write_bytes(EVAL_FILE, to_jsonl(evaluation))
+    train, evaluation = generate_operator_tasks()
+    atomic_write_bytes(OP_TRAIN_FILE, to_jsonl(train))
+    atomic_write_bytes(OP_EVAL_FILE, to_jsonl(evaluation))
 
 
 if __name__ == "__main__":

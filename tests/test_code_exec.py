@@ -12,7 +12,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from forge.code_tasks import EVAL_FILE, TRAIN_FILE, generate_function_tasks, to_jsonl
+from forge.code_tasks import (
+    EVAL_FILE,
+    OP_EVAL_FILE,
+    OP_TRAIN_FILE,
+    TRAIN_FILE,
+    generate_function_tasks,
+    generate_operator_tasks,
+    to_jsonl,
+)
 from forge.config import RewardConfig
 from forge.errors import UserError
 from forge.rewards import code_exec as ce
@@ -239,6 +247,24 @@ def test_shipped_task_files_match_the_generator():
     assert TRAIN_FILE.read_bytes() == to_jsonl(train) and EVAL_FILE.read_bytes() == to_jsonl(evaluation)
     assert len(train) == 500 and len(evaluation) == 100
     assert not {r["id"] for r in train} & {r["id"] for r in evaluation}
+    train, evaluation = generate_operator_tasks()
+    assert OP_TRAIN_FILE.read_bytes() == to_jsonl(train) and OP_EVAL_FILE.read_bytes() == to_jsonl(evaluation)
+    assert (len(train), len(evaluation)) == (108, 27)
+
+
+@needs_sandbox
+def test_fill_in_the_middle_operator_task(clean_machine):
+    rows = [json.loads(line) for line in OP_EVAL_FILE.read_text().splitlines()]
+    [(name, fn)] = resolve_verifiers(["code_exec"], RewardConfig())
+    assert ce.program_for("*", ce.parse_tests(rows[0]["answer"])).endswith(
+        "*" + json.loads(rows[0]["answer"])["suffix"]
+    )
+    right = fn(prompts=[""] * 27, completions=[r["solution"] for r in rows], answer=[r["answer"] for r in rows])
+    wrong = fn(prompts=[""] * 27, completions=["+" if r["solution"] != "+" else "-" for r in rows],
+               answer=[r["answer"] for r in rows])  # fmt: skip
+    assert right == [1.0] * 27
+    # a wrong operator fails at least one of the five asserts
+    assert all(w < 1.0 for w in wrong)
 
 
 @needs_sandbox

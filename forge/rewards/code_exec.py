@@ -11,8 +11,10 @@ The answer column holds the hidden tests as JSON, in one of two forms:
 The program (`program_for`) is the completion's first fenced ```python (or ```py or bare ```) block, else the
 completion itself; with a `prefix`, prefix + the completion as it stands (it continues the code). Either is cut
 after its longest run of leading lines that parses, so text after the code, or a last line cut off by the token
-limit, is dropped. Each distinct (program, tests) pair of a batch runs once, in its own process, at most
-`workers` at a time. Inside, one test at a time with its own time limit; a test passes when it raises nothing. The
+limit, is dropped. With a `suffix` too, prefix + completion + suffix, uncut (fill-in-the-middle). Each distinct
+(program, tests) pair runs once, in its own process, at most `workers` at a time; the verifier remembers the
+scores of the last 100k pairs it ran, so a program sampled again is not run again (one whose result depends on
+randomness or time keeps its first score). Inside, one test at a time with its own time limit; a test passes when it raises nothing. The
 score is passed / total; 0.0 when the program fails to load, hangs, or breaks a limit; None when the answer is
 not a valid test spec (a data error: NaN in the scores, counted in `reward/code_exec/failures`).
 
@@ -58,6 +60,7 @@ _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTA
 _UID_BASE = 1_900_000_000  # sandbox uids: no account uses them; one per concurrent slot so RLIMIT_NPROC is per run
 _RESULT_CAP = 1 << 16  # bytes of result lines read back; a program flooding the results fd gets nothing more
 _MAX_TESTS = 1000
+_MEMO_SIZE = 100_000  # (program, tests) scores kept per verifier; cleared when full
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class CodeTests:
 
     tests: tuple[str, ...]
     prefix: str = ""
+    suffix: str = ""  # fill-in-the-middle: the program is prefix + completion + suffix
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,8 @@ def program_for(completion: str, spec: CodeTests) -> str:
     >>> program_for(" x + 1\n\nprint(f(2)) and more tex", CodeTests(("assert f(1) == 2",), "def f(x):\n    return"))
     'def f(x):\n    return x + 1\n\n'
     """
+    if spec.suffix:
+        return spec.prefix + completion + spec.suffix
     if not spec.prefix:
         completion = extract_code(completion)
     lines = completion.splitlines(keepends=True)
@@ -135,12 +141,14 @@ def parse_tests(answer: Any) -> CodeTests | None:
         spec = {"tests": spec}
     if not isinstance(spec, dict):
         return None
-    prefix = spec.get("prefix", "")
+    prefix, suffix = spec.get("prefix", ""), spec.get("suffix", "")
     tests = spec.get("tests", [])
     if "cases" in spec:
         tests = _case_tests(spec.get("entry"), spec["cases"])
-    ok = isinstance(prefix, str) and isinstance(tests, list) and 0 < len(tests) <= _MAX_TESTS
-    return CodeTests(tuple(tests), prefix) if ok and all(isinstance(t, str) for t in tests) else None
+    ok = (
+        isinstance(prefix, str) and isinstance(suffix, str) and isinstance(tests, list) and 0 < len(tests) <= _MAX_TESTS
+    )
+    return CodeTests(tuple(tests), prefix, suffix) if ok and all(isinstance(t, str) for t in tests) else None
 
 
 def _case_tests(entry: Any, cases: Any) -> Any:
@@ -207,14 +215,18 @@ def limits_from(reward: RewardConfig) -> SandboxLimits:
 def make_code_exec(limits: SandboxLimits, allow_network: bool = False):
     """The `code_exec` verifier with these limits; refuses (UserError) now if no sandbox can be built here."""
     mode = require_isolation(allow_network)
+    memo: dict[tuple[str, CodeTests], float] = {}  # programs seen in earlier batches (RL resamples the same ones)
 
     def code_exec(prompts: list[str], completions: list[str], answer: list[Any], **kwargs: Any) -> list[float | None]:
         """Share of the hidden tests (answer column, JSON) the completion's code passes, run in a sandbox."""
         specs = [parse_tests(a) for a in answer]
         programs = [None if s is None else program_for(c, s) for c, s in zip(completions, specs, strict=True)]
         jobs = {(p, s) for p, s in zip(programs, specs, strict=True) if s is not None}  # duplicates run once
-        runnable = [(p, s) for p, s in jobs if _compiles(p)]
-        scores = dict.fromkeys(jobs, 0.0) | _run_all(sorted(runnable, key=repr), limits, mode)
+        runnable = [(p, s) for p, s in jobs if (p, s) not in memo and _compiles(p)]
+        scores = {job: memo.get(job, 0.0) for job in jobs} | _run_all(sorted(runnable, key=repr), limits, mode)
+        if len(memo) > _MEMO_SIZE:
+            memo.clear()
+        memo.update(scores)
         return [None if s is None else scores[(p, s)] for p, s in zip(programs, specs, strict=True)]
 
     return code_exec
