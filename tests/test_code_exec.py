@@ -34,12 +34,14 @@ LIMITS = ce.SandboxLimits(timeout_s=3.0, per_test_s=1.5, workers=2)
 TESTS = json.dumps([f"assert f({x}) == {x + 3}" for x in (0, 1, 2, 5, -4)])
 
 
-def _sandbox_processes() -> list[psutil.Process]:
-    """Processes left running under a sandbox uid (there should never be any once a run returned)."""
+def _sandbox_processes(owner: int | None = None) -> list[psutil.Process]:
+    """Processes running under the sandbox uids of process `owner` (default: this one; other forge processes on the
+    machine have their own). There should never be any once a run returned."""
+    first = ce._UID_BASE + ((owner or os.getpid()) % 100_000) * 64
     left = []
     for p in psutil.process_iter(["uids"]):
         uids = p.info["uids"]
-        if uids is not None and uids.real >= ce._UID_BASE:
+        if uids is not None and first <= uids.real < first + 64:
             left.append(p)
     return left
 
@@ -304,12 +306,12 @@ def test_a_run_dies_with_the_process_that_started_it(clean_machine, tmp_path):
     )
     parent = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(Path.cwd())})
     deadline = time.monotonic() + 30
-    while not _sandbox_processes() and time.monotonic() < deadline:
+    while not _sandbox_processes(parent.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _sandbox_processes(), "the sandboxed program never started"
+    assert _sandbox_processes(parent.pid), "the sandboxed program never started"
     parent.kill()
     parent.wait()
     deadline = time.monotonic() + 10
-    while _sandbox_processes() and time.monotonic() < deadline:
+    while _sandbox_processes(parent.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _sandbox_processes() == []
+    assert _sandbox_processes(parent.pid) == []
