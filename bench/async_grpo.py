@@ -25,24 +25,10 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-TASK = [
-    "data.operations=[+,-]",
-    "data.allow_negative=true",
-    "data.prompt_template=Compute {a} {op} {b}. Reply with only the final integer, nothing else.",
-    "rollout.prompts_per_step=4",
-    "rollout.group_size=8",
-    "rollout.max_new_tokens=32",
-    "rollout.temperature=0.7",
-    "rollout.backend=vllm",
-    "update.lr=1e-5",
-    "update.schedule=linear",
-    "algo.loss=dapo",
-    "algo.beta=0",
-    "eval.every=0",
-    "eval.k=0",
-    "checkpoint.every=0",
-    "tracking.mlflow=false",
-]
+from arith_task import PRESET  # noqa: E402
+from arith_task import TASK as ARITH_TASK  # noqa: E402
+
+TASK = [*ARITH_TASK, "rollout.backend=vllm"]
 POOLS = [
     {"name": "gen", "kind": "cpu", "cpu_cores": 1, "stages": ["prep", "rollout", "reward", "evaluate"]},
     {"name": "train", "kind": "cpu", "cpu_cores": 1, "stages": ["update"]},
@@ -56,7 +42,7 @@ def one_run(staleness: int, steps: int, problems: int, run_dir: Path, extra: lis
     from forge.tracking import read_metrics
 
     sets = [*TASK, *extra, f"steps={steps}", f"eval.max_problems={problems}", f"algo.max_staleness={staleness}"]
-    cfg, run_dir = resolve_run("smollm2-arith", None, sets, run_dir.name, str(run_dir.parent), False)
+    cfg, run_dir = resolve_run(PRESET, None, sets, run_dir.name, str(run_dir.parent), False)
     cfg.pools = POOLS
     _, plan = plan_run(cfg)
     t0 = time.perf_counter()

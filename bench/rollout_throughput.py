@@ -13,13 +13,13 @@ import time
 import torch
 
 from forge.config import ModelConfig
-from forge.models import format_prompt_fn, load_policy
+from forge.models import default_device, format_prompt_fn, load_policy
 from forge.rollout import HFBackend, SamplingParams
 
 
 def plain_generate(model, tok, prompts, max_new_tokens, autocast) -> int:
-    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    ctx = torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=autocast)
     with torch.no_grad(), ctx:
         out = model.generate(
             **enc,
@@ -42,6 +42,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = ModelConfig(path=args.model)
     model, tok = load_policy(cfg)
+    model = model.to(default_device())
     fmt = format_prompt_fn(tok, cfg)
     prompts = [fmt(f"Compute {10 + i} + {47 + 2 * i}. Reply with only the final integer.") for i in range(args.prompts)]
     params = SamplingParams(max_new_tokens=args.tokens, temperature=1.0, n=1)
@@ -62,7 +63,8 @@ def main() -> None:
             tokens = fn()
             rates[name].append(tokens / (time.perf_counter() - t))
     base = statistics.median(rates["plain generate fp32"])
-    print(f"{args.model}: {args.prompts} prompts x {args.tokens} new tokens, {torch.get_num_threads()} threads")
+    print(f"{args.model} on {model.device}: {args.prompts} prompts x {args.tokens} new tokens, "
+          f"{torch.get_num_threads()} threads")  # fmt: skip
     print(f"{'variant':<32}{'tokens/s':>10}{'vs plain fp32':>16}")
     for name, r in rates.items():
         med = statistics.median(r)

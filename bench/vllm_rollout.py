@@ -18,7 +18,7 @@ import time
 import torch
 
 from forge.config import ModelConfig
-from forge.models import format_prompt_fn, load_policy
+from forge.models import default_device, format_prompt_fn, load_policy
 from forge.rollout import HFBackend, SamplingParams
 
 
@@ -47,7 +47,7 @@ class EngineActor:
 
     def sync_weights(self, model, version: int) -> float:
         start = time.perf_counter()
-        ref = self.ray.put({k: v.detach().contiguous() for k, v in model.state_dict().items()})
+        ref = self.ray.put({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()})
         self.ray.get(self.actor.call.remote("load_weights", ref, version))
         self.version = version
         return time.perf_counter() - start
@@ -73,7 +73,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = ModelConfig(path=args.model)
     model, tok = load_policy(cfg)
-    model.eval()
+    model = model.to(default_device()).eval()
     fmt = format_prompt_fn(tok, cfg)
     prompts = [fmt(f"Compute {10 + i} + {47 + 2 * i}. Reply with only the final integer.") for i in range(args.prompts)]
     params = SamplingParams(max_new_tokens=args.tokens, temperature=args.temperature, n=args.group)

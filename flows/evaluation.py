@@ -15,7 +15,7 @@ def evaluate_checkpoint_dir(ckpt: Path, preset: str | None, overrides: list[str]
     from forge.data import build, read_split
     from forge.evaluate import evaluate
     from forge.io import write_json
-    from forge.models import format_prompt_fn, load_policy
+    from forge.models import default_device, format_prompt_fn, load_policy
     from forge.rollout import make_backend
 
     if not (ckpt / "config.json").is_file():
@@ -28,6 +28,7 @@ def evaluate_checkpoint_dir(ckpt: Path, preset: str | None, overrides: list[str]
     cfg = apply_overrides(cfg, overrides)
     cfg.model.path = str(ckpt)
     model, tok = load_policy(cfg.model, seed=cfg.seed)
+    model = model.to(default_device()).requires_grad_(False)
     if in_run and (run_dir / "data" / "eval.parquet").is_file():
         rows = read_split(run_dir, "eval")
     else:

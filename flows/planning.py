@@ -6,6 +6,7 @@ Lives in flows because it joins forge's config with weaver (forge imports neithe
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import yaml
@@ -14,26 +15,87 @@ from forge.config import RunConfig
 from forge.errors import UserError
 from weaver import discover
 from weaver.errors import PlanError
-from weaver.plan import Plan, plan, stage_needs
+from weaver.plan import Plan, StageNeed, plan, stage_needs
 from weaver.pools import Pool, autodetect_pools, pools_from_dicts
 
 KNOWN_PARAMS = {"smollm2-135m-instruct": 134_515_008}
+TINY_VOCAB = 99  # forge.models.build_char_tokenizer: 95 printable characters (no tabs/newlines) + 4 specials
+BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+QKV_BIAS_MODELS = ("qwen2",)  # architectures whose q/k/v projections always carry a bias
 
 
 def estimate_params(cfg: RunConfig) -> int:
-    """Parameter count from the model's config (no weights loaded): ~12·L·H² for the blocks + V·H embeddings."""
+    """The policy's parameter count, without loading weights: exact from a local model directory's safetensors
+    (file headers, else the index's byte total), else from its config.json (`params_from_config`); a hub id
+    plans as 1B."""
     m = cfg.model
     if m.path in KNOWN_PARAMS:
         return KNOWN_PARAMS[m.path]
     if m.path == "tiny-random":
-        hidden, layers, vocab = m.tiny_hidden, m.tiny_layers, 100
-    else:
-        config_file = Path(m.path).expanduser() / "config.json"
-        if not config_file.is_file():
-            return 1_000_000_000  # a hub id: plan conservatively for a 1B model
-        c = json.loads(config_file.read_text())
-        hidden, layers, vocab = c.get("hidden_size", 1024), c.get("num_hidden_layers", 24), c.get("vocab_size", 50000)
-    return 12 * layers * hidden * hidden + vocab * hidden
+        h = m.tiny_hidden
+        heads = max(1, h // m.tiny_head_dim)
+        return params_from_config({"hidden_size": h, "intermediate_size": 4 * h, "num_hidden_layers": m.tiny_layers,
+                                   "num_attention_heads": heads, "num_key_value_heads": heads,
+                                   "vocab_size": TINY_VOCAB, "tie_word_embeddings": True})  # fmt: skip
+    d = Path(m.path).expanduser()
+    if not (d / "config.json").is_file():
+        return 1_000_000_000  # a hub id: plan conservatively for a 1B model
+    config = _read_json(d / "config.json")
+    return params_from_safetensors(d, config) or params_from_config(config)
+
+
+def params_from_config(c: dict) -> int:
+    """Parameters of a Llama/Qwen2/Mistral-style decoder from its config.json: embeddings (+ an untied LM head),
+    per layer q/o (hidden x heads*head_dim), k/v (hidden x kv_heads*head_dim, + biases where the architecture
+    has them), a gated MLP (3 x hidden x intermediate) and two RMSNorms, and the final norm.
+
+    >>> params_from_config({"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+    ...     "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True})
+    134515008
+    """
+    c = c.get("text_config", c)
+    h, layers, vocab = c.get("hidden_size") or c.get("n_embd"), c.get("num_hidden_layers") or c.get("n_layer"), c.get("vocab_size")
+    if not (h and layers and vocab):
+        raise UserError("model config.json has no hidden_size/num_hidden_layers/vocab_size: cannot size the model")
+    if "intermediate_size" not in c or "num_attention_heads" not in c:  # GPT-2 style blocks: 12 H^2 per layer
+        return 12 * layers * h * h + vocab * h
+    inter, heads = c["intermediate_size"], c["num_attention_heads"]
+    kv, head_dim = c.get("num_key_value_heads") or heads, c.get("head_dim") or h // heads
+    q, kv_width = heads * head_dim, kv * head_dim
+    attn = 2 * h * q + 2 * h * kv_width
+    if c.get("attention_bias") or c.get("model_type") in QKV_BIAS_MODELS:
+        attn += q + 2 * kv_width + (h if c.get("attention_bias") else 0)  # q/k/v biases (+ o's when declared)
+    mlp = 3 * h * inter + (2 * inter + h if c.get("mlp_bias") else 0)
+    embeddings = vocab * h * (1 if c.get("tie_word_embeddings", True) else 2)
+    return layers * (attn + mlp + 2 * h) + h + embeddings
+
+
+def params_from_safetensors(d: Path, config: dict) -> int:
+    """Exact count from the weight files' headers (shapes only, no tensor read), else the index's total bytes /
+    the config's dtype size; 0 when the directory has neither."""
+    files = sorted(d.glob("*.safetensors"))
+    if files:
+        return sum(_header_params(f) for f in files)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        total = _read_json(index).get("metadata", {}).get("total_size", 0)
+        dtype = config.get("torch_dtype") or config.get("dtype") or "float32"
+        return int(total) // BYTES.get(dtype, 4)
+    return 0
+
+
+def _header_params(path: Path) -> int:
+    with path.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read '{path}': {e}") from None
 
 
 def resolve_pools(cfg: RunConfig, pools_file: str | None = None) -> list[Pool]:
@@ -53,20 +115,57 @@ def resolve_pools(cfg: RunConfig, pools_file: str | None = None) -> list[Pool]:
 
 
 def make_plan(cfg: RunConfig, pools: list[Pool]) -> Plan:
-    gpu = any(p.kind == "gpu" for p in pools)
-    r = cfg.rollout
-    replicas = r.replicas  # rollout actors (vLLM engines or hf copies); one in-process
-    needs = stage_needs(
-        estimate_params(cfg),
-        rollout_replicas=replicas,
-        update_processes=cfg.update.num_processes,
-        gpu=gpu,
-        rollout_tp=r.tensor_parallel_size if r.backend == "vllm" else 1,
-    )
+    needs = run_needs(cfg, pools)
     try:
         return plan(needs, pools)
     except PlanError as e:
         raise UserError(str(e)) from None
+
+
+def run_needs(cfg: RunConfig, pools: list[Pool]) -> list[StageNeed]:
+    """The stages' needs for this run on these pools (GPU memory per device sizes FSDP and the engine)."""
+    gpus = [p for p in pools if p.kind == "gpu"]
+    gpu = bool(gpus)
+    r = cfg.rollout
+    replicas = r.replicas  # rollout actors (vLLM engines or hf copies); one in-process
+    vllm = r.backend == "vllm"
+    gpu_gib = min((p.memory_gib for p in gpus), default=0.0)
+    params = estimate_params(cfg)
+    needs = stage_needs(
+        params,
+        rollout_replicas=replicas,
+        update_processes=cfg.update.num_processes,
+        gpu=gpu,
+        rollout_tp=r.tensor_parallel_size if vllm else 1,
+        update_sharded=cfg.update.strategy == "fsdp",
+        rollout_bytes_per_param=rollout_bytes(cfg, gpu),
+        engine_fraction=r.vllm_gpu_memory_utilization if vllm else 0.0,
+        gpu_memory_gib=gpu_gib,
+    )
+    if gpu and vllm:
+        _check_engine_fits(cfg, params, gpu_gib)
+    return needs
+
+
+def rollout_bytes(cfg: RunConfig, gpu: bool) -> int:
+    """Bytes per parameter the rollout holds: a vLLM engine's dtype (`rollout.vllm_dtype`: auto = bf16 on a GPU,
+    else the policy's), the policy's own dtype for hf copies (autocast computes in bf16 but keeps the weights)."""
+    r, own = cfg.rollout, cfg.model.dtype
+    if r.backend == "vllm":
+        return BYTES[r.vllm_dtype] if r.vllm_dtype != "auto" else (2 if gpu else BYTES[own])
+    return BYTES[own]
+
+
+def _check_engine_fits(cfg: RunConfig, params: int, gpu_gib: float) -> None:
+    r = cfg.rollout
+    weights = params * rollout_bytes(cfg, True) / r.tensor_parallel_size / 2**30
+    budget = r.vllm_gpu_memory_utilization * gpu_gib
+    if gpu_gib > 0 and weights + 1.0 > budget:
+        raise UserError(
+            f"rollout.vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization} gives each vLLM engine "
+            f"{budget:.1f} GiB of a {gpu_gib:g} GiB GPU, but its weights alone take {weights:.1f} GiB: raise it, "
+            "or set rollout.tensor_parallel_size"
+        )
 
 
 def plan_run(cfg: RunConfig, pools_file: str | None = None) -> tuple[Plan, dict]:

@@ -105,6 +105,17 @@ class RolloutConfig:
     """Rollout actors (vLLM engines or hf copies, Ray mode); each step's prompts are split by measured tokens/s."""
     tensor_parallel_size: int = 1
     """vllm on GPUs: devices per engine (replica i takes the i-th block of visible devices)."""
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """vllm: engine weight dtype, also the dtype of published weights; auto = bfloat16 on CUDA, else model.dtype."""
+    vllm_gpu_memory_utilization: float = 0.5
+    """vllm on CUDA: fraction of each GPU's memory the engine takes (weights + KV cache); the planner counts it."""
+    vllm_enforce_eager: bool = False
+    """vllm on CUDA: no CUDA graphs (less memory and start-up time, slower decoding)."""
+    vllm_max_model_len: int = 0
+    """vllm: context length the engine reserves KV cache for; 0 = the model's own maximum."""
+    vllm_sleep: Literal["auto", "on", "off"] = "auto"
+    """vllm on CUDA: sleep mode (level 1) between a generate and the next weight load, freeing the GPU for the
+    update; auto = on when on-policy and the plan colocates rollout with update on a GPU."""
 
 
 @dataclass
@@ -228,7 +239,7 @@ class EvalConfig:
     max_new_tokens: int = 0
     """Completion length cap during evaluation (0 = rollout.max_new_tokens)."""
     batch_size: int = 64
-    """Prompts per generate() call during evaluation."""
+    """Sequences per generate() call during evaluation (hf backend; vLLM batches by itself)."""
     num_samples_saved: int = 20
     """Samples stored in each eval report."""
     check: str = "math_answer"

@@ -4,7 +4,7 @@ Correctness is a score of 1.0 from the `eval.check` verifier (default `math_answ
 every hidden test passes) against the reference answer column. pass@k is the share of problems
 with at least one correct completion among k samples (n = k, so the unbiased estimator of Chen et al. 2021
 reduces to this). Sampling for pass@k uses its own seed (`SamplingParams.seed`) and leaves the training RNG untouched, so
-evaluating does not change the training trajectory.
+evaluating does not change the training trajectory. The hf backend generates `eval.batch_size` sequences per call.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ def evaluate(
     prompts = [r["model_input"] for r in rows]
     answers = [r["answer"] for r in rows]
     max_new = cfg.max_new_tokens or rollout.max_new_tokens
-    greedy = backend.generate(prompts, SamplingParams(max_new_tokens=max_new, temperature=0.0, n=1))
+    greedy = backend.generate(
+        prompts, SamplingParams(max_new_tokens=max_new, temperature=0.0, n=1, batch_size=cfg.batch_size)
+    )
     check = _check_fn(cfg.check, verifiers)
     correct = _correct(check, prompts, greedy.texts, answers)
     report = {
@@ -80,6 +82,7 @@ def _pass_at_k(backend, prompts, answers, cfg: EvalConfig, rollout: RolloutConfi
         top_p=rollout.top_p,
         n=cfg.k,
         seed=seed,
+        batch_size=cfg.batch_size,
     )
     sampled = backend.generate(prompts, params)
     hits = _correct(check, sampled.prompts, sampled.texts, [a for a in answers for _ in range(cfg.k)])

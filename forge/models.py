@@ -14,6 +14,7 @@ pad/eos: the tokenizer always gets a pad token. When pad == eos (SmolLM2), masks
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -22,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from forge.config import ModelConfig
 from forge.errors import UserError
@@ -36,21 +37,36 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FORGEWEAVE_CACHE", Path.home() / ".cache" / "forgeweave"))
 
 
-def load_policy(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Return (model in train mode, tokenizer with a pad token and left padding)."""
+def load_policy(
+    cfg: ModelConfig, seed: int = 0, weights: bool = True
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Return (model in train mode, tokenizer with a pad token and left padding). `weights=False` builds the model
+    on the meta device from its config alone (no memory, no weight file read): an FSDP rank that receives its
+    shard from rank 0 (`forge.distributed.fsdp.shard_from_rank0`)."""
     if cfg.path == TINY:
         tok = build_char_tokenizer()
-        model = build_tiny_model(
-            tok, hidden=cfg.tiny_hidden, layers=cfg.tiny_layers, seed=seed, head_dim=cfg.tiny_head_dim
-        )
+        with contextlib.nullcontext() if weights else torch.device("meta"):
+            model = build_tiny_model(
+                tok, hidden=cfg.tiny_hidden, layers=cfg.tiny_layers, seed=seed, head_dim=cfg.tiny_head_dim
+            )
     else:
         path = smollm2_dir() if cfg.path == SMOLLM2 else _resolve_path(cfg.path)
         tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        else:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
     _fix_special_tokens(tok, model)
     model.to(getattr(torch, cfg.dtype))
     model.train()
     return model, tok
+
+
+def default_device() -> torch.device:
+    """Where a model that no Trainer places goes (rollout copies, `forgeweave eval`, benches): the first CUDA GPU
+    this process sees, else the CPU. Chosen here once, so every such stage agrees."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:

@@ -4,6 +4,13 @@ bf16 is worth it where the hardware multiplies in bf16: CUDA GPUs that support i
 (AVX512-BF16 or AMX). On a CPU without them torch emulates bf16 matmuls, which measured ~300x slower than fp32
 on an AVX2-only AMD EPYC (2048^2 matmul: fp32 0.09 TFLOP/s, bf16 0.0003 TFLOP/s) — a preset that asks for bf16
 would then take hours instead of minutes. `bf16_autocast` turns such a request into fp32 and says so once.
+
+Precision is explicit and applied in one place per stage (`forge.trainer.autocast_context`): the update (policy and
+reference model alike) runs under bf16 autocast on a CUDA GPU with bf16, or where `update.autocast_bf16` asks for it
+and the CPU has bf16 units (`update_bf16`); the hf rollout only where `rollout.autocast_bf16` asks for it. Nothing
+is left to Accelerate's `mixed_precision`: its wrapper patches the module's own forward, so the rollout sharing the
+trainer's module would sample in bf16 whatever it was asked, and a reference model outside the wrapper would run
+in fp32 and bias the KL at identical weights.
 """
 
 from __future__ import annotations
@@ -32,6 +39,14 @@ def bf16_autocast(requested: bool, device_type: str, key: str) -> bool:
         return requested
     _warn_once(key, device_type)
     return False
+
+
+def update_bf16(requested: bool, device_type: str) -> bool:
+    """Whether the update runs under bf16 autocast: always on a CUDA GPU with bf16 units (fp32 master weights,
+    fp32 log-softmax), else `update.autocast_bf16` where the CPU has bf16 units."""
+    if device_type == "cuda" and bf16_fast("cuda"):
+        return True
+    return bf16_autocast(requested, device_type, "update.autocast_bf16")
 
 
 @functools.cache

@@ -8,8 +8,9 @@ its own contiguous share of the rows; DDP (and FSDP's reduce-scatter) average gr
 scales its loss by the world size to keep the same global sum. The reported loss, KL, clip fractions and entropy
 are summed over ranks, so they, too, do not depend on the split.
 
-Precision: bf16 mixed precision on GPUs, fp32 on CPU (`update.autocast_bf16` opts a CPU run into bf16 autocast
-where the CPU has bf16 units; `forge.precision`).
+Precision: bf16 autocast on GPUs, fp32 on CPU (`update.autocast_bf16` opts a CPU run into bf16 autocast where the
+CPU has bf16 units; `forge.precision`); the reference model runs under the same autocast as the policy, so the KL
+at identical weights is exactly 0. Log-probs never hold a [n, T, vocab] fp32 tensor (`chunked_logprobs`).
 FSDP (`update.strategy=fsdp`, more than one rank) shards the model with torch's `fully_shard` (FSDP2) per decoder
 layer and at the root, because Accelerate 1.15's FSDP plugin is silently ignored on CPU (it wraps the model in
 DDP). Checkpoints are sharded (`forge.distributed.state`, `forge.checkpoint`): each rank saves its own slice and a
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
+from torch.utils.checkpoint import checkpoint
 
 from forge.checkpoint import has_weights, load_weights, read_shards, read_weights
 from forge.config import RunConfig
@@ -40,7 +42,7 @@ from forge.distributed import fsdp
 from forge.distributed import state as dist_state
 from forge.losses import StepTotals, importance_weights, policy_loss
 from forge.lr import AdaptiveLR, scheduled_lr
-from forge.precision import bf16_autocast
+from forge.precision import update_bf16
 from forge.records import ScoredBatch, UpdateStats
 
 
@@ -48,6 +50,10 @@ from forge.records import ScoredBatch, UpdateStats
 class TokenLogprobs:
     logp: torch.Tensor  # [n, T] log-prob of each completion token
     entropy: torch.Tensor  # [n, T] entropy of the predictive distribution (detached)
+
+
+# fp32 elements of one chunk of [n, t, vocab] log-softmax (256 MiB): bounds the log-prob temporaries at any length
+LOGPROB_CHUNK_ELEMENTS = 2**26
 
 
 def token_logprobs(
@@ -59,32 +65,60 @@ def token_logprobs(
     temperature: float = 1.0,
     autocast_bf16: bool = False,
     completion_only: bool = True,
+    chunk_elements: int = LOGPROB_CHUNK_ELEMENTS,
 ) -> TokenLogprobs:
-    """Per-token log-probs of `completion_ids` given the left-padded prompts. Shapes [n, P] and [n, T]."""
+    """Per-token log-probs of `completion_ids` given the left-padded prompts. Shapes [n, P] and [n, T].
+
+    The model's logits stay in its compute dtype; the fp32 log-softmax is taken over chunks of completion positions
+    (`chunk_elements` fp32 values each) and recomputed in the backward pass (activation checkpointing), so no
+    [n, T, vocab] fp32 tensor is ever held: per row the values are those of one full log-softmax."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [n, P+T]
     attention = torch.cat([prompt_mask, completion_mask], dim=1)
     position_ids = (attention.long().cumsum(dim=1) - 1).clamp(min=0)
     T = completion_ids.shape[1]
     kwargs = {"logits_to_keep": T + 1} if completion_only else {}
-    autocast = (
-        torch.autocast(input_ids.device.type, dtype=torch.bfloat16) if autocast_bf16 else contextlib.nullcontext()
-    )
-    with autocast:
+    with autocast_context(input_ids.device.type, autocast_bf16):
         logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, **kwargs).logits
-    logits = logits[:, -(T + 1) : -1].float() / temperature  # [n, T, vocab], position t predicts token t
-    logsm = torch.log_softmax(logits, dim=-1)
-    logp = logsm.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(logsm.exp() * logsm).sum(-1)
+    logits = logits[:, -(T + 1) : -1]  # [n, T, vocab], position t predicts token t
+    return chunked_logprobs(logits, completion_ids, temperature, chunk_elements)
+
+
+def autocast_context(device_type: str, bf16: bool):
+    """bf16 autocast on `device_type` if `bf16`, else nothing: the one place the update and rollout pick it."""
+    return torch.autocast(device_type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+
+def chunked_logprobs(logits, ids, temperature: float = 1.0, chunk_elements: int = LOGPROB_CHUNK_ELEMENTS):
+    """log_softmax(logits / temperature) at `ids` and the entropy, over chunks of positions. [n, T, V], [n, T]."""
+    n, T, vocab = logits.shape
+    step = max(1, chunk_elements // max(1, n * vocab))
+    parts = []
+    for t in range(0, T, step):
+        chunk, chunk_ids = logits[:, t : t + step], ids[:, t : t + step]
+        if torch.is_grad_enabled() and logits.requires_grad:
+            parts.append(checkpoint(_chunk_logprobs, chunk, chunk_ids, temperature, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(chunk, chunk_ids, temperature))
+    logp = torch.cat([p[0] for p in parts], dim=1) if len(parts) > 1 else parts[0][0]
+    entropy = torch.cat([p[1] for p in parts], dim=1) if len(parts) > 1 else parts[0][1]
     return TokenLogprobs(logp=logp, entropy=entropy)
 
 
+def _chunk_logprobs(chunk, ids, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    logsm = torch.log_softmax(chunk.float() / temperature, dim=-1)  # [n, t, vocab] fp32
+    logp = logsm.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logsm.exp() * logsm).sum(-1)
+    return logp, entropy
+
+
 def make_accelerator(timeout: timedelta | None = None) -> Accelerator:
-    """The update's Accelerator: bf16 mixed precision on GPUs, fp32 on CPU (gloo there when several processes);
-    `timeout` bounds every collective of a multi-process group."""
+    """The update's Accelerator (gloo on CPU when several processes, NCCL on GPUs); `timeout` bounds every
+    collective of a multi-process group. No `mixed_precision`: the trainer applies autocast itself
+    (`forge.precision`), to the policy and the reference model alike, and leaves the module's forward unpatched."""
     cuda = torch.cuda.is_available()
     handlers = [InitProcessGroupKwargs(timeout=timeout)] if timeout is not None else []
-    return Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda else "no", kwargs_handlers=handlers)
+    return Accelerator(cpu=not cuda, mixed_precision="no", kwargs_handlers=handlers)
 
 
 class Trainer:
@@ -96,8 +130,10 @@ class Trainer:
         self.accelerator = accelerator or make_accelerator()
         u = cfg.update
         self.fsdp = u.strategy == "fsdp" and self.accelerator.num_processes > 1
-        if self.fsdp:
-            model = fsdp.shard(model.to(self.accelerator.device), bf16=self.accelerator.mixed_precision == "bf16")
+        device_type = self.accelerator.device.type
+        self.autocast_bf16 = update_bf16(u.autocast_bf16, device_type)
+        if self.fsdp:  # bf16 compute with fp32 reduction on GPUs, as autocast does without FSDP
+            model = fsdp.shard_from_rank0(model, self.accelerator.device, bf16=self.autocast_bf16 and device_type == "cuda")
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=u.lr, betas=tuple(u.adam_betas), weight_decay=u.weight_decay
         )
@@ -110,7 +146,6 @@ class Trainer:
         assert cfg.algo.beta == 0 or ref_model is not None, "algo.beta > 0 needs a reference model"
         self.ref_model = ref_model
         self.adaptive = AdaptiveLR.from_config(u)
-        self.autocast_bf16 = bf16_autocast(u.autocast_bf16, self.accelerator.device.type, "update.autocast_bf16")
         self.step = 0
         self.policy_version = 0
 
@@ -207,8 +242,7 @@ class Trainer:
         world, algo = self.accelerator.num_processes, self.cfg.algo
         for i, (mb, old, ref) in enumerate(zip(micro, olds, refs, strict=True)):
             last = i == len(micro) - 1
-            sync = contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
-            with sync:
+            with self._grad_sync(last):
                 out = self._logprobs(self.model, mb)
                 old_logp = out.logp.detach() if old is None else old  # [n, T] pi_old
                 # off-policy: the tokens came from the sampler's policy mu (older weights or another engine)
@@ -231,6 +265,14 @@ class Trainer:
         tokens = max(totals.tokens, 1)
         per_token = ("kl", "clip_low", "clip_high", "entropy", "logprob_diff", "is_truncated")
         return {"loss": acc["loss"], "grad_norm": grad_norm, **{k: acc[k] / tokens for k in per_token}}
+
+    def _grad_sync(self, last: bool):
+        """Reduce gradients over ranks only with the step's last micro-batch. FSDP2 modules have their own switch
+        (`accelerator.no_sync` does nothing for them: every micro-batch would be reduce-scattered)."""
+        if self.fsdp:
+            self.model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
 
     def _sum_over_ranks(self, acc: dict[str, float]) -> dict[str, float]:
         if self.accelerator.num_processes == 1:

@@ -50,7 +50,7 @@ from forge.checkpoint import (
 from forge.config import RunConfig
 from forge.distributed import state as dist_state
 from forge.evaluate import evaluate
-from forge.models import load_policy
+from forge.models import default_device, load_policy
 from forge.records import Rollouts, Scored, ScoredBatch, UpdateStats
 from forge.rewards.registry import resolve_verifiers
 from forge.rewards.score import score_completions
@@ -89,12 +89,13 @@ class RolloutWorker:
             _init_process(cfg)
             model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
             model.requires_grad_(False)
-            if torch.cuda.is_available() and cfg.rollout.backend == "hf":
-                model = model.to("cuda")
+            if cfg.rollout.backend == "hf":  # a vLLM engine places its own copy
+                model = model.to(default_device())
         self.model, self.tokenizer = model, tokenizer
         r = cfg.rollout
+        self.sleeps = rollout_sleeps(cfg)
         self.backend = make_backend(r.backend, model, tokenizer, autocast_bf16=r.autocast_bf16, rollout=r,
-                                    work_dir=Path(work_dir) if work_dir else None)  # fmt: skip
+                                    work_dir=Path(work_dir) if work_dir else None, sleep=self.sleeps)  # fmt: skip
         self.policy_version = 0
         self._verifiers = None
         self._rng = _capture_rng()  # the sampling stream: where the process's RNG is once the policy is built
@@ -108,7 +109,10 @@ class RolloutWorker:
             _restore_rng(self._rng)
             rollouts = self.backend.generate(prompts, params)
             self._rng = _capture_rng()
-        return dataclasses.replace(rollouts, seconds=time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        if self.sleeps:  # the update comes next: give it the engine's GPU memory until the weights arrive
+            self.backend.sleep()
+        return dataclasses.replace(rollouts, seconds=seconds)
 
     def rng_state(self) -> dict:
         return self._rng
@@ -136,6 +140,8 @@ class RolloutWorker:
             self._verifiers = resolve_verifiers(self.cfg.reward.verifiers, self.cfg.reward)
         c = self.cfg
         report = evaluate(self.backend, rows, c.eval, c.rollout, self._verifiers, c.reward.weights, seed=c.seed + step)
+        if self.sleeps:
+            self.backend.sleep()
         report["step"] = step
         return report
 
@@ -219,7 +225,7 @@ class TrainerWorker:
             _check_group(accelerator, world)
         if model is None:
             _init_process(cfg)
-            model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
+            model, tokenizer = load_policy(cfg.model, seed=cfg.seed, weights=loads_weights(cfg, rank, world))
         self.tokenizer = tokenizer
         ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.beta > 0 else None
         self.trainer = Trainer(model, cfg, total_steps=cfg.steps, ref_model=ref, accelerator=accelerator)
@@ -239,9 +245,14 @@ class TrainerWorker:
         return stats, self.weights() if publish else None
 
     def weights(self) -> dict[str, torch.Tensor] | None:
-        """The full weights on CPU (rank 0; None on the others). Every rank must call it under FSDP."""
+        """The full weights on CPU (rank 0; None on the others) in the dtype the rollout engines run in
+        (`publish_dtype`: bf16 for a vLLM engine on CUDA, half the bytes to move). Every rank must call it under
+        FSDP."""
         full = self.trainer.full_weights()
-        return full if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        dtype = publish_dtype(self.cfg, next(iter(full.values())).dtype)
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
 
     def save(self, root: str, step: int, payload: dict, eval_score: float | None) -> None:
         """Start checkpoint `step` under `root` with the loop's `payload` (sampler, evals, ...) beside the trainer
@@ -286,6 +297,32 @@ class TrainerWorker:
     def close(self) -> None:
         if self.world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def loads_weights(cfg: RunConfig, rank: int, world: int) -> bool:
+    """Whether update rank `rank` reads the policy's weights: under FSDP only rank 0 does (the others build the
+    model on the meta device and receive their shards from it), unless a reference model (algo.beta > 0, a full
+    copy on every rank) needs them anyway."""
+    return rank == 0 or world == 1 or cfg.update.strategy != "fsdp" or cfg.algo.beta > 0
+
+
+def publish_dtype(cfg: RunConfig, trainer_dtype: torch.dtype) -> torch.dtype:
+    """The dtype weights are published in: a vLLM engine's (`forge.rollout.vllm.engine_dtype`), else the
+    trainer's (hf copies hold the policy's own dtype)."""
+    if cfg.rollout.backend != "vllm":
+        return trainer_dtype
+    from forge.rollout.vllm import engine_dtype
+
+    return engine_dtype(cfg.rollout, getattr(torch, cfg.model.dtype), torch.cuda.is_available())
+
+
+def rollout_sleeps(cfg: RunConfig) -> bool:
+    """Whether this process's vLLM engine sleeps during the update (`forge.rollout.vllm.wants_sleep`)."""
+    if cfg.rollout.backend != "vllm":
+        return False
+    from forge.rollout.vllm import wants_sleep
+
+    return wants_sleep(cfg, torch.cuda.is_available(), os.environ.get("FORGEWEAVE_COLOCATED", ""))
 
 
 def _torch_optimizer(optimizer) -> torch.optim.Optimizer:

@@ -17,6 +17,30 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 # Ray: clusters the tests start (several nodes on this machine) bind and advertise 127.0.0.1 only; Ray reads this
 # when it is imported, so it is set before any test module imports ray
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# GPUs: hidden unless this is a GPU run (FORGEWEAVE_GPU_TESTS=1, scripts/gpu_check.sh). The suite's tolerances are
+# worked out for fp32 on CPU and its two-rank tests use gloo; on a GPU box they would run in bf16 and ask for
+# cuda:1. Set before anything initialises CUDA (torch reads it lazily, on first use).
+GPU_RUN = os.environ.get("FORGEWEAVE_GPU_TESTS") == "1"
+if not GPU_RUN:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; runs only with FORGEWEAVE_GPU_TESTS=1 (tests/gpu/)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests under tests/gpu/ carry the gpu marker; gpu tests are skipped unless a GPU run sees a GPU."""
+    import torch
+
+    gpu_dir = os.path.join(os.path.dirname(__file__), "gpu") + os.sep
+    have_gpu = GPU_RUN and torch.cuda.is_available()
+    why = "needs a CUDA GPU and FORGEWEAVE_GPU_TESTS=1 (scripts/gpu_check.sh)"
+    for item in items:
+        if str(item.fspath).startswith(gpu_dir):
+            item.add_marker(pytest.mark.gpu)
+        if item.get_closest_marker("gpu") and not have_gpu:
+            item.add_marker(pytest.mark.skip(reason=why))
 
 
 @pytest.fixture

@@ -60,6 +60,8 @@ def actor_specs(plan: Plan, stage: str, pool_cores: dict[str, int], per_process_
         for i in range(count):
             devices = p.devices[i * per_process_devices : (i + 1) * per_process_devices] if a.kind == "gpu" else ()
             env = process_env(stage, p.pool, tuple(devices), int(threads), gpu=a.kind == "gpu")
+            if a.kind == "gpu":  # stages sharing these GPUs: a vLLM engine sleeps during a colocated update
+                env["FORGEWEAVE_COLOCATED"] = ",".join(a.colocated_with)
             specs.append(ActorSpec(stage, len(specs), p.pool, p.host, tuple(devices), env))
     return specs
 

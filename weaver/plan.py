@@ -28,13 +28,15 @@ Rules, in the order `plan` applies them:
 An impossible plan raises `PlanError` with one line naming the stage, what it needs and what the pools have.
 
 Memory estimates (`stage_needs`): update holds fp32 weights + grads + AdamW moments = 16 bytes/param, x1.25 for
-activations, +1 GiB runtime; each DDP process holds the full state (FSDP sharding is not modelled, so the
-estimate is conservative for it). Rollout/evaluate hold weights (2 bytes/param bf16 on GPU, 4 fp32 on CPU) plus an
-equal KV-cache margin, +1 GiB. Prep and reward are small CPU stages; evaluate runs in rollout (rule 7).
+activations, +1 GiB runtime; each DDP process holds the full state, each FSDP process 1/N of it. Rollout/evaluate
+hold weights in the rollout's dtype (default 2 bytes/param bf16 on GPU, 4 fp32 on CPU) plus an equal KV-cache
+margin, +1 GiB; a vLLM engine on a GPU takes its configured fraction of the GPU, whatever the model needs. Prep and
+reward are small CPU stages; evaluate runs in rollout (rule 7).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -69,29 +71,64 @@ class StageNeed:
 
 
 def stage_needs(
-    model_params: int, *, rollout_replicas: int = 1, update_processes: int = 0, gpu: bool, rollout_tp: int = 1
+    model_params: int,
+    *,
+    rollout_replicas: int = 1,
+    update_processes: int = 0,
+    gpu: bool,
+    rollout_tp: int = 1,
+    update_sharded: bool = False,
+    rollout_bytes_per_param: float = 0.0,
+    engine_fraction: float = 0.0,
+    gpu_memory_gib: float = 0.0,
 ) -> list[StageNeed]:
     """The five pipeline stages for a model of `model_params` parameters; 0 replicas/processes = as many as fit
     (on CPU: one, since more processes give no speed-up there). On GPUs each rollout replica is a vLLM engine
-    spanning `rollout_tp` devices (tensor parallel): the stage takes replicas x tp devices, each holding 1/tp."""
+    spanning `rollout_tp` devices (tensor parallel): the stage takes replicas x tp devices, each holding 1/tp.
+
+    `update_sharded` (FSDP full shard): each update process holds 1/N of the 16 bytes/param, N = update_processes,
+    or with 0 the fewest GPUs of `gpu_memory_gib` whose shards fit (the plan may then give it more). Rollout holds
+    `rollout_bytes_per_param` (0 = 2 on GPU, 4 on CPU) x2 for a KV-cache margin; an engine that reserves a
+    fraction of its GPU (`engine_fraction` of `gpu_memory_gib`, vLLM's gpu_memory_utilization) takes that."""
     if model_params <= 0 or rollout_replicas < 0 or update_processes < 0 or rollout_tp < 1:
         raise PlanError(
             f"stage_needs: model_params must be > 0 and counts >= 0, got {model_params}, "
             f"rollout_replicas={rollout_replicas}, update_processes={update_processes}, rollout_tp={rollout_tp}"
         )
-    update_gib = model_params * UPDATE_BYTES_PER_PARAM * ACTIVATION_MARGIN / GIB + RUNTIME_GIB
-    weight_bytes = 2 if gpu else 4
+    shards = (update_processes or _fewest_shards(model_params, gpu_memory_gib)) if update_sharded and gpu else 1
+    update_gib = update_memory_gib(model_params, shards)
+    weight_bytes = rollout_bytes_per_param or (2 if gpu else 4)
     generate_gib = 2 * model_params * weight_bytes / GIB + RUNTIME_GIB  # weights + equal KV-cache margin
     kind: StageKind = "gpu" if gpu else "cpu"
     tp = rollout_tp if gpu else 1
     rollout_gib = 2 * model_params * weight_bytes / GIB / tp + RUNTIME_GIB
+    if gpu and engine_fraction > 0 and gpu_memory_gib > 0:
+        rollout_gib = generate_gib = max(rollout_gib, engine_fraction * gpu_memory_gib)
+    update_range = (shards, shards if update_processes else 0) if shards > 1 else _count_range(update_processes, gpu)
     return [
         StageNeed("prep", "cpu", 1, 1, SMALL_STAGE_GIB),
         StageNeed("rollout", kind, *_count_range(rollout_replicas * tp, gpu), memory_gib=round(rollout_gib, 2)),
         StageNeed("reward", "cpu", 1, 1, SMALL_STAGE_GIB),
-        StageNeed("update", kind, *_count_range(update_processes, gpu), memory_gib=round(update_gib, 2)),
+        StageNeed("update", kind, *update_range, memory_gib=round(update_gib, 2)),
         StageNeed("evaluate", "any", 1, 0, round(generate_gib, 2), runs_in="rollout"),
     ]
+
+
+def update_memory_gib(model_params: int, shards: int = 1) -> float:
+    """GiB per update process: 16 bytes/param (fp32 weights, grads, AdamW moments) / shards, x1.25, +1 runtime.
+
+    >>> round(update_memory_gib(7_615_616_512), 1), round(update_memory_gib(7_615_616_512, shards=8), 1)
+    (142.9, 18.7)
+    """
+    return model_params * UPDATE_BYTES_PER_PARAM * ACTIVATION_MARGIN / shards / GIB + RUNTIME_GIB
+
+
+def _fewest_shards(model_params: int, gpu_memory_gib: float) -> int:
+    """The fewest FSDP ranks whose per-rank update state fits one GPU of `gpu_memory_gib` (1 if unknown)."""
+    if gpu_memory_gib <= RUNTIME_GIB:
+        return 1
+    per_rank = model_params * UPDATE_BYTES_PER_PARAM * ACTIVATION_MARGIN / GIB
+    return max(1, math.ceil(per_rank / (gpu_memory_gib - RUNTIME_GIB)))
 
 
 def _count_range(n: int, gpu: bool) -> tuple[int, int]:

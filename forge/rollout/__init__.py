@@ -16,13 +16,16 @@ def make_backend(
     autocast_bf16: bool = False,
     rollout: RolloutConfig | None = None,
     work_dir: Path | None = None,
+    sleep: bool = False,
 ) -> RolloutBackend:
     """hf: `generate` on `model` itself; vllm: an engine in this process built from `model` (its venv must have
-    vllm: the Ray adapter runs it in .venv-vllm), its files under `work_dir` (a temp dir if None)."""
+    vllm: the Ray adapter runs it in .venv-vllm), its files under `work_dir` (a temp dir if None), sleeping between a
+generate and the next weight load if `sleep` (`forge.rollout.vllm.wants_sleep`)."""
     if name == "hf":
-        return HFBackend(model, tokenizer, autocast_bf16=autocast_bf16)
+        batch_size = rollout.batch_size if rollout is not None else RolloutConfig.batch_size
+        return HFBackend(model, tokenizer, autocast_bf16=autocast_bf16, batch_size=batch_size)
     if name == "vllm":
         from forge.rollout.vllm import VLLMBackend
 
-        return VLLMBackend(model, tokenizer, rollout or RolloutConfig(backend="vllm"), work_dir)
+        return VLLMBackend(model, tokenizer, rollout or RolloutConfig(backend="vllm"), work_dir, sleep=sleep)
     raise ValueError(f"unknown rollout backend {name!r}")

@@ -17,6 +17,7 @@ class SamplingParams:
     top_p: float = 1.0
     n: int = 1  # completions per prompt (G)
     seed: int | None = None  # sampling seed chosen by the caller (None: the process's RNG); greedy ignores it
+    batch_size: int | None = None  # sequences per generate() call (hf); None: the backend's own (rollout.batch_size)
 
 
 class RolloutBackend(Protocol):

@@ -2,7 +2,11 @@
 
 Prompts are left-padded, completions right-padded. The completion mask covers sampled tokens up to and
 including the first eos (so pad == eos tokenizers keep their eos), never `token != pad`. Sampling
-log-probs are those of the distribution actually sampled from (after temperature and top-p).
+log-probs are those of the distribution actually sampled from (after temperature and top-p): the temperature and
+top-p warpers are passed to `generate` as logits processors followed by `_ChosenLogprobs`, which keeps only the
+chosen tokens' log-probs step by step, never the [n, T, vocab] scores (tens of GB at 1k tokens, 150k vocabulary).
+`generate` is called on chunks of `batch_size` sequences (`rollout.batch_size`; `SamplingParams.batch_size` for
+evaluation).
 Colocated with the trainer, weight sync is free: the backend holds the trainer's module.
 """
 
@@ -11,6 +15,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from forge.precision import bf16_autocast
 from forge.records import Rollouts
@@ -36,42 +41,40 @@ class HFBackend:
     @torch.no_grad()
     def generate(self, prompts: list[str], params: SamplingParams) -> Rollouts:
         expanded = [p for p in prompts for _ in range(params.n)]  # [N]
+        size = params.batch_size or self.batch_size
         seeded = params.seed is not None and params.temperature > 0
         with torch.random.fork_rng() if seeded else contextlib.nullcontext():
             if seeded:  # the caller's seed, not this process's RNG: the same completions wherever this runs
                 torch.manual_seed(params.seed)
-            chunks = [
-                self._generate_chunk(expanded[i : i + self.batch_size], params)
-                for i in range(0, len(expanded), self.batch_size)
-            ]
+            chunks = [self._generate_chunk(expanded[i : i + size], params) for i in range(0, len(expanded), size)]
         return self._merge(chunks, expanded, params.n)
 
     def _generate_chunk(self, prompts: list[str], params: SamplingParams) -> dict:
         tok, model = self.tokenizer, self.model
         enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
         greedy = params.temperature == 0
+        chosen = _ChosenLogprobs()
+        warpers = [] if greedy else _warpers(params)
         was_training = model.training
         model.eval()
         autocast = (
             torch.autocast(model.device.type, dtype=torch.bfloat16) if self.autocast_bf16 else contextlib.nullcontext()
         )
         with autocast:
-            out = model.generate(
+            sequences = model.generate(
                 **enc,
                 max_new_tokens=params.max_new_tokens,
                 do_sample=not greedy,
-                temperature=None if greedy else params.temperature,
-                top_p=None if greedy else params.top_p,
+                temperature=None if greedy else 1.0,  # warpers: ours, before the log-prob recorder
+                top_p=None if greedy else 1.0,
                 top_k=None,
-                return_dict_in_generate=True,
-                output_scores=True,
+                logits_processor=LogitsProcessorList([*warpers, chosen]),
                 pad_token_id=tok.pad_token_id,
                 eos_token_id=tok.eos_token_id,
             )
         model.train(was_training)
-        completion = out.sequences[:, enc.input_ids.shape[1] :]  # [n, T]
-        scores = torch.stack(out.scores, dim=1).float()  # [n, T, vocab] processed logits
-        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+        completion = sequences[:, enc.input_ids.shape[1] :]  # [n, T]
+        logprobs = chosen.finish(completion)  # [n, T]
         mask = completion_mask(completion, tok.eos_token_id)
         return {
             "prompt_ids": enc.input_ids,
@@ -109,6 +112,41 @@ class HFBackend:
             policy_version=self.policy_version,
             prompts=prompts,
         )
+
+
+def _warpers(params: SamplingParams) -> list:
+    """generate's own temperature and top-p warpers, in generate's order, for the processor list."""
+    out = [TemperatureLogitsWarper(params.temperature)] if params.temperature != 1.0 else []
+    return out + ([TopPLogitsWarper(params.top_p)] if params.top_p < 1.0 else [])
+
+
+class _ChosenLogprobs(LogitsProcessor):
+    """The last logits processor: keeps the processed scores of one step and, at the next step (whose input ends
+    with the token chosen from them), the chosen token's log-prob. Holds [n, vocab], never [n, T, vocab]."""
+
+    def __init__(self):
+        self.scores: torch.Tensor | None = None
+        self.logprobs: list[torch.Tensor] = []  # T x [n]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.scores is not None:
+            self._take(input_ids[:, -1])
+        self.scores = scores
+        return scores
+
+    def _take(self, chosen: torch.Tensor) -> None:
+        logsm = torch.log_softmax(self.scores.float(), dim=-1)  # [n, vocab]
+        self.logprobs.append(logsm.gather(-1, chosen.unsqueeze(-1)).squeeze(-1))
+        self.scores = None
+
+    def finish(self, completion: torch.Tensor) -> torch.Tensor:
+        """[n, T] log-probs of `completion` (the tokens generate returned; the last one's scores are pending)."""
+        if self.scores is not None:
+            self._take(completion[:, -1])
+        assert len(self.logprobs) == completion.shape[1], "one recorded step per generated token"
+        if not self.logprobs:
+            return torch.zeros(completion.shape, dtype=torch.float32, device=completion.device)
+        return torch.stack(self.logprobs, dim=1)
 
 
 def completion_mask(completion: torch.Tensor, eos_id: int) -> torch.Tensor:

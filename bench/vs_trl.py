@@ -1,0 +1,137 @@
+"""forgeweave vs TRL's `GRPOTrainer`: seconds per step and learning on the same task, model and data, in one run.
+
+The task is `arith_task.py`'s (SmolLM2-135M-Instruct, 2-digit `+`/`-`, 4 prompts x 8 samples, <= 32 new tokens,
+T = 0.7, lr 1e-5 linear, DAPO, no KL). Both trainers get the same training prompts (forgeweave's train split,
+formatted with the model's chat template) and the same reward (`math_answer`). TRL runs in its own venv
+(`--trl-venv`, created on first use with pinned TRL, datasets and the main venv's torch; never in `.venv`), in fp32
+on the CPU. forgeweave runs `--preset smollm2-arith` with the task's overrides in this process, in-process (no Ray).
+Both trained models are scored by the same evaluator (greedy pass@1 on the held-out split).
+
+Seconds per step: the median over the steps after the first (warm-up). For TRL, an optimizer step's wall time
+(generation, reward, update); for forgeweave, `perf/step_s` of the loop.
+Usage: python bench/vs_trl.py [--steps 32] [--eval-problems 200] [--only trl|forgeweave] [--set key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from arith_task import PRESET, TASK  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TRL_SPECS = ["trl==1.16.0", "datasets==5.2.0"]
+
+
+def trl_python(venv: Path) -> Path:
+    """The TRL venv's python, created and filled on first use (idempotent: a stamp names what was installed)."""
+    import torch
+
+    specs = [f"torch=={torch.__version__.split('+')[0]}", *TRL_SPECS]
+    stamp, py = venv / ".forgeweave-bench", venv / "bin" / "python"
+    if stamp.is_file() and stamp.read_text() == " ".join(specs):
+        return py
+    print(f"setting up {venv} with {' '.join(specs)} (once)", flush=True)
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, *specs], check=True)
+    stamp.write_text(" ".join(specs))
+    return py
+
+
+def task_config(steps: int, problems: int, extra: list[str]):
+    from flows.runs import resolve_config
+
+    return resolve_config(PRESET, None, [*TASK, *extra, f"steps={steps}", f"eval.max_problems={problems}"])
+
+
+def run_forgeweave(cfg, root: Path) -> dict:
+    from flows.execute import train
+    from flows.planning import plan_run
+    from forge.tracking import read_metrics
+
+    cfg.orchestration.execution = "embedded"
+    _, plan = plan_run(cfg)
+    t0 = time.perf_counter()
+    summary = train(cfg, root / "forgeweave", plan, progress=True)
+    wall = time.perf_counter() - t0
+    rows = read_metrics(root / "forgeweave" / "metrics.jsonl")[1:]
+    return {
+        "step_s": statistics.median(r["perf/step_s"] for r in rows),
+        "detail": f"rollout {statistics.median(r['time/rollout_s'] for r in rows):.1f} s, "
+        f"update {statistics.median(r['time/update_s'] for r in rows):.1f} s",
+        "before": summary["eval"]["initial"]["pass@1"],
+        "after": summary["eval"]["final"]["pass@1"],
+        "wall_s": wall,
+    }
+
+
+def run_trl(cfg, root: Path, venv: Path, extra: list[str]) -> dict:
+    from flows.evaluation import evaluate_checkpoint_dir
+    from forge.data import build
+    from forge.models import format_prompt_fn, load_tokenizer, smollm2_dir
+
+    tok = load_tokenizer(cfg.model)
+    count = lambda s: len(tok(s, add_special_tokens=False).input_ids)  # noqa: E731
+    train_rows = build(cfg, format_prompt_fn(tok, cfg.model), count).train
+    data = root / "trl-train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": r["model_input"], "answer": r["answer"]}) + "\n" for r in train_rows))
+    r, u = cfg.rollout, cfg.update
+    args = [
+        f"--model={smollm2_dir()}", f"--data={data}", f"--out={root / 'trl'}", f"--steps={cfg.steps}",
+        f"--prompts={r.prompts_per_step}", f"--group={r.group_size}", f"--max-new-tokens={r.max_new_tokens}",
+        f"--temperature={r.temperature}", f"--lr={u.lr}", f"--warmup-steps={u.warmup_steps}", f"--seed={cfg.seed}",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    t0 = time.perf_counter()
+    out = subprocess.run([str(trl_python(venv)), str(ROOT / "bench" / "trl_grpo.py"), *args], env=env,
+                         stdout=subprocess.PIPE, text=True, check=True).stdout  # fmt: skip
+    wall = time.perf_counter() - t0
+    seconds = json.loads(next(x for x in out.splitlines() if x.startswith("TRL-RESULT "))[11:])["step_s"]
+    sets = [*TASK, *extra, f"eval.max_problems={cfg.eval.max_problems}"]
+    before = evaluate_checkpoint_dir(smollm2_dir(), PRESET, sets, out=root / "eval-base.json")
+    after = evaluate_checkpoint_dir(root / "trl" / "model", PRESET, sets, out=root / "eval-trl.json")
+    return {"step_s": statistics.median(seconds[1:] or seconds), "detail": "generation + update in one step",
+            "before": before["pass@1"], "after": after["pass@1"], "wall_s": wall}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--eval-problems", type=int, default=200)
+    ap.add_argument("--only", choices=["trl", "forgeweave"], help="run one side only")
+    ap.add_argument("--trl-venv", type=Path, default=ROOT / ".venv-trl", help="TRL's own venv (created on first use)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for both runs")
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="fw-bench-trl-"))
+    print(f"machine: {os.cpu_count()} cores; runs in {root}", flush=True)
+    cfg = task_config(args.steps, args.eval_problems, args.set)
+    res = {}
+    if args.only != "forgeweave":
+        res["TRL 1.16 GRPOTrainer (fp32)"] = run_trl(cfg, root, args.trl_venv, args.set)
+    if args.only != "trl":
+        res["forgeweave"] = run_forgeweave(cfg, root)
+    print(f"\nSmolLM2-135M-Instruct, {args.steps} steps, greedy pass@1 on {args.eval_problems} held-out problems")
+    print(f"{'':<30}{'s/step':>9}{'pass@1 before -> after':>26}{'wall s':>9}  detail")
+    for name, r in res.items():
+        cell = f"{r['before']:.3f} -> {r['after']:.3f} ({r['after'] - r['before']:+.3f})"
+        print(f"{name:<30}{r['step_s']:>9.2f}{cell:>26}{r['wall_s']:>9.0f}  {r['detail']}")
+    if len(res) == 2:
+        trl, fw = res.values()
+        print(f"\nforgeweave is {trl['step_s'] / fw['step_s']:.2f}x TRL's speed per step; pass@1 gain difference "
+              f"{(fw['after'] - fw['before']) - (trl['after'] - trl['before']):+.3f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

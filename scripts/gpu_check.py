@@ -1,0 +1,292 @@
+"""The GPU measurements of scripts/gpu_check.sh: one CUDA device, only torch/transformers/accelerate (+ forge).
+
+Prints, section by section (each one's failure is printed and the others still run; the exit status says whether
+any failed):
+  learn      the tiny preset on CUDA, through forge's stage workers (rollout -> reward -> update, as the recipe
+             and `forge.stages.LocalStages` wire them): greedy pass@1 before and after
+  rollout    hf rollout tokens/s, fp32 vs bf16 autocast, on SmolLM2-135M- and Qwen2.5-0.5B-shaped random models
+             (tests/fixtures/models configs), with peak GPU memory
+  update     update tokens/s (bf16 autocast, fp32 masters) on the same shapes, peak memory
+  sync       weight-sync seconds: the trainer's full weights to CPU (what crosses to rollout actors), in the
+             dtype a vLLM engine takes, and loading them into an hf copy on the GPU
+  nccl       a single-rank NCCL group: all_reduce and broadcast
+  fsdp       FSDP2 (fully_shard) on CUDA in that group: a step, then the full state round trip into a fresh shard
+  ckpt       a checkpoint (sync) saved and restored by a fresh TrainerWorker: where the optimizer state lands
+
+`--dry-run` runs every section on the CPU with tiny shapes and a gloo group (a smoke test of this script, for
+machines without a GPU; its numbers mean nothing). Random weights throughout: speed and memory, not quality.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from forge.models import build_char_tokenizer, build_tiny_model  # noqa: E402
+from forge.rollout import HFBackend, SamplingParams  # noqa: E402
+
+SHAPES = ("smollm2-135m", "qwen2.5-0.5b")
+GIB = 2**30
+
+
+def random_model(name: str, device: torch.device, dry: bool):
+    """A random-weight model of a real config (fp32 masters); `dry` shrinks it to 2 narrow layers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(REPO / "tests" / "fixtures" / "models" / name)
+    if dry:
+        cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size = 2, 64, 128, 512
+        cfg.num_attention_heads, cfg.num_key_value_heads = 2, 1
+        cfg.head_dim = 32
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(device)
+    tok = build_char_tokenizer()
+    tok.padding_side = "left"
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = None  # random weights: sample the full length
+    return model, tok
+
+
+def peak_gib(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "n/a (cpu)"
+    return f"{torch.cuda.max_memory_allocated(device) / GIB:.2f} GiB"
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def timed(device: torch.device, fn, *args, **kwargs):
+    """(seconds, fn's result), the device synchronised on both sides."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0, out
+
+
+# ---------------------------------------------------------------- sections
+
+
+def learn(device: torch.device, dry: bool) -> None:
+    from forge.data import build
+    from forge.models import format_prompt_fn
+    from forge.presets import tiny
+    from forge.workers import RewardWorker, RolloutWorker, TrainerWorker
+
+    cfg = tiny()
+    cfg.steps = 3 if dry else 200
+    cfg.tracking.mlflow = False
+    if dry:
+        cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.eval.max_problems, cfg.eval.k = 4, 4, 8, 0
+    torch.manual_seed(cfg.seed)
+    trainer = TrainerWorker(cfg)
+    model, tok = trainer.trainer.unwrapped, trainer.tokenizer
+    rollout = RolloutWorker(cfg, model=model, tokenizer=tok)
+    reward = RewardWorker(cfg)
+    data = build(cfg, format_prompt_fn(tok, cfg.model), lambda s: len(tok(s, add_special_tokens=False).input_ids))
+    before = rollout.evaluate(data.eval, 0, 0)["pass@1"]
+    r, rng, t0 = cfg.rollout, random.Random(cfg.seed), time.perf_counter()
+    params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, n=r.group_size)
+    for step in range(cfg.steps):
+        rows = rng.sample(data.train, r.prompts_per_step)
+        ro = rollout.generate([row["model_input"] for row in rows], params, trainer.policy_version)
+        stats, _ = trainer.step(reward.score(rows, ro, step).batch, publish=False)
+        rollout.load_weights(None, stats.policy_version)
+    seconds = time.perf_counter() - t0
+    after = rollout.evaluate(data.eval, cfg.steps, trainer.policy_version)["pass@1"]
+    print(f"learn: tiny preset on {model.device}, {cfg.steps} steps in {seconds:.1f} s "
+          f"({seconds / cfg.steps:.3f} s/step): greedy pass@1 {before:.3f} -> {after:.3f}")  # fmt: skip
+    if not dry and after <= before:
+        raise AssertionError(f"the tiny preset did not learn on {device}: pass@1 {before:.3f} -> {after:.3f}")
+
+
+def rollout_speed(device: torch.device, dry: bool) -> None:
+    n, tokens = (4, 8) if dry else (64, 128)
+    for name in SHAPES:
+        model, tok = random_model(name, device, dry)
+        prompts = [f"{i} + {2 * i} = " * 4 for i in range(n)]
+        params = SamplingParams(max_new_tokens=tokens, temperature=1.0, n=1, seed=0)
+        line = []
+        for label, bf16 in (("fp32", False), ("bf16", True)):
+            backend = HFBackend(model, tok, autocast_bf16=bf16, batch_size=n)
+            backend._generate_chunk(prompts[:2], params)  # warm-up
+            reset_peak(device)
+            seconds, out = timed(device, backend._generate_chunk, prompts, params)
+            rate = int(out["mask"].sum()) / seconds
+            line.append(f"{label} {rate:,.0f} tok/s (peak {peak_gib(device)})")
+        print(f"rollout: {name}-shaped, {n} prompts x {tokens} tokens: " + "; ".join(line))
+        del model
+
+
+def random_batch(vocab: int, n: int, prompt_len: int, tokens: int):
+    """A scored batch of random tokens (full-length completions, random advantages), seeded."""
+    from forge.records import Rollouts, ScoredBatch
+
+    g = torch.Generator().manual_seed(0)
+    ro = Rollouts(
+        prompt_ids=torch.randint(3, vocab, (n, prompt_len), generator=g),
+        prompt_mask=torch.ones(n, prompt_len, dtype=torch.long),
+        completion_ids=torch.randint(3, vocab, (n, tokens), generator=g),
+        completion_mask=torch.ones(n, tokens, dtype=torch.long),
+        sampling_logprobs=torch.full((n, tokens), -5.0),
+        texts=[""] * n, finish_reasons=["length"] * n, group_size=4, policy_version=0, prompts=[""] * n,
+    )  # fmt: skip
+    rewards = torch.randn(n, generator=g)
+    return ScoredBatch(ro, ["random"], rewards[:, None], rewards, rewards - rewards.mean(), {})
+
+
+def update_speed(device: torch.device, dry: bool) -> None:
+    from forge.config import RunConfig
+    from forge.trainer import Trainer
+
+    n, prompt_len, tokens = (4, 8, 8) if dry else (64, 64, 128)
+    for name in SHAPES:
+        model, tok = random_model(name, device, dry)
+        cfg = RunConfig()
+        cfg.rollout.max_new_tokens, cfg.update.micro_batch_size = tokens, 8 if dry else 16
+        trainer = Trainer(model, cfg, total_steps=4)
+        batch = random_batch(model.config.vocab_size, n, prompt_len, tokens)
+        trainer.update(batch)  # warm-up (optimizer state allocated)
+        reset_peak(device)
+        seconds, _ = timed(device, trainer.update, batch)
+        print(f"update: {name}-shaped, {n} x ({prompt_len} + {tokens}) tokens, bf16 autocast {trainer.autocast_bf16}: "
+              f"{n * tokens / seconds:,.0f} completion tok/s, {seconds:.2f} s/step, peak {peak_gib(device)}")  # fmt: skip
+        del trainer, model
+
+
+def host_copy(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}
+
+
+def weight_sync(device: torch.device, dry: bool) -> None:
+    from forge.checkpoint import assign_weights
+
+    for name in SHAPES:
+        model, _ = random_model(name, device, dry)
+        copy_model, _ = random_model(name, device, dry)
+        for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            gather, weights = timed(device, host_copy, model, dtype)
+            load, _ = timed(device, assign_weights, copy_model, weights, source="sync check")
+            size = sum(v.numel() * v.element_size() for v in weights.values()) / GIB
+            print(f"sync: {name}-shaped {label} ({size:.2f} GiB): to CPU {gather:.3f} s, into a GPU copy {load:.3f} s")
+        del model, copy_model
+
+
+def _group(device: torch.device) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+
+
+def nccl(device: torch.device, dry: bool) -> None:
+    import torch.distributed as dist
+
+    _group(device)
+    x = torch.arange(4.0, device=device)
+    dist.all_reduce(x)
+    dist.broadcast(x, src=0)
+    assert x.tolist() == [0.0, 1.0, 2.0, 3.0], x
+    print(f"nccl: single-rank {dist.get_backend()} group on {device}: all_reduce and broadcast ok")
+
+
+def fsdp_round_trip(device: torch.device, dry: bool) -> None:
+    from forge.distributed import fsdp
+
+    _group(device)
+    tok = build_char_tokenizer()
+    model = fsdp.shard(build_tiny_model(tok, hidden=64, layers=2, seed=0).to(device), bf16=device.type == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(3, len(tok), (4, 16), device=device)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    full = fsdp.full_model_state(model)
+    fresh = fsdp.shard(build_tiny_model(tok, hidden=64, layers=2, seed=1).to(device), bf16=device.type == "cuda")
+    fsdp.load_full_model_state(fresh, {k: v.clone() for k, v in full.items()})  # it may convert the values it gets
+    back = fsdp.full_model_state(fresh)
+    same = all(torch.equal(full[k], back[k]) for k in full)
+    kind = type(next(model.parameters())).__name__
+    print(f"fsdp: FSDP2 on {device} ({kind} parameters): step ok, full-state round trip equal: {same}")
+    assert same
+
+
+def checkpoint_placement(device: torch.device, dry: bool) -> None:
+    from forge.presets import tiny
+    from forge.workers import TrainerWorker
+
+    cfg = tiny()
+    cfg.checkpoint.async_save = False
+    cfg.rollout.max_new_tokens = 8
+    worker = TrainerWorker(cfg)
+    worker.step(random_batch(len(worker.tokenizer), 8, 8, 8), publish=False)
+    with tempfile.TemporaryDirectory() as root:
+        t0 = time.perf_counter()
+        worker.save(root, 1, {"note": "gpu check"}, None)
+        worker.wait_saved()
+        saved = time.perf_counter() - t0
+        fresh = TrainerWorker(cfg)
+        fresh.restore(str(Path(root) / "step-000001"))
+    opt = getattr(fresh.trainer.optimizer, "optimizer", fresh.trainer.optimizer)
+    places = sorted({str(v.device) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()})
+    params = sorted({str(p.device) for p in fresh.trainer.unwrapped.parameters()})
+    print(f"ckpt: saved in {saved:.2f} s; after restore parameters on {params}, AdamW moments on {places}")
+    assert places == params, f"optimizer state on {places}, parameters on {params}"
+
+
+SECTIONS = {"learn": learn, "rollout": rollout_speed, "update": update_speed, "sync": weight_sync,
+            "nccl": nccl, "fsdp": fsdp_round_trip, "ckpt": checkpoint_placement}  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true", help="CPU smoke run: tiny shapes, gloo; numbers mean nothing")
+    ap.add_argument("--only", nargs="*", choices=list(SECTIONS), help="run these sections only")
+    args = ap.parse_args()
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: torch sees no CUDA device (use --dry-run for a CPU smoke run)", file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (dry run)"
+    import accelerate
+    import transformers
+
+    print(json.dumps({"device": name, "torch": torch.__version__, "cuda": torch.version.cuda,
+                      "transformers": transformers.__version__, "accelerate": accelerate.__version__}))  # fmt: skip
+    failed = []
+    for key in args.only or list(SECTIONS):
+        t0 = time.perf_counter()
+        try:
+            SECTIONS[key](device, args.dry_run)
+        except Exception:  # a device check reports every section, then fails as a whole
+            failed.append(key)
+            print(f"{key}: FAILED\n{traceback.format_exc()}", file=sys.stderr)
+        print(f"  [{key}: {time.perf_counter() - t0:.1f} s]", flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    print("gpu_check: " + ("all sections passed" if not failed else f"FAILED: {', '.join(failed)}"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU device check: the `gpu` test suite (tests/gpu) and the measurements of scripts/gpu_check.py, on one CUDA GPU,
+# with only the machine's torch / transformers / accelerate (no vLLM, no network, nothing to install). Budget: <= 8
+# minutes on one H200 (each part is bounded by `timeout`). Run from the repository root:
+#   bash scripts/gpu_check.sh              # or: make gpu-check  (GPU_PYTHON=... to pick the python)
+#   bash scripts/gpu_check.sh --dry-run    # CPU smoke run of the measurement script (tiny shapes, gloo)
+# Exit status: 0 when every part passed.
+set -u
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+status=0
+
+if [ "${1:-}" = "--dry-run" ]; then
+  exec timeout 900 "$PYTHON" scripts/gpu_check.py --dry-run
+fi
+
+"$PYTHON" - <<'PY' || exit 2
+import sys
+import torch
+if not torch.cuda.is_available():
+    sys.exit("gpu_check.sh: torch sees no CUDA device, nothing to check (--dry-run runs a CPU smoke test)")
+print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__} (CUDA {torch.version.cuda})")
+PY
+
+if "$PYTHON" -c "import pytest" 2>/dev/null; then
+  echo "== gpu test suite (tests/gpu)"
+  FORGEWEAVE_GPU_TESTS=1 timeout 180 "$PYTHON" -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" -rs || status=1
+else
+  echo "== gpu test suite: pytest is not installed here; skipped (the measurements below still run)"
+fi
+
+echo "== measurements (scripts/gpu_check.py)"
+timeout 300 "$PYTHON" scripts/gpu_check.py || status=1
+echo "gpu_check.sh: exit $status"
+exit $status

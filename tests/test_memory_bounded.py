@@ -1,0 +1,140 @@
+"""Memory at long lengths, tested at small ones: the hf rollout keeps the chosen tokens' log-probs step by step
+(never the [n, T, vocab] scores), the trainer's chunked fp32 log-softmax equals the full one (values, entropy and
+gradients), and rollout.batch_size / eval.batch_size set the sequences per generate() call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from forge.config import EvalConfig, RolloutConfig
+from forge.evaluate import evaluate
+from forge.models import build_char_tokenizer, build_tiny_model
+from forge.rollout import SamplingParams, make_backend
+from forge.rollout.hf import completion_mask
+from forge.trainer import chunked_logprobs
+
+torch.set_num_threads(1)
+PROMPTS = ["1+2=", "33+4=", "5+5="]
+
+
+def _tiny():
+    tok = build_char_tokenizer()
+    tok.padding_side = "left"
+    model = build_tiny_model(tok, hidden=32, layers=1, seed=0)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model, tok
+
+
+def _scores_reference(model, tok, params: SamplingParams):
+    """Today's computation: generate with output_scores=True, log-softmax of the stacked [n, T, vocab] scores."""
+    prompts = [p for p in PROMPTS for _ in range(params.n)]
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    torch.manual_seed(params.seed)
+    model.eval()
+    out = model.generate(**enc, max_new_tokens=params.max_new_tokens, do_sample=True, temperature=params.temperature,
+                         top_p=params.top_p, top_k=None, return_dict_in_generate=True, output_scores=True,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
+    completion = out.sequences[:, enc.input_ids.shape[1] :]
+    scores = torch.stack(out.scores, dim=1).float()  # [n, T, vocab]
+    logp = torch.log_softmax(scores, dim=-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+    return completion, logp * completion_mask(completion, tok.eos_token_id)
+
+
+def test_hf_rollout_streams_the_same_tokens_and_logprobs_as_stored_scores():
+    model, tok = _tiny()
+    params = SamplingParams(max_new_tokens=7, temperature=0.7, top_p=0.9, n=3, seed=11)
+    ro = make_backend("hf", model, tok, rollout=RolloutConfig(batch_size=64)).generate(PROMPTS, params)
+    ids, logp = _scores_reference(model, tok, params)
+    width = ro.completion_ids.shape[1]
+    mask = ro.completion_mask.bool()
+    assert torch.equal(ro.completion_ids[mask], ids[:, :width][mask])  # same warpers, same draws
+    assert torch.equal(ro.sampling_logprobs, logp[:, :width])
+    assert (ro.sampling_logprobs[mask] < 0).all()
+
+
+def test_hf_rollout_never_asks_generate_for_scores(monkeypatch):
+    model, tok = _tiny()
+    seen = []
+    real = model.generate
+
+    def spy(**kw):
+        seen.append((kw.get("output_scores", False), kw.get("output_logits", False)))
+        return real(**kw)
+
+    monkeypatch.setattr(model, "generate", spy)
+    make_backend("hf", model, tok).generate(PROMPTS, SamplingParams(max_new_tokens=4, n=2, seed=1))
+    assert seen == [(False, False)]
+
+
+def _generate_sizes(monkeypatch, model) -> list[int]:
+    sizes = []
+    real = model.generate
+
+    def spy(**kw):
+        sizes.append(kw["input_ids"].shape[0])
+        return real(**kw)
+
+    monkeypatch.setattr(model, "generate", spy)
+    return sizes
+
+
+def test_rollout_batch_size_sets_sequences_per_generate_call(monkeypatch):
+    model, tok = _tiny()
+    sizes = _generate_sizes(monkeypatch, model)
+    backend = make_backend("hf", model, tok, rollout=RolloutConfig(batch_size=4))
+    ro = backend.generate(PROMPTS, SamplingParams(max_new_tokens=3, n=3, seed=0))  # 9 sequences
+    assert sizes == [4, 4, 1] and ro.num_completions == 9
+
+
+def test_eval_batch_size_sets_sequences_per_generate_call(monkeypatch):
+    model, tok = _tiny()
+    sizes = _generate_sizes(monkeypatch, model)
+    backend = make_backend("hf", model, tok, rollout=RolloutConfig(batch_size=64))
+    rows = [{"prompt": p, "model_input": p, "answer": "3"} for p in PROMPTS * 2]  # 6 problems
+    report = evaluate(backend, rows, EvalConfig(k=2, batch_size=4, max_new_tokens=3), RolloutConfig())
+    # greedy: 6 sequences in calls of 4; pass@2: 12 sequences in calls of 4
+    assert sizes == [4, 2, 4, 4, 4] and report["problems"] == 6
+
+
+def _full(logits, ids, temperature):
+    logsm = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logsm.gather(-1, ids.unsqueeze(-1)).squeeze(-1), -(logsm.exp() * logsm).sum(-1)
+
+
+def test_chunked_logprobs_equal_the_full_log_softmax_with_gradients():
+    torch.manual_seed(0)
+    n, T, vocab = 3, 10, 50
+    base = torch.randn(n, T, vocab, dtype=torch.float64).float()
+    ids = torch.randint(0, vocab, (n, T))
+    weights = torch.randn(n, T)
+    results = {}
+    for name, chunk in (("full", None), ("chunked", n * vocab * 3)):  # 3 positions per chunk: 4 chunks
+        logits = base.clone().requires_grad_(True)
+        if chunk is None:
+            logp, entropy = _full(logits, ids, 0.8)
+        else:
+            out = chunked_logprobs(logits, ids, 0.8, chunk_elements=chunk)
+            logp, entropy = out.logp, out.entropy
+        (logp * weights).sum().backward()
+        results[name] = (logp.detach(), entropy, logits.grad)
+    for a, b in zip(results["full"], results["chunked"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert not results["chunked"][1].requires_grad  # entropy is reported, never trained on
+
+
+def test_chunked_logprobs_hold_one_chunk_of_fp32_at_a_time(monkeypatch):
+    import forge.trainer as trainer_mod
+
+    widths = []
+    real = trainer_mod._chunk_logprobs
+
+    def spy(chunk, ids, temperature):
+        widths.append(tuple(chunk.shape))
+        return real(chunk, ids, temperature)
+
+    monkeypatch.setattr(trainer_mod, "_chunk_logprobs", spy)
+    logits = torch.randn(2, 7, 40, dtype=torch.bfloat16)
+    out = chunked_logprobs(logits, torch.zeros(2, 7, dtype=torch.long), chunk_elements=2 * 40 * 2)
+    assert widths == [(2, 2, 40)] * 3 + [(2, 1, 40)] and out.logp.dtype == torch.float32
