@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a config field, e.g. --set update.lr=1e-5 (repeatable)",
     )
     r.add_argument("--resume", action="store_true", help="continue the named run from its latest checkpoint")
+    r.add_argument(
+        "--allow-network-code",
+        dest="overrides",
+        action="append_const",
+        const="reward.allow_network_code=true",
+        help="code_exec: run code even where no network namespace can be made (it could reach the network)",
+    )
     _runs_dir_arg(r)
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.add_argument(

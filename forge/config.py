@@ -122,7 +122,7 @@ class RolloutConfig:
 @dataclass
 class RewardConfig:
     verifiers: list[str] = field(default_factory=lambda: ["math_answer"])
-    """Verifier names (built-ins: math_answer, format_integer, format_tags) or import paths 'pkg.mod:fn'."""
+    """Verifier names (built-ins: math_answer, format_integer, format_tags, code_exec) or import paths 'pkg.mod:fn'."""
     weights: list[float] = field(default_factory=list)
     """One weight per verifier; empty = all 1.0. Reward = sum(w_v * score_v), missing scores count as 0."""
     aggregate: Literal["weighted", "ensemble"] = "weighted"
@@ -142,6 +142,18 @@ class RewardConfig:
     score_timeout_s: float = 60.0
     """Seconds one verifier may take on one step's batch; past it the run stops with an error naming the verifier
     (a hung verifier cannot be cut off safely in-process). 0 = no limit."""
+    code_timeout_s: float = 5.0
+    """code_exec: wall-clock seconds per completion (program + all its tests); then its processes are killed."""
+    code_test_timeout_s: float = 2.0
+    """code_exec: wall-clock seconds for loading the program and for each test."""
+    code_memory_mb: int = 256
+    """code_exec: address-space limit of each sandboxed process (RLIMIT_AS); a run holds at most code_max_procs."""
+    code_max_procs: int = 8
+    """code_exec: processes and threads the sandboxed code may have at once (RLIMIT_NPROC of its own uid)."""
+    code_workers: int = 2
+    """code_exec: completions run at once (one process each)."""
+    allow_network_code: bool = False
+    """code_exec: where no network namespace can be made, run code anyway (it could reach the network)."""
 
 
 @dataclass
@@ -237,6 +249,8 @@ class EvalConfig:
     """Sequences per generate() call during evaluation (hf backend; vLLM batches by itself)."""
     num_samples_saved: int = 20
     """Samples stored in each eval report."""
+    check: str = "math_answer"
+    """Verifier whose score 1.0 makes a completion correct for pass@1/pass@k (math_answer, or e.g. code_exec)."""
 
 
 @dataclass

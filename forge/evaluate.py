@@ -1,6 +1,7 @@
 """Evaluation on the held-out split: pass@1 (greedy), pass@k (k sampled completions), mean reward, samples.
 
-Correctness is the `math_answer` check against the reference answer column. pass@k is the share of problems
+Correctness is a score of 1.0 from the `eval.check` verifier (default `math_answer`; `code_exec` for code tasks:
+every hidden test passes) against the reference answer column. pass@k is the share of problems
 with at least one correct completion among k samples (n = k, so the unbiased estimator of Chen et al. 2021
 reduces to this). Sampling for pass@k uses its own seed (`SamplingParams.seed`) and leaves the training RNG untouched, so
 evaluating does not change the training trajectory. The hf backend generates `eval.batch_size` sequences per call.
@@ -38,7 +39,8 @@ def evaluate(
     greedy = backend.generate(
         prompts, SamplingParams(max_new_tokens=max_new, temperature=0.0, n=1, batch_size=cfg.batch_size)
     )
-    correct = math_answer(prompts, greedy.texts, answer=answers)
+    check = _check_fn(cfg.check, verifiers)
+    correct = _correct(check, prompts, greedy.texts, answers)
     report = {
         "problems": len(rows),
         "pass@1": _mean(correct),
@@ -50,7 +52,7 @@ def evaluate(
         res = score_completions(verifiers, weights, prompts, greedy.texts, columns, timeout_s=timeout_s)
         report["mean_reward"] = float(res.rewards.mean()) if len(rows) else 0.0
     if cfg.k > 0 and rows:
-        report[f"pass@{cfg.k}"] = _pass_at_k(backend, prompts, answers, cfg, rollout, seed)
+        report[f"pass@{cfg.k}"] = _pass_at_k(backend, prompts, answers, cfg, rollout, seed, check)
     report["samples"] = [
         {"prompt": r["prompt"], "completion": t, "answer": a, "correct": bool(c)}
         for r, t, a, c in list(zip(rows, greedy.texts, answers, correct, strict=True))[: cfg.num_samples_saved]
@@ -59,7 +61,23 @@ def evaluate(
     return report
 
 
-def _pass_at_k(backend, prompts, answers, cfg: EvalConfig, rollout: RolloutConfig, seed: int) -> float:
+def _check_fn(name: str, verifiers: list | None):
+    """The eval.check verifier: the run's own instance when it is one of reward.verifiers, else resolved by name."""
+    if name == "math_answer":
+        return math_answer
+    for vname, fn in verifiers or []:
+        if vname == name:
+            return fn
+    from forge.rewards.registry import resolve_verifier
+
+    return resolve_verifier(name)[1]
+
+
+def _correct(check, prompts: list[str], texts: list[str], answers: list[str]) -> list[bool]:
+    return [s is not None and s >= 1.0 for s in check(prompts=prompts, completions=texts, answer=answers)]
+
+
+def _pass_at_k(backend, prompts, answers, cfg: EvalConfig, rollout: RolloutConfig, seed: int, check) -> float:
     params = SamplingParams(
         max_new_tokens=cfg.max_new_tokens or rollout.max_new_tokens,
         temperature=cfg.temperature,
@@ -69,7 +87,7 @@ def _pass_at_k(backend, prompts, answers, cfg: EvalConfig, rollout: RolloutConfi
         batch_size=cfg.batch_size,
     )
     sampled = backend.generate(prompts, params)
-    hits = math_answer(sampled.prompts, sampled.texts, answer=[a for a in answers for _ in range(cfg.k)])
+    hits = _correct(check, sampled.prompts, sampled.texts, [a for a in answers for _ in range(cfg.k)])
     per_problem = torch.tensor(hits, dtype=torch.float32).view(len(prompts), cfg.k)
     return float((per_problem.max(dim=1).values > 0).float().mean())
 

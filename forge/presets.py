@@ -51,6 +51,25 @@ def tiny_unlabeled() -> RunConfig:
     return cfg
 
 
+def tiny_code() -> RunConfig:
+    """The tiny random model learning which Python operator a description asks for, scored by running hidden tests.
+
+    Prompts like `n times 7: def f(n): return n`; the one-character completion sits between the prompt's code and
+    the constant (answer column: prefix, suffix and 5 hidden asserts; forge/code_tasks.py, 108 train / 27
+    held-out problems) and the program runs in the `code_exec` sandbox. Reward = share of asserts passed.
+    """
+    from forge.code_tasks import OP_EVAL_FILE, OP_TRAIN_FILE
+
+    cfg = tiny()
+    cfg.preset, cfg.steps = "tiny-code", 150
+    cfg.data.source, cfg.data.eval_source = str(OP_TRAIN_FILE), str(OP_EVAL_FILE)
+    cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens = 8, 32, 1
+    cfg.reward.verifiers = ["code_exec"]
+    cfg.reward.code_timeout_s, cfg.reward.code_test_timeout_s = 2.0, 1.0
+    cfg.eval.check, cfg.eval.k, cfg.eval.every = "code_exec", 0, 50
+    return cfg
+
+
 def smollm2_arith() -> RunConfig:
     """SmolLM2-135M-Instruct on 2-digit addition (the `make demo` job): bf16 autocast, short completions."""
     cfg = RunConfig(preset="smollm2-arith", seed=0, steps=20, threads=0)
@@ -72,10 +91,32 @@ def smollm2_arith() -> RunConfig:
     return cfg
 
 
+def smollm2_code() -> RunConfig:
+    """SmolLM2-135M-Instruct completing one-line Python functions, rewarded by running hidden tests (code_exec).
+
+    Prompts are the start of a function with a docstring, ending at `return` (forge/code_tasks.py: 500 train,
+    100 held-out problems of 12 kinds); the completion continues the code and runs against 5 hidden asserts in
+    the sandbox. Reward = share passed; eval pass@1 = all 5 pass. No chat template: the model continues code.
+    """
+    from forge.code_tasks import EVAL_FILE, TRAIN_FILE
+
+    cfg = smollm2_arith()
+    cfg.preset = "smollm2-code"
+    cfg.model.chat_template = False
+    cfg.data.source, cfg.data.eval_source = str(TRAIN_FILE), str(EVAL_FILE)
+    cfg.rollout.max_new_tokens = 12
+    cfg.reward.verifiers = ["code_exec"]
+    cfg.reward.code_timeout_s, cfg.reward.code_test_timeout_s = 3.0, 1.0
+    cfg.eval.check, cfg.eval.max_problems, cfg.eval.max_new_tokens = "code_exec", 100, 12
+    return cfg
+
+
 PRESETS: dict[str, Callable[[], RunConfig]] = {
     "tiny": tiny,
     "tiny-unlabeled": tiny_unlabeled,
+    "tiny-code": tiny_code,
     "smollm2-arith": smollm2_arith,
+    "smollm2-code": smollm2_code,
 }
 
 

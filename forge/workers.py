@@ -138,7 +138,7 @@ class RolloutWorker:
         if version != self.policy_version:
             raise RuntimeError(f"rollout worker holds policy version {self.policy_version}, asked for {version}")
         if self._verifiers is None:
-            self._verifiers = resolve_verifiers(self.cfg.reward.verifiers)
+            self._verifiers = resolve_verifiers(self.cfg.reward.verifiers, self.cfg.reward)
         c = self.cfg
         report = evaluate(self.backend, rows, c.eval, c.rollout, self._verifiers, c.reward.weights, seed=c.seed + step,
                           timeout_s=c.reward.score_timeout_s)  # fmt: skip
@@ -159,7 +159,7 @@ class RewardWorker:
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
-        self.verifiers = resolve_verifiers(cfg.reward.verifiers)
+        self.verifiers = resolve_verifiers(cfg.reward.verifiers, cfg.reward)
         self.aggregator = None
         if cfg.reward.aggregate == "ensemble":
             from forge.rewards.aggregate import EnsembleAggregator

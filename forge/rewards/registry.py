@@ -9,16 +9,26 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+from typing import TYPE_CHECKING
 
 from forge.errors import UserError
 from forge.rewards.verifiers import BUILTIN, Verifier
 
+if TYPE_CHECKING:
+    from forge.config import RewardConfig
 
-def resolve_verifier(spec: str) -> tuple[str, Verifier]:
-    """(name, fn) for a built-in name or 'pkg.module:function' (name = the function's attribute name)."""
+CONFIGURED = ("code_exec",)
+"""Built-ins built from RewardConfig fields (code_exec: the sandbox limits) when they are resolved."""
+
+
+def resolve_verifier(spec: str, reward: RewardConfig | None = None) -> tuple[str, Verifier]:
+    """(name, fn) for a built-in name or 'pkg.module:function' (name = the function's attribute name).
+    `reward` configures the built-ins that take settings (code_exec); None = their defaults."""
     spec = spec.strip()
     if "=" in spec.split(":", 1)[0]:
         return _model_verifier(spec)
+    if spec in CONFIGURED:
+        return spec, _configured(spec, reward)
     if ":" not in spec:
         return spec, _builtin(spec)
     module_path, _, attr = spec.partition(":")
@@ -33,9 +43,9 @@ def resolve_verifier(spec: str) -> tuple[str, Verifier]:
     return attr, fn
 
 
-def resolve_verifiers(specs: list[str]) -> list[tuple[str, Verifier]]:
+def resolve_verifiers(specs: list[str], reward: RewardConfig | None = None) -> list[tuple[str, Verifier]]:
     """Resolve each spec; two verifiers with the same name would share one score column, so that is an error."""
-    resolved = [resolve_verifier(s) for s in specs]
+    resolved = [resolve_verifier(s, reward) for s in specs]
     names = [name for name, _ in resolved]
     for name in names:
         if names.count(name) > 1:
@@ -53,6 +63,14 @@ def _model_verifier(spec: str) -> tuple[str, Verifier]:
     return kind, FACTORIES[kind](path)
 
 
+def _configured(name: str, reward: RewardConfig | None) -> Verifier:
+    from forge.config import RewardConfig
+    from forge.rewards.code_exec import limits_from, make_code_exec
+
+    r = reward or RewardConfig()
+    return make_code_exec(limits_from(r), allow_network=r.allow_network_code)
+
+
 def _builtin(name: str) -> Verifier:
     from forge.rewards.weak import WEAK
 
@@ -60,7 +78,7 @@ def _builtin(name: str) -> Verifier:
         return BUILTIN[name]
     if name in WEAK:
         return WEAK[name]
-    names = [*BUILTIN, *WEAK]
+    names = [*BUILTIN, *CONFIGURED, *WEAK]
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'? " if close else ""
     valid = ", ".join(names)

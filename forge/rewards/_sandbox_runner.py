@@ -1,0 +1,288 @@
+"""Child side of the `code_exec` sandbox. Stdlib only; run as `python -I -S -B _sandbox_runner.py` with an empty env.
+
+Reads one JSON request on stdin, then (mode "root" or "userns"):
+
+  S (this process, session leader): new mount, network, PID, IPC and UTS namespaces (plus a user namespace in
+    "userns" mode); forks C and exits with C's status.
+  C (PID 1 of the new PID namespace; dies with S through PR_SET_PDEATHSIG): remounts every mount read-only,
+    mounts a fresh size-capped tmpfs on /tmp (the work dir) and read-only empty ones on /var/tmp and /dev/shm,
+    a fresh /proc; forks W and exits when W does, which makes the kernel kill everything left in the namespace.
+  W: rlimits, no_new_privs, drops to an unprivileged uid (root mode: a fresh uid per slot; userns mode: a nested
+    user namespace), points fd 1/2 at a capped file, execs the program, then each test; one line per test
+    ("<nonce> <i> <0|1>") goes to the results fd, written as soon as the test ends.
+
+Mode "none" (no namespaces; only with allow_network_code) skips the namespaces and mounts and runs W in a
+temporary directory with the same rlimits. `{"probe": true}` sets everything up and reports "ok" without running code.
+"""
+
+import ctypes
+import json
+import os
+import resource
+import select
+import signal
+import sys
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 18, 1 << 21
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+_KEEP_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
+               "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME}  # fmt: skip
+_libc = ctypes.CDLL(None, use_errno=True)
+_STDLIB = os.path.dirname(os.__file__)
+STDLIB_VIEW = "/tmp/.stdlib"
+
+
+class _TestTimeout(BaseException):
+    pass
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(src: str, target: str, fstype: str, flags: int, data: str = "") -> None:
+    _check(
+        _libc.mount(src.encode(), target.encode(), fstype.encode(), ctypes.c_ulong(flags), data.encode() or None),
+        f"mount {target}",
+    )
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _enter_namespaces(mode: str) -> None:
+    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+    uid, gid = os.geteuid(), os.getegid()
+    _check(_libc.unshare(flags | (CLONE_NEWUSER if mode == "userns" else 0)), "unshare")
+    if mode == "userns":
+        _write("/proc/self/setgroups", "deny")
+        _write("/proc/self/uid_map", f"0 {uid} 1")
+        _write("/proc/self/gid_map", f"0 {gid} 1")
+
+
+def _mount_points() -> list[tuple[str, int]]:
+    """(mount point, flags to keep) for every mount this namespace sees, parents first."""
+    points = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            target = fields[4].encode().decode("unicode_escape")  # \040 etc.
+            keep = sum(_KEEP_FLAGS.get(opt, 0) for opt in fields[5].split(","))
+            points.append((target, keep))
+    return sorted(points, key=lambda p: p[0].count("/"))
+
+
+def _read_only_filesystem(req: dict) -> None:
+    """Everything read-only; a private tmpfs on /tmp; empty read-only /var/tmp and /dev/shm; a fresh /proc."""
+    _mount("none", "/", "", MS_REC | MS_PRIVATE)
+    for target, keep in _mount_points():
+        try:
+            _mount("none", target, "", MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
+        except OSError as e:
+            if os.path.exists(target) and not target.startswith(("/proc", "/sys")):
+                raise OSError(e.errno, f"cannot make {target} read-only: {e.strerror}") from None
+    owner = f",uid={req['uid']},gid={req['gid']}" if req["mode"] == "root" else ""
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={req['tmpfs_kb']}k,nr_inodes=1024,mode=0700{owner}")
+    _expose_stdlib()
+    for target in ("/var/tmp", "/dev/shm"):
+        if os.path.isdir(target):
+            _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0555")
+    try:
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    except OSError:
+        pass  # the old /proc stays (read-only); processes outside this PID namespace cannot be signalled anyway
+
+
+def _expose_stdlib() -> None:
+    """Bind the standard library read-only at /tmp/.stdlib: the sandbox uid may not be able to reach the real one
+    (e.g. a Python under /root), and granting it read access to everything would expose the machine's secrets."""
+    os.mkdir(STDLIB_VIEW, 0o755)
+    _mount(_STDLIB, STDLIB_VIEW, "", MS_BIND | MS_REC)
+    _mount("none", STDLIB_VIEW, "", MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def _use_stdlib_view() -> None:
+    def view(paths: list[str]) -> list[str]:
+        return [STDLIB_VIEW + p[len(_STDLIB) :] if p.startswith(_STDLIB) else p for p in paths]
+
+    sys.path[:] = [p for p in view(sys.path) if p.startswith(STDLIB_VIEW)]
+    for module in list(sys.modules.values()):  # packages imported already look for submodules at the new place
+        if isinstance(getattr(module, "__path__", None), list):
+            module.__path__[:] = view(module.__path__)
+    sys.path_importer_cache.clear()
+
+
+def _limits(req: dict) -> None:
+    mb = 1 << 20
+    for res, value in (
+        (resource.RLIMIT_CPU, req["cpu_s"]),
+        (resource.RLIMIT_AS, req["memory_mb"] * mb),
+        (resource.RLIMIT_FSIZE, req["file_kb"] * 1024),
+        (resource.RLIMIT_NPROC, req["max_procs"]),
+        (resource.RLIMIT_NOFILE, 64),
+        (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_MEMLOCK, 0),
+        (resource.RLIMIT_MSGQUEUE, 0),
+    ):
+        resource.setrlimit(res, (value, value))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails with EFBIG instead of killing
+
+
+def _drop_privileges(req: dict) -> None:
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    if req["mode"] == "root":
+        os.setgroups([])
+        os.setresgid(req["gid"], req["gid"], req["gid"])
+        os.setresuid(req["uid"], req["uid"], req["uid"])
+    elif req["mode"] == "userns":
+        # we are uid 0 of our own user namespace, with its capabilities (enough to undo the read-only mounts);
+        # a nested namespace mapping uid 1 onto us, then setuid(1), drops them all
+        _check(_libc.unshare(CLONE_NEWUSER), "unshare user")
+        _write("/proc/self/setgroups", "deny")
+        _write("/proc/self/uid_map", "1 0 1")
+        _write("/proc/self/gid_map", "1 0 1")
+        os.setresgid(1, 1, 1)
+        os.setresuid(1, 1, 1)
+
+
+def _worker(req: dict, results: int) -> None:
+    """W: isolate further, then run the program and its tests, reporting each test on `results`."""
+    _limits(req)
+    _drop_privileges(req)
+    if req["mode"] == "none":  # no PID namespace to take us down with the runner
+        _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
+    if req["mode"] != "none":
+        _use_stdlib_view()
+    work = req.get("workdir") or "/tmp/work"
+    os.makedirs(work, mode=0o700, exist_ok=True)
+    os.chdir(work)
+    os.environ.clear()
+    os.environ.update({"HOME": work, "TMPDIR": work, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+    out = os.open(os.path.join(work, ".output"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    os.close(null)
+    if req.get("probe"):
+        os.write(results, b"ok\n")
+        return
+    _run_tests(req, results)
+
+
+def _report(results: int, nonce: str, what: str) -> None:
+    try:
+        os.write(results, f"{nonce} {what}\n".encode())
+    except OSError:
+        pass  # the program closed our fd: the tests it did not report count as failed
+
+
+def _run_tests(req: dict, results: int) -> None:
+    nonce, per_test = req["nonce"], float(req["per_test_s"])
+    sys.setrecursionlimit(10_000)
+
+    def alarm(signum, frame):
+        raise _TestTimeout
+
+    scope = {"__name__": "solution", "__builtins__": __builtins__}
+    try:
+        signal.signal(signal.SIGALRM, alarm)
+        signal.setitimer(signal.ITIMER_REAL, per_test)
+        exec(compile(req["program"], "<completion>", "exec"), scope)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    except BaseException as e:  # noqa: BLE001 - anything the program does counts against it
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        _report(results, nonce, f"load {type(e).__name__}: {' '.join(str(e).split())[:200]}")
+        return
+    _report(results, nonce, "loaded")
+    for i, test in enumerate(req["tests"]):
+        try:
+            signal.signal(signal.SIGALRM, alarm)
+            signal.setitimer(signal.ITIMER_REAL, per_test)
+            exec(compile(test, f"<test {i}>", "exec"), scope)
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            ok = 1
+        except BaseException:  # noqa: BLE001
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            ok = 0
+        _report(results, nonce, f"{i} {ok}")
+    _report(results, nonce, "done")
+    sys.stdout.flush()
+
+
+def _init(req: dict, alive: int) -> int:
+    """C: PID 1 of the new namespace. Returns the exit status for S. `alive` reads EOF once S has died."""
+    _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
+    if select.select([alive], [], [], 0)[0]:  # S died before the prctl took effect (getppid() is 0 in here)
+        return 1
+    os.close(alive)
+    _read_only_filesystem(req)
+    w = os.fork()
+    if w == 0:
+        _child_main(req)
+    while True:  # reap everything; leave when W has ended (the namespace's other processes die with us)
+        pid, status = os.wait()
+        if pid == w:
+            return os.waitstatus_to_exitcode(status) & 0xFF
+
+
+def _child_main(req: dict) -> None:
+    code = 0
+    try:
+        _worker(req, results=_RESULTS_FD)
+    except BaseException as e:  # noqa: BLE001
+        os.write(2, f"sandbox setup failed: {type(e).__name__}: {e}\n".encode())
+        code = 3
+    os._exit(code)
+
+
+_RESULTS_FD = 1
+
+
+def req_wall_s() -> float:
+    """The caller's wall-clock timeout, passed as argv[1] so it applies before the request is read."""
+    try:
+        return max(1.0, float(sys.argv[1]))
+    except (IndexError, ValueError):
+        return 60.0
+
+
+def main() -> int:
+    global _RESULTS_FD
+    # if forge dies (or forgets us), so do we, and our namespace with us: no run outlives its caller's deadline
+    _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
+    signal.alarm(int(req_wall_s()) + 2)
+    req = json.loads(sys.stdin.buffer.read(64 << 20))
+    _RESULTS_FD = os.dup(1)  # results travel on the original stdout; the program's stdout goes to a file
+    try:
+        if req["mode"] == "none":
+            pid = os.fork()
+            if pid == 0:
+                _child_main(req)
+            return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) & 0xFF
+        _enter_namespaces(req["mode"])
+        alive, keep = os.pipe()
+        c = os.fork()
+        if c == 0:
+            os.close(keep)
+            try:
+                os._exit(_init(req, alive))
+            except BaseException as e:  # noqa: BLE001
+                os.write(2, f"sandbox setup failed: {type(e).__name__}: {e}\n".encode())
+                os._exit(3)
+        return os.waitstatus_to_exitcode(os.waitpid(c, 0)[1]) & 0xFF
+    except OSError as e:
+        sys.stderr.write(f"sandbox setup failed: {e}\n")
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
