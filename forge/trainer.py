@@ -134,7 +134,9 @@ class Trainer:
         device_type = self.accelerator.device.type
         self.autocast_bf16 = update_bf16(u.autocast_bf16, device_type)
         if self.fsdp:  # bf16 compute with fp32 reduction on GPUs, as autocast does without FSDP
-            model = fsdp.shard_from_rank0(model, self.accelerator.device, bf16=self.autocast_bf16 and device_type == "cuda")
+            model = fsdp.shard_from_rank0(
+                model, self.accelerator.device, bf16=self.autocast_bf16 and device_type == "cuda"
+            )
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=u.lr, betas=tuple(u.adam_betas), weight_decay=u.weight_decay
         )

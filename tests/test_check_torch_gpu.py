@@ -44,7 +44,9 @@ def test_gpus_that_torch_does_not_see_stop_setup_with_one_line(tmp_path, cuda, n
     assert out.returncode == 1
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in out.stderr
-    assert lines[0].startswith(f"make setup: nvidia-smi sees 2 GPUs (driver CUDA {cuda}) but torch") and names in lines[0]
+    assert (
+        lines[0].startswith(f"make setup: nvidia-smi sees 2 GPUs (driver CUDA {cuda}) but torch") and names in lines[0]
+    )
 
 
 def test_cuda_tag_follows_the_driver(tmp_path):

@@ -19,8 +19,8 @@ def make_backend(
     sleep: bool = False,
 ) -> RolloutBackend:
     """hf: `generate` on `model` itself; vllm: an engine in this process built from `model` (its venv must have
-    vllm: the Ray adapter runs it in .venv-vllm), its files under `work_dir` (a temp dir if None), sleeping between a
-generate and the next weight load if `sleep` (`forge.rollout.vllm.wants_sleep`)."""
+        vllm: the Ray adapter runs it in .venv-vllm), its files under `work_dir` (a temp dir if None), sleeping between a
+    generate and the next weight load if `sleep` (`forge.rollout.vllm.wants_sleep`)."""
     if name == "hf":
         batch_size = rollout.batch_size if rollout is not None else RolloutConfig.batch_size
         return HFBackend(model, tokenizer, autocast_bf16=autocast_bf16, batch_size=batch_size)
