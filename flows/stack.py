@@ -95,13 +95,19 @@ class Service:
 # ---------------------------------------------------------------- processes (Linux /proc)
 
 
-def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (None when gone or a zombie)."""
+def _proc_start(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks since boot) of a process; None when there is none."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return None if fields[0] in ("Z", "X") else int(fields[19])
+    return fields[0], int(fields[19])
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (None when gone or a zombie)."""
+    s = _proc_start(pid)
+    return None if s is None or s[0] in ("Z", "X") else s[1]
 
 
 def alive(rec: dict) -> bool:
@@ -126,7 +132,10 @@ def group_members(pgid: int, not_before: int) -> dict[int, int]:
 
 def stop_process(rec: dict, sig: int, timeout: float = 20.0) -> bool:
     """Stop a recorded service and everything it started; True if something was running."""
-    if not alive(rec):  # the leader is gone: SIGKILL what is left of its process group (children it left behind)
+    if not alive(rec):
+        if (s := _proc_start(rec["pid"])) is not None and s[1] != rec["start"]:
+            return False  # the PID is another process's now: so is any process group of that number
+        # the leader is gone: SIGKILL what is left of its process group (children it left behind)
         return bool(kill_recorded(group_members(rec["pid"], rec["start"])))
     recorded = {rec["pid"]: rec["start"], **descendants(rec["pid"]), **group_members(rec["pid"], rec["start"])}
     with contextlib.suppress(ProcessLookupError):
@@ -454,7 +463,10 @@ def up(cfg: StackConfig) -> dict:
         for name in reversed(started):  # a failed `up` leaves nothing of its own behind
             stop_process(state["services"][name], state["services"][name]["stop_signal"])
             state["services"].pop(name)
-        write_state(cfg.runs_dir, state)
+        if state["services"]:
+            write_state(cfg.runs_dir, state)
+        else:
+            state_path(cfg.runs_dir).unlink(missing_ok=True)
         raise
     state["started"] = started
     return state
