@@ -124,7 +124,7 @@ def test_mlflow_compare_two_runs(ui_run, cli_run, stack, tmp_path):
     runs, state = stack
     assert f"MLFLOW_TRACKING_URI={state['env']['MLFLOW_TRACKING_URI']}" in cli_run  # it used the stack
     assert json.loads((runs / CLI_RUN / "summary.json").read_text())["mlflow_run_id"]
-    with chromium_page(1400, 1000) as page:
+    with chromium_page(1400, 1750) as page:  # tall enough for the chart, the run details and the parameters
         page.goto(state["services"]["mlflow"]["url"] + "/#/experiments/1/runs?workflowType=machine_learning")
         for name in (UI_RUN, CLI_RUN):
             row = page.locator("[role=row]", has=page.get_by_role("link", name=name, exact=True))
@@ -139,9 +139,11 @@ def test_mlflow_compare_two_runs(ui_run, cli_run, stack, tmp_path):
         # the parameter diff: only update.lr differs (1e-3 for the tiny preset, 3e-4 for the CLI run)
         page.get_by_role("switch", name="Parameters - Show diff only").click()
         params = page.locator("tr", has=page.get_by_text("update.lr", exact=True)).last
-        params.scroll_into_view_if_needed()
         text = params.inner_text()
         assert "0.001" in text and "0.0003" in text, text
         assert page.get_by_text("rollout.group_size", exact=True).count() == 0  # equal params are hidden
-        page.screenshot(path=tmp_path / "stack-mlflow-compare.png", full_page=True)
+        assistant = page.get_by_role("button", name="Close")  # MLflow's assistant side panel, when it is open
+        if assistant.count():
+            assistant.first.click()
+        page.screenshot(path=tmp_path / "stack-mlflow-compare.png")
     _keep(tmp_path / "stack-mlflow-compare.png")

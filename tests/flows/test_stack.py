@@ -11,6 +11,7 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 import urllib.request
 from pathlib import Path
@@ -67,6 +68,16 @@ def test_up_status_down_sqlite(tmp_path):
         sockets = stack_sockets(state)
         assert {addr for addr, _ in sockets} == {"127.0.0.1"}, sockets
         assert set(ports.values()) <= {port for _, port in sockets}
+
+        # a driver reaches the Ray head at the printed address; it offers the pools Weaver autodetects here
+        probe = (
+            "import json, ray; ray.init(address=%r, log_to_driver=False); print(json.dumps(ray.cluster_resources()))"
+        )
+        ray_addr = state["services"]["ray"]["url"]
+        proc = subprocess.run([sys.executable, "-c", probe % ray_addr], capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert json.loads(proc.stdout.strip().splitlines()[-1])["pool:cpu"] == 1000.0
+        assert f"orchestration.ray_address={ray_addr}" in state["up_stdout"]
 
         again = cli(["up", "--runs-dir", str(runs), *_same_ports(state)])
         assert again.returncode == 0 and "already running" in again.stdout, again.stdout + again.stderr
