@@ -275,7 +275,7 @@ def services(cfg: StackConfig, pg_password: str = "") -> dict[str, Service]:
         f"http://127.0.0.1:{p.dashboard}/_stcore/health",
     )  # fmt: skip
     # Ray takes the machine's address for the head unless told it is no cluster: then it is 127.0.0.1 throughout
-    ray_env = {**base, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    ray_env = {**base, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **ray_client_env(cfg)}
     out["ray"] = Service("ray", ray_argv(cfg), ray_env, p.ray, f"127.0.0.1:{p.ray}", "tcp")
     # a flow run triggered in the UI is a subprocess of `serve`: it tracks into the stack's MLflow server
     out["serve"] = Service(
@@ -284,6 +284,18 @@ def services(cfg: StackConfig, pg_password: str = "") -> dict[str, Service]:
         f"http://127.0.0.1:{p.prefect}/api/deployments/name/forgeweave-grpo/pipeline",
     )  # fmt: skip
     return out
+
+
+def ray_client_env(cfg: StackConfig) -> dict[str, str]:
+    """Ray authenticates its clients with a token: the head's, made once and kept in the state dir (owner-only);
+    a driver connecting to the head needs these two variables."""
+    token = cfg.state_dir / "ray_auth_token"
+    if not token.is_file():
+        token.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_hex(32))
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
 
 
 def ray_argv(cfg: StackConfig) -> tuple[str, ...]:
@@ -439,6 +451,7 @@ def up(cfg: StackConfig) -> dict:
     _check_settings(cfg, state)
     password = pg_password(cfg) if cfg.db == "postgres" else ""
     state.update(db=cfg.db, ports=vars(cfg.ports), runs_dir=str(cfg.runs_dir), env=client_env(cfg))
+    state["ray_env"] = ray_client_env(cfg)
     wanted = services(cfg, password)
     state["services"] = {n: r for n, r in state["services"].items() if n in wanted and alive(r)}
     todo = [n for n in wanted if n not in state["services"]]
@@ -601,4 +614,5 @@ def _print_env(state: dict) -> None:
     print("clients (`forgeweave run --runs-dir` this dir uses these by itself; `forgeweave status --env` prints them):")
     for k, v in state["env"].items():
         print(f"  export {k}={v}")
-    print(f"  Ray: --set orchestration.ray_address={state['services']['ray']['url']}")
+    ray_env = " ".join(f"{k}={v}" for k, v in state["ray_env"].items())
+    print(f"  Ray: {ray_env} forgeweave run --set orchestration.ray_address={state['services']['ray']['url']}")

@@ -74,7 +74,10 @@ def test_up_status_down_sqlite(tmp_path):
             "import json, ray; ray.init(address=%r, log_to_driver=False); print(json.dumps(ray.cluster_resources()))"
         )
         ray_addr = state["services"]["ray"]["url"]
-        proc = subprocess.run([sys.executable, "-c", probe % ray_addr], capture_output=True, text=True, timeout=180)
+        env = {**os.environ, **state["ray_env"]}  # the head's auth token
+        proc = subprocess.run(
+            [sys.executable, "-c", probe % ray_addr], env=env, capture_output=True, text=True, timeout=180
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert json.loads(proc.stdout.strip().splitlines()[-1])["pool:cpu"] == 1000.0
         assert f"orchestration.ray_address={ray_addr}" in state["up_stdout"]
