@@ -29,8 +29,16 @@ RAY_SPEC := ray==2.60.0
 # the dashboard's browser test drives Debian's chromium through playwright (`playwright install` would download one)
 CHROMIUM := /usr/bin/chromium
 
+# `forgeweave up --db postgres` and its test run the machine's PostgreSQL server programs (Debian's package)
+PG_STAMP := $(VENV)/.postgresql-installed
+
 setup: $(STAMP)
 	@$(PY) scripts/check_torch_gpu.py
+
+$(PG_STAMP): | $(STAMP)
+	@ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || \
+	  (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql)
+	@touch $(PG_STAMP)
 
 $(CHROMIUM):
 	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
@@ -57,7 +65,7 @@ $(VLLM_STAMP): Makefile pyproject.toml
 demo: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/forgeweave run --preset smollm2-arith
 
-test: setup vllm-env $(CHROMIUM)
+test: setup vllm-env $(CHROMIUM) $(PG_STAMP)
 	@# pytest exits 5 when it collected nothing: a suite that runs no test is a failure, say so
 	HF_HUB_OFFLINE=1 $(PY) -m pytest; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc

@@ -1,4 +1,5 @@
-"""The `forgeweave` command line: run, eval, export, presets, plan, serve, server, worker, dashboard, mlflow, sync.
+"""The `forgeweave` command line: run, eval, export, presets, plan, serve, server, worker, dashboard, mlflow, sync,
+up, status, down.
 
 Errors a user can fix (a bad config key, a malformed data file, a missing model path) are printed as one
 line on stderr with exit code 2; no traceback.
@@ -29,6 +30,8 @@ EPILOG = """examples:
   forgeweave dashboard                             # Streamlit dashboard of ./runs on http://127.0.0.1:8501
   forgeweave mlflow                                # MLflow UI on http://127.0.0.1:5000 for ./runs
   forgeweave sync my-run                           # send what MLflow missed while it was unreachable
+  forgeweave up                                    # the whole local stack: Prefect UI, MLflow, dashboard, Ray head
+  forgeweave down                                  # stop what `up` started
 """
 
 
@@ -106,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     sy.add_argument("run", help="run name (under --runs-dir) or run directory")
     _runs_dir_arg(sy)
     sy.add_argument("--uri", default="", help="tracking URI to send to (default: the store the run was using)")
+    from flows.stack import add_commands as add_stack_commands
+
+    add_stack_commands(sub, _runs_dir_arg)  # up, status, down
     return p
 
 
@@ -136,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             "dashboard": cmd_dashboard,
             "mlflow": cmd_mlflow,
             "sync": cmd_sync,
+            **stack_commands(),
         }
         return commands[args.command](args)
     except UserError as e:
@@ -162,9 +169,19 @@ def one_line(text: str) -> str:
     return " | ".join(line.strip() for line in text.strip().splitlines() if line.strip())
 
 
+def stack_commands() -> dict:
+    from flows.stack import cmd_down, cmd_status, cmd_up
+
+    return {"up": cmd_up, "status": cmd_status, "down": cmd_down}
+
+
 def cmd_run(args) -> int:
     from flows.execute import train
     from flows.planning import plan_run
+    from flows.stack import use_stack
+
+    if taken := use_stack(args.runs_dir):  # a `forgeweave up` stack for this runs dir: its Prefect and MLflow
+        print("using the stack of this runs dir: " + " ".join(f"{k}={v}" for k, v in taken.items()))
 
     cfg, run_dir = resolve_run(args.preset, args.config, args.overrides, args.name, args.runs_dir, args.resume)
     _, plan = plan_run(cfg)  # an impossible plan stops here, before anything is written
@@ -277,6 +294,7 @@ def cmd_serve(args) -> int:
 def cmd_server(args) -> int:
     """Replace this process with `prefect server start` bound to 127.0.0.1 (so its PID is the server's)."""
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.setdefault("PREFECT_UI_API_URL", f"http://127.0.0.1:{args.port}/api")  # else the UI calls port 4200
     prefect = Path(sys.executable).with_name("prefect")
     print(f"Prefect UI/API on http://127.0.0.1:{args.port} — export PREFECT_API_URL=http://127.0.0.1:{args.port}/api")
     os.execve(prefect, [str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(args.port)], env)

@@ -51,3 +51,32 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=15)
+
+
+def listening(pids: list[int]) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket in LISTEN state held by one of `pids` (/proc/net/tcp{,6} + fds)."""
+    by_inode = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A":  # LISTEN
+                addr, port = cols[1].split(":")
+                by_inode[cols[9]] = (_address(addr), int(port, 16))
+    out = set()
+    for pid in pids:
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        out |= {by_inode[t[8:-1]] for t in links if t.startswith("socket:[") and t[8:-1] in by_inode}
+    return out
+
+
+def _address(hex_addr: str) -> str:
+    """/proc/net's little-endian hex address as text: 0100007F -> 127.0.0.1; an IPv4-mapped IPv6 one as IPv4."""
+    raw = bytes.fromhex(hex_addr)
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, raw[::-1])
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+    text = socket.inet_ntop(socket.AF_INET6, words)
+    return text.removeprefix("::ffff:")

@@ -1,0 +1,618 @@
+"""The whole local stack with one command: `forgeweave up` / `status` / `down`.
+
+`up` starts, each bound to 127.0.0.1 and in a session of its own, the Prefect server (UI + API), the served
+deployments (`forgeweave serve`), an MLflow tracking server, the Streamlit dashboard and a Ray head
+(`ray start --head --block`); with `--db postgres` first a private PostgreSQL cluster under the runs directory,
+which Prefect and MLflow then use instead of SQLite. It waits until every service answers its health check and
+prints the URLs. What it started is recorded in `<runs>/.stack/stack.json` (written atomically): per service
+the PID, the process start time (from /proc), the port, the URL and the log file, plus the environment clients
+need. `up` again starts only what is not running; `down` stops exactly the recorded processes, by PID, after
+checking that each PID still has its recorded start time (a recycled PID is left alone, as `flows.reaper` does),
+first with the service's stop signal, then SIGKILL for whatever it left behind.
+
+Every port can be changed (`--prefect-port`, ...). The Prefect UI is told where its API is
+(PREFECT_UI_API_URL), so it works on any port; `forgeweave run` with the same runs directory uses the stack's
+Prefect and MLflow URLs from the state file (an explicit $PREFECT_API_URL / $MLFLOW_TRACKING_URI wins), and
+`forgeweave status --env` prints them as `export` lines for other clients. PostgreSQL refuses to run as root:
+as root, its cluster directory is owned by, and the server runs as, the `postgres` user of the Debian package.
+Linux only (/proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pwd
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flows.reaper import descendants, kill_recorded
+from forge.errors import UserError
+
+STATE_DIR = ".stack"
+STATE_FILE = "stack.json"
+PG_USER = "forgeweave"  # the superuser of the private cluster
+PG_DATABASES = ("prefect", "mlflow")
+PG_OS_USER = "postgres"  # who runs the server when forgeweave runs as root (the Debian package's user)
+RAY_WORKER_PORTS = (10002, 19999)  # Ray's default range for its worker processes' ports
+ORDER = ("postgres", "prefect", "mlflow", "dashboard", "ray", "serve")  # start order; `down` goes backwards
+
+
+@dataclass(frozen=True)
+class Ports:
+    """The 127.0.0.1 ports of the stack's services."""
+
+    prefect: int = 4200  # Prefect UI + API
+    mlflow: int = 5000  # MLflow UI + tracking API
+    dashboard: int = 8501  # Streamlit dashboard
+    ray: int = 6379  # Ray head (GCS); runs use it with orchestration.ray_address=127.0.0.1:PORT
+    postgres: int = 5433  # private PostgreSQL cluster (--db postgres); not 5432, a system cluster's port
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """What `forgeweave up` starts."""
+
+    runs_dir: Path  # absolute runs directory: state, logs, databases, artifacts, and the runs themselves
+    db: str = "sqlite"  # "sqlite" (files in the runs dir) or "postgres" (a private cluster in the runs dir)
+    ports: Ports = field(default_factory=Ports)
+    timeout_s: float = 90.0  # how long `up` waits for every service to become healthy
+
+    def __post_init__(self) -> None:
+        if self.db not in ("sqlite", "postgres"):
+            raise UserError(f"--db {self.db}: expected sqlite or postgres")
+        if RAY_WORKER_PORTS[0] <= self.ports.ray <= RAY_WORKER_PORTS[1]:
+            raise UserError(f"--ray-port {self.ports.ray}: Ray keeps {RAY_WORKER_PORTS} for its workers; pick another")
+
+    @property
+    def state_dir(self) -> Path:
+        return self.runs_dir / STATE_DIR
+
+
+@dataclass(frozen=True)
+class Service:
+    """One process of the stack: how to start it and how to tell it is serving."""
+
+    name: str
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    port: int
+    url: str  # what a person opens or a client connects to
+    health: str  # an http URL that answers 200 when healthy, or "tcp" (the port accepts connections)
+    stop_signal: int = signal.SIGTERM
+    user: str | None = None  # run as this OS user (PostgreSQL under root)
+
+
+# ---------------------------------------------------------------- processes (Linux /proc)
+
+
+def _proc_start(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks since boot) of a process; None when there is none."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[19])
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (None when gone or a zombie)."""
+    s = _proc_start(pid)
+    return None if s is None or s[0] in ("Z", "X") else s[1]
+
+
+def alive(rec: dict) -> bool:
+    """Is the recorded process still the one we started (same PID, same start time)?"""
+    return start_time(rec["pid"]) == rec["start"]
+
+
+def group_members(pgid: int, not_before: int) -> dict[int, int]:
+    """pid -> start time of live processes in process group `pgid` started no earlier than its leader."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X") and int(fields[19]) >= not_before:
+            out[int(entry.name)] = int(fields[19])
+    return out
+
+
+def stop_process(rec: dict, sig: int, timeout: float = 20.0) -> bool:
+    """Stop a recorded service and everything it started; True if something was running."""
+    if not alive(rec):
+        if (s := _proc_start(rec["pid"])) is not None and s[1] != rec["start"]:
+            return False  # the PID is another process's now: so is any process group of that number
+        # the leader is gone: SIGKILL what is left of its process group (children it left behind)
+        return bool(kill_recorded(group_members(rec["pid"], rec["start"])))
+    recorded = {rec["pid"]: rec["start"], **descendants(rec["pid"]), **group_members(rec["pid"], rec["start"])}
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(rec["pid"], sig)
+    deadline = time.time() + timeout
+    while time.time() < deadline and any(start_time(p) == t for p, t in recorded.items()):
+        recorded.update(descendants(rec["pid"]) if alive(rec) else {})
+        time.sleep(0.2)
+    kill_recorded(recorded)
+    return True
+
+
+def port_free(port: int) -> bool:
+    """Can a server listen on 127.0.0.1:port (as servers do, SO_REUSEADDR: a closed socket's TIME_WAIT is no owner)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def healthy(svc: dict) -> bool:
+    """Does the service answer: an HTTP 200 from its health URL, or a TCP connection to its port."""
+    if svc["health"] == "tcp":
+        with socket.socket() as s:
+            s.settimeout(2)
+            return s.connect_ex(("127.0.0.1", svc["port"])) == 0
+    try:
+        with urllib.request.urlopen(svc["health"], timeout=3) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------- state file
+
+
+def state_path(runs_dir: Path) -> Path:
+    return Path(runs_dir).resolve() / STATE_DIR / STATE_FILE
+
+
+def read_state(runs_dir: Path) -> dict | None:
+    p = state_path(runs_dir)
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{p}: unreadable stack state ({e}); stop its processes by PID, then delete it") from None
+
+
+def write_state(runs_dir: Path, state: dict) -> None:
+    """Atomically (temp + rename), readable by the owner only: it holds the database password."""
+    p = state_path(runs_dir)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(state, f, indent=2)
+    os.replace(tmp, p)
+
+
+# ---------------------------------------------------------------- what each service is
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
+
+
+def client_env(cfg: StackConfig) -> dict[str, str]:
+    """What a client of this stack exports."""
+    return {
+        "PREFECT_API_URL": f"http://127.0.0.1:{cfg.ports.prefect}/api",
+        "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{cfg.ports.mlflow}",
+        "FORGEWEAVE_RUNS_DIR": str(cfg.runs_dir),
+    }
+
+
+def store_uris(cfg: StackConfig, pg_password: str) -> tuple[str, str]:
+    """(Prefect database URL, MLflow backend store URI)."""
+    if cfg.db == "postgres":
+        base = f"{PG_USER}:{pg_password}@127.0.0.1:{cfg.ports.postgres}"
+        return f"postgresql+asyncpg://{base}/prefect", f"postgresql+psycopg2://{base}/mlflow"
+    from forge.tracking_mlflow import default_uri
+
+    return f"sqlite+aiosqlite:///{cfg.state_dir / 'prefect.db'}", default_uri(cfg.runs_dir)
+
+
+def services(cfg: StackConfig, pg_password: str = "") -> dict[str, Service]:
+    """Every service of the stack, by name, in start order."""
+    p = cfg.ports
+    base = {**os.environ, **client_env(cfg)}
+    base.pop("RAY_ADDRESS", None)
+    prefect_db, mlflow_db = store_uris(cfg, pg_password)
+    prefect_env = {
+        "PREFECT_HOME": str(cfg.state_dir / "prefect-home"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+    }
+    api = client_env(cfg)["PREFECT_API_URL"]
+    out = {}
+    if cfg.db == "postgres":
+        out["postgres"] = Service(
+            "postgres",
+            (str(pg_bin("postgres")), "-D", str(pg_dir(cfg) / "data"), "-p", str(p.postgres), "-k", str(pg_dir(cfg)),
+             "-c", "listen_addresses=127.0.0.1"),
+            {**os.environ}, p.postgres, f"postgresql://{PG_USER}@127.0.0.1:{p.postgres}", "tcp",
+            stop_signal=signal.SIGINT,  # "fast shutdown": roll back open transactions, exit
+            user=PG_OS_USER if os.geteuid() == 0 else None,
+        )  # fmt: skip
+    server_env = {**base, **prefect_env, "PREFECT_API_DATABASE_CONNECTION_URL": prefect_db}
+    # the UI asks its API at this URL: without it, a server on another port serves a UI that calls 127.0.0.1:4200
+    server_env |= {
+        "PREFECT_UI_API_URL": api,
+        "PREFECT_SERVER_API_HOST": "127.0.0.1",
+        "PREFECT_SERVER_API_PORT": str(p.prefect),
+    }
+    out["prefect"] = Service(
+        "prefect", (_bin("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(p.prefect)), server_env,
+        p.prefect, f"http://127.0.0.1:{p.prefect}", f"http://127.0.0.1:{p.prefect}/api/health",
+    )  # fmt: skip
+    mlflow_env = {**base, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    out["mlflow"] = Service(
+        "mlflow",
+        (_bin("mlflow"), "server", "--host", "127.0.0.1", "--port", str(p.mlflow), "--workers", "1",
+         "--backend-store-uri", mlflow_db, "--artifacts-destination", str(cfg.runs_dir / "mlartifacts")),
+        mlflow_env, p.mlflow, f"http://127.0.0.1:{p.mlflow}", f"http://127.0.0.1:{p.mlflow}/health",
+    )  # fmt: skip
+    cli = (sys.executable, "-m", "flows.cli")
+    repo = str(Path(__file__).resolve().parent.parent)
+    path = os.pathsep.join(x for x in (repo, os.environ.get("PYTHONPATH", "")) if x)
+    out["dashboard"] = Service(
+        "dashboard", (*cli, "dashboard", "--runs-dir", str(cfg.runs_dir), "--port", str(p.dashboard)),
+        {**base, "PYTHONPATH": path}, p.dashboard, f"http://127.0.0.1:{p.dashboard}",
+        f"http://127.0.0.1:{p.dashboard}/_stcore/health",
+    )  # fmt: skip
+    # Ray takes the machine's address for the head unless told it is no cluster: then it is 127.0.0.1 throughout
+    ray_env = {**base, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **ray_client_env(cfg)}
+    out["ray"] = Service("ray", ray_argv(cfg), ray_env, p.ray, f"127.0.0.1:{p.ray}", "tcp")
+    # a flow run triggered in the UI is a subprocess of `serve`: it tracks into the stack's MLflow server
+    out["serve"] = Service(
+        "serve", (*cli, "serve", "--runs-dir", str(cfg.runs_dir)), {**base, **prefect_env, "PYTHONPATH": path},
+        p.prefect, f"http://127.0.0.1:{p.prefect}/deployments",
+        f"http://127.0.0.1:{p.prefect}/api/deployments/name/forgeweave-grpo/pipeline",
+    )  # fmt: skip
+    return out
+
+
+def ray_client_env(cfg: StackConfig) -> dict[str, str]:
+    """Ray authenticates its clients with a token: the head's, made once and kept in the state dir (owner-only);
+    a driver connecting to the head needs these two variables."""
+    token = cfg.state_dir / "ray_auth_token"
+    if not token.is_file():
+        token.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_hex(32))
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+
+
+def ray_argv(cfg: StackConfig) -> tuple[str, ...]:
+    """`ray start --head --block` on 127.0.0.1, offering the pools Weaver autodetects on this machine (as Ray
+    custom resources, like a run's private instance does); --block keeps it in the foreground so it has a PID
+    to stop, and on SIGTERM it stops the Ray processes it started."""
+    from weaver.apply import pool_resource
+    from weaver.discover import discover
+    from weaver.pools import autodetect_pools
+
+    res = discover()
+    pools = {pool_resource(pl.name): 1000.0 for pl in autodetect_pools(res)}
+    return (
+        _bin("ray"), "start", "--head", "--block", "--port", str(cfg.ports.ray), "--node-ip-address", "127.0.0.1",
+        "--include-dashboard=false", "--disable-usage-stats",
+        "--num-cpus", str(res.cpu_cores), "--resources", json.dumps(pools),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------- PostgreSQL
+
+
+def pg_dir(cfg: StackConfig) -> Path:
+    return cfg.state_dir / "postgres"
+
+
+def pg_bin(name: str) -> Path:
+    """A PostgreSQL server program: $FORGEWEAVE_PG_BIN, else the newest /usr/lib/postgresql/*/bin (Debian)."""
+    dirs = [Path(os.environ["FORGEWEAVE_PG_BIN"])] if os.environ.get("FORGEWEAVE_PG_BIN") else []
+    dirs += sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=lambda d: int(d.parent.name), reverse=True)
+    for d in dirs:
+        if (d / name).is_file():
+            return d / name
+    raise UserError(
+        f"--db postgres: PostgreSQL's {name} not found: `apt-get install postgresql` (make test does), "
+        "or set FORGEWEAVE_PG_BIN to its bin directory"
+    )
+
+
+def pg_password(cfg: StackConfig) -> str:
+    """The cluster's password, made once and kept beside it (owner-only)."""
+    f = cfg.state_dir / "postgres.password"
+    if not f.is_file():
+        f.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_urlsafe(18))
+    return f.read_text().strip()
+
+
+def pg_init(cfg: StackConfig, password: str) -> None:
+    """initdb the private cluster once (password auth over TCP, peer on its socket)."""
+    root, user = pg_dir(cfg), (PG_OS_USER if os.geteuid() == 0 else None)
+    if (root / "data" / "PG_VERSION").is_file():
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    pwfile = root / "initdb.pw"
+    pwfile.write_text(password + "\n")
+    if user:
+        entry = pwd.getpwnam(user)
+        for path in (root, pwfile):
+            os.chown(path, entry.pw_uid, entry.pw_gid)
+        os.chmod(root, 0o700)
+        _check_reachable(root, user)
+    argv = [str(pg_bin("initdb")), "-D", str(root / "data"), "-U", PG_USER, "--pwfile", str(pwfile)]
+    argv += ["--auth-host=scram-sha-256", "--auth-local=peer", "-E", "UTF8", "--locale=C"]
+    try:
+        proc = subprocess.run(argv, user=user, capture_output=True, text=True, cwd=root)
+    finally:
+        pwfile.unlink()
+    if proc.returncode != 0:
+        raise UserError(f"initdb of {root / 'data'} failed: {proc.stderr.strip().splitlines()[-1:]}")
+
+
+def _check_reachable(root: Path, user: str) -> None:
+    if subprocess.run(["test", "-w", str(root)], user=user).returncode != 0:
+        raise UserError(
+            f"--db postgres: user '{user}' (PostgreSQL does not run as root) cannot reach {root}: "
+            "pick a runs dir whose parent directories others may enter (chmod o+x)"
+        )
+
+
+def pg_create_databases(cfg: StackConfig, password: str) -> None:
+    """CREATE DATABASE prefect / mlflow when missing."""
+    import psycopg2
+
+    conn = psycopg2.connect(host="127.0.0.1", port=cfg.ports.postgres, user=PG_USER, password=password,
+                            dbname="postgres", connect_timeout=5)  # fmt: skip
+    conn.autocommit = True
+    try:
+        with conn.cursor() as cur:
+            for db in PG_DATABASES:
+                cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (db,))
+                if cur.fetchone() is None:
+                    cur.execute(f'CREATE DATABASE "{db}"')
+    finally:
+        conn.close()
+
+
+# ---------------------------------------------------------------- up / status / down
+
+
+def _launch(cfg: StackConfig, svc: Service) -> dict:
+    """Start a service in its own session (so its PID is its process group), output to its log."""
+    logs = cfg.state_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{svc.name}.log"
+    with open(log, "w") as f:
+        if svc.user:
+            entry = pwd.getpwnam(svc.user)
+            os.chown(log, entry.pw_uid, entry.pw_gid)
+        proc = subprocess.Popen(list(svc.argv), env=svc.env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, user=svc.user, cwd=cfg.runs_dir)  # fmt: skip
+    started = start_time(proc.pid)
+    return {"pid": proc.pid, "start": started, "port": svc.port, "url": svc.url, "health": svc.health,
+            "log": str(log), "stop_signal": int(svc.stop_signal)}  # fmt: skip
+
+
+def _wait_healthy(cfg: StackConfig, state: dict, names: list[str], deadline: float) -> None:
+    pending = list(names)
+    while pending:
+        for name in list(pending):
+            rec = state["services"][name]
+            if not alive(rec):
+                tail = "".join(Path(rec["log"]).read_text(errors="replace").splitlines(True)[-5:]).strip()
+                raise UserError(f"{name} exited while starting (log {rec['log']}): {tail[-600:]}")
+            if healthy(rec):
+                pending.remove(name)
+        if pending and time.time() > deadline:
+            raise UserError(
+                f"not healthy after {cfg.timeout_s:.0f} s: {', '.join(pending)} (logs in {cfg.state_dir / 'logs'})"
+            )
+        time.sleep(0.3)
+
+
+def _check_settings(cfg: StackConfig, state: dict) -> None:
+    """An `up` with other settings than the running stack's is refused rather than half-applied."""
+    running = {n for n, rec in state["services"].items() if alive(rec)}
+    want = {"db": cfg.db, "ports": vars(cfg.ports)}
+    have = {"db": state.get("db"), "ports": state.get("ports")}
+    if running and want != have:
+        raise UserError(
+            f"a stack with other settings is running from {state_path(cfg.runs_dir)} ({', '.join(sorted(running))}): "
+            "`forgeweave down` first"
+        )
+
+
+def up(cfg: StackConfig) -> dict:
+    """Start what is not running yet, wait until all is healthy; returns the state. Idempotent."""
+    cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    state = read_state(cfg.runs_dir) or {}
+    state.setdefault("services", {})
+    _check_settings(cfg, state)
+    password = pg_password(cfg) if cfg.db == "postgres" else ""
+    state.update(db=cfg.db, ports=vars(cfg.ports), runs_dir=str(cfg.runs_dir), env=client_env(cfg))
+    state["ray_env"] = ray_client_env(cfg)
+    wanted = services(cfg, password)
+    state["services"] = {n: r for n, r in state["services"].items() if n in wanted and alive(r)}
+    todo = [n for n in wanted if n not in state["services"]]
+    _check_ports(cfg, wanted, todo)
+    deadline = time.time() + cfg.timeout_s
+    started: list[str] = []
+    try:
+        if "postgres" in todo:
+            pg_init(cfg, password)
+            _start(cfg, state, wanted["postgres"], started)
+        if "postgres" in wanted:
+            _wait_healthy(cfg, state, ["postgres"], deadline)
+            _wait_pg_ready(cfg, password, deadline)
+        for name in ("prefect", "mlflow", "dashboard", "ray"):
+            if name in todo:
+                _start(cfg, state, wanted[name], started)
+        _wait_healthy(cfg, state, ["prefect"], deadline)
+        if "serve" in todo:
+            _start(cfg, state, wanted["serve"], started)
+        _wait_healthy(cfg, state, list(wanted), deadline)
+    except BaseException:
+        for name in reversed(started):  # a failed `up` leaves nothing of its own behind
+            stop_process(state["services"][name], state["services"][name]["stop_signal"])
+            state["services"].pop(name)
+        if state["services"]:
+            write_state(cfg.runs_dir, state)
+        else:
+            state_path(cfg.runs_dir).unlink(missing_ok=True)
+        raise
+    state["started"] = started
+    return state
+
+
+def _start(cfg: StackConfig, state: dict, svc: Service, started: list[str]) -> None:
+    state["services"][svc.name] = _launch(cfg, svc)
+    started.append(svc.name)
+    write_state(cfg.runs_dir, state)  # recorded at once: `down` can stop it even if this `up` is killed
+
+
+def _check_ports(cfg: StackConfig, wanted: dict[str, Service], todo: list[str]) -> None:
+    flags = {"prefect": "--prefect-port", "mlflow": "--mlflow-port", "dashboard": "--dashboard-port",
+             "ray": "--ray-port", "postgres": "--postgres-port"}  # fmt: skip
+    ports = {n: wanted[n].port for n in todo if n != "serve"}
+    for name, port in ports.items():
+        if not port_free(port):
+            raise UserError(f"port {port} (127.0.0.1) for {name} is in use: choose another with {flags[name]} PORT")
+
+
+def _wait_pg_ready(cfg: StackConfig, password: str, deadline: float) -> None:
+    """The port opens before the server accepts logins: retry the connection until the databases exist."""
+    import psycopg2
+
+    while True:
+        try:
+            pg_create_databases(cfg, password)
+            return
+        except psycopg2.OperationalError as e:
+            if time.time() > deadline:
+                raise UserError(f"PostgreSQL on port {cfg.ports.postgres} does not accept logins: {e}") from None
+            time.sleep(0.3)
+
+
+def status(runs_dir: Path) -> dict[str, dict]:
+    """name -> {running, healthy, pid, url} for each recorded service ({} when no stack was started here)."""
+    state = read_state(runs_dir) or {"services": {}}
+    out = {}
+    for name, rec in state["services"].items():
+        running = alive(rec)
+        out[name] = {"running": running, "healthy": running and healthy(rec), "pid": rec["pid"], "url": rec["url"]}
+    return out
+
+
+def down(runs_dir: Path) -> list[str]:
+    """Stop every recorded service (reverse start order), by PID; returns the names of those that were running."""
+    state = read_state(runs_dir)
+    if state is None:
+        return []
+    stopped = []
+    names = sorted(state["services"], key=lambda n: -ORDER.index(n) if n in ORDER else 0)
+    for name in names:
+        rec = state["services"][name]
+        if stop_process(rec, rec.get("stop_signal", signal.SIGTERM)):
+            stopped.append(name)
+        state["services"].pop(name)
+        write_state(runs_dir, state)
+    state_path(runs_dir).unlink()
+    return stopped
+
+
+def use_stack(runs_dir: str) -> dict[str, str]:
+    """For `forgeweave run`: when a stack is up for this runs dir, take its Prefect/MLflow URLs (unless the
+    environment already names others); returns what was set."""
+    state = read_state(Path(runs_dir)) if Path(runs_dir).is_dir() else None
+    if not state or not all(alive(state["services"][n]) for n in ("prefect", "mlflow") if n in state["services"]):
+        return {}
+    if not {"prefect", "mlflow"} <= set(state["services"]):
+        return {}
+    taken = {k: v for k, v in state["env"].items() if k != "FORGEWEAVE_RUNS_DIR" and not os.environ.get(k)}
+    os.environ.update(taken)
+    return taken
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_commands(sub, runs_dir_arg) -> None:
+    """The `up`, `status` and `down` subcommands of `forgeweave`."""
+    u = sub.add_parser("up", help="start the local stack (Prefect server + deployments, MLflow, dashboard, Ray head)")
+    runs_dir_arg(u)
+    u.add_argument("--db", choices=("sqlite", "postgres"), default="sqlite", help="Prefect/MLflow backend store")
+    for name, default in vars(Ports()).items():
+        u.add_argument(f"--{name.replace('_', '-')}-port", type=int, default=default, dest=f"port_{name}")
+    u.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for every service (default 90)")
+    s = sub.add_parser("status", help="is each service of the local stack running and healthy")
+    runs_dir_arg(s)
+    s.add_argument("--env", action="store_true", help="print the stack's client settings as `export` lines")
+    d = sub.add_parser("down", help="stop what `forgeweave up` started (by PID)")
+    runs_dir_arg(d)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    ports = Ports(**{name: getattr(args, f"port_{name}") for name in vars(Ports())})
+    cfg = StackConfig(Path(args.runs_dir).resolve(), db=args.db, ports=ports, timeout_s=args.timeout)
+    t0 = time.time()
+    state = up(cfg)
+    fresh = state["started"]
+    print(f"stack up in {time.time() - t0:.1f} s ({', '.join(fresh) + ' started' if fresh else 'already running'});"
+          f" state: {state_path(cfg.runs_dir)}")  # fmt: skip
+    _print_table(status(cfg.runs_dir))
+    _print_env(state)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    state = read_state(Path(args.runs_dir))
+    if state is None:
+        print(f"no stack started for {Path(args.runs_dir).resolve()} (`forgeweave up`)")
+        return 3
+    if args.env:
+        print("\n".join(f"export {k}={v}" for k, v in state["env"].items()))
+        return 0
+    report = status(Path(args.runs_dir))
+    _print_table(report)
+    return 0 if report and all(r["healthy"] for r in report.values()) else 1
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    stopped = down(Path(args.runs_dir))
+    print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
+    return 0
+
+
+def _print_table(report: dict[str, dict]) -> None:
+    for name, r in report.items():
+        state = "healthy" if r["healthy"] else ("running, not healthy" if r["running"] else "not running")
+        print(f"  {name:<10} {state:<22} pid {r['pid']:<8} {r['url']}")
+
+
+def _print_env(state: dict) -> None:
+    print("clients (`forgeweave run --runs-dir` this dir uses these by itself; `forgeweave status --env` prints them):")
+    for k, v in state["env"].items():
+        print(f"  export {k}={v}")
+    ray_env = " ".join(f"{k}={v}" for k, v in state["ray_env"].items())
+    print(f"  Ray: {ray_env} forgeweave run --set orchestration.ray_address={state['services']['ray']['url']}")

