@@ -87,11 +87,13 @@ def grpo_pipeline(
     runs_dir (default <preset>-<timestamp>); resume continues that run from its latest checkpoint. With
     orchestration.execution=ray (or auto, when the run needs it) the stages run on Ray actors.
     """
+    from flows.deployments import confined
     from flows.execute import train
     from flows.planning import plan_run
     from flows.runs import resolve_run
     from forge.tracking_mlflow import tracker_for_run
 
+    runs_dir, config_path = confined(runs_dir, "runs_dir"), confined(config_path, "config_path")
     cfg, run_dir = resolve_run(preset, config_path or None, list(overrides or []), name or None, runs_dir, resume)
     _, plan = plan_run(cfg)
     tracker = tracker_for_run(cfg, run_dir, tags={"forgeweave.prefect_flow_run_id": str(flow_run.id)})
@@ -106,8 +108,10 @@ def grpo_pipeline(
 @flow(name="forgeweave-evaluate", persist_result=False, log_prints=True)
 def evaluate_checkpoint(checkpoint: str, preset: str = "", overrides: list[str] | None = None) -> dict:
     """Evaluate a checkpoint directory on its run's eval split (or a preset's); the report lands beside it."""
+    from flows.deployments import confined
     from flows.evaluation import evaluate_checkpoint_dir
 
+    checkpoint = confined(checkpoint, "checkpoint")
     report = evaluate_checkpoint_dir(Path(checkpoint), preset or None, list(overrides or []))
     create_markdown_artifact(key=artifact_key(Path(checkpoint).name), markdown=eval_markdown(checkpoint, report))
     return {k: v for k, v in report.items() if k != "samples"}
@@ -118,10 +122,12 @@ def prepare_dataset(
     out_dir: str, preset: str = "tiny", config_path: str = "", overrides: list[str] | None = None
 ) -> dict:
     """The prep stage alone: validate a dataset (or generate the built-in task) into out_dir/data/."""
+    from flows.deployments import confined
     from flows.runs import resolve_config
     from forge.data import prepare
     from forge.models import format_prompt_fn, load_policy
 
+    out_dir, config_path = confined(out_dir, "out_dir"), confined(config_path, "config_path")
     cfg = resolve_config(preset or None, config_path or None, list(overrides or []))
     _, tok = load_policy(cfg.model, seed=cfg.seed)
     data = prepare(
