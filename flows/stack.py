@@ -117,17 +117,23 @@ def alive(rec: dict) -> bool:
 
 def group_members(pgid: int, not_before: int) -> dict[int, int]:
     """pid -> start time of live processes in process group `pgid` started no earlier than its leader."""
-    out = {}
+    return {
+        pid: int(f[19])
+        for pid, f in proc_stats()
+        if int(f[2]) == pgid and f[0] not in ("Z", "X") and int(f[19]) >= not_before
+    }
+
+
+def proc_stats():
+    """(pid, fields of /proc/PID/stat after the command name) of every live process: state is [0], ppid [1],
+    process group [2], session [3], start time [19]."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            yield int(entry.name), (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X") and int(fields[19]) >= not_before:
-            out[int(entry.name)] = int(fields[19])
-    return out
 
 
 def stop_process(rec: dict, sig: int, timeout: float = 20.0) -> bool:
@@ -289,13 +295,18 @@ def services(cfg: StackConfig, pg_password: str = "") -> dict[str, Service]:
 def ray_client_env(cfg: StackConfig) -> dict[str, str]:
     """Ray authenticates its clients with a token: the head's, made once and kept in the state dir (owner-only);
     a driver connecting to the head needs these two variables."""
-    token = cfg.state_dir / "ray_auth_token"
-    if not token.is_file():
-        token.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(secrets.token_hex(32))
+    token = secret_file(cfg.state_dir / "ray_auth_token", secrets.token_hex(32))
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+
+
+def secret_file(path: Path, secret: str) -> Path:
+    """`path`, holding `secret` if it did not exist yet (created owner-only: never readable by others, even briefly)."""
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secret)
+    return path
 
 
 def ray_argv(cfg: StackConfig) -> tuple[str, ...]:
@@ -337,13 +348,7 @@ def pg_bin(name: str) -> Path:
 
 def pg_password(cfg: StackConfig) -> str:
     """The cluster's password, made once and kept beside it (owner-only)."""
-    f = cfg.state_dir / "postgres.password"
-    if not f.is_file():
-        f.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(secrets.token_urlsafe(18))
-    return f.read_text().strip()
+    return secret_file(cfg.state_dir / "postgres.password", secrets.token_urlsafe(18)).read_text().strip()
 
 
 def pg_init(cfg: StackConfig, password: str) -> None:

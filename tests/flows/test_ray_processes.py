@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from flows.reaper import descendants
+from flows.stack import proc_stats
 from tests.servers import BIN, REPO
 
 pytestmark = pytest.mark.slow
@@ -25,17 +26,7 @@ RAY_TINY = ["--set", "orchestration.execution=ray", "--set", "steps=100000", "--
 
 
 def session_members(sid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            out.append(int(entry.name))
-    return out
+    return [pid for pid, f in proc_stats() if int(f[3]) == sid and f[0] != "Z"]
 
 
 def start_run(runs_dir: Path, name: str) -> subprocess.Popen:
