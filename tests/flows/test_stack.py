@@ -196,8 +196,9 @@ def test_ray_port_inside_rays_worker_range_is_refused(tmp_path):
 
 def test_run_takes_the_stack_urls_only_while_it_runs(tmp_path, monkeypatch):
     runs = tmp_path / "runs"
-    monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):  # recorded first, so teardown undoes what use_stack sets
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     assert stack.use_stack(str(runs)) == {}
     me = {"pid": os.getpid(), "start": stack.start_time(os.getpid())}  # a live process stands in for the servers
     env = {"PREFECT_API_URL": "http://127.0.0.1:1/api", "MLFLOW_TRACKING_URI": "http://127.0.0.1:2"}
