@@ -80,7 +80,13 @@ def _on_ray(cfg: RunConfig, processes: int, batch: ScoredBatch, steps: int):
     from flows.ray_actor import StageActor
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a private instance: 127.0.0.1 only
-    ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=os.cpu_count() or 1,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
     try:
         env = {"OMP_NUM_THREADS": str(cfg.threads), "FORGEWEAVE_THREADS": str(cfg.threads),
                "CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "1"}  # fmt: skip

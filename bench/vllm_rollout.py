@@ -33,7 +33,7 @@ class EngineActor:
         from forge.rollout.vllm import REPO, engine_env, vllm_python
 
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a private instance: 127.0.0.1 only
-        ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, _node_ip_address="127.0.0.1",
+        ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, _node_ip_address="127.0.0.1",
                  log_to_driver=False)  # fmt: skip
         cfg = RunConfig()
         cfg.model.path, cfg.rollout.backend = model_path, "vllm"

@@ -71,7 +71,8 @@ def ray_session(cfg: RunConfig, plan: dict, run_name: str):
         ray.init(address=address, **kwargs)
     else:
         pools = {pool_resource(p["name"]): 1000.0 for p in plan.get("pools", [])}
-        ray.init(num_cpus=max(1, os.cpu_count() or 1), resources=pools, include_dashboard=False,
+        # "local": a new private instance even where `ray start` (e.g. `forgeweave up`) left a cluster behind
+        ray.init(address="local", num_cpus=max(1, os.cpu_count() or 1), resources=pools, include_dashboard=False,
                  _node_ip_address="127.0.0.1", **kwargs)  # fmt: skip
         reaper = subprocess.Popen([sys.executable, "-m", "flows.reaper", "--watch", str(os.getpid())],
                                   cwd=REPO, start_new_session=True)  # fmt: skip

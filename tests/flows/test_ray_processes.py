@@ -78,3 +78,18 @@ def _reapers(pid: int) -> list[int]:
         if b"flows.reaper" in cmd and str(pid).encode() in cmd:
             out.append(int(entry.name))
     return out
+
+
+def test_a_run_starts_its_own_ray_even_where_another_cluster_is_advertised(monkeypatch):
+    """`ray start` (the stack's Ray head) leaves its address in /tmp/ray/ray_current_cluster, and RAY_ADDRESS may
+    name a cluster: without orchestration.ray_address a run still starts its private instance (it used to try to
+    join that cluster and fail: "num_cpus must not be provided")."""
+    import ray
+
+    from flows.ray_exec import ray_session
+    from forge.config import RunConfig
+
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # advertised, dead
+    with ray_session(RunConfig(), {"pools": [{"name": "cpu"}]}, "private"):
+        assert ray.cluster_resources().get("pool:cpu") == 1000.0
+    assert not ray.is_initialized()

@@ -56,7 +56,7 @@ def _state(model) -> dict:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """(hf backend, engine actor) over the same weights; the actor is killed at the end of the module."""
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     cfg = _cfg()
     env = {**engine_env(cfg.rollout, 0), "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
     actor = StageActor.options(runtime_env={"py_executable": str(vllm_python()), "env_vars": env}).remote(env)
