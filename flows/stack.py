@@ -568,7 +568,8 @@ def add_commands(sub, runs_dir_arg) -> None:
     runs_dir_arg(u)
     u.add_argument("--db", choices=("sqlite", "postgres"), default="sqlite", help="Prefect/MLflow backend store")
     for name, default in vars(Ports()).items():
-        u.add_argument(f"--{name.replace('_', '-')}-port", type=int, default=default, dest=f"port_{name}")
+        u.add_argument(f"--{name.replace('_', '-')}-port", type=int, default=default, dest=f"port_{name}",
+                       metavar="PORT", help=f"{name}'s port on 127.0.0.1 (default {default})")  # fmt: skip
     u.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for every service (default 90)")
     s = sub.add_parser("status", help="is each service of the local stack running and healthy")
     runs_dir_arg(s)
