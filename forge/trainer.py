@@ -71,7 +71,7 @@ def token_logprobs(
     """Per-token log-probs of `completion_ids` given the left-padded prompts. Shapes [n, P] and [n, T].
 
     The model's logits stay in its compute dtype; the fp32 log-softmax is taken over chunks of completion positions
-    (`chunk_elements` fp32 values each) and recomputed in the backward pass (activation checkpointing), so no
+    (`chunk_elements` fp32 values each), recomputed in the backward pass when there are several, so no
     [n, T, vocab] fp32 tensor is ever held: per row the values are those of one full log-softmax."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [n, P+T]
     attention = torch.cat([prompt_mask, completion_mask], dim=1)
@@ -93,10 +93,12 @@ def chunked_logprobs(logits, ids, temperature: float = 1.0, chunk_elements: int 
     """log_softmax(logits / temperature) at `ids` and the entropy, over chunks of positions. [n, T, V], [n, T]."""
     n, T, vocab = logits.shape
     step = max(1, chunk_elements // max(1, n * vocab))
+    # one chunk is kept for backward like any activation; several are recomputed there, or all would be kept
+    recompute = T > step and torch.is_grad_enabled() and logits.requires_grad
     parts = []
     for t in range(0, T, step):
         chunk, chunk_ids = logits[:, t : t + step], ids[:, t : t + step]
-        if torch.is_grad_enabled() and logits.requires_grad:
+        if recompute:
             parts.append(checkpoint(_chunk_logprobs, chunk, chunk_ids, temperature, use_reentrant=False))
         else:
             parts.append(_chunk_logprobs(chunk, chunk_ids, temperature))
