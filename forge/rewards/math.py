@@ -1,4 +1,21 @@
-r"""Final-answer extraction and answer comparison for math-style tasks.
+r"""Final-answer checking for math-style tasks: a fast path for plain numbers, math-verify for everything else.
+
+`completion_matches(completion, ref)` is what the `math_answer` verifier scores with:
+
+1. Fast path (today's checker, unchanged): when the reference is a plain number (42, -7, 3.14, 1,234, 3/4, 2.5e3,
+   also "x = 5" or "30^\circ") and `extract_answer` pulls a plain number out of the completion, the verdict is
+   `answers_match` on the two: equal within 1e-6 relative. A plain-number reference and a completion holding no
+   digit at all is no match. No sympy, no math-verify, no child process: integer tasks (smollm2-arith) score
+   exactly as before, at the same speed.
+2. Otherwise Hugging Face's math-verify decides (forge/rewards/mathverify.py: `parse` + `verify` in a child
+   process with a hard time and memory bound). The reference is parsed as LaTeX, wrapped in `$...$` unless it
+   already has math delimiters or `\boxed`; the prediction is the whole completion (math-verify finds the final
+   answer: "final answer is", `\boxed{}`, the last LaTeX or plain expression), or the last `<answer>...</answer>`
+   when there is one. math-verify handles fractions, percents (10\% matches 10 and 0.1), intervals, sets,
+   tuples (ordered), matrices, units and degrees, equations (x = 5 matches 5) and thousands separators.
+3. A reference that is only words ("Monday", "yes", "\text{east}") also matches when `answers_match` finds the
+   extracted answer (or a completion of at most 3 words) equal as case-insensitive text: math-verify reads a word
+   as a product of single-letter symbols and finds no final answer in "The answer is Monday."
 
 `extract_answer` pulls one final answer out of a completion, trying in order: the last balanced `\boxed{...}`
 (or `\fbox{...}`), the last `<answer>...</answer>`, the last "answer is X" / "Answer: X", then the last number
@@ -18,6 +35,8 @@ from __future__ import annotations
 import cmath
 import re
 from fractions import Fraction
+
+from forge.rewards.mathverify import math_verify_match
 
 # A number as people write it: 42, -7, 3.14, 1,234 (thousands), 3/4. The sign is only taken when the minus
 # does not follow a word or a closing bracket, so "5-3" yields 5 and 3, not 5 and -3.
@@ -49,6 +68,52 @@ _REL_TOL = 1e-6
 _MAX_EXPONENT = 400
 _MAX_NUMBER_CHARS = 400
 _EXPONENT = re.compile(r"[eE]([+-]?\d+)")
+_MATH_DELIMITERS = ("$", "\\(", "\\[", "\\boxed")
+_WORDS = re.compile(r"[A-Za-z][A-Za-z' -]*")
+_SHORT_WORDS = 3
+
+
+def completion_matches(completion: str, ref: str) -> bool:
+    r"""Whether the completion's final answer equals the reference `ref` (see the module docstring for the rules).
+
+    >>> completion_matches("The answer is 57.", "57"), completion_matches("5 7", "57")
+    (True, False)
+    >>> completion_matches(r"so $x = \boxed{\dfrac{1}{2}}$", r"\frac12"), completion_matches(r"\boxed{[1,2]}", "[1,2)")
+    (True, False)
+    >>> completion_matches("Yes.", "yes"), completion_matches("The answer is Monday.", r"\text{Tuesday}")
+    (True, False)
+    """
+    pred = extract_answer(completion)
+    if is_plain_number(ref):
+        if pred is not None and is_plain_number(pred):
+            return answers_match(pred, ref)
+        if not re.search(r"\d", completion):
+            return False
+    if math_verify_match(_gold_text(ref), _prediction_text(completion)):
+        return True
+    if pred is None and len(completion.split()) <= _SHORT_WORDS:
+        pred = completion
+    return bool(_WORDS.fullmatch(_normalise(ref))) and answers_match(pred, ref)
+
+
+def is_plain_number(s: str) -> bool:
+    r"""Whether the fast path reads `s` as a number (after `answers_match`'s normalisation).
+
+    >>> is_plain_number("1,234"), is_plain_number("x = -3/4"), is_plain_number(r"\frac{3}{4}"), is_plain_number("10\\%")
+    (True, True, False, False)
+    """
+    return _as_number(_normalise(s)) is not None
+
+
+def _gold_text(ref: str) -> str:
+    return ref if any(d in ref for d in _MATH_DELIMITERS) else f"${ref}$"
+
+
+def _prediction_text(completion: str) -> str:
+    tagged = _last_tagged(completion)
+    if tagged is None or not tagged.strip():
+        return completion
+    return _gold_text(tagged.strip())
 
 
 def extract_answer(text: str) -> str | None:

@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from forge.rewards.math import NUMBER_PATTERN, answers_match, extract_answer
+from forge.rewards.math import NUMBER_PATTERN, completion_matches
 
 Verifier = Callable[..., Sequence[float | None]]
 """(prompts: list[str], completions: list[str], **columns: list) -> one float or None per completion."""
@@ -21,15 +21,15 @@ _TAGGED = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 def math_answer(prompts: list[str], completions: list[str], answer: list[Any], **kwargs: Any) -> list[float | None]:
-    r"""1.0 when the completion's final answer (see `extract_answer`) matches the reference, else 0.0.
+    r"""1.0 when the completion's final answer matches the reference, else 0.0; None where the reference is missing.
 
-    None where the reference answer is missing.
+    Plain numbers are compared by the fast path, anything else by math-verify (`completion_matches`).
 
     >>> math_answer(["1+1?", "1+1?", "1+1?"], [r"so \boxed{2}", "It is 3.", "2"], answer=["2", "2", None])
     [1.0, 0.0, None]
     """
     return [
-        None if ref is None else float(answers_match(extract_answer(text), str(ref)))
+        None if ref is None else float(completion_matches(text, str(ref)))
         for text, ref in zip(completions, answer, strict=True)
     ]
 
