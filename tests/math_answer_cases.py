@@ -13,6 +13,8 @@ mathematical truth, with these decisions:
 
 B = r"\boxed"
 
+# one case per line reads as a table
+# fmt: off
 CASES: list[tuple[str, str, str, bool]] = [
     # ---- integers
     ("integer", "42", "The answer is 42.", True),
@@ -223,3 +225,4 @@ CASES: list[tuple[str, str, str, bool]] = [
     ("none", "42", "I do not know.", False),
     ("none", "[1,2)", "", False),
 ]
+# fmt: on
