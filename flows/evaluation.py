@@ -37,7 +37,8 @@ def evaluate_checkpoint_dir(ckpt: Path, preset: str | None, overrides: list[str]
         rows = build(cfg, format_prompt_fn(tok, cfg.model), count).eval
     # HF generate in this process whatever the run sampled with: greedy tokens are the same as vLLM's (tested)
     backend = make_backend("hf", model, tok, autocast_bf16=cfg.rollout.autocast_bf16, rollout=cfg.rollout)
-    report = evaluate(backend, rows, cfg.eval, cfg.rollout, seed=cfg.seed)
+    report = evaluate(backend, rows, cfg.eval, cfg.rollout, seed=cfg.seed, timeout_s=cfg.reward.score_timeout_s,
+                      reward=cfg.reward)  # fmt: skip
     write_json(out, report)
     return report
 

@@ -249,8 +249,11 @@ class EvalConfig:
     """Sequences per generate() call during evaluation (hf backend; vLLM batches by itself)."""
     num_samples_saved: int = 20
     """Samples stored in each eval report."""
-    check: str = "math_answer"
-    """Verifier whose score 1.0 makes a completion correct for pass@1/pass@k (math_answer, or e.g. code_exec)."""
+    verifiers: list[str] = field(default_factory=list)
+    """Verifiers deciding pass@1/pass@k (a completion is correct when each scores >= 1.0); names or import paths as
+    in reward.verifiers; empty = the run's correctness verifiers, else math_answer (rule: forge/evaluate.py)."""
+    check: str = ""
+    """Deprecated: one verifier name, the same as eval.verifiers=[NAME] (configs from before eval.verifiers)."""
 
 
 @dataclass
@@ -352,6 +355,9 @@ class RunConfig:
             f"has {len(w)} values for {len(self.reward.verifiers)} verifiers: give one per verifier (or none)",
         )
         _require(bool(self.reward.verifiers), "reward.verifiers", "needs at least one verifier")
+        ev = self.eval
+        _require(not (ev.check and ev.verifiers), "eval.check", "is the old form of eval.verifiers: set only one")
+        _require(len(set(ev.verifiers)) == len(ev.verifiers), "eval.verifiers", "lists a verifier twice: list it once")
         return self
 
 

@@ -1,7 +1,16 @@
 """Evaluation on the held-out split: pass@1 (greedy), pass@k (k sampled completions), mean reward, samples.
 
-Correctness is a score of 1.0 from the `eval.check` verifier (default `math_answer`; `code_exec` for code tasks:
-every hidden test passes) against the reference answer column. pass@k is the share of problems
+A completion is correct when every eval verifier scores it >= 1.0 (a verifier that raised or returned None for it:
+not correct). The eval verifiers are `eval.verifiers` when set (names or import paths, as in reward.verifiers), else
+the deprecated `eval.check` (one name), else the run's correctness verifiers (`eval_verifier_specs`):
+1. the built-ins in reward.verifiers that judge correctness (`registry.CORRECTNESS`: math_answer, code_exec: every
+   hidden test passes), else
+2. the import-path verifiers in reward.verifiers whose function name does not mention format or length
+   (`format`, `length`, `len_`): a TRL `accuracy_reward` decides, its `format_reward` and `len_reward` do not;
+   reward models, LLM judges and the label-free checks never do, else
+3. math_answer.
+They always see the reference answer column (reward.label_free only hides it from the reward). The report names
+them (`"verifiers"`) and keeps each one's first error (`"verifier_errors"`). pass@k is the share of problems
 with at least one correct completion among k samples (n = k, so the unbiased estimator of Chen et al. 2021
 reduces to this). Sampling for pass@k uses its own seed (`SamplingParams.seed`) and leaves the training RNG untouched, so
 evaluating does not change the training trajectory. The hf backend generates `eval.batch_size` sequences per call.
@@ -13,10 +22,13 @@ import time
 
 import torch
 
-from forge.config import EvalConfig, RolloutConfig
+from forge.config import EvalConfig, RewardConfig, RolloutConfig
+from forge.rewards.registry import CORRECTNESS, resolve_verifier
 from forge.rewards.score import score_completions
-from forge.rewards.verifiers import math_answer
 from forge.rollout.base import RolloutBackend, SamplingParams
+
+_NOT_CORRECTNESS = ("format", "length", "len_")
+"""A user verifier whose function name contains one of these scores form, not correctness: it does not decide eval."""
 
 
 def evaluate(
@@ -28,9 +40,12 @@ def evaluate(
     weights: list[float] | None = None,
     seed: int = 0,
     timeout_s: float = 0.0,
+    reward: RewardConfig | None = None,
 ) -> dict:
-    """Return the eval report (JSON-ready). rows: eval split rows with model_input and answer. `timeout_s`: each
-    verifier's budget for the batch (reward.score_timeout_s; 0 = none)."""
+    """Return the eval report (JSON-ready). rows: eval split rows with model_input and answer. `verifiers`: the
+    run's resolved reward verifiers (reused by name; also give `mean_reward`); `reward`: the run's reward config
+    (picks the default eval verifiers; None = RewardConfig()). `timeout_s`: each verifier's budget for the batch
+    (reward.score_timeout_s; 0 = none)."""
     start = time.perf_counter()
     rows = rows[: cfg.max_problems]
     prompts = [r["model_input"] for r in rows]
@@ -39,20 +54,25 @@ def evaluate(
     greedy = backend.generate(
         prompts, SamplingParams(max_new_tokens=max_new, temperature=0.0, n=1, batch_size=cfg.batch_size)
     )
-    check = _check_fn(cfg.check, verifiers)
-    correct = _correct(check, prompts, greedy.texts, answers)
+    reward = reward or RewardConfig()
+    judges = resolve_eval_verifiers(eval_verifier_specs(cfg, reward), verifiers, reward)
+    columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "model_input")} if rows else {}
+    errors: dict[str, str] = {}
+    correct = _correct(judges, prompts, greedy.texts, columns, timeout_s, errors)
     report = {
         "problems": len(rows),
         "pass@1": _mean(correct),
+        "verifiers": [name for name, _ in judges],
         "policy_version": greedy.policy_version,
         "mean_completion_tokens": float(greedy.completion_mask.sum(1).float().mean()),
     }
     if verifiers:
-        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "model_input")} if rows else {}
         res = score_completions(verifiers, weights, prompts, greedy.texts, columns, timeout_s=timeout_s)
         report["mean_reward"] = float(res.rewards.mean()) if len(rows) else 0.0
     if cfg.k > 0 and rows:
-        report[f"pass@{cfg.k}"] = _pass_at_k(backend, prompts, answers, cfg, rollout, seed, check)
+        report[f"pass@{cfg.k}"] = _pass_at_k(backend, prompts, columns, cfg, rollout, seed, judges, timeout_s, errors)
+    if errors:
+        report["verifier_errors"] = errors
     report["samples"] = [
         {"prompt": r["prompt"], "completion": t, "answer": a, "correct": bool(c)}
         for r, t, a, c in list(zip(rows, greedy.texts, answers, correct, strict=True))[: cfg.num_samples_saved]
@@ -61,23 +81,52 @@ def evaluate(
     return report
 
 
-def _check_fn(name: str, verifiers: list | None):
-    """The eval.check verifier: the run's own instance when it is one of reward.verifiers, else resolved by name."""
-    if name == "math_answer":
-        return math_answer
-    for vname, fn in verifiers or []:
-        if vname == name:
-            return fn
-    from forge.rewards.registry import resolve_verifier
+def eval_verifier_specs(cfg: EvalConfig, reward: RewardConfig) -> list[str]:
+    """The specs of the verifiers that decide correctness (rule: module docstring). Pure: nothing is resolved.
 
-    return resolve_verifier(name)[1]
+    >>> r = RewardConfig(verifiers=["format_tags", "mypkg.rewards:accuracy_reward", "mypkg.rewards:format_reward"])
+    >>> eval_verifier_specs(EvalConfig(), r), eval_verifier_specs(EvalConfig(), RewardConfig(verifiers=["concise"]))
+    (['mypkg.rewards:accuracy_reward'], ['math_answer'])
+    """
+    if cfg.verifiers:
+        return list(cfg.verifiers)
+    if cfg.check:
+        return [cfg.check]
+    specs = [s.strip() for s in reward.verifiers]
+    builtin = [s for s in specs if s in CORRECTNESS]
+    user = [s for s in specs if _is_import_path(s) and not any(w in _attr(s).lower() for w in _NOT_CORRECTNESS)]
+    return builtin or user or ["math_answer"]
 
 
-def _correct(check, prompts: list[str], texts: list[str], answers: list[str]) -> list[bool]:
-    return [s is not None and s >= 1.0 for s in check(prompts=prompts, completions=texts, answer=answers)]
+def resolve_eval_verifiers(specs: list[str], run: list | None, reward: RewardConfig) -> list[tuple[str, object]]:
+    """(name, fn) per spec: the run's own instance when one of its verifiers has that name, else resolved anew."""
+    mine = dict(run or [])
+    out = []
+    for spec in specs:
+        name = _attr(spec) if _is_import_path(spec) else spec.split("=", 1)[0]
+        out.append((name, mine[name]) if name in mine else resolve_verifier(spec, reward))
+    return out
 
 
-def _pass_at_k(backend, prompts, answers, cfg: EvalConfig, rollout: RolloutConfig, seed: int, check) -> float:
+def _is_import_path(spec: str) -> bool:
+    return ":" in spec and "=" not in spec.split(":", 1)[0]
+
+
+def _attr(spec: str) -> str:
+    return spec.rpartition(":")[2]
+
+
+def _correct(judges, prompts: list[str], texts: list[str], columns: dict, timeout_s: float, errors: dict) -> list[bool]:
+    """Whether every judge scores each completion >= 1.0 (NaN: it failed on it). First errors go into `errors`."""
+    res = score_completions(
+        verifiers=judges, weights=None, prompts=prompts, completions=texts, columns=columns, timeout_s=timeout_s
+    )
+    for name, err in res.errors.items():
+        errors.setdefault(name, err)
+    return (res.scores >= 1.0).all(dim=1).tolist() if len(texts) else []
+
+
+def _pass_at_k(backend, prompts, columns, cfg: EvalConfig, rollout: RolloutConfig, seed, judges, timeout_s, errors):
     params = SamplingParams(
         max_new_tokens=cfg.max_new_tokens or rollout.max_new_tokens,
         temperature=cfg.temperature,
@@ -87,7 +136,8 @@ def _pass_at_k(backend, prompts, answers, cfg: EvalConfig, rollout: RolloutConfi
         batch_size=cfg.batch_size,
     )
     sampled = backend.generate(prompts, params)
-    hits = _correct(check, sampled.prompts, sampled.texts, [a for a in answers for _ in range(cfg.k)])
+    repeated = {key: [v for v in col for _ in range(cfg.k)] for key, col in columns.items()}
+    hits = _correct(judges, sampled.prompts, sampled.texts, repeated, timeout_s, errors)
     per_problem = torch.tensor(hits, dtype=torch.float32).view(len(prompts), cfg.k)
     return float((per_problem.max(dim=1).values > 0).float().mean())
 

@@ -66,7 +66,7 @@ def tiny_code() -> RunConfig:
     cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens = 8, 32, 1
     cfg.reward.verifiers = ["code_exec"]
     cfg.reward.code_timeout_s, cfg.reward.code_test_timeout_s = 2.0, 1.0
-    cfg.eval.check, cfg.eval.k, cfg.eval.every = "code_exec", 0, 50
+    cfg.eval.verifiers, cfg.eval.k, cfg.eval.every = ["code_exec"], 0, 50
     return cfg
 
 
@@ -107,7 +107,7 @@ def smollm2_code() -> RunConfig:
     cfg.rollout.max_new_tokens = 12
     cfg.reward.verifiers = ["code_exec"]
     cfg.reward.code_timeout_s, cfg.reward.code_test_timeout_s = 3.0, 1.0
-    cfg.eval.check, cfg.eval.max_problems, cfg.eval.max_new_tokens = "code_exec", 100, 12
+    cfg.eval.verifiers, cfg.eval.max_problems, cfg.eval.max_new_tokens = ["code_exec"], 100, 12
     return cfg
 
 

@@ -141,7 +141,7 @@ class RolloutWorker:
             self._verifiers = resolve_verifiers(self.cfg.reward.verifiers, self.cfg.reward)
         c = self.cfg
         report = evaluate(self.backend, rows, c.eval, c.rollout, self._verifiers, c.reward.weights, seed=c.seed + step,
-                          timeout_s=c.reward.score_timeout_s)  # fmt: skip
+                          timeout_s=c.reward.score_timeout_s, reward=c.reward)  # fmt: skip
         if self.sleeps:
             self.backend.sleep()
         report["step"] = step

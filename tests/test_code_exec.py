@@ -286,12 +286,15 @@ def test_task_reference_solutions_pass_and_a_constant_scores_its_share(clean_mac
 
 
 @needs_sandbox
-def test_eval_check_counts_a_completion_correct_only_when_every_test_passes(clean_machine):
-    from forge.evaluate import _check_fn, _correct
+def test_eval_counts_a_completion_correct_only_when_every_test_passes(clean_machine):
+    from forge.config import EvalConfig, RewardConfig
+    from forge.evaluate import _correct, eval_verifier_specs, resolve_eval_verifiers
 
-    check = _check_fn("code_exec", None)
+    reward = RewardConfig(verifiers=["code_exec"])
+    judges = resolve_eval_verifiers(eval_verifier_specs(EvalConfig(), reward), None, reward)
     texts = ["def f(x): return x + 3", "def f(x): return x + 3 if x > 0 else 0", "nonsense"]
-    assert _correct(check, ["p"] * 3, texts, [TESTS] * 3) == [True, False, False]
+    assert [n for n, _ in judges] == ["code_exec"]
+    assert _correct(judges, ["p"] * 3, texts, {"answer": [TESTS] * 3}, 0.0, {}) == [True, False, False]
 
 
 @needs_sandbox

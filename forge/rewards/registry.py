@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 CONFIGURED = ("code_exec",)
 """Built-ins built from RewardConfig fields (code_exec: the sandbox limits) when they are resolved."""
+CORRECTNESS = ("math_answer", "code_exec")
+"""Built-ins that judge correctness against the reference answer: by default they decide eval pass@1/pass@k."""
 
 
 def resolve_verifier(spec: str, reward: RewardConfig | None = None) -> tuple[str, Verifier]:
