@@ -8,6 +8,7 @@ It runs on its own main thread, so math-verify's signal-based timeouts work here
 huge integer power in C) is bounded by the parent, which kills this process past its deadline.
 """
 
+import functools
 import json
 import logging
 import resource
@@ -39,12 +40,17 @@ def main() -> None:
     mv_logger.addHandler(counter)
     mv_logger.propagate = False  # its records quote the whole input; the parent reports timeouts itself
     config = [LatexExtractionConfig(), ExprExtractionConfig()]
+    # a group's G completions share one reference: parse it once (sympy objects are immutable; a timed-out parse
+    # is cached as [] too, so an adversarial reference costs its timeout once)
+    parse_gold = functools.lru_cache(maxsize=4096)(
+        lambda gold: parse(gold, extraction_config=config, parsing_timeout=timeout_s)
+    )
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
         before, gave_up = counter.count, False
         try:
-            gold = parse(req["gold"], extraction_config=config, parsing_timeout=timeout_s)
+            gold = parse_gold(req["gold"])
             pred = parse(req["pred"], extraction_config=config, parsing_timeout=timeout_s)
             match = bool(gold and pred and verify(gold, pred, timeout_seconds=timeout_s))
         except MemoryError:  # the address-space limit: an answer too big to build is not a match

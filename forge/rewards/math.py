@@ -84,9 +84,11 @@ def completion_matches(completion: str, ref: str) -> bool:
     (True, False)
     """
     pred = extract_answer(completion)
-    if is_plain_number(ref):
-        if pred is not None and is_plain_number(pred):
-            return answers_match(pred, ref)
+    y = _as_number(_normalise(ref))
+    if y is not None:  # the first branch of answers_match, without normalising twice
+        x = None if pred is None else _as_number(_normalise(pred))
+        if x is not None:
+            return _numbers_close(x, y)
         if not re.search(r"\d", completion):
             return False
     if math_verify_match(_gold_text(ref), _prediction_text(completion)):
