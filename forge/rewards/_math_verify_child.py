@@ -2,7 +2,8 @@
 
 argv: parse/verify timeout in whole seconds, address-space limit in MiB. It limits its own memory, imports
 math-verify, prints one JSON line ({"ready": true} or {"error": "..."}), then answers one JSON line per request
-line on stdin: {"gold": str, "pred": str} -> {"match": bool, "gave_up": bool}. It ends when stdin closes.
+line on stdin: {"gold": str, "pred": str} -> {"match": bool, "gave_up": bool} (gave_up: a math-verify timeout or
+the memory limit ended the check). It ends when stdin closes.
 
 It runs on its own main thread, so math-verify's signal-based timeouts work here; work they cannot interrupt (a
 huge integer power in C) is bounded by the parent, which kills this process past its deadline.

@@ -2,7 +2,8 @@
 
 math-verify's own timeouts use `signal.alarm`, which only works on a process's main thread: called from the
 reward stage's daemon thread (reward.score_timeout_s) or a Ray actor's thread it raises, and with its timeouts
-off nothing bounds it (sympy can spend hours on `10^{10^{10}}` or `1000000!`, partly in C code no signal stops).
+off nothing bounds it (`10^{10^{10}}` or `1000000!` keep sympy busy far past any budget). A signal is also only
+handled between Python bytecodes, so it cannot cut short one long call into C (a huge integer power).
 So every check runs in one long-lived child process per parent process (forge/rewards/_math_verify_child.py,
 started on first use, ~1 s to import math-verify), on the child's main thread:
 
@@ -11,7 +12,9 @@ started on first use, ~1 s to import math-verify), on the child's main thread:
 - the parent waits at most `ITEM_TIMEOUT_S` per check; past it the child is killed (SIGKILL), the check counts
   as no match, and the next check starts a fresh child.
 
-Both give 0.0, as math-verify itself scores a timeout, and log a warning (`forge.rewards.mathverify`). The child
+Both give 0.0, as math-verify itself scores a timeout, and log a warning (`forge.rewards.mathverify`). Ordinary
+answers take milliseconds; one that hits the bounds costs seconds, so a batch made mostly of such answers can
+exceed reward.score_timeout_s, which then stops the run with an error naming math_answer. The child
 never evaluates the text with `eval`: math-verify parses LaTeX with its own grammar (latex2sympy2_extended) and
 plain expressions with sympy's `parse_expr` only on what its regex allows (digits, `+-*/^()`, spaces, `.`).
 Checks are serialised per process (a lock); the child is re-created after a fork.
@@ -32,9 +35,9 @@ from pathlib import Path
 
 from forge.errors import UserError
 
-MV_TIMEOUT_S = 3
+MV_TIMEOUT_S = 2
 """math-verify's own timeout inside the child, whole seconds per parse and per comparison."""
-ITEM_TIMEOUT_S = 15.0
+ITEM_TIMEOUT_S = 10.0
 """Hard bound on one check (gold + prediction parsed, every comparison) before the child is killed."""
 START_TIMEOUT_S = 60.0
 """Seconds the child may take to import math-verify."""
