@@ -144,7 +144,7 @@ def test_adversarial_answers_finish_in_bounded_time_in_a_daemon_thread():
 def test_a_check_past_the_hard_bound_kills_the_child_and_the_next_one_works(caplog):
     t0 = time.perf_counter()
     assert mathverify.math_verify_match("$5$", r"$10^{10^{10}}$", timeout_s=0.5) is False  # before the 2 s inner one
-    assert time.perf_counter() - t0 < 2.5
+    assert time.perf_counter() - t0 < 5  # the log line below tells the kill from the inner timeout
     assert "stopped; scored 0.0" in caplog.text
     assert mathverify.math_verify_match(r"$\frac12$", r"\boxed{0.5}") is True
 
