@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
@@ -668,10 +669,10 @@ class KeyDoc:
     """The field's docstring in forge/config.py, on one line."""
 
 
-def describe_keys(section: str = "") -> list[KeyDoc]:
-    """Every leaf key of `RunConfig` (nested sections flattened: `model.lora.rank`) in declaration order, with type,
+def describe_keys(section: str = "", root: type = RunConfig) -> list[KeyDoc]:
+    """Every leaf key of `root` (nested sections flattened: `model.lora.rank`) in declaration order, with type,
     default and one-line doc; `section` keeps a section (`update`, `model.lora`) or a single key."""
-    docs = list(_describe(RunConfig, RunConfig(), ""))
+    docs = list(_describe(root, root(), ""))
     if not section:
         return docs
     picked = [d for d in docs if d.key == section or d.key.startswith(section + ".")]
@@ -693,6 +694,7 @@ def _describe(cls: type, default: Any, prefix: str) -> typing.Iterator[KeyDoc]:
             yield KeyDoc(f"{prefix}{f.name}", type_text(hint), copy.deepcopy(value), docs.get(f.name, ""))
 
 
+@functools.cache
 def field_docs(cls: type) -> dict[str, str]:
     """Field name -> the string literal written right under the field in the class body (PEP 257's attribute
     docstring), read from the source with `ast` and joined onto one line; fields without one are absent."""
