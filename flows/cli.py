@@ -226,7 +226,7 @@ def cmd_run(args) -> int:
     if summary.get("tensorboard_dir"):
         print(f"tensorboard: {summary['tensorboard_dir']} (browse with `tensorboard --logdir {run_dir.parent}`)")
     if summary.get("wandb_dir"):
-        print(f"wandb run: {summary['wandb_dir']} (offline: upload with `wandb sync` on its offline-run-* directories)")
+        print(f"wandb run: {summary['wandb_dir']} (an offline run uploads with `wandb sync {summary['wandb_dir']}`)")
     return 0
 
 
