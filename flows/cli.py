@@ -1,5 +1,5 @@
-"""The `forgeweave` command line: run, eval, export, presets, plan, serve, server, worker, dashboard, mlflow, sync,
-up, status, down.
+"""The `forgeweave` command line: run, eval, export, presets, config, plan, serve, server, worker, dashboard, mlflow,
+sync, up, status, down.
 
 Errors a user can fix (a bad config key, a malformed data file, a missing model path) are printed as one
 line on stderr with exit code 2; no traceback.
@@ -23,6 +23,10 @@ EPILOG = """examples:
   forgeweave run --preset smollm2-arith            # SmolLM2-135M-Instruct on 2-digit addition (make demo)
   forgeweave run --preset tiny --set update.lr=5e-4 --set steps=100 --name my-run
   forgeweave run --name my-run --resume            # continue from the last checkpoint
+  forgeweave run --name my-run --resume --set steps=400 --set update.lr=5e-4   # ... with changes (config_changes.jsonl)
+  forgeweave run --preset smollm2-arith --config mine.yaml   # the preset, overlaid by the keys mine.yaml sets
+  forgeweave config show --preset tiny --set steps=50 # the resolved config.yaml such a run would have
+  forgeweave config keys update                    # every update.* key: type, default, what it does
   forgeweave run --preset tiny --set update.num_processes=2          # 2 update ranks as Ray actors (local Ray)
   forgeweave run --config run.yaml --set orchestration.ray_address=auto   # on a Ray cluster (docs/ray.md)
   forgeweave eval runs/my-run/checkpoints/step-000100
@@ -46,9 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser(
         "run", help="train a policy with GRPO", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG
     )
-    src = r.add_mutually_exclusive_group()
-    src.add_argument("--preset", help="named preset (see `forgeweave presets`); default: tiny")
-    src.add_argument("--config", help="YAML run config file")
+    _source_args(r)
     r.add_argument("--name", help="run name (directory under the runs dir); default: <preset>-<timestamp>")
     r.add_argument(
         "--set",
@@ -56,9 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config field, e.g. --set update.lr=1e-5 (repeatable)",
+        help="override a config field, e.g. --set update.lr=1e-5 (repeatable; applied last: preset < --config < --set)",
     )
-    r.add_argument("--resume", action="store_true", help="continue the named run from its latest checkpoint")
+    r.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the named run from its latest checkpoint (its own config.yaml; --set changes it, recorded in "
+        "config_changes.jsonl)",
+    )
     r.add_argument(
         "--allow-network-code",
         dest="overrides",
@@ -83,10 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--out", help="HF model directory to write (default: the checkpoint directory itself)")
     sub.add_parser("presets", help="list the named presets")
     pl = sub.add_parser("plan", help="print Weaver's stage -> resource-pool plan for a config (runs nothing)")
-    src = pl.add_mutually_exclusive_group()
-    src.add_argument("--preset", help="named preset; default: tiny")
-    src.add_argument("--config", help="YAML run config file")
+    _source_args(pl)
     pl.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    cf = sub.add_parser("config", help="print the resolved config (show) or every config key with its doc (keys)")
+    cfs = cf.add_subparsers(dest="config_command", required=True)
+    show = cfs.add_parser("show", help="print the resolved, validated config as YAML (what a run's config.yaml holds)")
+    _source_args(show)
+    show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    keys = cfs.add_parser("keys", help="list every config key (dotted) with its type, default and one-line doc")
+    keys.add_argument("section", nargs="?", default="", help="only this section (e.g. update, model.lora) or key")
+    keys.add_argument("--format", choices=["text", "json", "markdown"], default="text")
     pl.add_argument("--pools", help="YAML file listing pools (name, kind, devices, host, work_pool, ...)")
     sv = sub.add_parser("serve", help="register the Prefect deployments (pipeline, evaluate, prepare) and serve them")
     _runs_dir_arg(sv)
@@ -115,6 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _source_args(p: argparse.ArgumentParser) -> None:
+    """--preset and --config: the preset is the base, the YAML file overlays the keys it sets (then --set)."""
+    p.add_argument(
+        "--preset",
+        help="named preset, the base config (see `forgeweave presets`); default: the --config file's `preset:` key, "
+        "else tiny (without --config)",
+    )
+    p.add_argument(
+        "--config",
+        help="YAML config file overlaid on the preset: only the keys it sets change (a run's config.yaml sets all)",
+    )
+
+
 def _runs_dir_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--runs-dir",
@@ -135,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             "eval": cmd_eval,
             "export": cmd_export,
             "presets": cmd_presets,
+            "config": cmd_config,
             "plan": cmd_plan,
             "serve": cmd_serve,
             "server": cmd_server,
@@ -187,15 +214,19 @@ def cmd_run(args) -> int:
     _, plan = plan_run(cfg)  # an impossible plan stops here, before anything is written
     print(f"run {run_dir.name}: preset={cfg.preset or '-'} model={cfg.model.path} steps={cfg.steps} -> {run_dir}")
     if args.no_prefect:
-        from forge.tracking_mlflow import tracker_for_run
+        from forge.tracking import trackers_for_run
 
-        tracker = tracker_for_run(cfg, run_dir)
+        tracker = trackers_for_run(cfg, run_dir)
         summary = train(cfg, run_dir, plan, resume=args.resume, progress=not args.quiet, tracker=tracker)
     else:
         summary = run_with_prefect(args, run_dir)
     print(format_summary(summary))
     if summary.get("mlflow_run_id"):
         print(f"mlflow run: {summary['mlflow_run_id']} (browse with `forgeweave mlflow --runs-dir {run_dir.parent}`)")
+    if summary.get("tensorboard_dir"):
+        print(f"tensorboard: {summary['tensorboard_dir']} (browse with `tensorboard --logdir {run_dir.parent}`)")
+    if summary.get("wandb_dir"):
+        print(f"wandb run: {summary['wandb_dir']} (an offline run uploads with `wandb sync {summary['wandb_dir']}`)")
     return 0
 
 
@@ -369,6 +400,16 @@ def cmd_sync(args) -> int:
     print(f"sent {result['sent']} records of run {run_dir.name} to {result['uri']} (MLflow run {result['run_id']})")
     if result["skipped"]:
         print(f"{result['skipped']} record(s) were rejected by MLflow: see {run_dir / 'mlflow_state.json'}")
+    return 0
+
+
+def cmd_config(args) -> int:
+    from forge.config import describe_keys, dump_yaml, format_keys
+
+    if args.config_command == "show":
+        print(dump_yaml(resolve_config(args.preset, args.config, args.overrides)), end="")
+    else:
+        print(format_keys(describe_keys(args.section), args.format))
     return 0
 
 

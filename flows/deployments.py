@@ -32,7 +32,7 @@ def build_deployments(runs_dir: str) -> list:
     return [
         grpo_pipeline.to_deployment(
             name="pipeline",
-            parameters={"preset": "tiny", "runs_dir": runs},
+            parameters={"preset": "", "runs_dir": runs},  # "": config_path's `preset:` key, else tiny
             tags=["forgeweave"],
             description=DEPLOYMENTS["forgeweave-grpo/pipeline"],
         ),

@@ -73,7 +73,7 @@ class PrefectRunner:
 
 @flow(name="forgeweave-grpo", persist_result=False, log_prints=True)
 def grpo_pipeline(
-    preset: str = "tiny",
+    preset: str = "",
     overrides: list[str] | None = None,
     name: str = "",
     runs_dir: str = "runs",
@@ -83,7 +83,8 @@ def grpo_pipeline(
 ) -> dict:
     """Train with GRPO: prep → [rollout → reward → update → (evaluate, checkpoint)] × steps.
 
-    preset / config_path / overrides (`section.field=value`) choose the config; name is the run directory under
+    preset (the base; empty = config_path's `preset:` key, else tiny), config_path (a YAML file overlaying the keys
+    it sets) and overrides (`section.field=value`, applied last) choose the config; name is the run directory under
     runs_dir (default <preset>-<timestamp>); resume continues that run from its latest checkpoint. With
     orchestration.execution=ray (or auto, when the run needs it) the stages run on Ray actors.
     """
@@ -91,12 +92,12 @@ def grpo_pipeline(
     from flows.execute import train
     from flows.planning import plan_run
     from flows.runs import resolve_run
-    from forge.tracking_mlflow import tracker_for_run
+    from forge.tracking import trackers_for_run
 
     runs_dir, config_path = confined(runs_dir, "runs_dir"), confined(config_path, "config_path")
     cfg, run_dir = resolve_run(preset, config_path or None, list(overrides or []), name or None, runs_dir, resume)
     _, plan = plan_run(cfg)
-    tracker = tracker_for_run(cfg, run_dir, tags={"forgeweave.prefect_flow_run_id": str(flow_run.id)})
+    tracker = trackers_for_run(cfg, run_dir, tags={"forgeweave.prefect_flow_run_id": str(flow_run.id)})
     runner = PrefectRunner(cfg, run_dir.name)
     summary = train(cfg, run_dir, plan, resume=resume, tracker=tracker, progress=progress, runner=runner,
                     prefect_flow_run_id=str(flow_run.id))  # fmt: skip
@@ -118,9 +119,7 @@ def evaluate_checkpoint(checkpoint: str, preset: str = "", overrides: list[str] 
 
 
 @flow(name="forgeweave-prepare-dataset", persist_result=False, log_prints=True)
-def prepare_dataset(
-    out_dir: str, preset: str = "tiny", config_path: str = "", overrides: list[str] | None = None
-) -> dict:
+def prepare_dataset(out_dir: str, preset: str = "", config_path: str = "", overrides: list[str] | None = None) -> dict:
     """The prep stage alone: validate a dataset (or generate the built-in task) into out_dir/data/."""
     from flows.deployments import confined
     from flows.runs import resolve_config

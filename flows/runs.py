@@ -1,4 +1,4 @@
-"""Which config and run directory a request means: a preset or YAML file plus overrides, or an existing run."""
+"""Which config and run directory a request means: a preset and/or a YAML overlay plus overrides, or an existing run."""
 
 from __future__ import annotations
 
@@ -9,23 +9,28 @@ from forge.errors import UserError
 
 
 def resolve_config(preset: str | None, config: str | None, overrides: list[str]):
-    from forge.config import apply_overrides, load_yaml
-    from forge.presets import get_preset
+    """The validated config of preset < YAML overlay < `--set` overrides (see `forge.presets.compose`)."""
+    from forge.config import apply_overrides
+    from forge.presets import compose
 
-    cfg = load_yaml(config) if config else get_preset(preset or "tiny")
-    return apply_overrides(cfg, overrides).validate()
+    return apply_overrides(compose(preset, config), overrides).validate()
 
 
 def resolve_run(
     preset: str | None, config: str | None, overrides: list[str], name: str | None, runs_dir: str, resume: bool
 ):
-    """(config, run directory) for a new run or, with resume, for an existing one (its saved config + overrides)."""
+    """(config, run directory) for a new run or, with resume, for an existing one (its saved config + overrides;
+    the recipe checks and records what they change: `forge.resume.resume_changes`)."""
     from forge.config import apply_overrides, load_yaml
     from forge.rundir import check_run_name
 
     if resume:
         if not name:
             raise UserError("--resume needs --name RUN (the run directory to continue)")
+        if preset or config:
+            raise UserError(
+                "--resume continues the run's own config.yaml: drop --preset/--config (change keys with --set)"
+            )
         run_dir = Path(runs_dir) / check_run_name(name)
         if not (run_dir / "config.yaml").is_file():
             raise UserError(f"cannot resume '{run_dir}': no such run (config.yaml missing)")

@@ -7,8 +7,10 @@ of the wrong type is a `ConfigError` whose one-line message names the key and th
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
@@ -306,6 +308,14 @@ class TrackingConfig:
     """Seconds per HTTP request to a tracking server (sets MLFLOW_HTTP_REQUEST_TIMEOUT unless already set)."""
     finish_timeout_s: float = 120.0
     """At the end of a run, wait this long for unsent records; the rest stays in the outbox for `forgeweave sync`."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to <run_dir>/tensorboard/ (needs the tensorboard package; works offline)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs the wandb package); files under <run_dir>/wandb/, offline by default."""
+    wandb_project: str = "forgeweave"
+    """W&B project the run is logged to."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """W&B mode: offline (files only; upload later with `wandb sync`) or online (needs `wandb login`)."""
 
 
 @dataclass
@@ -468,12 +478,13 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def from_dict(data: dict[str, Any], cls: type = RunConfig, prefix: str = "", source: str = "") -> Any:
-    """Build a dataclass from a (possibly partial) nested dict, checking every key and type."""
+def from_dict(data: dict[str, Any], cls: type = RunConfig, prefix: str = "", source: str = "", base: Any = None) -> Any:
+    """Build a dataclass from a (possibly partial) nested dict, checking every key and type; the keys `data` sets
+    replace those of `base` (updated in place; default: a fresh `cls()`), section by section."""
     if not isinstance(data, dict):
         section = prefix.rstrip(".") or "<root>"
         raise ConfigError(f"{source}config section '{section}' must be a mapping, got {type(data).__name__}")
-    obj = cls()
+    obj = cls() if base is None else base
     for key, value in data.items():
         _set_field(obj, key, value, prefix, source)
     return obj
@@ -490,7 +501,7 @@ def _set_field(obj: Any, key: str, value: Any, prefix: str, source: str) -> None
         raise ConfigError(f"{source}unknown config key '{full}'{_suggest(key, types_, prefix)}")
     hint = types_[key]
     if dataclasses.is_dataclass(hint):
-        setattr(obj, key, from_dict(value, hint, f"{full}.", source))
+        setattr(obj, key, from_dict(value, hint, f"{full}.", source, base=getattr(obj, key)))
     else:
         setattr(obj, key, _coerce(value, hint, full, source))
 
@@ -640,3 +651,145 @@ def load_yaml(path: str | Path) -> RunConfig:
 
 def dump_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def overlay(cfg: RunConfig, data: Any, source: str = "") -> RunConfig:
+    """A copy of `cfg` with the keys a (partial) YAML mapping sets replaced, section by section; the rest stays."""
+    return from_dict(data if data is not None else {}, RunConfig, "", source, base=copy.deepcopy(cfg))
+
+
+# ---------------------------------------------------------------- key docs (`forgeweave config keys`)
+
+
+@dataclass(frozen=True)
+class KeyDoc:
+    """One config key as `forgeweave config keys` lists it."""
+
+    key: str
+    """Dotted key, as `--set` and YAML files name it (e.g. `update.lr`)."""
+    type: str
+    """Its type, e.g. `float`, `list[str]`, `bool | None`, `'hf' | 'vllm'`."""
+    default: Any
+    """The dataclass default (a preset may set another value)."""
+    doc: str
+    """The field's docstring in forge/config.py, on one line."""
+
+
+def describe_keys(section: str = "", root: type = RunConfig) -> list[KeyDoc]:
+    """Every leaf key of `root` (nested sections flattened: `model.lora.rank`) in declaration order, with type,
+    default and one-line doc; `section` keeps a section (`update`, `model.lora`) or a single key."""
+    docs = list(_describe(root, root(), ""))
+    if not section:
+        return docs
+    picked = [d for d in docs if d.key == section or d.key.startswith(section + ".")]
+    if not picked:
+        sections = sorted({d.key.split(".")[0] for d in docs if "." in d.key})
+        close = difflib.get_close_matches(section, sections + [d.key for d in docs], n=3, cutoff=0.5)
+        hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"sections: {', '.join(sections)}"
+        raise ConfigError(f"no config section or key '{section}'; {hint}")
+    return picked
+
+
+def _describe(cls: type, default: Any, prefix: str) -> typing.Iterator[KeyDoc]:
+    hints, docs = _field_types(cls), field_docs(cls)
+    for f in dataclasses.fields(cls):
+        value, hint = getattr(default, f.name), hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            yield from _describe(hint, value, f"{prefix}{f.name}.")
+        else:
+            yield KeyDoc(f"{prefix}{f.name}", type_text(hint), copy.deepcopy(value), docs.get(f.name, ""))
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> the string literal written right under the field in the class body (PEP 257's attribute
+    docstring), read from the source with `ast` and joined onto one line; fields without one are absent."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    out = {}
+    for stmt, after in zip(body, body[1:], strict=False):
+        if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+            continue
+        if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+            out[stmt.target.id] = " ".join(inspect.cleandoc(after.value.value).split())
+    return out
+
+
+def type_text(hint: Any) -> str:
+    """A type annotation as people read it.
+
+    >>> type_text(bool | None), type_text(list[str]), type_text(Literal["hf", "vllm"])
+    ('bool | None', 'list[str]', "'hf' | 'vllm'")
+    """
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return " | ".join(map(repr, args))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join("None" if a is type(None) else type_text(a) for a in args)
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(map(type_text, args))}]"
+    return getattr(hint, "__name__", str(hint))
+
+
+def format_keys(docs: list[KeyDoc], fmt: Literal["text", "json", "markdown"] = "text") -> str:
+    """`forgeweave config keys` output: aligned text lines (`key  type = default  doc`), JSON, or a markdown table."""
+    import json
+
+    if fmt == "json":
+        return json.dumps([dataclasses.asdict(d) for d in docs], indent=2)
+    if fmt == "markdown":
+        cell = lambda s: s.replace("|", "\\|")  # noqa: E731
+        rows = [f"| `{d.key}` | `{cell(d.type)}` | `{cell(json.dumps(d.default))}` | {cell(d.doc)} |" for d in docs]
+        return "\n".join(["| key | type | default | description |", "|---|---|---|---|", *rows])
+    width = max((len(d.key) for d in docs), default=0)
+    return "\n".join(f"{d.key:<{width}}  {d.type} = {json.dumps(d.default)}  {d.doc}" for d in docs)
+
+
+# ---------------------------------------------------------------- resume with overrides
+
+
+# keys a resume may not change: the checkpoint's state means something only under them (key or section prefix
+# ending in '.' -> why); every other key (steps, update.lr, eval.*, checkpoint.*, tracking.*, ...) may change
+RESUME_FIXED: dict[str, str] = {
+    "seed": "it seeded the data split, the prompt order and the initial weights of the saved run",
+    "model.": "the checkpoint holds this model's weights, and data/ holds prompts formatted for it",
+    "data.": "data/*.parquet were prepared from these settings (and the checkpoint checks their hash)",
+    "reward.verifiers": "the saved reward state and the run's reward metrics are per verifier",
+    "reward.aggregate": "the saved reward state (the ensemble's window and fit) belongs to this aggregation",
+    "reward.ensemble_model": "the saved ensemble fit is of this model",
+    "reward.ensemble_classes": "the saved ensemble fit has this many classes",
+    "reward.necessary_checks": "the saved ensemble fit was made with these checks",
+    "reward.label_free": "the saved ensemble window holds scores made with (or without) the answers",
+}
+# model keys that change how the update computes, not what the weights are
+RESUME_FREE = {"model.gradient_checkpointing", "model.attn_implementation"}
+
+
+def config_diff(old: RunConfig, new: RunConfig) -> dict[str, list]:
+    """Dotted key -> [old, new] for every leaf whose value differs (in declaration order)."""
+    before, after = _leaves(old), _leaves(new)
+    return {k: [before[k], v] for k, v in after.items() if before[k] != v}
+
+
+def _leaves(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        out.update(_leaves(v, f"{prefix}{f.name}.") if dataclasses.is_dataclass(v) else {f"{prefix}{f.name}": v})
+    return out
+
+
+def check_resume_changes(changes: dict[str, list], step: int, steps: int) -> None:
+    """Refuse (one-line ConfigError naming the key) a change a resume from checkpoint `step` cannot honour."""
+    for key in changes:
+        fixed = next((p for p in RESUME_FIXED if key == p or (p.endswith(".") and key.startswith(p))), None)
+        if fixed is not None and key not in RESUME_FREE:
+            old, new = changes[key]
+            raise ConfigError(
+                f"config key '{key}' cannot change on --resume ({old!r} -> {new!r}): {RESUME_FIXED[fixed]}; "
+                "start a new run with --config runs/NAME/config.yaml --set ... instead"
+            )
+    _require(steps >= step, "steps", f"is {steps}, below the checkpoint's step {step}: set steps >= {step}")

@@ -88,5 +88,5 @@ class AdaptiveLR:
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
-        for k, v in state.items():
-            setattr(self, k, v)
+        """The running state (scale, moving average, cuts); the settings stay this run's (a resume may change them)."""
+        self.scale, self.ema, self.cuts = state["scale"], state["ema"], state["cuts"]

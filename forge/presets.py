@@ -1,11 +1,17 @@
-"""Named presets: plain functions returning a RunConfig. `--set key=value` overrides apply on top."""
+"""Named presets: plain functions returning a RunConfig. A YAML file overlays a preset, `--set key=value` the result.
+
+`compose(preset, config_path)` is the starting config of a run: the preset is the base, the YAML file replaces only
+the keys it sets (then `--set` overrides apply on top: preset < YAML < --set). A YAML file may name its own base
+with `preset: NAME`; a full config (a run's config.yaml) sets every key, so its base does not matter.
+"""
 
 from __future__ import annotations
 
 import difflib
 from collections.abc import Callable
+from pathlib import Path
 
-from forge.config import ConfigError, RunConfig
+from forge.config import ConfigError, RunConfig, overlay, read_yaml_file
 
 
 def tiny() -> RunConfig:
@@ -126,3 +132,26 @@ def get_preset(name: str) -> RunConfig:
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise ConfigError(f"unknown preset '{name}'{hint} (available: {', '.join(PRESETS)})")
     return PRESETS[name]()
+
+
+def compose(preset: str | None, config_path: str | Path | None) -> RunConfig:
+    """The preset (`preset`, else the file's `preset:` key, else tiny when there is no file, else the dataclass
+    defaults) overlaid by the keys the YAML file sets; `preset` records that base. A file naming another preset
+    than `preset` is a ConfigError: it is unclear which one is meant."""
+    data = read_yaml_file(config_path) if config_path else None
+    named = data.get("preset") if isinstance(data, dict) else None
+    named = named if isinstance(named, str) and named else None
+    if preset and named and named != preset:
+        raise ConfigError(
+            f"{config_path}: the file is based on preset '{named}' (its `preset:` key) but --preset {preset} was "
+            "given: drop one of them"
+        )
+    base = preset or named or ("" if config_path else "tiny")
+    if named and named not in PRESETS:
+        raise ConfigError(
+            f"{config_path}: `preset: {named}` is not a preset (available: {', '.join(PRESETS)}): fix it, or "
+            "delete the key to start from the defaults"
+        )
+    cfg = overlay(get_preset(base) if base else RunConfig(), data, f"{config_path}: ")
+    cfg.preset = base
+    return cfg

@@ -7,16 +7,26 @@ content hash matches data/manifest.json and the checkpoint). Any problem is a on
 raised while the directory is still exactly as it was. Returns the checkpoint directory, or None when the run has
 no checkpoint yet (it was stopped before its first one: the recipe starts it again from step 0). A second
 process on the run (`forge.rundir.RunLock`) is refused here too, before anything is written.
+
+A resume may change the config (`--resume --set update.lr=...`): `resume_changes` compares it with the run's
+config.yaml and refuses a change the checkpoint cannot honour (`forge.config.RESUME_FIXED`: seed, model.*, data.*,
+the reward ensemble's keys; also steps below the checkpoint's step), still before anything is written;
+`record_changes` then rewrites config.yaml (atomically) and appends `{step, time, changes: {key: [old, new]}}` to
+config_changes.jsonl, one line per resume that changed something.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 from pathlib import Path
 
 from forge.checkpoint import STATE_TENSORS, damaged, latest_checkpoint, load_state
+from forge.config import RunConfig, check_resume_changes, config_diff, dump_yaml, load_yaml
 from forge.data import check_data_hash, read_split
-from forge.rundir import note_stale, refuse_if_locked
+from forge.io import atomic_write_text
+from forge.rundir import CHANGES, note_stale, refuse_if_locked
 from forge.tracking import read_metrics
 
 
@@ -52,3 +62,27 @@ def check_weight_files(ckpt: Path) -> None:
                     handle.get_slice(keys[-1])  # the last tensor's bytes must be inside the file
         except Exception as e:  # SafetensorError: truncated or edited
             raise damaged(ckpt, e) from None
+
+
+def resume_changes(run_dir: Path, cfg: RunConfig, ckpt: Path | None) -> dict[str, list]:
+    """Key -> [saved, new] for what `cfg` changes against the run's config.yaml; a change the checkpoint `ckpt`
+    cannot honour is a ConfigError naming the key (with no checkpoint yet the run starts over: anything goes)."""
+    changes = config_diff(load_yaml(Path(run_dir) / "config.yaml"), cfg)
+    if ckpt is not None:
+        check_resume_changes(changes, checkpoint_step(ckpt), cfg.steps)
+    return changes
+
+
+def record_changes(run_dir: Path, cfg: RunConfig, changes: dict[str, list], step: int) -> None:
+    """config.yaml := `cfg`, then one line `{step, time, changes}` appended to config_changes.jsonl (both atomic)."""
+    run_dir = Path(run_dir)
+    atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
+    path = run_dir / CHANGES
+    before = path.read_text(encoding="utf-8") if path.is_file() else ""
+    line = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "changes": changes}
+    atomic_write_text(path, before + json.dumps(line) + "\n")
+
+
+def checkpoint_step(ckpt: Path | None) -> int:
+    """The step of a `step-NNNNNN` checkpoint directory (0 for None: a run that starts over)."""
+    return int(Path(ckpt).name.removeprefix("step-")) if ckpt is not None else 0

@@ -11,7 +11,9 @@ heartbeat (rewritten every HEARTBEAT_S seconds while the run holds its lock); `r
 "running" run whose lock nobody holds as stale (its process died without finishing). summary.json is written only
 on completion, so a half-written run never looks complete. samples.jsonl keeps a few completions per step for inspection.
 `track_run_start` hands a tracker what identifies a run: tags (preset, model, dataset hash, git commit), the
-flattened config as params, and config.yaml / plan.json / data/manifest.json as artifacts.
+flattened config as params, and config.yaml / plan.json / data/manifest.json as artifacts. Params are the config
+the run started with (MLflow's are immutable); what a resume changed is in config_changes.jsonl and a tag per
+such resume, `forgeweave.config_changes.step-NNNNNN` = `{"key": [old, new], ...}`.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from forge.tracking import Tracker
 
 SAMPLES_PER_STEP = 8
 LOCK = ".lock"
+CHANGES = "config_changes.jsonl"  # one line per resume that changed the config (forge.resume.record_changes)
 HEARTBEAT_S = 30.0
 
 
@@ -246,11 +249,38 @@ def note_stale(run_dir: Path) -> None:
 
 def track_run_start(tracker: Tracker, cfg, run_dir: Path) -> None:
     """Tags, params (the resolved config, flattened) and the run's defining files, for the tracker."""
-    tracker.set_tags(run_tags(cfg, run_dir))
-    tracker.log_params(flatten(asdict(cfg)))
+    changes = read_changes(run_dir)
+    tracker.set_tags(run_tags(cfg, run_dir) | change_tags(changes))
+    tracker.log_params(started_params(flatten(asdict(cfg)), changes))
     for name, where in (("config.yaml", ""), ("plan.json", ""), ("data/manifest.json", "data")):
         if (run_dir / name).is_file():
             tracker.log_artifact(run_dir / name, where)
+
+
+def read_changes(run_dir: Path) -> list[dict]:
+    """config_changes.jsonl's records, oldest first (none when no resume changed the config)."""
+    path = Path(run_dir) / CHANGES
+    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def change_tags(changes: list[dict]) -> dict[str, str]:
+    """One tag per resume that changed the config: `forgeweave.config_changes.step-NNNNNN` -> its changes (JSON)."""
+    return {f"forgeweave.config_changes.step-{c['step']:06d}": json.dumps(c["changes"]) for c in changes}
+
+
+def started_params(params: dict, changes: list[dict]) -> dict:
+    """The flattened config as the run started: each key a resume changed goes back to its first old value.
+
+    >>> started_params({"update.lr": 0.5, "steps": 9}, [{"changes": {"update.lr": [1.0, 0.7]}},
+    ...                                                  {"changes": {"update.lr": [0.7, 0.5]}}])
+    {'update.lr': 1.0, 'steps': 9}
+    """
+    first: dict = {}
+    for c in changes:
+        for key, (old, _new) in c["changes"].items():
+            first.setdefault(key, old)
+    return {k: first.get(k, v) for k, v in params.items()}
 
 
 def run_tags(cfg, run_dir: Path) -> dict[str, str]:

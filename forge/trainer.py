@@ -330,6 +330,8 @@ class Trainer:
         targets, _ = dist_state.trainer_tensors(self.unwrapped, self.optimizer, with_model=in_shards)
         read_shards(ckpt, targets)
         dist_state.load_trainer_tensors(self.unwrapped, self.optimizer, targets, plain["param_groups"])
+        for group in self.optimizer.param_groups:  # this run's settings, not the saved ones: a resume may change them
+            group["betas"], group["weight_decay"] = tuple(self.cfg.update.adam_betas), self.cfg.update.weight_decay
         self.adaptive.load_state_dict(plain["adaptive"])
         self.step = plain["step"]
         self.policy_version = plain["policy_version"]

@@ -147,3 +147,14 @@ def test_state_dict_round_trip_continues_identically():
     tail = (0.3, 9.0, math.inf, 0.2, 0.2)
     assert [a.observe(0.0, g) for g in tail] == [b.observe(0.0, g) for g in tail]
     assert (a.ema, a.cuts) == (b.ema, b.cuts)
+
+
+def test_load_state_dict_keeps_this_runs_settings():
+    """A resume may change the controller's settings: the saved running state is restored, not the saved settings."""
+    a = AdaptiveLR(signal="grad_norm", target=2.0, cut=0.5)
+    for g in (1.0, 1.0, 5.0):
+        a.observe(0.0, g)
+    b = AdaptiveLR(signal="grad_norm", target=3.0, cut=0.25, recover=1.2)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert (b.scale, b.ema, b.cuts) == (a.scale, a.ema, a.cuts) == (0.5, a.ema, 1)
+    assert (b.target, b.cut, b.recover) == (3.0, 0.25, 1.2)

@@ -21,7 +21,8 @@ Faults: a `WorkerLost` (an actor died) rebuilds the stages and continues from th
 start when there is none yet), up to `orchestration.max_restarts` times; the steps redone are cut from
 metrics.jsonl/samples.jsonl first, so no step is lost or recorded twice.
 
-Run directory (the contract other tools read): config.yaml, plan.json, status.json, data/{train,eval}.parquet,
+Run directory (the contract other tools read): config.yaml (the current config: a resume may change it, each
+change a line of config_changes.jsonl), plan.json, status.json, data/{train,eval}.parquet,
 data/manifest.json, metrics.jsonl, samples.jsonl, eval/step-NNNNNN.json, checkpoints/step-NNNNNN/ +
 checkpoints/latest, ensemble/step-NNNNNN.json (label-free refits), workers.json (where every stage ran) and
 summary.json only once the run has finished.
@@ -54,7 +55,7 @@ from forge.io import atomic_write_text, write_json
 from forge.metrics import eval_metrics, overlap_metrics, skipped_in_a_row, step_metrics
 from forge.models import format_prompt_fn, load_tokenizer
 from forge.records import Rollouts, Scored, UpdateStats
-from forge.resume import check_resumable
+from forge.resume import check_resumable, checkpoint_step, record_changes, resume_changes
 from forge.rollout import SamplingParams
 from forge.rundir import (
     RunLock,
@@ -155,11 +156,14 @@ class GRPORun:
         claim_run_dir(run_dir, resume)
         # read-only checks first: a refused resume leaves the directory exactly as it was; None = no checkpoint yet
         self.resume_from = check_resumable(run_dir) if resume else None
+        changes = resume_changes(run_dir, cfg, self.resume_from) if resume else {}  # refused ones raise here
         self.lock = RunLock.acquire(run_dir)  # one process per run directory; released when the run is over
         with contextlib.ExitStack() as on_error:
             on_error.callback(self.lock.release)
             if not resume:  # first: with config.yaml a run killed at any later moment can be resumed
                 atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
+            elif changes:  # config.yaml := the resumed config; config_changes.jsonl says what changed, from when
+                record_changes(run_dir, cfg, changes, checkpoint_step(self.resume_from))
             if plan is not None:
                 write_json(run_dir / "plan.json", plan)
             on_error.pop_all()
