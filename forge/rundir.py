@@ -42,8 +42,10 @@ HEARTBEAT_S = 30.0
 
 
 def append_samples(run_dir: Path, step: int, rows: list[dict], batch: ScoredBatch) -> list[dict]:
-    """A few completions per step (the first group) with their per-verifier scores, for inspection; returns them."""
+    """A few completions per step (the first group) with their per-verifier scores, for inspection; returns them.
+    On a step where a verifier erred, each line also says how many items it erred on and its first error text."""
     ro, g = batch.rollouts, batch.rollouts.group_size
+    errors = {n: {"items": batch.verifier_errored.get(n, 0), "first": e} for n, e in batch.verifier_errors.items()}
     samples = []
     for i in range(min(SAMPLES_PER_STEP, ro.num_completions)):
         scores = {n: _num(batch.scores[i, v]) for v, n in enumerate(batch.verifier_names)}
@@ -56,6 +58,7 @@ def append_samples(run_dir: Path, step: int, rows: list[dict], batch: ScoredBatc
                 "scores": scores,
                 "reward": _num(batch.rewards[i]),
                 "advantage": _num(batch.advantages[i]),
+                **({"verifier_errors": errors} if errors else {}),  # the step's first error per verifier
             }
         )
     with (run_dir / "samples.jsonl").open("a") as f:
