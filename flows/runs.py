@@ -11,9 +11,12 @@ from forge.errors import UserError
 def resolve_config(preset: str | None, config: str | None, overrides: list[str]):
     from forge.config import apply_overrides, load_yaml
     from forge.presets import get_preset
+    from forge.rewards.registry import check_callables
 
     cfg = load_yaml(config) if config else get_preset(preset or "tiny")
-    return apply_overrides(cfg, overrides).validate()
+    cfg = apply_overrides(cfg, overrides).validate()
+    check_callables(cfg.reward)  # a config.yaml of a forge.train run whose functions cannot be imported here
+    return cfg
 
 
 def resolve_run(
@@ -29,7 +32,11 @@ def resolve_run(
         run_dir = Path(runs_dir) / check_run_name(name)
         if not (run_dir / "config.yaml").is_file():
             raise UserError(f"cannot resume '{run_dir}': no such run (config.yaml missing)")
-        return apply_overrides(load_yaml(run_dir / "config.yaml"), overrides).validate(), run_dir
+        from forge.rewards.registry import check_callables
+
+        cfg = apply_overrides(load_yaml(run_dir / "config.yaml"), overrides).validate()
+        check_callables(cfg.reward, resume=True)  # started by forge.train with functions not importable here
+        return cfg, run_dir
     cfg = resolve_config(preset, config, overrides)
     name = check_run_name(name) if name else f"{cfg.preset or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
     return cfg, Path(runs_dir) / name

@@ -266,7 +266,7 @@ def _load_from_disk(p: Path):
     import datasets
 
     try:
-        with _quiet_datasets():
+        with quiet_datasets():
             return datasets.load_from_disk(str(p))
     except Exception as e:  # FileNotFoundError, JSON/Arrow errors from a damaged directory
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
@@ -299,7 +299,7 @@ def _read_data_files(source: str, files: list[str]) -> tuple[list[dict], list[st
     import datasets
 
     builder = _DATA_FILE_BUILDERS[Path(files[0]).suffix.lower()]
-    with tempfile.TemporaryDirectory(prefix="forgeweave-datasets-") as cache, _quiet_datasets():
+    with tempfile.TemporaryDirectory(prefix="forgeweave-datasets-") as cache, quiet_datasets():
         try:
             ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache)
         except Exception as e:  # DatasetGenerationError, ArrowInvalid, ...: a malformed file in the set
@@ -309,7 +309,7 @@ def _read_data_files(source: str, files: list[str]) -> tuple[list[dict], list[st
 
 
 @contextlib.contextmanager
-def _quiet_datasets():
+def quiet_datasets():
     """No `datasets` progress bars on the console while prep reads or saves (restored afterwards)."""
     from datasets.utils import logging as ds_logging
 

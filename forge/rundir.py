@@ -38,6 +38,7 @@ from forge.tracking import Tracker
 
 SAMPLES_PER_STEP = 8
 LOCK = ".lock"
+INPUTS = "inputs"  # datasets given to forge.train as objects, saved here before the run starts (forge/api.py)
 HEARTBEAT_S = 30.0
 
 
@@ -98,14 +99,15 @@ def check_run_name(name: str) -> str:
 
 
 def claim_run_dir(run_dir: Path, resume: bool) -> None:
-    """Check `run_dir` can be started (new: absent or empty but for its lock) or resumed; creates it when new."""
+    """Check `run_dir` can be started (new: absent or empty but for its lock and forge.train's inputs/) or resumed;
+    creates it when new."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"run directory '{run_dir}' is a file, not a directory: choose another --name")
     if resume:
         if not (run_dir / "config.yaml").is_file():
             raise UserError(f"cannot resume '{run_dir}': no such run (config.yaml missing)")
         return
-    if run_dir.exists() and any(p.name != LOCK for p in run_dir.iterdir()):
+    if run_dir.exists() and any(p.name not in (LOCK, INPUTS) for p in run_dir.iterdir()):
         raise UserError(
             f"run directory '{run_dir}' already exists: pass --resume to continue it or choose another --name"
         )
