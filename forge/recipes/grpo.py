@@ -23,8 +23,8 @@ metrics.jsonl/samples.jsonl first, so no step is lost or recorded twice.
 
 Run directory (the contract other tools read): config.yaml, plan.json, status.json, data/{train,eval}.parquet,
 data/manifest.json, metrics.jsonl, samples.jsonl, eval/step-NNNNNN.json, checkpoints/step-NNNNNN/ +
-checkpoints/latest, ensemble/step-NNNNNN.json (label-free refits), workers.json (where every stage ran) and
-summary.json only once the run has finished.
+checkpoints/latest, ensemble/step-NNNNNN.json (label-free refits), workers.json (where every stage ran),
+inputs/ (datasets given to forge.train as objects) and summary.json only once the run has finished.
 """
 
 from __future__ import annotations
