@@ -44,6 +44,7 @@ import forge
 from flows.ray_actor import StageActor
 from forge.checkpoint import SaveReport
 from forge.config import RunConfig
+from forge.data import train_row_count
 from forge.errors import UserError
 from forge.models import load_tokenizer
 from forge.records import Rollouts, Scored, ScoredBatch, UpdateStats
@@ -113,7 +114,7 @@ class RayStages:
             self._start_trainers(actor_specs(self.plan, "update", cores))
             self._start_rollouts(cores)
             self.reward_actor = self._actor(actor_specs(self.plan, "reward", cores)[0], "reward")
-            self._get([self.reward_actor.start.remote("reward", cfg)], "reward")
+            self._get([self.reward_actor.start.remote("reward", cfg, train_row_count(run_dir))], "reward")
             self.balancer = ThroughputBalancer(len(self.actors["rollout"]))
             self._publish(0)
         except BaseException:

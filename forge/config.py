@@ -48,7 +48,8 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = "arithmetic"
-    """'arithmetic' (built-in generator) or a path to a .jsonl/.csv/.parquet file."""
+    """'arithmetic' (built-in generator), a .jsonl/.json/.csv/.parquet file, a `datasets` save_to_disk directory,
+    or a directory / glob of data files read with `datasets.load_dataset` (docs/data.md)."""
     eval_source: str = ""
     """Optional separate eval file; empty = split eval_size rows off the training source."""
     train_size: int = 2000
@@ -78,6 +79,10 @@ class DataConfig:
     """Invalid rows stop prep ('error') or are skipped and counted in the manifest ('skip')."""
     max_prompt_tokens: int = 256
     """Prompts longer than this (after the chat template) are invalid rows."""
+    split: str = "train"
+    """`datasets` DatasetDict source: the split to train on."""
+    eval_split: str = ""
+    """`datasets` DatasetDict source: the split to evaluate on (empty = hold out eval_size training rows)."""
 
 
 @dataclass
@@ -141,6 +146,10 @@ class RewardConfig:
     """latent_class ensemble: verifiers every correct answer passes (rule checks); failing one means wrong."""
     label_free: bool = False
     """Do not pass the reference answer column to verifiers (evaluation still scores against it)."""
+    max_failing_steps: int = 3
+    """Stop the run when a verifier raises on every item for this many steps in a row (0 = never stop)."""
+    callables: list[str] = field(default_factory=list)
+    """Entries of `verifiers` that were Python callables given to forge.train (module:qualname), not config names."""
     score_timeout_s: float = 60.0
     """Seconds one verifier may take on one step's batch; past it the run stops with an error naming the verifier
     (a hung verifier cannot be cut off safely in-process). 0 = no limit."""
@@ -406,6 +415,7 @@ RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "reward.window_steps": (_positive, "must be >= 1"),
     "reward.refit_every": (_positive, "must be >= 1"),
     "reward.ensemble_classes": (lambda v: v >= 2, "must be >= 2 (correct and wrong)"),
+    "reward.max_failing_steps": (_non_negative, "must be >= 0 (0 = never stop)"),
     "reward.score_timeout_s": (_non_negative, "must be >= 0 seconds (0 = no limit)"),
     "algo.eps_low": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "algo.eps_high": (_non_negative, "must be >= 0"),

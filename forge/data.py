@@ -1,8 +1,18 @@
 """Prep stage: turn the configured data source into validated train/eval splits on disk, and sample prompts.
 
-Sources are the built-in arithmetic generator (`generate_arithmetic`) or a .jsonl/.json/.csv/.parquet file
-(`load_rows`). Rows are checked one by one (`validate_rows`), given the exact text the model sees
+Sources are the built-in arithmetic generator (`generate_arithmetic`), a .jsonl/.json/.csv/.parquet file, a
+Hugging Face `datasets` directory written by `save_to_disk` (a Dataset, or a DatasetDict: `data.split` and
+`data.eval_split` pick the splits), or a directory or glob of data files read by `datasets.load_dataset`
+(`load_rows`; `datasets` is imported only for those). A prompt is a string or a list of `{"role", "content"}`
+chat messages. Rows are checked one by one (`validate_rows`), given the exact text the model sees
 (`model_input = format_prompt(prompt)`), and written to run_dir/data/{train,eval}.parquet plus manifest.json.
+
+Columns keep their types: every column is stored with the Arrow type of its values (int, float, bool, string,
+list, struct), so `read_split` returns what the source held. A column whose rows hold different types (an int in
+one row, a string in another) is a one-line error naming the column and two row numbers; ints and floats mixed
+in one column are stored as floats. A row that lacks a column gets None there. The answer column is also
+kept as `answer` (as text, what the built-in verifiers compare), and under its own name, with its own type,
+when `data.answer_column` names another column.
 
 Plan purely, act separately: `build` reads and validates and returns a `PreparedData` without writing;
 `write_prepared` writes it; `prepare` does both. Every file is written atomically; the manifest is removed first
@@ -15,12 +25,15 @@ run continues with exactly the batches it would have drawn.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import glob
 import hashlib
 import io
 import json
 import math
 import operator
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -38,6 +51,8 @@ _MAX_DIGITS = 9  # a 9-digit product stays below 1e18, inside int64
 _ENUMERATE_LIMIT = 1 << 22  # operand pairs x ops up to which every problem is enumerated (digits <= 3)
 _SAMPLE_ROUNDS = 20  # above the limit, problems are drawn at random in this many rounds at most
 _BASE_COLUMNS = ["id", "prompt", "model_input", "answer"]
+_ROLES = ("system", "user", "assistant")
+_DATA_FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
 _MAX_REJECTED_IN_MANIFEST = 100
 _MAX_REJECTED_IN_ERROR = 5
 
@@ -46,9 +61,10 @@ Problem = tuple[int, int, int]  # (a, index into the op list, b)
 
 @dataclass(frozen=True)
 class PreparedData:
-    """Output of the prep stage. Every row has the same string columns: id, prompt (raw user text), model_input
-    (prompt after format_prompt: what the model sees), answer, then any extra source columns (sorted; "" where a
-    row lacks one). `manifest` is what manifest.json holds."""
+    """Output of the prep stage. Every row has the same columns: id (str), prompt (raw: a string or a list of
+    messages), model_input (str: prompt after format_prompt, what the model sees), answer (str), then every other
+    source column with its own type (sorted; None where a row lacks one). Rows are as `read_split` will return
+    them (they went through Arrow once). `manifest` is what manifest.json holds."""
 
     train: list[dict]
     eval: list[dict]
@@ -183,27 +199,127 @@ def _arith_row(cfg: DataConfig, a: int, op: str, b: int) -> dict:
 # ---------------------------------------------------------------- reading files
 
 
-def load_rows(path: str | Path, prompt_column: str, answer_column: str) -> list[dict]:
-    """Read a .jsonl / .json (a list of objects) / .csv / .parquet file into a list of dicts, values as stored.
+def load_rows(
+    path: str | Path, prompt_column: str, answer_column: str, split: str = "train", split_key: str = "data.split"
+) -> list[dict]:
+    """Read a data source into a list of dicts, values as stored (typed where the format has types).
 
-    Raises UserError for a missing file, an unknown extension, an unparsable line or item (naming file and line),
-    an empty file, or a prompt/answer column that no row has. Per-row problems are left to `validate_rows`.
-    Blank .jsonl lines are skipped, so row N is the Nth object (for .csv, the Nth record after the header).
+    A .jsonl / .json (a list of objects) / .csv / .parquet file is read here; a `datasets` save_to_disk
+    directory, or a directory or glob of data files, through `datasets` (`split` picks a DatasetDict's split;
+    `split_key` is the config key that named it, for errors). Raises UserError for a missing source, an unknown
+    extension, an unparsable line or item (naming file and line), an empty source, or a prompt/answer column
+    that no row has. Per-row problems are left to `validate_rows`. Blank .jsonl lines are skipped, so row N is
+    the Nth object (for .csv, the Nth record after the header).
     """
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"data file '{p}' does not exist; check data.source / data.eval_source")
-    reader = _READERS.get(p.suffix.lower())
-    if reader is None:
-        raise UserError(f"{p}: unknown extension '{p.suffix}'; use .jsonl, .json, .csv or .parquet")
-    rows, columns = reader(p)
+    if p.is_dir() or _is_glob(str(path)):
+        rows, columns = _read_datasets(str(path), split, split_key)
+    else:
+        if not p.is_file():
+            raise UserError(f"data source '{p}' does not exist; check data.source / data.eval_source")
+        reader = _READERS.get(p.suffix.lower())
+        if reader is None:
+            raise UserError(
+                f"{p}: unknown extension '{p.suffix}'; use .jsonl, .json, .csv or .parquet, a `datasets` "
+                "directory, or a directory/glob of such files"
+            )
+        rows, columns = reader(p)
     if not rows:
-        raise UserError(f"{p}: the file has no rows; add some or point data.source elsewhere")
+        raise UserError(f"{path}: the source has no rows; add some or point data.source elsewhere")
     for column, key in ((prompt_column, "data.prompt_column"), (answer_column, "data.answer_column")):
         if column not in columns:
             found = ", ".join(repr(c) for c in list(columns)[:10])
-            raise UserError(f"{p}: no column '{column}' in any row (found {found}); set {key}")
+            raise UserError(f"{path}: no column '{column}' in any row (found {found}); set {key}")
     return rows
+
+
+def source_label(source: str, split: str | None) -> str:
+    """How errors and row ids name a source: the path, plus ':split' for a DatasetDict's split."""
+    return f"{source}:{split}" if split and is_dataset_dict(source) else source
+
+
+def is_dataset_dict(source: str) -> bool:
+    return (Path(source) / "dataset_dict.json").is_file()
+
+
+def _is_glob(source: str) -> bool:
+    return any(c in source for c in "*?[")
+
+
+def _read_datasets(source: str, split: str, split_key: str) -> tuple[list[dict], list[str]]:
+    """Rows of a save_to_disk directory (Dataset or DatasetDict split) or of a directory/glob of data files."""
+    p = Path(source)
+    if (p / "dataset_dict.json").is_file() or (p / "state.json").is_file():
+        ds = _load_from_disk(p)
+        if hasattr(ds, "keys"):  # a DatasetDict
+            if split not in ds:
+                splits = ", ".join(repr(k) for k in ds)
+                raise UserError(f"{p}: the DatasetDict has no split {split!r} (splits: {splits}); set {split_key}")
+            ds = ds[split]
+        elif split_key == "data.eval_split":
+            raise UserError(f"{p}: a single Dataset has no splits; data.eval_split needs a DatasetDict directory")
+        return ds.to_list(), list(ds.column_names)
+    return _read_data_files(source, _data_files(source))
+
+
+def _load_from_disk(p: Path):
+    import datasets
+
+    try:
+        with quiet_datasets():
+            return datasets.load_from_disk(str(p))
+    except Exception as e:  # FileNotFoundError, JSON/Arrow errors from a damaged directory
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UserError(
+            f"{p}: not a readable `datasets` directory ({first}); save it again with save_to_disk"
+        ) from None
+
+
+def _data_files(source: str) -> list[str]:
+    """The data files of a directory (top level) or a glob, sorted; all of one builder's kind."""
+    p = Path(source)
+    found = sorted(p.iterdir()) if p.is_dir() else [Path(f) for f in sorted(glob.glob(source))]
+    files = [f for f in found if f.is_file() and not f.name.startswith(".")]
+    if not files:
+        raise UserError(f"data source '{source}' matches no files; check data.source / data.eval_source")
+    kinds = {_DATA_FILE_BUILDERS.get(f.suffix.lower()) for f in files}
+    if None in kinds or len(kinds) > 1:
+        names = ", ".join(sorted({f.suffix or f.name for f in files}))
+        raise UserError(
+            f"{source}: holds files of kinds {names}; a file set must be all .parquet, all .jsonl/.json, all .csv "
+            "or all .arrow (or a `datasets` save_to_disk directory)"
+        )
+    return [str(f) for f in files]
+
+
+def _read_data_files(source: str, files: list[str]) -> tuple[list[dict], list[str]]:
+    """`datasets.load_dataset(<builder>, data_files=files)` with a throwaway cache: nothing is kept on disk."""
+    import tempfile
+
+    import datasets
+
+    builder = _DATA_FILE_BUILDERS[Path(files[0]).suffix.lower()]
+    with tempfile.TemporaryDirectory(prefix="forgeweave-datasets-") as cache, quiet_datasets():
+        try:
+            ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache)
+        except Exception as e:  # DatasetGenerationError, ArrowInvalid, ...: a malformed file in the set
+            why = " ".join(f"{type(e.__cause__ or e).__name__}: {e.__cause__ or e}".split())[:200]
+            raise UserError(f"{source}: `datasets` cannot read these {builder} files ({why}); fix them") from None
+        return ds.to_list(), list(ds.column_names)
+
+
+@contextlib.contextmanager
+def quiet_datasets():
+    """No `datasets` progress bars on the console while prep reads or saves (restored afterwards)."""
+    from datasets.utils import logging as ds_logging
+
+    was_enabled = ds_logging.is_progress_bar_enabled()
+    ds_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            ds_logging.enable_progress_bar()
 
 
 def _read_text(p: Path) -> str:
@@ -315,20 +431,35 @@ def validate_rows(
     source: str,
     prompt_column: str,
     answer_column: str,
-    count_tokens: Callable[[str], int],
+    count_tokens: Callable[[str | list[dict]], int],
     max_prompt_tokens: int,
 ) -> tuple[list[dict], list[dict]]:
     """Split rows into (good, rejected). Pure.
 
     rejected items are {"row": 1-based row number, "reason": ...}, reasons naming the column: "missing field
-    'answer'", "prompt is not a string (got int)", "empty prompt", "answer is not a string or number (got list)",
-    "empty answer", "prompt has 300 tokens > data.max_prompt_tokens=256", "duplicate id 'x' (first at row 2)".
+    'answer'", "prompt is not a string or a list of messages (got int)", "empty prompt", "prompt message 2 has
+    role 'tool'; use system, user or assistant", "answer is not a string or number (got list)", "empty answer",
+    "prompt has 300 tokens > data.max_prompt_tokens=256", "duplicate id 'x' (first at row 2)".
     count_tokens gets the raw prompt; pass a function that applies the chat template and tokenizes.
-    Good rows become {"id", "prompt", "answer", **other columns as str}: id is the row's "id" column, else
-    "<file stem>-<row>"; numeric answers are str()-ed; other columns named id/prompt/answer/model_input are dropped.
+    Good rows become {"id", "prompt", "answer", **other columns as stored}: id is the row's "id" column (as
+    text), else "<source stem>-<row>"; the answer is text (numbers str()-ed), and also kept as stored under
+    its own name when answer_column is not "answer"; other columns named id/prompt/answer/model_input are dropped.
     """
-    good, rejected, first_row_of_id = [], [], {}
-    stem = Path(source).stem
+    good, _, rejected = _validate(rows, source, prompt_column, answer_column, count_tokens, max_prompt_tokens)
+    return good, rejected
+
+
+def _validate(
+    rows: list[dict],
+    source: str,
+    prompt_column: str,
+    answer_column: str,
+    count_tokens: Callable[[str | list[dict]], int],
+    max_prompt_tokens: int,
+) -> tuple[list[dict], list[int], list[dict]]:
+    """validate_rows plus the row number of each good row."""
+    good, numbers, rejected, first_row_of_id = [], [], [], {}
+    stem = re.sub(r"[*?\[\]]", "", Path(source.rstrip("/")).stem) or "row"
     for n, row in enumerate(rows, 1):
         reason = _row_problem(row, prompt_column, answer_column, count_tokens, max_prompt_tokens)
         row_id = _row_id(row, stem, n)
@@ -339,33 +470,61 @@ def validate_rows(
             continue
         first_row_of_id[row_id] = n
         good.append(_normalise(row, row_id, prompt_column, answer_column))
-    return good, rejected
+        numbers.append(n)
+    return good, numbers, rejected
 
 
 def _row_problem(
-    row: dict, prompt_column: str, answer_column: str, count_tokens: Callable[[str], int], max_prompt_tokens: int
+    row: dict,
+    prompt_column: str,
+    answer_column: str,
+    count_tokens: Callable[[str | list[dict]], int],
+    max_prompt_tokens: int,
 ) -> str | None:
     """Why this row is invalid, or None. Cheap checks first; tokens are counted last."""
     for column in (prompt_column, answer_column):
         if row.get(column) is None:
             return f"missing field '{column}'"
     prompt, answer = row[prompt_column], row[answer_column]
-    if not isinstance(prompt, str):
-        return f"{prompt_column} is not a string (got {type(prompt).__name__})"
-    if not prompt.strip():
-        return f"empty {prompt_column}"
+    why = _prompt_problem(prompt, prompt_column)
+    if why is not None:
+        return why
     if isinstance(answer, bool) or not isinstance(answer, str | int | float):
         return f"{answer_column} is not a string or number (got {type(answer).__name__})"
     if isinstance(answer, float) and math.isinf(answer):
         return f"{answer_column} is not a finite number (got {answer})"
-    for column, value in ((prompt_column, prompt), (answer_column, answer)):
-        if isinstance(value, str) and "\x00" in value:
-            return f"{column} contains a NUL byte (a binary or mis-encoded file?)"
+    if isinstance(answer, str) and "\x00" in answer:
+        return f"{answer_column} contains a NUL byte (a binary or mis-encoded file?)"
     if not _answer_text(answer).strip():
         return f"empty {answer_column}"
     n_tokens = count_tokens(prompt)
     if n_tokens > max_prompt_tokens:
         return f"{prompt_column} has {n_tokens} tokens > data.max_prompt_tokens={max_prompt_tokens}"
+    return None
+
+
+def _prompt_problem(prompt: Any, column: str) -> str | None:
+    """Why a prompt is neither a non-empty string nor a list of {role, content} chat messages, or None."""
+    if isinstance(prompt, str):
+        if "\x00" in prompt:
+            return f"{column} contains a NUL byte (a binary or mis-encoded file?)"
+        return None if prompt.strip() else f"empty {column}"
+    if not isinstance(prompt, list):
+        return f"{column} is not a string or a list of messages (got {type(prompt).__name__})"
+    if not prompt:
+        return f"empty {column} (no messages)"
+    for i, message in enumerate(prompt, 1):
+        if not isinstance(message, dict):
+            return f"{column} message {i} is not a {{role, content}} object (got {type(message).__name__})"
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or role not in _ROLES:
+            return f"{column} message {i} has role {role!r}; use system, user or assistant"
+        if not isinstance(content, str):
+            return f"{column} message {i} content is not a string (got {type(content).__name__})"
+        if "\x00" in content:
+            return f"{column} message {i} contains a NUL byte (a binary or mis-encoded file?)"
+    if not any(m["content"].strip() for m in prompt):
+        return f"empty {column} (every message is blank)"
     return None
 
 
@@ -393,8 +552,51 @@ def _row_id(row: dict, stem: str, n: int) -> str:
 
 def _normalise(row: dict, row_id: str, prompt_column: str, answer_column: str) -> dict:
     skip = {prompt_column, answer_column, *_BASE_COLUMNS}
-    extras = {str(k): _to_str(v) for k, v in row.items() if k not in skip}
+    extras = {str(k): v for k, v in row.items() if k not in skip}
+    if answer_column != "answer":  # verifiers written for the source (TRL's `solution`) read it by its own name
+        extras[answer_column] = row[answer_column]
     return {"id": row_id, "prompt": row[prompt_column], "answer": _answer_text(row[answer_column]), **extras}
+
+
+# ---------------------------------------------------------------- column types
+
+
+def check_column_types(rows: list[dict], numbers: list[int], source: str) -> None:
+    """Every column holds one Arrow type across the rows (ints and floats together become floats); else a
+    UserError naming the column and two row numbers (`numbers[i]` is row i's number in the source). Pure."""
+    for column in dict.fromkeys(k for r in rows for k in r):
+        present = [(n, r[column]) for r, n in zip(rows, numbers, strict=True) if r.get(column) is not None]
+        if present and _arrow_type([v for _, v in present]) is None:
+            (first, a), (other, b) = present[0], _first_clash(present)
+            raise UserError(
+                f"{source}: column '{column}' mixes types (row {first}: {_type_label(a)}, row {other}: "
+                f"{_type_label(b)}); make every row's value the same type"
+            )
+
+
+def _arrow_type(values: list) -> Any:
+    """The Arrow type pyarrow infers for these values, or None when they do not fit one type."""
+    import pyarrow as pa
+
+    try:
+        return pa.array(values).type
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError, TypeError):
+        return None
+
+
+def _first_clash(present: list[tuple[int, Any]]) -> tuple[int, Any]:
+    """The first (row, value) that cannot share a type with the first present value."""
+    head = present[0][1]
+    for n, v in present[1:]:
+        if _arrow_type([head, v]) is None:
+            return n, v
+    return present[-1]  # only the set as a whole clashes (e.g. nested lists): name the last row
+
+
+def _type_label(value: Any) -> str:
+    if isinstance(value, list) and value:
+        return f"list of {type(value[0]).__name__}"
+    return type(value).__name__
 
 
 # ---------------------------------------------------------------- the stage
@@ -413,41 +615,68 @@ def prepare(
     return data
 
 
-def build(cfg: RunConfig, format_prompt: Callable[[str], str], count_tokens: Callable[[str], int]) -> PreparedData:
+def build(
+    cfg: RunConfig,
+    format_prompt: Callable[[str | list[dict]], str],
+    count_tokens: Callable[[str], int],
+) -> PreparedData:
     """Generate or load, validate and split the data; writes nothing.
 
-    data.source 'arithmetic' generates both splits; a file source is split by holding out data.eval_size valid
-    rows at random (seeded), unless data.eval_source names a separate eval file, whose valid rows are all used.
-    Invalid rows raise UserError (data.on_bad_rows=error) or are dropped and recorded in the manifest (skip).
+    data.source 'arithmetic' generates both splits; another source is split by holding out data.eval_size valid
+    rows at random (seeded), unless data.eval_source names a separate eval source or data.eval_split a split of
+    the DatasetDict, whose valid rows are all used. Invalid rows raise UserError (data.on_bad_rows=error) or are
+    dropped and recorded in the manifest (skip). The rows returned have been through Arrow once, so they are
+    exactly what `read_split` returns after `write_prepared`, and hash the same.
     """
 
-    def count_model_tokens(prompt: str) -> int:
+    def count_model_tokens(prompt: str | list[dict]) -> int:
         return count_tokens(format_prompt(prompt))
 
     train, eval_, rejected = _splits(cfg, count_model_tokens)
     columns = _BASE_COLUMNS + sorted({k for r in train + eval_ for k in r} - set(_BASE_COLUMNS))
     train, eval_ = _complete(train, columns, format_prompt), _complete(eval_, columns, format_prompt)
+    _check_splits_agree(train, eval_, columns)
+    train, eval_ = _arrow_table(train, columns).to_pylist(), _arrow_table(eval_, columns).to_pylist()
     return PreparedData(train, eval_, _manifest(cfg, train, eval_, rejected, columns))
 
 
-def _splits(cfg: RunConfig, count_tokens: Callable[[str], int]) -> tuple[list[dict], list[dict], list[dict]]:
+def _splits(
+    cfg: RunConfig, count_tokens: Callable[[str | list[dict]], int]
+) -> tuple[list[dict], list[dict], list[dict]]:
     """(train, eval, rejected items with their "file") from the configured sources."""
     dc = cfg.data
     if dc.source == "arithmetic":
+        _check(not dc.eval_split, "data.eval_split", "applies to a DatasetDict source, not 'arithmetic': clear it")
         gen_train, gen_eval = generate_arithmetic(dc, cfg.seed)
         train, rejected = _validated(gen_train, "arithmetic:train", "prompt", "answer", dc, count_tokens)
         eval_, eval_rejected = [], []
         if not dc.eval_source:
             eval_, eval_rejected = _validated(gen_eval, "arithmetic:eval", "prompt", "answer", dc, count_tokens)
     else:
-        rows = load_rows(dc.source, dc.prompt_column, dc.answer_column)
-        good, rejected = _validated(rows, dc.source, dc.prompt_column, dc.answer_column, dc, count_tokens)
-        train, eval_ = (good, []) if dc.eval_source else _hold_out(good, dc.eval_size, cfg.seed, dc.source)
+        _check_split_key(dc.source, dc.split, "train", "data.split")
+        label = source_label(dc.source, dc.split)
+        rows = load_rows(dc.source, dc.prompt_column, dc.answer_column, dc.split)
+        good, rejected = _validated(rows, label, dc.prompt_column, dc.answer_column, dc, count_tokens)
+        separate = dc.eval_source or dc.eval_split
+        train, eval_ = (good, []) if separate else _hold_out(good, dc.eval_size, cfg.seed, label)
         eval_rejected = []
-    if dc.eval_source:
-        rows = load_rows(dc.eval_source, dc.prompt_column, dc.answer_column)
-        eval_, eval_rejected = _validated(rows, dc.eval_source, dc.prompt_column, dc.answer_column, dc, count_tokens)
+    if dc.eval_source or dc.eval_split:
+        source = dc.eval_source or dc.source
+        split, key = (dc.eval_split, "data.eval_split") if dc.eval_split else (dc.split, "data.split")
+        _check_split_key(source, dc.eval_split, "", "data.eval_split")
+        label = source_label(source, split)
+        rows = load_rows(source, dc.prompt_column, dc.answer_column, split, key)
+        eval_, eval_rejected = _validated(rows, label, dc.prompt_column, dc.answer_column, dc, count_tokens)
     return train, eval_, rejected + eval_rejected
+
+
+def _check_split_key(source: str, split: str, default: str, key: str) -> None:
+    """A split name other than the default only means something for a DatasetDict directory."""
+    if split != default and not is_dataset_dict(source):
+        raise ConfigError(
+            f"config key '{key}' is {split!r}, but '{source}' is not a `datasets` DatasetDict directory (no "
+            f"dataset_dict.json): set it to {default!r} or point the source at a DatasetDict"
+        )
 
 
 def _validated(
@@ -456,19 +685,14 @@ def _validated(
     prompt_column: str,
     answer_column: str,
     dc: DataConfig,
-    count_tokens: Callable[[str], int],
+    count_tokens: Callable[[str | list[dict]], int],
 ) -> tuple[list[dict], list[dict]]:
-    """validate_rows plus the data.on_bad_rows policy; rejected items get a "file" key."""
-    good, rejected = validate_rows(
-        rows,
-        source=source,
-        prompt_column=prompt_column,
-        answer_column=answer_column,
-        count_tokens=count_tokens,
-        max_prompt_tokens=dc.max_prompt_tokens,
-    )
+    """validate_rows plus the data.on_bad_rows policy and the one-type-per-column check; rejected items get a
+    "file" key."""
+    good, numbers, rejected = _validate(rows, source, prompt_column, answer_column, count_tokens, dc.max_prompt_tokens)
     if rejected and (dc.on_bad_rows == "error" or not good):
         raise UserError(_bad_rows_message(source, rejected, all_bad=not good))
+    check_column_types(good, numbers, source)
     return good, [{"file": source, **r} for r in rejected]
 
 
@@ -494,36 +718,73 @@ def _hold_out(rows: list[dict], n_eval: int, seed: int, source: str) -> tuple[li
     return train, [r for r, e in zip(rows, is_eval, strict=True) if e]
 
 
-def _complete(rows: list[dict], columns: list[str], format_prompt: Callable[[str], str]) -> list[dict]:
-    """Add model_input and give every row every column, in column order."""
-    return [{c: format_prompt(r["prompt"]) if c == "model_input" else r.get(c, "") for c in columns} for r in rows]
+def _complete(rows: list[dict], columns: list[str], format_prompt: Callable[[str | list[dict]], str]) -> list[dict]:
+    """Add model_input and give every row every column (None where it had none), in column order."""
+    return [{c: format_prompt(r["prompt"]) if c == "model_input" else r.get(c) for c in columns} for r in rows]
+
+
+def _check_splits_agree(train: list[dict], eval_: list[dict], columns: list[str]) -> None:
+    """A column has one type in both splits (they may come from different sources)."""
+    for c in columns:
+        a = next((r[c] for r in train if r[c] is not None), None)
+        b = next((r[c] for r in eval_ if r[c] is not None), None)
+        if a is not None and b is not None and _arrow_type([a, b]) is None:
+            raise UserError(
+                f"data: column '{c}' is {_type_label(a)} in the training rows but {_type_label(b)} in the eval "
+                "rows (data.source vs data.eval_source / data.eval_split); make them one type"
+            )
+
+
+def _arrow_table(rows: list[dict], columns: list[str]):
+    """The rows as an Arrow table, each column typed from its values (checked to fit one type before)."""
+    import pyarrow as pa
+
+    return pa.table({c: pa.array([r[c] for r in rows]) for c in columns})
 
 
 def content_hash(train: list[dict], eval_: list[dict]) -> str:
-    """sha256 of the canonical JSON (sorted keys, no spaces, UTF-8) of both splits."""
-    canonical = json.dumps({"train": train, "eval": eval_}, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    """sha256 of the canonical JSON (sorted keys, no spaces, UTF-8) of both splits; values JSON has no form for
+    (dates, bytes, decimals) are written as their ISO / hex / str text."""
+    canonical = json.dumps(
+        {"train": train, "eval": eval_}, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=_canonical
+    )
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
+def _canonical(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.hex()
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    return str(value)
+
+
+def _prompt_key(prompt: str | list[dict]) -> str:
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+
+
 def _manifest(cfg: RunConfig, train: list[dict], eval_: list[dict], rejected: list[dict], columns: list[str]) -> dict:
-    train_prompts = {r["prompt"] for r in train}
+    train_prompts = {_prompt_key(r["prompt"]) for r in train}
     return {
         "source": cfg.data.source,
         "eval_source": cfg.data.eval_source,
+        "split": cfg.data.split,
+        "eval_split": cfg.data.eval_split,
         "seed": cfg.seed,
         "train_rows": len(train),
         "eval_rows": len(eval_),
-        "eval_prompts_in_train": sum(r["prompt"] in train_prompts for r in eval_),  # contamination check
+        "eval_prompts_in_train": sum(_prompt_key(r["prompt"]) in train_prompts for r in eval_),  # contamination
         "rejected_count": len(rejected),
         "rejected": rejected[:_MAX_REJECTED_IN_MANIFEST],
         "content_hash": content_hash(train, eval_),
         "columns": columns,
+        "column_types": {f.name: str(f.type) for f in _arrow_table(train + eval_, columns).schema},
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
     }
 
 
 def write_prepared(data: PreparedData, run_dir: Path) -> None:
-    """Write the splits as all-string parquet and then the manifest, each atomically, under run_dir/data."""
+    """Write the splits as typed parquet and then the manifest, each atomically, under run_dir/data."""
     out = Path(run_dir) / "data"
     (out / "manifest.json").unlink(missing_ok=True)  # no stale manifest beside half-replaced splits
     for split, rows in (("train", data.train), ("eval", data.eval)):
@@ -535,14 +796,13 @@ def _parquet_bytes(rows: list[dict], columns: list[str]) -> bytes:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = pa.schema([(c, pa.string()) for c in columns])
     sink = pa.BufferOutputStream()
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema), sink)
+    pq.write_table(_arrow_table(rows, columns), sink)
     return sink.getvalue().to_pybytes()
 
 
 def read_split(run_dir: Path, split: str) -> list[dict]:
-    """Rows of run_dir/data/{split}.parquet ('train' or 'eval') as dicts of str."""
+    """Rows of run_dir/data/{split}.parquet ('train' or 'eval') as dicts, each column with its stored type."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -556,6 +816,14 @@ def read_split(run_dir: Path, split: str) -> list[dict]:
         raise UserError(
             f"{path}: not a readable parquet file ({first_line}); the run's data is damaged: start a new run"
         ) from None
+
+
+def train_row_count(run_dir: Path) -> int:
+    """Training rows of a prepared run (data/manifest.json), 0 when it cannot be read."""
+    try:
+        return int(json.loads((Path(run_dir) / "data" / "manifest.json").read_text(encoding="utf-8"))["train_rows"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def check_data_hash(run_dir: Path, train: list[dict], eval_: list[dict], saved: str | None = None) -> str:

@@ -58,7 +58,8 @@ def evaluate(
     judges = resolve_eval_verifiers(eval_verifier_specs(cfg, reward), verifiers, reward)
     columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "model_input")} if rows else {}
     errors: dict[str, str] = {}
-    correct = _correct(judges, prompts, greedy.texts, columns, timeout_s, errors)
+    raw = [r["prompt"] for r in rows]  # strings or chat messages: what TRL-style verifiers get as `prompts`
+    correct = _correct(judges, prompts, raw, greedy.texts, columns, timeout_s, errors)
     report = {
         "problems": len(rows),
         "pass@1": _mean(correct),
@@ -67,10 +68,14 @@ def evaluate(
         "mean_completion_tokens": float(greedy.completion_mask.sum(1).float().mean()),
     }
     if verifiers:
-        res = score_completions(verifiers, weights, prompts, greedy.texts, columns, timeout_s=timeout_s)
+        res = score_completions(
+            verifiers, weights, prompts, greedy.texts, columns, timeout_s=timeout_s, raw_prompts=raw
+        )
         report["mean_reward"] = float(res.rewards.mean()) if len(rows) else 0.0
     if cfg.k > 0 and rows:
-        report[f"pass@{cfg.k}"] = _pass_at_k(backend, prompts, columns, cfg, rollout, seed, judges, timeout_s, errors)
+        report[f"pass@{cfg.k}"] = _pass_at_k(
+            backend, prompts, raw, columns, cfg, rollout, seed, judges, timeout_s, errors
+        )
     if errors:
         report["verifier_errors"] = errors
     report["samples"] = [
@@ -116,17 +121,28 @@ def _attr(spec: str) -> str:
     return spec.rpartition(":")[2]
 
 
-def _correct(judges, prompts: list[str], texts: list[str], columns: dict, timeout_s: float, errors: dict) -> list[bool]:
-    """Whether every judge scores each completion >= 1.0 (NaN: it failed on it). First errors go into `errors`."""
+def _correct(
+    judges, prompts: list[str], raw: list, texts: list[str], columns: dict, timeout_s: float, errors: dict
+) -> list[bool]:
+    """Whether every judge scores each completion >= 1.0 (NaN: it failed on it). First errors go into `errors`.
+    `raw`: the data's prompts (strings or message lists), so chat-style verifiers get message completions."""
     res = score_completions(
-        verifiers=judges, weights=None, prompts=prompts, completions=texts, columns=columns, timeout_s=timeout_s
+        verifiers=judges,
+        weights=None,
+        prompts=prompts,
+        completions=texts,
+        columns=columns,
+        timeout_s=timeout_s,
+        raw_prompts=raw,
     )
     for name, err in res.errors.items():
         errors.setdefault(name, err)
     return (res.scores >= 1.0).all(dim=1).tolist() if len(texts) else []
 
 
-def _pass_at_k(backend, prompts, columns, cfg: EvalConfig, rollout: RolloutConfig, seed, judges, timeout_s, errors):
+def _pass_at_k(
+    backend, prompts, raw, columns, cfg: EvalConfig, rollout: RolloutConfig, seed, judges, timeout_s, errors
+):
     params = SamplingParams(
         max_new_tokens=cfg.max_new_tokens or rollout.max_new_tokens,
         temperature=cfg.temperature,
@@ -137,7 +153,8 @@ def _pass_at_k(backend, prompts, columns, cfg: EvalConfig, rollout: RolloutConfi
     )
     sampled = backend.generate(prompts, params)
     repeated = {key: [v for v in col for _ in range(cfg.k)] for key, col in columns.items()}
-    hits = _correct(judges, sampled.prompts, sampled.texts, repeated, timeout_s, errors)
+    raw_k = [p for p in raw for _ in range(cfg.k)]
+    hits = _correct(judges, sampled.prompts, raw_k, sampled.texts, repeated, timeout_s, errors)
     per_problem = torch.tensor(hits, dtype=torch.float32).view(len(prompts), cfg.k)
     return float((per_problem.max(dim=1).values > 0).float().mean())
 

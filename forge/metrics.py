@@ -27,6 +27,7 @@ def step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: di
     for name, mean in per_verifier_means(batch.verifier_names, batch.scores).items():
         m[f"reward/{name}/mean"] = mean
         m[f"reward/{name}/failures"] = float(batch.verifier_failures[name])
+        m[f"reward/{name}/errors"] = float(batch.verifier_errored.get(name, 0))
     m.update(
         {
             "completion/len_mean": float(lengths.mean()),
@@ -75,3 +76,27 @@ def skipped_in_a_row(before: int, stats: UpdateStats, step: int, limit: int) -> 
             f"(update.max_skipped_steps={limit}); check the rewards and lower update.lr, then --resume"
         )
     return count
+
+
+def failing_in_a_row(before: dict[str, int], batch: ScoredBatch, step: int, limit: int) -> dict[str, int]:
+    """Steps in a row on which each verifier erred on every item (raised, or returned something that is not a
+    score; None is not an error), counting this step's; `limit` in a row stop the run with a UserError carrying
+    the verifier's error text (0 = never stop): training on the zeros it leaves would teach nothing."""
+    n = batch.scores.shape[0]
+    counts = {
+        v: before.get(v, 0) + 1 if n and batch.verifier_errored.get(v, 0) == n else 0 for v in batch.verifier_names
+    }
+    for name, count in counts.items():
+        if limit and count >= limit:
+            raise UserError(
+                f"step {step}: verifier '{name}' failed on every item for {count} steps in a row "
+                f"(reward.max_failing_steps={limit}): {error_line(batch.verifier_errors.get(name, ''))}; fix the "
+                "verifier (or set reward.max_failing_steps=0), then --resume"
+            )
+    return counts
+
+
+def error_line(text: str, limit: int = 300) -> str:
+    """A verifier's error text as one line of at most `limit` characters."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."

@@ -120,17 +120,38 @@ def _fix_special_tokens(tok: PreTrainedTokenizerBase, model: PreTrainedModel) ->
 
 
 def format_prompt_fn(tok: PreTrainedTokenizerBase, cfg: ModelConfig):
-    """Return a function raw prompt -> model input text (chat template applied when configured/available)."""
-    use_chat = cfg.chat_template if cfg.chat_template is not None else bool(getattr(tok, "chat_template", None))
+    """Return a function raw prompt -> model input text. A string prompt gets the chat template when configured
+    (model.chat_template, or None = when the tokenizer has one), as a user message after model.system_prompt. A
+    list of chat messages always gets the template, applied to the messages as given; model.system_prompt is
+    prepended only when they hold no system message. Messages without a template are a UserError."""
+    has_template = bool(getattr(tok, "chat_template", None))
+    use_chat = cfg.chat_template if cfg.chat_template is not None else has_template
+    system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
 
-    def fmt(prompt: str) -> str:
-        if not use_chat:
-            return prompt
-        messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
-        messages.append({"role": "user", "content": prompt})
+    def fmt(prompt: str | list[dict]) -> str:
+        if isinstance(prompt, str):
+            if not use_chat:
+                return prompt
+            messages = [*system, {"role": "user", "content": prompt}]
+        else:
+            if not (use_chat and has_template):
+                raise UserError(_no_template_message(cfg, has_template))
+            messages = list(prompt) if any(m.get("role") == "system" for m in prompt) else [*system, *prompt]
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     return fmt
+
+
+def _no_template_message(cfg: ModelConfig, has_template: bool) -> str:
+    if has_template:  # model.chat_template=false
+        return (
+            "the data's prompts are chat messages, but model.chat_template=false: set it to true (or null) so the "
+            "tokenizer's chat template renders them"
+        )
+    return (
+        f"the data's prompts are chat messages, but the tokenizer of model.path='{cfg.path}' has no chat template: "
+        "use a model whose tokenizer has one, or give prompts as strings"
+    )
 
 
 # ---------------------------------------------------------------- tiny model for tests

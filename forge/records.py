@@ -42,6 +42,8 @@ class ScoredBatch:
     rewards: torch.Tensor  # [N] aggregated reward
     advantages: torch.Tensor  # [N] per-completion advantage (broadcast over its tokens)
     verifier_failures: dict[str, int]  # verifier name -> items it raised on or returned None for
+    verifier_errors: dict[str, str] = field(default_factory=dict)  # verifier name -> first error text (if any)
+    verifier_errored: dict[str, int] = field(default_factory=dict)  # verifier name -> items it raised on / scored badly
 
 
 @dataclass(frozen=True)

@@ -41,12 +41,15 @@ from forge.tracking import Tracker
 SAMPLES_PER_STEP = 8
 LOCK = ".lock"
 CHANGES = "config_changes.jsonl"  # one line per resume that changed the config (forge.resume.record_changes)
+INPUTS = "inputs"  # datasets given to forge.train as objects, saved here before the run starts (forge/api.py)
 HEARTBEAT_S = 30.0
 
 
 def append_samples(run_dir: Path, step: int, rows: list[dict], batch: ScoredBatch) -> list[dict]:
-    """A few completions per step (the first group) with their per-verifier scores, for inspection; returns them."""
+    """A few completions per step (the first group) with their per-verifier scores, for inspection; returns them.
+    On a step where a verifier erred, each line also says how many items it erred on and its first error text."""
     ro, g = batch.rollouts, batch.rollouts.group_size
+    errors = {n: {"items": batch.verifier_errored.get(n, 0), "first": e} for n, e in batch.verifier_errors.items()}
     samples = []
     for i in range(min(SAMPLES_PER_STEP, ro.num_completions)):
         scores = {n: _num(batch.scores[i, v]) for v, n in enumerate(batch.verifier_names)}
@@ -59,6 +62,7 @@ def append_samples(run_dir: Path, step: int, rows: list[dict], batch: ScoredBatc
                 "scores": scores,
                 "reward": _num(batch.rewards[i]),
                 "advantage": _num(batch.advantages[i]),
+                **({"verifier_errors": errors} if errors else {}),  # the step's first error per verifier
             }
         )
     with (run_dir / "samples.jsonl").open("a") as f:
@@ -98,21 +102,29 @@ def check_run_name(name: str) -> str:
 
 
 def claim_run_dir(run_dir: Path, resume: bool) -> None:
-    """Check `run_dir` can be started (new: absent or empty but for its lock) or resumed; creates it when new."""
+    """`check_run_dir`, then create the directory when new."""
+    check_run_dir(run_dir, resume)
+    if resume:
+        return
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create run directory '{run_dir}' ({e.strerror}): check --runs-dir") from None
+
+
+def check_run_dir(run_dir: Path, resume: bool) -> None:
+    """Check `run_dir` can be started (new: absent or empty but for its lock and forge.train's inputs/) or resumed;
+    reads only. The CLI calls it before a flow starts, so a taken name is one line, not a failed flow run."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"run directory '{run_dir}' is a file, not a directory: choose another --name")
     if resume:
         if not (run_dir / "config.yaml").is_file():
             raise UserError(f"cannot resume '{run_dir}': no such run (config.yaml missing)")
         return
-    if run_dir.exists() and any(p.name != LOCK for p in run_dir.iterdir()):
+    if run_dir.exists() and any(p.name not in (LOCK, INPUTS) for p in run_dir.iterdir()):
         raise UserError(
             f"run directory '{run_dir}' already exists: pass --resume to continue it or choose another --name"
         )
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create run directory '{run_dir}' ({e.strerror}): check --runs-dir") from None
 
 
 class RunLock:

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from forge.checkpoint import SaveReport
 from forge.config import RunConfig
+from forge.data import train_row_count
 from forge.errors import UserError
 from forge.records import Rollouts, Scored, ScoredBatch, UpdateStats
 from forge.rollout import SamplingParams
@@ -127,7 +128,7 @@ class LocalStages:
         self.trainer = TrainerWorker(cfg)
         model = self.trainer.trainer.unwrapped
         self.rollout_worker = RolloutWorker(cfg, model=model, tokenizer=self.trainer.tokenizer)
-        self.reward_worker = RewardWorker(cfg)
+        self.reward_worker = RewardWorker(cfg, train_row_count(run_dir))
 
     @property
     def policy_version(self) -> int:

@@ -157,8 +157,10 @@ class RolloutWorker:
 class RewardWorker:
     """The reward stage: per-verifier scores, the weighted (or label-free ensemble) reward, group advantages."""
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, train_rows: int = 0):
+        """`train_rows`: the training split's size, for trainer_state.epoch (0 = unknown: epoch stays 0)."""
         self.cfg = cfg
+        self.train_rows = train_rows
         self.verifiers = resolve_verifiers(cfg.reward.verifiers, cfg.reward)
         self.aggregator = None
         if cfg.reward.aggregate == "ensemble":
@@ -174,8 +176,8 @@ class RewardWorker:
         """Score step `step`'s completions; safe to repeat for the same step (the ensemble replaces its entry).
         `echo_rollouts=False` leaves the rollouts out of the returned batch (`rollouts=None`) for a remote caller
         that holds them already: they are the bulk of the record."""
-        g = rollouts.group_size
-        hidden = ("answer",) if self.cfg.reward.label_free else ()
+        g, answer_column = rollouts.group_size, self.cfg.data.answer_column
+        hidden = ("answer", answer_column) if self.cfg.reward.label_free else ()
         result = score_completions(
             self.verifiers,
             self.cfg.reward.weights,
@@ -183,14 +185,28 @@ class RewardWorker:
             rollouts.texts,
             _columns(rows, g, hidden),
             timeout_s=self.cfg.reward.score_timeout_s,
+            raw_prompts=[r["prompt"] for r in rows for _ in range(g)],
+            completion_ids=completion_id_lists(rollouts),
+            trainer_state=self.trainer_state(step),
         )
         rewards, report = result.rewards, None  # [N]
         if self.aggregator is not None:  # label-free: P(correct | the V scores), refit on recent steps
             rewards, report = self.aggregator(result.scores, g, step)
         advantages = group_advantages(rewards, g, self.cfg.algo.advantage)  # [N]
         kept = rollouts if echo_rollouts else None
-        batch = ScoredBatch(kept, result.names, result.scores, rewards, advantages, result.failures)
+        batch = ScoredBatch(kept, result.names, result.scores, rewards, advantages, result.failures,
+                            verifier_errors=result.errors, verifier_errored=result.errored)  # fmt: skip
         return Scored(batch=batch, ensemble_report=report)
+
+    def trainer_state(self, step: int):
+        """What TRL passes reward functions as `trainer_state`: a transformers TrainerState. While step `step` is
+        scored, `step - 1` updates are done (TRL's global_step); epoch = prompts drawn so far / training rows."""
+        from transformers import TrainerState
+
+        drawn = (step - 1) * self.cfg.rollout.prompts_per_step
+        epoch = drawn / self.train_rows if self.train_rows else 0.0
+        return TrainerState(epoch=epoch, global_step=step - 1, max_steps=self.cfg.steps,
+                            train_batch_size=self.cfg.rollout.prompts_per_step)  # fmt: skip
 
     def score_parts(self, rows: list[dict], step: int, pad_id: int, *parts: Rollouts) -> Scored:
         """`score` of a step whose rollouts came from several replicas (consecutive groups), without echoing them."""
@@ -360,6 +376,12 @@ def _check_group(accelerator, world: int) -> None:
     ones = torch.ones(1, device=accelerator.device)
     dist.all_reduce(ones)
     assert int(ones.item()) == world, f"all_reduce over {world} ranks gave {ones.item()}"
+
+
+def completion_id_lists(rollouts: Rollouts) -> list[list[int]]:
+    """Each completion's sampled token ids (eos included when sampled), padding dropped: TRL's `completion_ids`."""
+    mask = rollouts.completion_mask.bool()  # [N, T]
+    return [ids[m].tolist() for ids, m in zip(rollouts.completion_ids.cpu(), mask.cpu(), strict=True)]
 
 
 def _columns(rows: list[dict], group_size: int, hidden: tuple[str, ...] = ()) -> dict[str, list]:

@@ -107,6 +107,29 @@ def write(rel: str, content: bytes):
     return damage
 
 
+def dataset_dict(*splits: str, sets: tuple[str, ...] = ()) -> callable:
+    """A real `datasets` DatasetDict directory {tmp}/dd with these splits (20 valid rows each)."""
+
+    def argv(tmp: Path, run: Path) -> list[str]:
+        from datasets import Dataset, DatasetDict
+
+        rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(20)]
+        DatasetDict({s: Dataset.from_list(rows) for s in splits}).save_to_disk(str(tmp / "dd"))
+        return new_run("data.source={tmp}/dd", *sets)(tmp, run)
+
+    return argv
+
+
+def files(contents: dict[str, bytes], *sets: str) -> callable:
+    def argv(tmp: Path, run: Path) -> list[str]:
+        for name, content in contents.items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / name).write_bytes(content)
+        return new_run(*sets)(tmp, run)
+
+    return argv
+
+
 def garbage_metrics_line(run: Path) -> None:
     lines = (run / "metrics.jsonl").read_bytes().split(b"\n")
     lines.insert(1, b'{"step": "two", oops')
@@ -139,6 +162,13 @@ JSONL = b"".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}).encode(
 JSONL_DUP = JSONL + b'{"prompt": "1+1=", "answer": "2", "answer": "3"}\n'
 JSONL_INF = JSONL + b'{"prompt": "1+1=", "answer": Infinity}\n'
 SRC = "data.source={tmp}/"
+JSONL_TOOL_ROLE = JSONL + json.dumps({"prompt": [{"role": "tool", "content": "4+1="}], "answer": "5"}).encode() + b"\n"
+JSONL_MESSAGES = b"".join(
+    json.dumps({"prompt": [{"role": "user", "content": f"{i}+1="}], "answer": i + 1}).encode() + b"\n"
+    for i in range(20)
+)
+JSONL_MIXED = b"".join(json.dumps({"prompt": f"{i}+1=", "answer": i + 1, "n": i}).encode() + b"\n" for i in range(20))
+JSONL_MIXED += json.dumps({"prompt": "x+1=", "answer": 1, "n": "many"}).encode() + b"\n"
 
 CASES = [
     # config values (-> the dotted key)
@@ -186,6 +216,16 @@ CASES = [
     ("jsonl-not-utf8", with_file("d.jsonl", JSONL + b"\xff\xfe\n", SRC + "d.jsonl"), "not UTF-8"),
     ("csv-nul-byte", with_file("d.csv", CSV_NUL, SRC + "d.csv"), "row 21: prompt contains a NUL byte"),
     ("parquet-corrupt", with_file("d.parquet", b"PAR1 not really", SRC + "d.parquet"), "not a readable parquet"),
+    # datasets sources, chat-message prompts, typed columns (-> directory / split / column and rows)
+    ("dataset-dir-garbage", files({"ds/state.json": b"{garbage"}, SRC + "ds"), "not a readable `datasets` directory"),
+    ("dataset-dict-no-split", dataset_dict("test"), "has no split 'train' (splits: 'test'); set data.split"),
+    ("dataset-dict-bad-eval-split", dataset_dict("train", sets=("data.eval_split=dev",)), "set data.eval_split"),
+    ("eval-split-not-a-dict", with_file("d.jsonl", JSONL, SRC + "d.jsonl", "data.eval_split=test"), "DatasetDict"),
+    ("file-set-mixed-kinds", files({"fs/a.jsonl": JSONL, "fs/b.csv": CSV_NUL}, SRC + "fs"), "files of kinds"),
+    ("file-glob-matches-nothing", new_run(SRC + "none-*.parquet"), "matches no files"),
+    ("messages-bad-role", with_file("d.jsonl", JSONL_TOOL_ROLE, SRC + "d.jsonl"), "row 21: prompt message 1 has role"),
+    ("messages-no-template", with_file("d.jsonl", JSONL_MESSAGES, SRC + "d.jsonl"), "has no chat template"),
+    ("column-mixed-types", with_file("d.jsonl", JSONL_MIXED, SRC + "d.jsonl"), "column 'n' mixes types (row 1: int"),
     (
         "model-config-garbage",
         with_file("m/config.json", b"{garbage", "model.path={tmp}/m"),

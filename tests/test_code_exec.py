@@ -294,7 +294,7 @@ def test_eval_counts_a_completion_correct_only_when_every_test_passes(clean_mach
     judges = resolve_eval_verifiers(eval_verifier_specs(EvalConfig(), reward), None, reward)
     texts = ["def f(x): return x + 3", "def f(x): return x + 3 if x > 0 else 0", "nonsense"]
     assert [n for n, _ in judges] == ["code_exec"]
-    assert _correct(judges, ["p"] * 3, texts, {"answer": [TESTS] * 3}, 0.0, {}) == [True, False, False]
+    assert _correct(judges, ["p"] * 3, ["p"] * 3, texts, {"answer": [TESTS] * 3}, 0.0, {}) == [True, False, False]
 
 
 @needs_sandbox

@@ -173,7 +173,7 @@ def test_load_errors(tmp_path, name, content, pattern):
 
 def test_validate_reports_each_bad_row_by_number():
     rows = [
-        {"prompt": "fine prompt", "answer": 7, "id": "a", "meta": {"k": 1}},  # 1 ok; numeric answer -> "7"
+        {"prompt": "fine prompt", "answer": 7, "id": "a", "meta": {"k": 1}},  # 1 ok; answer -> "7", meta kept a dict
         {"prompt": "no answer"},  # 2
         {"prompt": "   ", "answer": "1"},  # 3
         {"prompt": 5, "answer": "1"},  # 4
@@ -194,14 +194,14 @@ def test_validate_reports_each_bad_row_by_number():
     assert rejected == [
         {"row": 2, "reason": "missing field 'answer'"},
         {"row": 3, "reason": "empty prompt"},
-        {"row": 4, "reason": "prompt is not a string (got int)"},
+        {"row": 4, "reason": "prompt is not a string or a list of messages (got int)"},
         {"row": 5, "reason": "answer is not a string or number (got list)"},
         {"row": 6, "reason": "empty answer"},
         {"row": 7, "reason": "prompt has 5 tokens > data.max_prompt_tokens=4"},
         {"row": 8, "reason": "duplicate id 'a' (first at row 1)"},
     ]
     assert good == [
-        {"id": "a", "prompt": "fine prompt", "answer": "7", "meta": '{"k": 1}'},
+        {"id": "a", "prompt": "fine prompt", "answer": "7", "meta": {"k": 1}},
         {"id": "qa-9", "prompt": "also fine", "answer": "x"},
     ]
 
@@ -215,7 +215,7 @@ def test_validate_uses_configured_columns():
         count_tokens=count_words,
         max_prompt_tokens=10,
     )
-    assert good == [{"id": "s-1", "prompt": "hi", "answer": "1"}]
+    assert good == [{"id": "s-1", "prompt": "hi", "answer": "1", "a": "1"}]  # the answer under its own name too
     assert rejected == [{"row": 2, "reason": "missing field 'a'"}]
 
 
@@ -275,7 +275,7 @@ def test_prepare_skip_records_rejected_and_holds_out_eval(tmp_path):
     train_numbers = [int(r["id"].removeprefix("src-")) for r in data.train]
     assert train_numbers == sorted(train_numbers)  # hold-out keeps the file's order
     by_id = {r["id"]: r for r in data.train + data.eval}
-    assert by_id["src-3"] == {"id": "src-3", "prompt": "q2", "model_input": "q2", "answer": "2", "level": "2"}
+    assert by_id["src-3"] == {"id": "src-3", "prompt": "q2", "model_input": "q2", "answer": "2", "level": 2}  # int kept
     again = prepare(cfg, tmp_path / "run2", identity, count_words)
     assert (again.train, again.eval) == (data.train, data.eval)  # seeded hold-out
 
@@ -331,3 +331,111 @@ def test_sampler_rejects_state_for_other_data():
     state = PromptSampler([{"id": "a"}, {"id": "b"}], seed=0).state_dict()
     with pytest.raises(UserError, match="2 training rows but the data has 1"):
         PromptSampler([{"id": "a"}], seed=0).load_state_dict(state)
+
+
+# ---------------------------------------------------------------- typed columns, chat messages, datasets sources
+
+TYPED = {"n": 3, "x": 0.25, "tags": ["a", "b"], "meta": {"k": 1, "s": "v"}, "flag": True}
+
+
+def typed_rows(k: int = 6) -> list[dict]:
+    return [{"prompt": f"q{i}", "answer": str(i), **TYPED, "n": i} for i in range(k)]
+
+
+def test_typed_columns_round_trip_through_parquet_and_hash_stays(tmp_path):
+    cfg = file_cfg(tmp_path, write_jsonl(tmp_path / "src.jsonl", typed_rows()), eval_size=2)
+    data = prepare(cfg, tmp_path / "run", identity, count_words)
+    back = read_split(tmp_path / "run", "train") + read_split(tmp_path / "run", "eval")
+    assert back == data.train + data.eval  # what build returned is what read_split gives
+    row = next(r for r in back if r["id"] == "src-4")
+    assert {k: row[k] for k in TYPED} == {**TYPED, "n": 3}  # row 4 holds i=3
+    assert all(type(row[k]) is type(v) for k, v in TYPED.items())
+    schema = pq.read_schema(tmp_path / "run" / "data" / "train.parquet")
+    assert str(schema.field("n").type) == "int64" and str(schema.field("flag").type) == "bool"
+    assert data.manifest["column_types"]["tags"] == "list<item: string>"
+    again = prepare(cfg, tmp_path / "run2", identity, count_words)
+    assert again.manifest["content_hash"] == data.manifest["content_hash"]
+
+
+def test_mixed_column_types_name_the_column_and_two_rows(tmp_path):
+    rows = typed_rows()
+    rows[4]["n"] = "four"
+    cfg = file_cfg(tmp_path, write_jsonl(tmp_path / "src.jsonl", rows), eval_size=2)
+    with pytest.raises(UserError, match=r"column 'n' mixes types \(row 1: int, row 5: str\)"):
+        prepare(cfg, tmp_path / "run", identity, count_words)
+    rows[4]["n"] = 4.5  # ints with a float: stored as floats
+    cfg = file_cfg(tmp_path, write_jsonl(tmp_path / "src2.jsonl", rows), eval_size=2)
+    data = prepare(cfg, tmp_path / "run2", identity, count_words)
+    assert sorted(r["n"] for r in data.train + data.eval) == [0.0, 1.0, 2.0, 3.0, 4.5, 5.0]
+
+
+def test_answer_column_is_also_kept_under_its_own_name_with_its_type(tmp_path):
+    rows = [{"prompt": f"q{i}", "target": i} for i in range(5)]
+    cfg = file_cfg(tmp_path, write_jsonl(tmp_path / "src.jsonl", rows), eval_size=1, answer_column="target")
+    data = prepare(cfg, tmp_path / "run", identity, count_words)
+    assert all(r["answer"] == str(r["target"]) and type(r["target"]) is int for r in data.train + data.eval)
+
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1="}]
+
+
+@pytest.mark.parametrize(
+    "prompt, reason",
+    [
+        ([], "empty prompt (no messages)"),
+        (["1+1="], "prompt message 1 is not a {role, content} object (got str)"),
+        ([{"role": "user", "content": "ok"}, {"role": "tool", "content": "x"}], "prompt message 2 has role 'tool'"),
+        ([{"content": "x"}], "prompt message 1 has role None"),
+        ([{"role": "user", "content": 3}], "prompt message 1 content is not a string (got int)"),
+        ([{"role": "user", "content": "  "}], "empty prompt (every message is blank)"),
+        ({"role": "user"}, "prompt is not a string or a list of messages (got dict)"),
+    ],
+)
+def test_message_prompts_are_validated_by_row(prompt, reason):
+    rows = [{"prompt": MESSAGES, "answer": "2"}, {"prompt": prompt, "answer": "2"}]
+    good, rejected = validate_rows(rows, source="d.jsonl", prompt_column="prompt", answer_column="answer",
+                                   count_tokens=lambda p: len(p), max_prompt_tokens=10)  # fmt: skip
+    assert good == [{"id": "d-1", "prompt": MESSAGES, "answer": "2"}]
+    assert len(rejected) == 1 and rejected[0]["row"] == 2 and rejected[0]["reason"].startswith(reason)
+
+
+def save_dict(path: Path, **splits: list[dict]) -> Path:
+    from datasets import Dataset, DatasetDict
+
+    DatasetDict({k: Dataset.from_list(v) for k, v in splits.items()}).save_to_disk(str(path))
+    return path
+
+
+def test_dataset_dict_split_and_eval_split(tmp_path):
+    chat = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": str(i), "n": i} for i in range(8)]
+    src = save_dict(tmp_path / "dd", train=chat[:6], test=chat[6:])
+    fmt = lambda p: p if isinstance(p, str) else "|".join(m["content"] for m in p)  # noqa: E731
+    cfg = file_cfg(tmp_path, src, eval_split="test")
+    data = prepare(cfg, tmp_path / "run", fmt, count_words)
+    assert [r["n"] for r in data.train] == [0, 1, 2, 3, 4, 5] and [r["n"] for r in data.eval] == [6, 7]
+    assert data.eval[0]["prompt"] == [{"role": "user", "content": "q6"}] and data.eval[0]["model_input"] == "q6"
+    assert data.eval[0]["id"] == "dd:test-1" and data.manifest["eval_split"] == "test"
+    held = prepare(file_cfg(tmp_path, src, eval_size=2), tmp_path / "run2", fmt, count_words)  # no eval_split
+    assert (len(held.train), len(held.eval)) == (4, 2)
+    other = prepare(file_cfg(tmp_path, src, split="test", eval_size=1), tmp_path / "run3", fmt, count_words)
+    assert sorted(r["n"] for r in other.train + other.eval) == [6, 7]
+
+
+def test_plain_dataset_directory_and_file_sets_through_datasets(tmp_path):
+    from datasets import Dataset
+
+    rows = typed_rows(6)
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    (tmp_path / "parts").mkdir()
+    Dataset.from_list(rows[:3]).to_parquet(str(tmp_path / "parts" / "a.parquet"))
+    Dataset.from_list(rows[3:]).to_parquet(str(tmp_path / "parts" / "b.parquet"))
+    write_jsonl(tmp_path / "j-1.jsonl", rows[:3]), write_jsonl(tmp_path / "j-2.jsonl", rows[3:])
+    for source in (tmp_path / "ds", tmp_path / "parts", f"{tmp_path}/j-*.jsonl"):
+        got = load_rows(str(source), "prompt", "answer")
+        assert got == rows, source  # every type as written, the files in name order
+
+
+def test_eval_split_needs_a_dataset_dict(tmp_path):
+    cfg = file_cfg(tmp_path, write_jsonl(tmp_path / "src.jsonl", typed_rows()), eval_split="test")
+    with pytest.raises(ConfigError, match="data.eval_split.*not a `datasets` DatasetDict"):
+        prepare(cfg, tmp_path / "run", identity, count_words)

@@ -11,9 +11,10 @@ import forge.recipes.grpo, forge.rewards.ensemble, forge.rewards.aggregate, forg
 import forge.workers, forge.stages, forge.rollout.vllm  # the Ray actors' workers: vllm is imported only by an engine
 import forge.tracking_mlflow, forge.outbox  # mlflow itself is imported only when records are sent
 import forge.tracking_tensorboard, forge.tracking_wandb  # tensorboard / wandb only when a tracker sends
+import forge.api  # forge.train: datasets is imported only when a dataset object is given
 bad = sorted({m.split(".")[0] for m in sys.modules} & {"prefect", "mlflow", "streamlit", "pyarrow", "flows",
                                                        "weaver", "dashboard", "pandas", "ray", "vllm",
-                                                       "tensorboard", "wandb"})
+                                                       "tensorboard", "wandb", "datasets", "math_verify"})
 print("imported:", ",".join(bad) or "none")
 """
 

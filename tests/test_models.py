@@ -49,3 +49,22 @@ def test_smollm2_converts_once_and_answers_with_chat_template():
     out = model.generate(**enc, max_new_tokens=6, do_sample=False)
     reply = tok.decode(out[0, enc.input_ids.shape[1] :], skip_special_tokens=True)
     assert any(ch.isdigit() for ch in reply)
+
+
+def test_format_prompt_applies_the_chat_template_to_messages_as_given():
+    """A list of messages is rendered as is; model.system_prompt is prepended only when it holds no system message;
+    string prompts keep today's rule; messages without a chat template are a one-line UserError."""
+    tok = build_char_tokenizer()
+    tok.chat_template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    user = [{"role": "user", "content": "1+1="}]
+    own_system = [{"role": "system", "content": "mine"}, *user]
+    fmt = format_prompt_fn(tok, ModelConfig(system_prompt="sys"))
+    assert fmt(user) == "[system]sys[user]1+1="
+    assert fmt(own_system) == "[system]mine[user]1+1="
+    assert fmt("2+2=") == "[system]sys[user]2+2="
+    assert format_prompt_fn(tok, ModelConfig())(user) == "[user]1+1="
+    assert format_prompt_fn(tok, ModelConfig(chat_template=False))("2+2=") == "2+2="
+    with pytest.raises(UserError, match="model.chat_template=false: set it to true"):
+        format_prompt_fn(tok, ModelConfig(chat_template=False))(user)
+    with pytest.raises(UserError, match="tokenizer of model.path='tiny-random' has no chat template"):
+        format_prompt_fn(build_char_tokenizer(), ModelConfig())(user)

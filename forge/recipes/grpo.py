@@ -24,8 +24,8 @@ metrics.jsonl/samples.jsonl first, so no step is lost or recorded twice.
 Run directory (the contract other tools read): config.yaml (the current config: a resume may change it, each
 change a line of config_changes.jsonl), plan.json, status.json, data/{train,eval}.parquet,
 data/manifest.json, metrics.jsonl, samples.jsonl, eval/step-NNNNNN.json, checkpoints/step-NNNNNN/ +
-checkpoints/latest, ensemble/step-NNNNNN.json (label-free refits), workers.json (where every stage ran) and
-summary.json only once the run has finished.
+checkpoints/latest, ensemble/step-NNNNNN.json (label-free refits), workers.json (where every stage ran),
+inputs/ (datasets given to forge.train as objects) and summary.json only once the run has finished.
 """
 
 from __future__ import annotations
@@ -52,7 +52,14 @@ from forge.config import RunConfig, dump_yaml
 from forge.data import PromptSampler, check_data_hash, prepare, read_split
 from forge.errors import UserError
 from forge.io import atomic_write_text, write_json
-from forge.metrics import eval_metrics, overlap_metrics, skipped_in_a_row, step_metrics
+from forge.metrics import (
+    error_line,
+    eval_metrics,
+    failing_in_a_row,
+    overlap_metrics,
+    skipped_in_a_row,
+    step_metrics,
+)
 from forge.models import format_prompt_fn, load_tokenizer
 from forge.records import Rollouts, Scored, UpdateStats
 from forge.resume import check_resumable, checkpoint_step, record_changes, resume_changes
@@ -112,6 +119,7 @@ def run(
                     staleness = grpo.check_staleness(step, rollouts)
                     with clock("reward"):  # 2. verifiers -> weighted reward -> group-relative advantages
                         scored: Scored = runner("reward", step, s.reward, started)
+                    grpo.check_verifiers(step, scored)  # errors shown; failing on every item too long stops the run
                     with clock("update"):  # 3. log-probs -> (IS-weighted) ratio/loss -> backward -> step; weights
                         stats: UpdateStats = runner("update", step, s.update, scored.batch)
                     grpo.check_skipped(step, stats)  # a non-finite step was skipped: stop after too many in a row
@@ -153,6 +161,8 @@ class GRPORun:
         self.started = time.perf_counter()
         self.restarts = 0
         self.skipped_in_a_row = 0
+        self.failing_in_a_row: dict[str, int] = {}  # verifier -> steps in a row it erred on every item
+        self.shown_errors: set[tuple[str, str]] = set()  # (verifier, error text) already printed
         claim_run_dir(run_dir, resume)
         # read-only checks first: a refused resume leaves the directory exactly as it was; None = no checkpoint yet
         self.resume_from = check_resumable(run_dir) if resume else None
@@ -257,6 +267,19 @@ class GRPORun:
                 f"{staleness} versions stale, algo.max_staleness={cap}"
             )
         return staleness
+
+    def check_verifiers(self, step: int, scored: Scored) -> None:
+        """Print each verifier error text once (stderr); reward.max_failing_steps steps in a row on which a
+        verifier erred on every item stop the run with its error."""
+        batch = scored.batch
+        for name, text in batch.verifier_errors.items():
+            if (name, text) not in self.shown_errors:
+                self.shown_errors.add((name, text))
+                n, bad = batch.scores.shape[0], batch.verifier_errored.get(name, 0)
+                print(f"forgeweave: step {step}: verifier '{name}' erred on {bad} of {n} items: {error_line(text)}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+        limit = self.cfg.reward.max_failing_steps
+        self.failing_in_a_row = failing_in_a_row(self.failing_in_a_row, batch, step, limit)
 
     def check_skipped(self, step: int, stats: UpdateStats) -> None:
         """Updates skipped in a row for a non-finite loss/gradient; update.max_skipped_steps of them stop the run."""

@@ -229,7 +229,9 @@ def make_code_exec(limits: SandboxLimits, allow_network: bool = False):
         memo.update(scores)
         return [None if s is None else scores[(p, s)] for p, s in zip(programs, specs, strict=True)]
 
-    return code_exec
+    from forge.rewards.verifiers import takes_text
+
+    return takes_text(code_exec)
 
 
 def _compiles(program: str) -> bool:

@@ -33,6 +33,8 @@ def _load_tokenizer(path: str, what: str):
 
 
 class RewardModel:
+    forgeweave_takes_text = True  # forge.rewards.verifiers.takes_text: scores prompt + completion text
+
     def __init__(self, path: str, batch_size: int = 32):
         from transformers import AutoModelForSequenceClassification
 
@@ -57,6 +59,8 @@ class RewardModel:
 
 
 class LLMJudge:
+    forgeweave_takes_text = True  # forge.rewards.verifiers.takes_text: asks about prompt and completion text
+
     def __init__(self, path: str, batch_size: int = 16):
         from transformers import AutoModelForCausalLM
 

@@ -3,6 +3,10 @@ r"""Built-in verifiers, in the TRL reward-function convention.
 A verifier is called as `fn(prompts=[...], completions=[...], **columns)` with one entry per completion in every
 list (columns are data columns such as `answer`), and returns one score per completion, or None where it cannot
 score an item. It must accept and ignore columns it does not use (`**kwargs`). Weights live in `RewardConfig`.
+
+The built-ins are marked `takes_text`: whatever the data's prompts are (strings or chat messages), they get the
+prompts as the model saw them and plain-text completions. Unmarked verifiers (yours, TRL's) get TRL's convention
+(`forge.rewards.score`).
 """
 
 from __future__ import annotations
@@ -16,10 +20,26 @@ from forge.rewards.math import NUMBER_PATTERN, completion_matches
 Verifier = Callable[..., Sequence[float | None]]
 """(prompts: list[str], completions: list[str], **columns: list) -> one float or None per completion."""
 
+TEXT_ATTR = "forgeweave_takes_text"
+
+
+def takes_text(fn: Callable) -> Callable:
+    """Mark a verifier as wanting text: prompts as the model saw them (template applied) and completions as
+    strings, also when the data's prompts are chat messages. Returns fn."""
+    setattr(fn, TEXT_ATTR, True)
+    return fn
+
+
+def wants_text(fn: Callable) -> bool:
+    """Whether fn was marked with `takes_text` (a function, or an object whose class sets the attribute)."""
+    return getattr(fn, TEXT_ATTR, False) is True
+
+
 _INTEGER = re.compile(r"[+-]?\d+")
 _TAGGED = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
+@takes_text
 def math_answer(prompts: list[str], completions: list[str], answer: list[Any], **kwargs: Any) -> list[float | None]:
     r"""1.0 when the completion's final answer matches the reference, else 0.0; None where the reference is missing.
 
@@ -34,6 +54,7 @@ def math_answer(prompts: list[str], completions: list[str], answer: list[Any], *
     ]
 
 
+@takes_text
 def format_integer(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float | None]:
     """1.0 for a bare integer, 0.5 for exactly one number with at most 3 other words, else 0.0.
 
@@ -53,6 +74,7 @@ def _integer_format_score(text: str) -> float:
     return 0.5 if len(other_words) <= 3 else 0.0
 
 
+@takes_text
 def format_tags(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float | None]:
     """1.0 when the completion holds exactly one non-empty `<answer>...</answer>`, else 0.0.
 

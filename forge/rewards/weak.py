@@ -18,11 +18,13 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from forge.rewards.math import extract_answer
+from forge.rewards.verifiers import takes_text
 
 _PROBLEM = re.compile(r"(-?\d+)\s*([-+*])\s*(-?\d+)")
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
+@takes_text
 def group_agreement(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float | None]:
     """Share of the other completions of the same prompt with the same final answer (0 when it has none).
 
@@ -42,6 +44,7 @@ def group_agreement(prompts: list[str], completions: list[str], **kwargs: Any) -
     return scores
 
 
+@takes_text
 def concise(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float | None]:
     """1 / (1 + characters / 20): a weak prior that short, direct answers are right.
 
@@ -65,6 +68,7 @@ def _structural(prompts: list[str], completions: list[str], same) -> list[float 
     return out
 
 
+@takes_text
 def parity_check(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float | None]:
     """1.0 when the answer has the parity of the true result of "a op b" in the prompt.
 
@@ -74,6 +78,7 @@ def parity_check(prompts: list[str], completions: list[str], **kwargs: Any) -> l
     return _structural(prompts, completions, lambda t, g: t % 2 == g % 2)
 
 
+@takes_text
 def residue3_check(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float | None]:
     """1.0 when the answer is congruent to the true result mod 3 (casting out threes).
 
@@ -83,6 +88,7 @@ def residue3_check(prompts: list[str], completions: list[str], **kwargs: Any) ->
     return _structural(prompts, completions, lambda t, g: t % 3 == g % 3)
 
 
+@takes_text
 def residue5_check(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float | None]:
     """1.0 when the answer ends like the true result mod 5 (0/5, 1/6, ...): a wrong answer passes about 1 in 5.
 
@@ -92,6 +98,7 @@ def residue5_check(prompts: list[str], completions: list[str], **kwargs: Any) ->
     return _structural(prompts, completions, lambda t, g: t % 5 == g % 5)
 
 
+@takes_text
 def magnitude_check(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float | None]:
     """1.0 when the answer has as many digits (and the same sign) as the true result.
 
