@@ -3,7 +3,8 @@
 A request names a run (under --runs-dir, or its directory) and optionally a step (default: the checkpoint `latest`
 names), or a checkpoint directory itself. The export (`forge.checkpoint.export_hf_dir`) merges a LoRA adapter into
 the base model the run's config.yaml describes. `--push-to-hub` is refused before anything is written when the
-hub is switched off (HF_HUB_OFFLINE); the upload is one hub commit, so a failed push leaves the hub repo as it was.
+hub is switched off (HF_HUB_OFFLINE), unreachable or refuses the token (one `whoami` request); the upload is one hub
+commit, so a push that fails later leaves the hub repo as it was and the exported directory complete.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def resolve_checkpoint(source: str, step: int | None, runs_dir: str) -> Path:
     root = run / "checkpoints"
     if not root.is_dir():
         raise UserError(
-            f"export: '{source}' is neither a run (no {root}) nor a checkpoint directory (no checkpoint.json)"
+            f"export: '{source}' is not a forgeweave checkpoint (no checkpoint.json) nor a run (no {root}): pass a "
+            "run name, a run directory or runs/NAME/checkpoints/step-N"
         )
     if step is None:
         ckpt = latest_checkpoint(root)
@@ -67,12 +69,23 @@ def export(ckpt: Path, out: Path | None, push_to_hub: str | None = None) -> Path
 
 
 def check_online(repo_id: str) -> None:
+    """Before anything is written: the hub is switched on, reachable, and knows the token (one request)."""
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     if offline:
         raise UserError(
             f"--push-to-hub {repo_id}: HF_HUB_OFFLINE is set, so nothing was exported or pushed; unset it "
             "(and log in with `hf auth login`) where the hub is reachable"
         )
+    from huggingface_hub import HfApi
+
+    try:
+        HfApi().whoami()
+    except Exception as e:  # unreachable, or no / a wrong token
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UserError(
+            f"--push-to-hub {repo_id}: the hub cannot be used from here ({type(e).__name__}: {first}), so nothing "
+            "was exported or pushed; check the network and `hf auth login`, or export without --push-to-hub"
+        ) from None
 
 
 def push(folder: Path, repo_id: str) -> None:

@@ -440,8 +440,11 @@ def export_hf_dir(ckpt: Path, out: Path, cfg=None) -> Path:
 def _copy_model_json(ckpt: Path, out: Path, skip: tuple[str, ...] = ()) -> None:
     """The checkpoint's model JSON files (config, generation config, tokenizer), not its trainer state."""
     for f in ckpt.iterdir():
-        if f.is_file() and f.suffix == ".json" and f.name not in skip and not f.name.startswith(
-            ("trainer_state", "checkpoint")
+        if (
+            f.is_file()
+            and f.suffix == ".json"
+            and f.name not in skip
+            and not f.name.startswith(("trainer_state", "checkpoint"))
         ):
             shutil.copy2(f, out / f.name)
 

@@ -240,22 +240,25 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(rank):
     assert g0.keys() == g1.keys() and all(torch.allclose(g0[k], g1[k], atol=1e-6, rtol=1e-5) for k in g0)
 
 
+def _saved_and_recomputed(gradient_checkpointing: bool) -> tuple[int, int]:
+    """(tensors the forward saves for the backward, down_proj calls during the backward) of one tiny step."""
+    cfg = lora_cfg(0)
+    cfg.model.gradient_checkpointing = gradient_checkpointing
+    model, _ = load_policy(cfg.model, seed=0, trainable=True)
+    saved, calls = [0], [0]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.__setitem__(0, saved[0] + 1) or t, lambda t: t):
+        loss = model(input_ids=torch.tensor([[5, 6, 7]])).logits.sum()
+    down = model.model.layers[0].mlp.down_proj
+    forward = down.forward
+    down.forward = lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or forward(*a, **k)
+    loss.backward()
+    return saved[0], calls[0]
+
+
 def test_gradient_checkpointing_recomputes_in_the_backward():
     """It is really on: the forward keeps fewer tensors for the backward, and the backward runs the decoder layer's
     MLP again (its down_proj is called once more)."""
-    seen = {}
-    for ckpt in (False, True):
-        cfg = lora_cfg(0)
-        cfg.model.gradient_checkpointing = ckpt
-        model, _ = load_policy(cfg.model, seed=0, trainable=True)
-        saved, calls = [0], [0]
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.__setitem__(0, saved[0] + 1) or t, lambda t: t):
-            loss = model(input_ids=torch.tensor([[5, 6, 7]])).logits.sum()
-        down = model.model.layers[0].mlp.down_proj
-        forward = down.forward
-        down.forward = lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or forward(*a, **k)
-        loss.backward()
-        seen[ckpt] = (saved[0], calls[0])
+    seen = {ckpt: _saved_and_recomputed(ckpt) for ckpt in (False, True)}
     assert seen[True][0] < seen[False][0] / 2
     assert (seen[False][1], seen[True][1]) == (0, 1)
 
@@ -271,3 +274,40 @@ def test_attn_implementation_reaches_the_model(tmp_path: Path):
         assert load_policy(local)[0].config._attn_implementation == attn
     with pytest.raises(UserError, match="cannot be loaded"):
         load_policy(dataclasses.replace(cfg, path=str(tmp_path / "m"), attn_implementation="no-such-kernel"))
+
+
+# ---------------------------------------------------------------- learning
+
+
+@pytest.mark.slow
+def test_lora_learns_on_a_pretrained_tiny_model(tmp_path: Path):
+    """LoRA is for adapting a trained model: the tiny preset is first fully fine-tuned for 100 steps (greedy
+    pass@1 0.00 -> 0.40 on all 55 sums), then a rank-16 adapter alone trains on top of that checkpoint.
+
+    Measured (seed 0): the adapter run starts where its base ended (B = 0: the same 0.40) and reaches 0.67 after
+    50 steps (0.84 after 100); its checkpoint holds only the adapter."""
+    from forge.presets import tiny
+    from forge.recipes.grpo import run
+    from forge.tracking import read_metrics
+
+    def cfg(steps: int, every: int):
+        c = tiny()
+        c.steps, c.threads, c.tracking.mlflow = steps, 1, False
+        c.eval.k, c.eval.every, c.checkpoint.every = 0, every, steps
+        return c
+
+    base = run(cfg(100, 100), tmp_path / "base", progress=False)
+    c = cfg(50, 25)
+    c.model.path = str(tmp_path / "base" / "checkpoints" / "step-000100")
+    c.model.lora.rank, c.update.lr = 16, 3e-3
+    lora = run(c, tmp_path / "lora", progress=False)
+    before, after = lora["eval"]["initial"]["pass@1"], lora["eval"]["final"]["pass@1"]
+    assert before == base["eval"]["final"]["pass@1"] and 0.2 < before < 0.6
+    assert after >= before + 0.15, (before, after)
+    rewards = [r["reward/mean"] for r in read_metrics(tmp_path / "lora" / "metrics.jsonl") if "reward/mean" in r]
+    assert sum(rewards[-10:]) > sum(rewards[:10])
+    ckpt = tmp_path / "lora" / "checkpoints" / "step-000050"
+    files = {p.name: p.stat().st_size for p in ckpt.iterdir() if p.is_file()}
+    assert ADAPTER in files and WEIGHTS not in files
+    # rank 16 on 2 layers of width 128 (MLP 512): 16 * (4 * 256 + 3 * 640) * 2 layers fp32 values
+    assert 4 * 16 * (4 * 256 + 3 * 640) * 2 < files[ADAPTER] < 4 * 16 * (4 * 256 + 3 * 640) * 2 + 16384
