@@ -185,7 +185,7 @@ def test_a_hub_id_that_cannot_be_fetched_says_how_to_use_a_local_directory(tmp_p
     assert len(err) == 1 and res.stderr.strip().endswith(err[0]), res.stderr[-2000:]
     assert "model.path 'someorg/somemodel' is a hub id that could not be fetched" in err[0]
     assert ("HF_HUB_OFFLINE is set" in err[0]) == (how == "offline")
-    assert "--local-dir DIR` and set model.path=DIR" in err[0]
+    assert "--local-dir DIR`) and set model.path=DIR" in err[0]
 
 
 GUARD = """
