@@ -438,14 +438,11 @@ def export_hf_dir(ckpt: Path, out: Path, cfg=None) -> Path:
 
 
 def _copy_model_json(ckpt: Path, out: Path, skip: tuple[str, ...] = ()) -> None:
-    """The checkpoint's model JSON files (config, generation config, tokenizer), not its trainer state."""
+    """The checkpoint's model files besides the weights (config, generation config, tokenizer files, the chat
+    template's .jinja), not its trainer state, shards, adapter or eval report."""
+    trainer = {STATE_JSON, STATE_TENSORS, LEGACY_STATE, "checkpoint.json", "eval.json", WEIGHTS, ADAPTER}
     for f in ckpt.iterdir():
-        if (
-            f.is_file()
-            and f.suffix == ".json"
-            and f.name not in skip
-            and not f.name.startswith(("trainer_state", "checkpoint"))
-        ):
+        if f.is_file() and f.name not in trainer | set(skip) and not f.name.startswith("."):
             shutil.copy2(f, out / f.name)
 
 

@@ -120,10 +120,13 @@ def test_full_finetune_export_by_run_and_by_checkpoint_dir(runs, tmp_path, capsy
     run = runs / "full"
     ckpt = run / "checkpoints" / "step-000003"
     assert not is_adapter(ckpt)
+    (ckpt / "chat_template.jinja").write_text("{{ messages }}")  # transformers 5 keeps a chat template beside the json
     assert main(["export", "full", str(tmp_path / "a"), "--runs-dir", str(runs)]) == 0
     assert main(["export", str(ckpt), "--out", str(tmp_path / "b")]) == 0  # the older usage
     for out in ("a", "b"):
         assert not list((tmp_path / out).glob("trainer_state*")) and not (tmp_path / out / "state").exists()
+        assert (tmp_path / out / "chat_template.jinja").read_text() == "{{ messages }}"
+        assert not (tmp_path / out / "checkpoint.json").exists()
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "b")
     model, tok = load_policy(load_yaml(run / "config.yaml").model.__class__(path=str(ckpt)))
