@@ -30,7 +30,7 @@ EPILOG = """examples:
   forgeweave run --preset tiny --set update.num_processes=2          # 2 update ranks as Ray actors (local Ray)
   forgeweave run --config run.yaml --set orchestration.ray_address=auto   # on a Ray cluster (docs/ray.md)
   forgeweave eval runs/my-run/checkpoints/step-000100
-  forgeweave export runs/my-run/checkpoints/step-000100 --out my-model   # HF directory of a sharded checkpoint
+  forgeweave export my-run my-model                # clean HF directory of the latest checkpoint (LoRA merged)
   forgeweave dashboard                             # Streamlit dashboard of ./runs on http://127.0.0.1:8501
   forgeweave mlflow                                # MLflow UI on http://127.0.0.1:5000 for ./runs
   forgeweave sync my-run                           # send what MLflow missed while it was unreachable
@@ -85,9 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--preset", help="preset giving data/eval settings when the checkpoint is not inside a run")
     e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     e.add_argument("--out", help="write the JSON report here (default: <checkpoint>/eval.json)")
-    x = sub.add_parser("export", help="write a checkpoint's weights as an HF model directory (model.safetensors)")
-    x.add_argument("checkpoint", help="checkpoint directory, e.g. runs/NAME/checkpoints/step-000040")
-    x.add_argument("--out", help="HF model directory to write (default: the checkpoint directory itself)")
+    x = sub.add_parser("export", help="write a run's checkpoint as a clean HF model directory (LoRA merged)")
+    x.add_argument("source", help="run name (under --runs-dir), run directory, or checkpoint directory")
+    x.add_argument("out", nargs="?", help="HF model directory to write (new); without it, a full-weights "
+                   "checkpoint directory gets its model.safetensors in place")  # fmt: skip
+    x.add_argument("--out", dest="out_flag", metavar="OUT", help="same as OUT (older usage)")
+    x.add_argument("--step", type=int, help="checkpoint step of the run (default: the latest)")
+    x.add_argument("--push-to-hub", metavar="REPO_ID", help="then upload OUT to this hub model repo (online only)")
+    _runs_dir_arg(x)
     sub.add_parser("presets", help="list the named presets")
     pl = sub.add_parser("plan", help="print Weaver's stage -> resource-pool plan for a config (runs nothing)")
     _source_args(pl)
@@ -153,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # SIGTERM (a `kill PID`) exits through Python's cleanup, so Prefect's embedded server is stopped too
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # hub ids load when online (built-ins and local paths never reach the hub); no usage reports are sent
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         commands = {
@@ -286,14 +292,13 @@ def cmd_eval(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from forge.checkpoint import export_model
+    from flows.export import export, resolve_checkpoint
 
-    ckpt = Path(args.checkpoint)
-    if not (ckpt / "checkpoint.json").is_file():
-        raise UserError(
-            f"'{ckpt}' is not a forgeweave checkpoint (no checkpoint.json): pass runs/NAME/checkpoints/step-N"
-        )
-    print(f"wrote {export_model(ckpt, Path(args.out) if args.out else None)}")
+    if args.out and args.out_flag and args.out != args.out_flag:
+        raise UserError(f"export: OUT '{args.out}' and --out '{args.out_flag}' differ: give one of them")
+    ckpt = resolve_checkpoint(args.source, args.step, args.runs_dir)
+    out = args.out or args.out_flag
+    print(f"wrote {export(ckpt, Path(out) if out else None, push_to_hub=args.push_to_hub)}")
     return 0
 
 

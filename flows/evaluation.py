@@ -10,7 +10,7 @@ from forge.errors import UserError
 def evaluate_checkpoint_dir(ckpt: Path, preset: str | None, overrides: list[str], out: Path | None = None) -> dict:
     """pass@1 / pass@k of `ckpt` on its run's eval split (or `preset`'s data); writes the report to `out`."""
     from flows.runs import resolve_config
-    from forge.checkpoint import SHARDS, export_model, has_weights
+    from forge.checkpoint import SHARDS, export_model, has_weights, is_adapter, merged_policy
     from forge.config import apply_overrides, load_yaml
     from forge.data import build, read_split
     from forge.evaluate import evaluate
@@ -19,7 +19,8 @@ def evaluate_checkpoint_dir(ckpt: Path, preset: str | None, overrides: list[str]
     from forge.rollout import make_backend
 
     out = eval_output(out or ckpt / "eval.json")
-    if not (ckpt / "config.json").is_file():
+    adapter = is_adapter(ckpt)  # a LoRA run's checkpoint: merged into its run's base model below
+    if not adapter and not (ckpt / "config.json").is_file():
         raise UserError(f"'{ckpt}' is not a model directory (no config.json): pass a checkpoint directory")
     if not has_weights(ckpt) and (ckpt / SHARDS).is_dir():  # saved sharded by several ranks: assemble it once
         export_model(ckpt)
@@ -27,8 +28,13 @@ def evaluate_checkpoint_dir(ckpt: Path, preset: str | None, overrides: list[str]
     in_run = (run_dir / "config.yaml").is_file() and not preset
     cfg = load_yaml(run_dir / "config.yaml") if in_run else resolve_config(preset, None, [])
     cfg = apply_overrides(cfg, overrides).validate()
-    cfg.model.path = str(ckpt)
-    model, tok = load_policy(cfg.model, seed=cfg.seed)
+    if adapter and not in_run:
+        raise UserError(f"'{ckpt}' holds a LoRA adapter: evaluate it inside its run (runs/NAME/checkpoints/step-N)")
+    if adapter:
+        model, tok = merged_policy(ckpt, cfg)
+    else:
+        cfg.model.path = str(ckpt)
+        model, tok = load_policy(cfg.model, seed=cfg.seed)
     model = model.to(default_device()).requires_grad_(False)
     if in_run and (run_dir / "data" / "eval.parquet").is_file():
         rows = read_split(run_dir, "eval")

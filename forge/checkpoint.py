@@ -57,6 +57,8 @@ STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
 SHARDS = "state"
 WEIGHTS = "model.safetensors"
+ADAPTER = "adapter_model.safetensors"  # a LoRA run's checkpoint: peft's adapter file instead of WEIGHTS
+ADAPTER_CONFIG = "adapter_config.json"
 LEGACY_STATE = "trainer_state.pt"  # pickled by forgeweave before issue 19: refused
 PARTIAL = ".partial"
 # DCP warns on every single-process save/load that it assumes one process: that is what no_dist asks for
@@ -154,6 +156,7 @@ class Snapshot:
     state_tensors: dict[str, torch.Tensor]
     eval_score: float | None
     world: int
+    weights_file: str = WEIGHTS  # what `weights` is written as: the HF weights, or a LoRA run's ADAPTER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,11 +215,49 @@ def begin_checkpoint(root: Path, step: int, rank: int) -> Path:
 
 
 def write_model_files(tmp: Path, model, tokenizer) -> None:
-    """config.json, generation_config.json and the tokenizer (small; in the foreground: they read live objects)."""
-    model.config.save_pretrained(tmp)
+    """config.json, generation_config.json and the tokenizer (small; in the foreground: they read live objects);
+    a peft model (LoRA) writes its adapter_config.json instead of config.json: the checkpoint is an adapter, and
+    `export_model` merges it into the base model."""
+    if hasattr(model, "peft_config"):
+        model.peft_config[model.active_adapter].save_pretrained(tmp)
+    else:
+        model.config.save_pretrained(tmp)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+
+
+def adapter_state(model) -> dict[str, torch.Tensor]:
+    """The LoRA adapter's tensors as peft saves them (adapter_model.safetensors keys; live tensors)."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model, save_embedding_layers=False)
+
+
+def is_adapter(ckpt: Path) -> bool:
+    """Whether the checkpoint holds a LoRA adapter (a LoRA run's) rather than the full weights."""
+    return (Path(ckpt) / ADAPTER).is_file()
+
+
+def load_adapter(model, ckpt: Path) -> None:
+    """Copy the checkpoint's adapter into peft `model` in place (the optimizer keeps its parameters)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    try:
+        state = load_file(Path(ckpt) / ADAPTER)
+    except Exception as e:  # missing, truncated or edited file
+        raise damaged(ckpt, e) from None
+    mismatch = UserError(
+        f"checkpoint '{ckpt}': its {ADAPTER} does not match this run's adapter (model.lora.rank or "
+        "target_modules changed?): resume with the settings that wrote it"
+    )
+    if set(state) != set(adapter_state(model)):
+        raise mismatch
+    try:
+        set_peft_model_state_dict(model, state)
+    except RuntimeError:  # a tensor of another shape
+        raise mismatch from None
 
 
 def write_checkpoint(snap: Snapshot, tmp: Path, rank: int, group=None) -> SaveReport | None:
@@ -229,7 +270,7 @@ def write_checkpoint(snap: Snapshot, tmp: Path, rank: int, group=None) -> SaveRe
     if rank != 0:
         return None
     if snap.weights is not None:
-        save_file(snap.weights, tmp / WEIGHTS, metadata={"format": "pt"})
+        save_file(snap.weights, tmp / snap.weights_file, metadata={"format": "pt"})
     (tmp / STATE_JSON).write_text(snap.state_json)
     save_file(snap.state_tensors, tmp / STATE_TENSORS)
     size = dir_bytes(tmp)
@@ -333,10 +374,10 @@ def export_model(ckpt: Path, out: Path | None = None) -> Path:
 
     ckpt, out = Path(ckpt), Path(out or ckpt)
     out.mkdir(parents=True, exist_ok=True)
+    if is_adapter(ckpt):
+        raise UserError(f"'{ckpt}' holds a LoRA adapter: export it with `forgeweave export RUN OUT` (merges it)")
     if out != ckpt:
-        for f in ckpt.iterdir():
-            if f.is_file() and f.suffix == ".json" and not f.name.startswith(("trainer_state", "checkpoint")):
-                shutil.copy2(f, out / f.name)
+        _copy_model_json(ckpt, out)
     if has_weights(ckpt):
         if out != ckpt:
             shutil.copy2(ckpt / WEIGHTS, out / WEIGHTS)
@@ -351,6 +392,58 @@ def export_model(ckpt: Path, out: Path | None = None) -> Path:
     _fsync(tmp)
     tmp.replace(out / WEIGHTS)
     return out / WEIGHTS
+
+
+def merged_policy(ckpt: Path, cfg):
+    """(plain model with the LoRA adapter of checkpoint `ckpt` merged in, tokenizer) for run config `cfg` (its
+    `model` section and seed rebuild the base model the adapter was trained on)."""
+    from forge.models import add_lora, load_policy
+
+    base, tok = load_policy(cfg.model, seed=cfg.seed)
+    model = add_lora(base, cfg.model.lora)
+    load_adapter(model, ckpt)
+    return model.merge_and_unload(), tok
+
+
+def export_hf_dir(ckpt: Path, out: Path, cfg=None) -> Path:
+    """Write checkpoint `ckpt` as a clean HF model directory `out` (new, or an empty directory): the weights
+    (a LoRA checkpoint's adapter merged into the base model of run config `cfg`; a sharded one assembled), config,
+    generation config and tokenizer; no trainer state. Assembled in a temporary directory beside `out` and renamed
+    into place, so `out` is complete or absent."""
+    import tempfile
+
+    ckpt, out = Path(ckpt), Path(out)
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise UserError(f"export: '{out}' exists and is not an empty directory; choose a new path or remove it")
+    if is_adapter(ckpt) and cfg is None:
+        raise UserError(f"'{ckpt}' holds a LoRA adapter and is not inside its run (no config.yaml two levels up)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        if is_adapter(ckpt):
+            model, _ = merged_policy(ckpt, cfg)
+            model.save_pretrained(tmp)
+            _copy_model_json(ckpt, tmp, skip=(ADAPTER_CONFIG, "config.json"))
+        else:
+            export_model(ckpt, tmp)
+        for f in sorted(tmp.iterdir()):
+            _fsync(f)
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+        _fsync(out.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _copy_model_json(ckpt: Path, out: Path, skip: tuple[str, ...] = ()) -> None:
+    """The checkpoint's model files besides the weights (config, generation config, tokenizer files, the chat
+    template's .jinja), not its trainer state, shards, adapter or eval report."""
+    trainer = {STATE_JSON, STATE_TENSORS, LEGACY_STATE, "checkpoint.json", "eval.json", WEIGHTS, ADAPTER}
+    for f in ckpt.iterdir():
+        if f.is_file() and f.name not in trainer | set(skip) and not f.name.startswith("."):
+            shutil.copy2(f, out / f.name)
 
 
 # ---------------------------------------------------------------- asynchronous save

@@ -28,6 +28,18 @@ class ConfigError(UserError):
 
 
 @dataclass
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank r of the adapter (peft); 0 = off: the whole model is trained."""
+    alpha: float = 0.0
+    """LoRA scale numerator: the update is (alpha / rank) * B @ A; 0 = 2 * rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input during the update."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names that get an adapter; ["all-linear"] = every linear layer of attention and MLP (not lm_head)."""
+
+
+@dataclass
 class ModelConfig:
     path: str = "tiny-random"
     """Policy: a local HF model directory, a hub id (online only), or a built-in: tiny-random, smollm2-135m-instruct."""
@@ -43,6 +55,12 @@ class ModelConfig:
     """tiny-random only: attention head size (vLLM's CPU attention needs 32 or more)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Master weights dtype (the optimizer updates these)."""
+    attn_implementation: str = ""
+    """Attention kernel passed to from_pretrained (e.g. sdpa, eager); empty = transformers' default."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass (less memory, ~30% more update time)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapter (model.lora.rank > 0): only the adapter is trained and checkpointed."""
 
 
 @dataclass
@@ -377,6 +395,13 @@ class RunConfig:
         ev = self.eval
         _require(not (ev.check and ev.verifiers), "eval.check", "is the old form of eval.verifiers: set only one")
         _require(len(set(ev.verifiers)) == len(ev.verifiers), "eval.verifiers", "lists a verifier twice: list it once")
+        lora = self.model.lora
+        _require(bool(lora.target_modules) or not lora.rank, "model.lora.target_modules", "needs at least one name")
+        _require(
+            not (lora.rank and u.strategy == "fsdp" and u.num_processes > 1),
+            "model.lora.rank",
+            "> 0 cannot be combined with update.strategy=fsdp: use ddp (the adapter is small) or full fine-tuning",
+        )
         return self
 
 
@@ -396,6 +421,9 @@ RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "model.tiny_hidden": (_positive, "must be >= 1"),
     "model.tiny_layers": (_positive, "must be >= 1"),
     "model.tiny_head_dim": (_positive, "must be >= 1"),
+    "model.lora.rank": (_non_negative, "must be >= 0 (0 = no LoRA, full fine-tuning)"),
+    "model.lora.alpha": (_non_negative, "must be >= 0 (0 = 2 * rank)"),
+    "model.lora.dropout": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "data.train_size": (_positive, "must be >= 1"),
     "data.eval_size": (_positive, "must be >= 1 (an empty eval split cannot be evaluated)"),
     "data.digits": (lambda v: 1 <= v <= 18, "must be in [1, 18]"),

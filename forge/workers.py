@@ -35,9 +35,12 @@ import torch
 
 from forge.advantages import group_advantages
 from forge.checkpoint import (
+    ADAPTER,
+    WEIGHTS,
     AsyncCheckpointer,
     SaveReport,
     Snapshot,
+    adapter_state,
     assign_weights,
     begin_checkpoint,
     check_finite,
@@ -51,7 +54,7 @@ from forge.checkpoint import (
 from forge.config import RunConfig
 from forge.distributed import state as dist_state
 from forge.evaluate import evaluate
-from forge.models import default_device, load_policy
+from forge.models import default_device, is_peft, load_policy
 from forge.records import Rollouts, Scored, ScoredBatch, UpdateStats
 from forge.rewards.registry import resolve_verifiers
 from forge.rewards.score import score_completions
@@ -248,9 +251,13 @@ class TrainerWorker:
             _check_group(accelerator, world)
         if model is None:
             _init_process(cfg)
-            model, tokenizer = load_policy(cfg.model, seed=cfg.seed, weights=loads_weights(cfg, rank, world))
+            model, tokenizer = load_policy(
+                cfg.model, seed=cfg.seed, weights=loads_weights(cfg, rank, world), trainable=True
+            )
         self.tokenizer = tokenizer
-        ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algo.beta > 0 else None
+        # LoRA needs no copy: the reference is the policy with its adapter disabled (`Trainer._reference_logprobs`)
+        copy_ref = cfg.algo.beta > 0 and not is_peft(model)
+        ref = copy.deepcopy(model).eval().requires_grad_(False) if copy_ref else None
         self.trainer = Trainer(model, cfg, total_steps=cfg.steps, ref_model=ref, accelerator=accelerator)
         self.saver = AsyncCheckpointer()
         _torch_optimizer(self.trainer.optimizer).register_step_pre_hook(lambda *_: self.saver.wait_staged())
@@ -301,14 +308,18 @@ class TrainerWorker:
     def _snapshot(self, step: int, payload: dict, eval_score: float | None) -> Snapshot:
         """This rank's part of checkpoint `step`: its DCP tensors and the HF weights (one process, tied copies
         once), both live (`host_snapshot` copies them), and rank 0's state as JSON + tensor copies."""
-        hf = self.world == 1 and self.cfg.checkpoint.hf_model
-        shards, plain = self.trainer.checkpoint_tensors(with_model=not hf)
+        model, file = self.trainer.unwrapped, WEIGHTS
+        lora = is_peft(model)  # only the adapter is saved (rank 0: under DDP every rank holds all of it)
+        hf = not lora and self.world == 1 and self.cfg.checkpoint.hf_model
+        shards, plain = self.trainer.checkpoint_tensors(with_model=not hf and not lora)
         weights = None
-        if hf:
-            unique = dist_state.unique_names(self.trainer.unwrapped)
+        if lora:
+            weights, file = (adapter_state(model) if self.rank == 0 else None), ADAPTER
+        elif hf:
+            unique = dist_state.unique_names(model)
             weights = {k: v for k, v in self.trainer.full_weights().items() if k in unique}
         state = {**payload, "trainer": plain, "step": step, "eval_score": eval_score} if self.rank == 0 else {}
-        return Snapshot(step, shards, weights, *encode_state(state), eval_score, self.world)
+        return Snapshot(step, shards, weights, *encode_state(state), eval_score, self.world, file)
 
     def restore(self, ckpt: str) -> int:
         """Weights and trainer state from checkpoint directory `ckpt`; returns the restored policy version."""

@@ -12,21 +12,6 @@ from forge.config import ConfigError, check_resume_changes, describe_keys
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
-# Keys other work of issue 13 adds (LoRA, model options, data splits, eval verifiers, failing verifiers), named in
-# docs/trl.md as the counterparts of TRL settings. Skipped while absent; once all are merged, drop this list.
-ADDED_IN_SESSION = {
-    "model.lora.rank",
-    "model.lora.alpha",
-    "model.lora.dropout",
-    "model.lora.target_modules",
-    "model.gradient_checkpointing",
-    "model.attn_implementation",
-    "reward.max_failing_steps",
-    "eval.verifiers",
-    "data.split",
-    "data.eval_split",
-}
-
 
 def table_keys(text: str, heading: str) -> list[str]:
     """Backticked names in the second column of the table under `heading` (a `key=value` counts as its key)."""
@@ -40,20 +25,8 @@ def test_every_forgeweave_key_in_the_trl_table_exists():
     keys = {d.key for d in describe_keys()}
     named = table_keys((DOCS / "trl.md").read_text(), "## GRPOConfig → forgeweave")
     assert len(named) > 60
-    unknown = sorted({k for k in named if k not in keys and k not in ADDED_IN_SESSION})
+    unknown = sorted({k for k in named if k not in keys})
     assert not unknown, f"docs/trl.md names keys forge/config.py does not have: {unknown}"
-
-
-def test_the_session_list_in_the_docs_matches_this_test():
-    text = (DOCS / "trl.md").read_text().split("## Keys added in this session", 1)[1]
-    assert set(re.findall(r"`([a-z_.]+)`", text)) - {"tests/test_docs_trl.py"} == ADDED_IN_SESSION
-
-
-def test_keys_added_in_this_session_exist_once_merged():
-    """For the lead after merging: skipped with the keys still missing; passes once every one exists."""
-    missing = sorted(ADDED_IN_SESSION - {d.key for d in describe_keys()})
-    if missing:
-        pytest.skip(f"not merged yet: {', '.join(missing)}")
 
 
 def test_docs_config_example_error_is_the_real_one():

@@ -32,7 +32,7 @@ def test_missing_or_invalid_model_path_is_a_user_error(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(UserError, match="does not exist"):
         load_policy(ModelConfig(path=str(tmp_path / "missing")))
-    with pytest.raises(UserError, match="does not exist"):
+    with pytest.raises(UserError, match="'someorg/somemodel' is a hub id that could not be fetched.*model.path=DIR"):
         load_policy(ModelConfig(path="someorg/somemodel"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="config.json"):

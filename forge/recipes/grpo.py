@@ -42,6 +42,7 @@ from forge.checkpoint import (
     apply_retention,
     export_model,
     has_weights,
+    is_adapter,
     latest_checkpoint,
     load_state,
     remove_partial,
@@ -368,8 +369,9 @@ class GRPORun:
         )
         self.add_seconds({"checkpoint_total": total, "checkpoint_stall": stall})
         self.last_saved = report
-        if step == self.cfg.steps and not has_weights(Path(report.path)):
-            export_model(Path(report.path))  # sharded by several ranks: the run's final model as an HF directory
+        final = Path(report.path)
+        if step == self.cfg.steps and not has_weights(final) and not is_adapter(final):  # a LoRA run: `export`
+            export_model(final)  # sharded by several ranks: the run's final model as an HF directory
         self.tracker.register_checkpoint(Path(report.path), step, report.eval_score)
         apply_retention(self.run_dir / "checkpoints", self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_best)
 
