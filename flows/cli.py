@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -241,6 +243,8 @@ def run_with_prefect(args, run_dir: Path) -> dict:
     quiet_prefect()
     from flows.pipeline import grpo_pipeline, wait_until_recorded
 
+    hide_user_errors_on_console()
+
     summary = grpo_pipeline(
         preset=args.preset or "",
         config_path=args.config or "",
@@ -256,6 +260,34 @@ def run_with_prefect(args, run_dir: Path) -> dict:
         print(f"warning: Prefect recorded {recorded} of {expected} task runs before the timeout", file=sys.stderr)
     print(f"prefect flow run: {summary['prefect_flow_run_id']}")
     return summary
+
+
+class HideUserErrors(logging.Filter):
+    """Drops Prefect's console records about a stage that raised a `UserError` (the exception with its traceback,
+    the failed task and flow states): the CLI prints that error itself, as one line. The Prefect API, and so the
+    UI's logs, still receive them; other errors are untouched."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, UserError):
+            return False
+        names = "|".join(sorted({"UserError", *(c.__name__ for c in _subclasses(UserError))}))
+        return re.search(rf"\b({names})\b", record.getMessage()) is None
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]
+
+
+def hide_user_errors_on_console() -> None:
+    """Put `HideUserErrors` on Prefect's console handlers (configured when prefect is imported); idempotent."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler) and not any(
+            isinstance(f, HideUserErrors) for f in handler.filters
+        ):
+            handler.addFilter(HideUserErrors())
 
 
 def quiet_prefect() -> None:

@@ -12,6 +12,7 @@ import pytest
 from safetensors.torch import load_file
 
 from flows.cli import main
+from forge.errors import UserError
 from forge.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -216,3 +217,23 @@ def test_export_writes_an_hf_directory_and_refuses_a_non_checkpoint(tmp_path, ca
     capsys.readouterr()
     assert main(["export", str(tmp_path / "hf")]) == 2
     assert "is not a forgeweave checkpoint (no checkpoint.json)" in _one_line_error(capsys)
+
+
+def test_prefect_console_hides_user_errors_only():
+    """A UserError inside the flow is printed once by the CLI; Prefect's console copies of it are dropped, other
+    errors still show."""
+    import logging
+
+    from flows.cli import HideUserErrors
+    from forge.config import ConfigError
+
+    def record(msg: str, exc: BaseException | None = None) -> logging.LogRecord:
+        info = (type(exc), exc, None) if exc else None
+        return logging.LogRecord("prefect.task_runs", logging.ERROR, __file__, 1, msg, (), info)
+
+    f = HideUserErrors()
+    assert not f.filter(record("Task run failed with exception", UserError("bad key")))
+    assert not f.filter(record("Finished in state Failed('Task run encountered an exception ConfigError: x')"))
+    assert not f.filter(record(f"Encountered exception during execution: {ConfigError('y')!r}"))
+    assert f.filter(record("Task run failed with exception", RuntimeError("a real bug")))
+    assert f.filter(record("Finished in state Failed('RuntimeError: boom')"))
