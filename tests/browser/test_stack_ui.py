@@ -68,7 +68,9 @@ def ui_run(stack, tmp_path_factory):
             page.get_by_role("button", name="Add item").click()
             _field(page, "overrides (Optional)").locator("textarea").nth(i).fill(item)
         _field(page, "name (Optional)").locator("textarea").fill(UI_RUN)
-        assert _field(page, "preset (Optional)").locator("textarea").input_value() == "tiny"
+        preset = _field(page, "preset (Optional)").locator("textarea")
+        assert preset.input_value() == ""  # empty = the config file's `preset:`, else tiny (flows/pipeline.py)
+        preset.fill("tiny")
         flow_run_name = page.locator("input").first.input_value()  # the run name the form proposes
         page.get_by_role("button", name="Submit").click()
         page.get_by_role("link", name=flow_run_name, exact=True).first.click(timeout=WAIT_MS)

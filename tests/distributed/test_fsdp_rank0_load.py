@@ -28,9 +28,9 @@ def _rank(rank: int, port: int, root: str) -> None:
     torch.set_num_threads(1)
     asked = []
 
-    def spy(cfg, seed=0, weights=True):
+    def spy(cfg, seed=0, weights=True, **kwargs):
         asked.append(weights)
-        return load_policy(cfg, seed=seed, weights=weights)
+        return load_policy(cfg, seed=seed, weights=weights, **kwargs)
 
     workers.load_policy = spy  # this spawned process only
     cfg = make_cfg(strategy="fsdp")
