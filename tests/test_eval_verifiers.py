@@ -58,6 +58,7 @@ def test_presets_keep_their_eval_verifiers():
         "tiny-unlabeled": ["math_answer"],  # scored against the answers the reward never saw
         "tiny-code": ["code_exec"],
         "smollm2-arith": ["math_answer"],
+        "smollm2-arith-lora": ["math_answer"],
         "smollm2-code": ["code_exec"],
     }
 
