@@ -433,8 +433,8 @@ def validate_rows(
     answer_column: str,
     count_tokens: Callable[[str | list[dict]], int],
     max_prompt_tokens: int,
-) -> tuple[list[dict], list[dict]]:
-    """Split rows into (good, rejected). Pure.
+) -> tuple[list[dict], list[int], list[dict]]:
+    """Split rows into (good, their 1-based row numbers, rejected). Pure.
 
     rejected items are {"row": 1-based row number, "reason": ...}, reasons naming the column: "missing field
     'answer'", "prompt is not a string or a list of messages (got int)", "empty prompt", "prompt message 2 has
@@ -445,19 +445,6 @@ def validate_rows(
     text), else "<source stem>-<row>"; the answer is text (numbers str()-ed), and also kept as stored under
     its own name when answer_column is not "answer"; other columns named id/prompt/answer/model_input are dropped.
     """
-    good, _, rejected = _validate(rows, source, prompt_column, answer_column, count_tokens, max_prompt_tokens)
-    return good, rejected
-
-
-def _validate(
-    rows: list[dict],
-    source: str,
-    prompt_column: str,
-    answer_column: str,
-    count_tokens: Callable[[str | list[dict]], int],
-    max_prompt_tokens: int,
-) -> tuple[list[dict], list[int], list[dict]]:
-    """validate_rows plus the row number of each good row."""
     good, numbers, rejected, first_row_of_id = [], [], [], {}
     stem = re.sub(r"[*?\[\]]", "", Path(source.rstrip("/")).stem) or "row"
     for n, row in enumerate(rows, 1):
@@ -689,7 +676,14 @@ def _validated(
 ) -> tuple[list[dict], list[dict]]:
     """validate_rows plus the data.on_bad_rows policy and the one-type-per-column check; rejected items get a
     "file" key."""
-    good, numbers, rejected = _validate(rows, source, prompt_column, answer_column, count_tokens, dc.max_prompt_tokens)
+    good, numbers, rejected = validate_rows(
+        rows,
+        source=source,
+        prompt_column=prompt_column,
+        answer_column=answer_column,
+        count_tokens=count_tokens,
+        max_prompt_tokens=dc.max_prompt_tokens,
+    )
     if rejected and (dc.on_bad_rows == "error" or not good):
         raise UserError(_bad_rows_message(source, rejected, all_bad=not good))
     check_column_types(good, numbers, source)

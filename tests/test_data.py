@@ -183,7 +183,7 @@ def test_validate_reports_each_bad_row_by_number():
         {"prompt": "dup", "answer": "1", "id": "a"},  # 8
         {"prompt": "also fine", "answer": "x"},  # 9 ok, id from file stem
     ]
-    good, rejected = validate_rows(
+    good, _, rejected = validate_rows(
         rows,
         source="data/qa.jsonl",
         prompt_column="prompt",
@@ -207,7 +207,7 @@ def test_validate_reports_each_bad_row_by_number():
 
 
 def test_validate_uses_configured_columns():
-    good, rejected = validate_rows(
+    good, _, rejected = validate_rows(
         [{"q": "hi", "a": "1", "prompt": "stale"}, {"q": "x"}],
         source="s.csv",
         prompt_column="q",
@@ -393,7 +393,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 )
 def test_message_prompts_are_validated_by_row(prompt, reason):
     rows = [{"prompt": MESSAGES, "answer": "2"}, {"prompt": prompt, "answer": "2"}]
-    good, rejected = validate_rows(rows, source="d.jsonl", prompt_column="prompt", answer_column="answer",
+    good, _, rejected = validate_rows(rows, source="d.jsonl", prompt_column="prompt", answer_column="answer",
                                    count_tokens=lambda p: len(p), max_prompt_tokens=10)  # fmt: skip
     assert good == [{"id": "d-1", "prompt": MESSAGES, "answer": "2"}]
     assert len(rejected) == 1 and rejected[0]["row"] == 2 and rejected[0]["reason"].startswith(reason)
