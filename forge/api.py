@@ -20,7 +20,6 @@ ranks, asynchronous GRPO) are refused; use the CLI for those.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 import shutil
 import tempfile
@@ -29,7 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from forge.config import ConfigError, RunConfig, _set_field, apply_overrides, load_yaml
+from forge.config import ConfigError, RunConfig, apply_overrides, load_yaml, overlay
 from forge.errors import UserError
 from forge.rundir import INPUTS, check_run_name, claim_run_dir
 
@@ -87,19 +86,8 @@ def _base_config(config: RunConfig | dict | None, preset: str | None) -> RunConf
         return get_preset(preset or "tiny")
     if not isinstance(config, dict):
         raise UserError(f"forge.train: config must be a RunConfig, a dict or None, got {type(config).__name__}")
-    cfg = get_preset(preset) if preset else RunConfig()
-    _overlay(cfg, config, "")
-    return cfg
-
-
-def _overlay(obj: Any, data: dict, prefix: str) -> None:
-    """Set the dict's keys on the dataclass, recursing into sections, so unnamed fields keep the preset's values."""
-    for key, value in data.items():
-        current = getattr(obj, str(key), None)
-        if dataclasses.is_dataclass(current) and isinstance(value, dict):
-            _overlay(current, value, f"{prefix}{key}.")
-        else:
-            _set_field(obj, str(key), value, prefix, "forge.train(config=...): ")
+    # the keys the dict sets replace the preset's, section by section (as a YAML file over --preset does)
+    return overlay(get_preset(preset) if preset else RunConfig(), config, "forge.train(config=...): ")
 
 
 def _reward_specs(reward_funcs: Sequence[Callable | str] | None) -> tuple[list[str], dict[str, Callable]]:
