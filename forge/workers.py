@@ -140,9 +140,11 @@ class RolloutWorker:
         """The eval report of policy `version` on `rows` (greedy pass@1, sampled pass@k, mean reward)."""
         if version != self.policy_version:
             raise RuntimeError(f"rollout worker holds policy version {self.policy_version}, asked for {version}")
-        if self._verifiers is None:
-            self._verifiers = resolve_verifiers(self.cfg.reward.verifiers, self.cfg.reward)
         c = self.cfg
+        # mean reward only for the weighted sum: a label-free aggregate scores a completion against its group and
+        # the current fit, not alone (and its verifiers, an LLM judge say, would cost as much as the eval)
+        if self._verifiers is None and c.reward.aggregate == "weighted":
+            self._verifiers = resolve_verifiers(c.reward.verifiers, c.reward)
         report = evaluate(self.backend, rows, c.eval, c.rollout, self._verifiers, c.reward.weights, seed=c.seed + step,
                           timeout_s=c.reward.score_timeout_s, reward=c.reward)  # fmt: skip
         if self.sleeps:

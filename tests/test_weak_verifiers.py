@@ -73,6 +73,22 @@ def test_reward_model_and_llm_judge_from_local_dirs(tmp_path):
     assert scores[0] == pytest.approx(float(expected), abs=1e-5)
 
 
+def test_llm_judge_batches_dedupes_and_scores_as_one_at_a_time(tmp_path):
+    _, judge = resolve_verifier(f"llm_judge={_save_tiny(tmp_path, 'lm')}")
+    judge.batch_size = 2  # several length-sorted, left-padded batches
+    prompts = ["1+2=", "1+2=", "11+22=", "1+2=", "7+8="]
+    completions = ["3", "four", "33", "3", "a much longer completion 15"]
+    batched = judge(prompts=prompts, completions=completions)
+    alone = [judge(prompts=[p], completions=[c])[0] for p, c in zip(prompts, completions, strict=True)]
+    assert batched == pytest.approx(alone, abs=1e-5)
+    assert batched[0] == batched[3]  # the repeated pair was judged once
+    calls = []
+    judge.model.register_forward_hook(lambda m, args, kwargs, out: calls.append(kwargs["input_ids"].shape[0]),
+                                      with_kwargs=True)  # fmt: skip
+    judge(prompts=prompts, completions=completions)
+    assert sum(calls) == 4  # 4 distinct pairs of 5
+
+
 def test_model_verifier_with_a_bad_path_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="not a local Hugging Face model directory"):
         resolve_verifier(f"llm_judge={tmp_path / 'nope'}")
