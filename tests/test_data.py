@@ -475,7 +475,8 @@ def test_unlabeled_source_trains_with_label_free_and_round_trips(tmp_path, kind)
     assert data.train[2]["prompt"] == "2+1=" and data.train[2]["level"] == ("2" if kind == "csv" else 2)
     m = data.manifest
     assert (m["train_rows"], m["eval_rows"], m["train_labelled"]) == (6, 2, False)
-    assert m["columns"] == ["id", "prompt", "model_input", "answer", "level"] and m["column_types"]["answer"] == "string"
+    assert m["columns"] == ["id", "prompt", "model_input", "answer", "level"]
+    assert m["column_types"]["answer"] == "string"
     assert str(pq.read_schema(tmp_path / "run" / "data" / "train.parquet").field("answer").type) == "string"
     train, eval_ = read_split(tmp_path / "run", "train"), read_split(tmp_path / "run", "eval")
     assert (train, eval_) == (data.train, data.eval)  # the all-null answer column round-trips
