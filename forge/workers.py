@@ -146,7 +146,7 @@ class RolloutWorker:
             self._verifiers = resolve_verifiers(self.cfg.reward.verifiers, self.cfg.reward)
         c = self.cfg
         report = evaluate(self.backend, rows, c.eval, c.rollout, self._verifiers, c.reward.weights, seed=c.seed + step,
-                          timeout_s=c.reward.score_timeout_s, reward=c.reward)  # fmt: skip
+                          timeout_s=c.reward.score_timeout_s, reward=c.reward, hidden=hidden_columns(c))  # fmt: skip
         if self.sleeps:
             self.backend.sleep()
         report["step"] = step
@@ -181,14 +181,13 @@ class RewardWorker:
         """Score step `step`'s completions; safe to repeat for the same step (the ensemble replaces its entry).
         `echo_rollouts=False` leaves the rollouts out of the returned batch (`rollouts=None`) for a remote caller
         that holds them already: they are the bulk of the record."""
-        g, answer_column = rollouts.group_size, self.cfg.data.answer_column
-        hidden = ("answer", answer_column) if self.cfg.reward.label_free else ()
+        g = rollouts.group_size
         result = score_completions(
             self.verifiers,
             self.cfg.reward.weights,
             rollouts.prompts,
             rollouts.texts,
-            _columns(rows, g, hidden),
+            _columns(rows, g, hidden_columns(self.cfg)),
             timeout_s=self.cfg.reward.score_timeout_s,
             raw_prompts=[r["prompt"] for r in rows for _ in range(g)],
             completion_ids=completion_id_lists(rollouts),
@@ -396,6 +395,11 @@ def _check_group(accelerator, world: int) -> None:
     ones = torch.ones(1, device=accelerator.device)
     dist.all_reduce(ones)
     assert int(ones.item()) == world, f"all_reduce over {world} ranks gave {ones.item()}"
+
+
+def hidden_columns(cfg: RunConfig) -> tuple[str, ...]:
+    """The data columns reward verifiers never get: with reward.label_free, the answer under both its names."""
+    return ("answer", cfg.data.answer_column) if cfg.reward.label_free else ()
 
 
 def completion_id_lists(rollouts: Rollouts) -> list[list[int]]:
