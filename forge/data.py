@@ -714,8 +714,8 @@ def _validated(
     dc: DataConfig,
     count_tokens: Callable[[str | list[dict]], int],
 ) -> tuple[list[dict], list[dict]]:
-    """validate_rows (answer_column None: unlabeled rows) plus the data.on_bad_rows policy and the one-type-per-column check; rejected items get a
-    "file" key."""
+    """validate_rows (answer_column None: unlabeled rows) plus the data.on_bad_rows policy and the
+    one-type-per-column check; rejected items get a "file" key."""
     good, numbers, rejected = validate_rows(
         rows,
         source=source,

@@ -8,8 +8,8 @@
 - majority: `majority_rewards`, test-time RL by majority vote (TTRL, Zuo et al. 2025): in each group the most
   common final answer (`forge.rewards.math.answer_key`) gets 1, every other completion 0. Departures from the
   paper: the vote is over the G training samples themselves (TTRL can vote over more samples than it trains
-  on), a tie goes to the answer seen first, and a group where no completion has an answer
-  gets 0 throughout. The verifiers still run (their scores are logged) but do not enter the reward;
+  on), a tie goes to the answer seen first, and a group where no completion has an answer gets 0 throughout.
+  The verifiers still run (their scores are logged) but do not enter the reward;
 - ensemble: below.
 
 With `reward.aggregate: ensemble` the reward of a completion is P(correct | its verifier scores), from a
