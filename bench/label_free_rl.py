@@ -10,8 +10,9 @@ without answers, forge/arith_tasks.py) and differs only in the reward:
 - majority: majority vote (TTRL): the group's most common final answer gets 1, the rest 0;
 - mean: the plain average of the six verifiers' scores.
 
-Every run evaluates greedy pass@1 on the same 200 held-out labelled problems at step 0 and at the end; the table
-prints each run's gain and its share of the labelled run's gain. Runs go one after another (or `--jobs 2` at a time,
+Every run evaluates greedy pass@1 on the same 200 held-out labelled problems at step 0 and at the end (no eval in
+between); the table prints each run's gain and its share of the labelled run's gain. A run already finished in
+`--out` (an earlier invocation) is reused, so an interrupted benchmark continues where it stopped. Runs go one after another (or `--jobs 2` at a time,
 each with a share of the cores) in subprocesses, so one run's memory never carries into the next.
 
 Usage: python bench/label_free_rl.py [--steps 20] [--seeds 0] [--runs labelled,ensemble,majority,mean]
@@ -55,7 +56,8 @@ def labelled_train_file(out: Path) -> Path:
 
 
 def command(name: str, seed: int, steps: int, out: Path, extra: list[str], threads: int) -> list[str]:
-    sets = [*RUNS[name], f"seed={seed}", f"steps={steps}", f"threads={threads}", "tracking.mlflow=false", *extra]
+    sets = [*RUNS[name], f"seed={seed}", f"steps={steps}", f"threads={threads}", "eval.every=0",
+            "tracking.mlflow=false", *extra]  # fmt: skip
     if name == "labelled":
         sets.append(f"data.source={labelled_train_file(out)}")
     argv = [sys.executable, "-m", "flows.cli", "run", "--preset", PRESET, "--no-prefect", "--quiet",
@@ -72,11 +74,18 @@ def result(out: Path, name: str, seed: int, wall: float, rc: int) -> dict:
     return {"run": name, "seed": seed, "before": before, "after": after, "gain": after - before, "wall_s": wall}
 
 
-def run_all(names: list[str], seeds: list[int], steps: int, out: Path, extra: list[str], jobs: int) -> list[dict]:
-    threads = max(1, (os.cpu_count() or 2) // jobs)
+def run_all(
+    names: list[str], seeds: list[int], steps: int, out: Path, extra: list[str], jobs: int, threads: int
+) -> list[dict]:
+    threads = threads or max(1, (os.cpu_count() or 2) // jobs)
     queue = [(n, s) for s in seeds for n in names]
     running: list[tuple[str, int, subprocess.Popen, float]] = []
     results = []
+    for name, seed in list(queue):  # finished by an earlier invocation (same --out): reused, not rerun
+        if (out / f"{name}-seed{seed}" / "summary.json").is_file():
+            queue.remove((name, seed))
+            results.append(result(out, name, seed, _recorded_wall(out / f"{name}-seed{seed}"), 0))
+            print(f"reuse {name} seed {seed}: {_cells(results[-1])}", flush=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     while queue or running:
         while queue and len(running) < jobs:
@@ -92,6 +101,10 @@ def run_all(names: list[str], seeds: list[int], steps: int, out: Path, extra: li
             results.append(result(out, name, seed, time.perf_counter() - t0, proc.returncode))
             print(f"done  {name} seed {seed}: {_cells(results[-1])}", flush=True)
     return results
+
+
+def _recorded_wall(run_dir: Path) -> float:
+    return float(json.loads((run_dir / "summary.json").read_text())["seconds"]["total"])
 
 
 def _cells(r: dict) -> str:
@@ -121,7 +134,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seeds", default="0", help="comma-separated seeds; every reward runs with each")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
-    ap.add_argument("--jobs", type=int, default=1, help="runs at a time (each gets cores / jobs threads)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at a time")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per run (0 = cores / jobs)")
     ap.add_argument("--out", default="/tmp/label-free-rl", help="runs directory (a run name taken there is refused)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every run")  # fmt: skip
@@ -132,7 +146,7 @@ def main() -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = run_all(names, seeds, args.steps, out, args.overrides, args.jobs)
+    results = run_all(names, seeds, args.steps, out, args.overrides, args.jobs, args.threads)
     text = table(results, args.steps)
     print("\n" + text)
     (out / "label_free_rl.md").write_text(text + "\n")

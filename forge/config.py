@@ -162,7 +162,8 @@ class RewardConfig:
     ensemble_classes: int = 3
     """ensemble: latent classes, correct plus kinds of wrong."""
     necessary_checks: list[str] = field(default_factory=list)
-    """latent_class ensemble: verifiers every correct answer passes (rule checks); failing one means wrong."""
+    """ensemble: verifiers every correct answer passes (rule checks); failing one means wrong (latent_class: pins
+    the correct class; gaussian: P(correct) = 0 for a completion that failed one)."""
     label_free: bool = False
     """Do not pass the reference answer column to verifiers (evaluation still scores against it)."""
     max_failing_steps: int = 3

@@ -130,6 +130,7 @@ def smollm2_arith_unlabeled() -> RunConfig:
     r.verifiers = ["group_agreement", "concise", "format_integer", "parity_check", "magnitude_check",
                    "llm_judge=smollm2-135m-instruct"]  # fmt: skip
     r.label_free, r.aggregate, r.ensemble_model = True, "ensemble", "gaussian"
+    r.necessary_checks = ["parity_check", "magnitude_check"]  # true of every right sum: failing one means wrong
     r.score_timeout_s = 300.0  # the judge reads 64 questions a step: ~15 s on 2 cores in fp32, more when busy
     cfg.eval.verifiers = ["math_answer"]
     return cfg

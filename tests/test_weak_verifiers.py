@@ -114,3 +114,18 @@ def test_ensemble_aggregator_ranks_passing_candidates_first_and_round_trips():
     assert len(clone.window) == 2
     retried, _ = clone(scores, group_size=16, step=2)  # a retried reward stage: the step's entry is replaced
     assert len(clone.window) == 2 and torch.equal(retried, again)
+
+
+def test_gaussian_ensemble_pays_nothing_for_a_failed_necessary_check():
+    rng = np.random.default_rng(1)
+    right = rng.random(320) < 0.3  # [N] hidden truth
+    check = np.where(right, 1.0, (rng.random(320) < 0.5).astype(float))  # every right answer passes
+    soft = right + rng.normal(0, 0.6, 320)  # a continuous signal that a wrong answer can score high on
+    scores = torch.tensor(np.stack([check, soft], axis=1), dtype=torch.float32)
+    plain = EnsembleAggregator(["check", "soft"], window_steps=4, refit_every=1)
+    gated = EnsembleAggregator(["check", "soft"], window_steps=4, refit_every=1, necessary=["check"])
+    p_plain, _ = plain(scores, group_size=8, step=1)
+    p_gated, _ = gated(scores, group_size=8, step=1)
+    failed = check == 0
+    assert p_plain[failed].max() > 0.05  # the linear posterior lets the soft signal outweigh the failed check
+    assert p_gated[failed].max() == 0 and torch.equal(p_gated[~failed], p_plain[~failed])

@@ -84,8 +84,6 @@ class EnsembleAggregator:
     ):  # fmt: skip
         self.names = names
         self.model, self.classes = model, classes
-        if necessary and model != "latent_class":
-            raise UserError("reward.necessary_checks: needs reward.ensemble_model=latent_class")
         if unknown := [n for n in necessary if n not in names]:
             raise UserError(f"reward.necessary_checks: {unknown} are not among the verifiers {names}")
         self.necessary = tuple(names.index(n) for n in necessary)
@@ -108,6 +106,8 @@ class EnsembleAggregator:
         if self.ensemble is None or step % self.refit_every == 0:
             report = self._refit()
         p = self.ensemble.predict_proba(s, groups)  # [N]
+        if self.necessary and self.model == "gaussian":
+            p = p * passes_necessary(s, self.necessary)
         return torch.as_tensor(p, dtype=torch.float32), report
 
     def _refit(self) -> dict:
@@ -147,6 +147,20 @@ class EnsembleAggregator:
         model = state.get("model")
         # an older checkpoint without the fit: refit on the restored window at the next step
         self.ensemble = self._new_model().load_state_dict(model) if model is not None else None
+
+
+def passes_necessary(scores: np.ndarray, necessary: tuple[int, ...]) -> np.ndarray:
+    """[N] 1.0 where no declared-necessary check failed (score < 1), else 0.0; a missing score (NaN) fails nothing.
+
+    The Gaussian ensemble's posterior is linear in the (normal) scores, so strong soft signals can outweigh a
+    failed check: on SmolLM2 it paid ~1.0 for bare echoes of an operand ("78" for 78 + 37), short and well formatted
+    but failing parity and digit count. A check that every right answer passes makes P(correct | failed it) = 0.
+
+    >>> passes_necessary(np.array([[1.0, 1.0, 0.3], [0.0, 1.0, 0.9], [np.nan, 1.0, 0.1]]), (0, 1)).tolist()
+    [1.0, 0.0, 1.0]
+    """
+    checks = scores[:, list(necessary)]
+    return (~(checks < 1.0)).all(axis=1).astype(float)
 
 
 def refit_verdict(report: dict, previous: dict | None, min_weight: float = 1e-3) -> str | None:
