@@ -136,14 +136,16 @@ class RolloutWorker:
         self.policy_version = version
         return time.perf_counter() - t0
 
-    def evaluate(self, rows: list[dict], step: int, version: int) -> dict:
-        """The eval report of policy `version` on `rows` (greedy pass@1, sampled pass@k, mean reward)."""
+    def evaluate(self, rows: list[dict], step: int, version: int, probe: bool = False) -> dict:
+        """The eval report of policy `version` on `rows` (greedy pass@1, sampled pass@k, mean reward); `probe`: the
+        collapse guard's probe, greedy pass@1 and mean reward only, on all of `rows`."""
         if version != self.policy_version:
             raise RuntimeError(f"rollout worker holds policy version {self.policy_version}, asked for {version}")
         if self._verifiers is None:
             self._verifiers = resolve_verifiers(self.cfg.reward.verifiers, self.cfg.reward)
         c = self.cfg
-        report = evaluate(self.backend, rows, c.eval, c.rollout, self._verifiers, c.reward.weights, seed=c.seed + step,
+        ev = dataclasses.replace(c.eval, k=0, max_problems=len(rows)) if probe else c.eval
+        report = evaluate(self.backend, rows, ev, c.rollout, self._verifiers, c.reward.weights, seed=c.seed + step,
                           timeout_s=c.reward.score_timeout_s, reward=c.reward)  # fmt: skip
         if self.sleeps:
             self.backend.sleep()
