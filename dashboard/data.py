@@ -333,6 +333,34 @@ def latest_ensemble_report(run_dir: Path) -> tuple[int, pd.DataFrame] | None:
     return None
 
 
+GUARD_COLUMNS = ["step", "action", "best_step", "probe_before", "probe_after", "reward_before", "reward_after",
+                 "rollbacks"]  # fmt: skip
+
+
+def guard_events(run_dir: Path) -> pd.DataFrame:
+    """The collapse guard's firings (guard.jsonl: one row each, in order); empty without any."""
+    rows = [r for r in read_jsonl(run_dir / "guard.jsonl") if "step" in r]
+    return pd.DataFrame([{c: r.get(c) for c in GUARD_COLUMNS} for r in rows], columns=GUARD_COLUMNS)
+
+
+def guard_summary(events: pd.DataFrame) -> str:
+    """One line about the guard's firings, for a warning above their table ('' when it never fired).
+
+    >>> guard_summary(pd.DataFrame([{"step": 25, "action": "rollback", "best_step": 5, "probe_before": 1.0,
+    ...                              "probe_after": 0.0, "reward_before": 0.03, "reward_after": 0.41}]))
+    'collapse guard fired 1 time: probe pass@1 fell while reward/mean rose; last at step 25: rollback to step 5'
+    """
+    if events.empty:
+        return ""
+    last, n = events.iloc[-1], len(events)
+    what = {"rollback": f"rollback to step {last['best_step']}", "stop": f"stopped with the weights of step "
+            f"{last['best_step']}"}.get(last["action"], str(last["action"]))  # fmt: skip
+    return (
+        f"collapse guard fired {n} time{'s' if n > 1 else ''}: probe pass@1 fell while reward/mean rose; "
+        f"last at step {last['step']}: {what}"
+    )
+
+
 def fmt_seconds(s: float | None) -> str:
     """12.34 -> '12.3 s', 754 -> '12m 34s', 10865 -> '3h 01m', None -> '-' (short: it fits an st.metric)."""
     if s is None or not math.isfinite(s):

@@ -129,6 +129,16 @@ def _ensemble(path: str, key: tuple) -> tuple[int, pd.DataFrame] | None:
     return data.latest_ensemble_report(Path(path))
 
 
+def guard_events(name: str) -> pd.DataFrame:
+    path = run_path(name) / "guard.jsonl"
+    return _guard_events(str(run_path(name)), stamp(path))
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def _guard_events(path: str, key: tuple) -> pd.DataFrame:
+    return data.guard_events(Path(path))
+
+
 def mlflow_index() -> mlflow_store.MlflowIndex:
     uri = mlflow_store.tracking_uri(runs_dir())
     if uri.startswith("sqlite:///"):

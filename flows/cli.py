@@ -302,6 +302,11 @@ def format_summary(s: dict) -> str:
     lines = ["", f"{'eval':<14}{'before':>10}{'after':>10}"]
     for key in sorted(k for k in final if k.startswith("pass@")):
         lines.append(f"{key:<14}{init.get(key, float('nan')):>10.3f}{final[key]:>10.3f}")
+    if probe := s.get("probe"):  # a run with a probe set (eval.probe_source): the collapse guard's figures
+        lines.append(f"{'probe pass@1':<14}{'best':>10}{probe['best_pass@1']:>10.3f}  (step {probe['best_step']}; "
+                     f"guard firings {probe['guard_events']}, rollbacks {probe['rollbacks']})")  # fmt: skip
+    if s.get("stopped"):
+        lines.append(f"stopped early: {s['stopped']}")
     lines += ["", f"{'stage':<14}{'seconds':>10}{'share':>10}"]
     total = s["seconds"]["total"]
     for stage in ("rollout", "reward", "update", "evaluate"):

@@ -30,9 +30,10 @@ from forge.io import write_json
 
 STAGE_TASK = {"cache_policy": NONE, "persist_result": False}
 # stages that give the same result when repeated for their step (the rollout's seed is chosen before the call, the
-# ensemble replaces its entry for the step, a checkpoint is rewritten atomically); an update is never repeated:
+# ensemble replaces its entry for the step, a checkpoint is rewritten atomically; a probe only measures, the collapse
+# guard decides outside the task); an update is never repeated:
 # a second attempt would take a second optimizer step
-RETRY_SAFE = {"prepare", "rollout", "reward", "evaluate", "checkpoint"}
+RETRY_SAFE = {"prepare", "rollout", "reward", "evaluate", "probe", "checkpoint"}
 
 
 @task(name="stage", **STAGE_TASK)

@@ -232,10 +232,10 @@ class RayStages:
             self._load_seconds = max(self._get(done, "rollout"))
             self._loads = [ref for ref in self._loads if ref not in done]
 
-    def evaluate(self, rows: list[dict], step: int) -> dict:
+    def evaluate(self, rows: list[dict], step: int, probe: bool = False) -> dict:
         self._collect_loads()
         return self._get(
-            [self.actors["rollout"][0].call.remote("evaluate", rows, step, self.policy_version)], "rollout"
+            [self.actors["rollout"][0].call.remote("evaluate", rows, step, self.policy_version, probe)], "rollout"
         )[0]
 
     def save(self, root: Path, step: int, payload: dict, eval_score: float | None) -> None:

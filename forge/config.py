@@ -173,6 +173,15 @@ class RewardConfig:
     score_timeout_s: float = 60.0
     """Seconds one verifier may take on one step's batch; past it the run stops with an error naming the verifier
     (a hung verifier cannot be cut off safely in-process). 0 = no limit."""
+    collapse_action: Literal["off", "warn", "stop", "rollback"] = "warn"
+    """With a probe set (eval.probe_source): what the collapse guard does when probe pass@1 falls more than
+    collapse_drop below its best while reward/mean rose (rule: forge/guard.py): warn (one stderr line), rollback
+    (restore the best-probe checkpoint's weights, optimizer and reward state, go on with new prompts), stop (end with
+    the best-probe weights), off. stop and rollback also checkpoint at step 0 and at every probe step."""
+    collapse_drop: float = 0.05
+    """Collapse guard: how far (absolute) probe pass@1 may fall below its best before it counts as a collapse."""
+    max_rollbacks: int = 2
+    """Collapse guard, rollback: rollbacks per run; the next firing stops the run (as collapse_action=stop)."""
     code_timeout_s: float = 5.0
     """code_exec: wall-clock seconds per completion (program + all its tests); then its processes are killed."""
     code_test_timeout_s: float = 2.0
@@ -285,6 +294,14 @@ class EvalConfig:
     in reward.verifiers; empty = the run's correctness verifiers, else math_answer (rule: forge/evaluate.py)."""
     check: str = ""
     """Deprecated: one verifier name, the same as eval.verifiers=[NAME] (configs from before eval.verifiers)."""
+    probe_source: str = ""
+    """Labelled probe file (formats and prompt/answer columns as data.eval_source), prepared into data/probe.parquet:
+    greedy pass@1 on it (`probe/pass@1`) feeds only the collapse guard (reward.collapse_action), never the reward;
+    empty = no probe."""
+    probe_every: int = 0
+    """Probe every this many steps (and at step 0 and the last step); 0 = eval.every."""
+    probe_max_problems: int = 200
+    """Probe rows used (the first ones of data/probe.parquet)."""
 
 
 @dataclass
@@ -294,7 +311,8 @@ class CheckpointConfig:
     keep_last: int = 2
     """Keep this many most recent checkpoints."""
     keep_best: int = 1
-    """Also keep this many best-by-eval-pass@1 checkpoints."""
+    """Also keep this many best checkpoints: by probe pass@1 with a probe set (eval.probe_source), else by eval
+    pass@1."""
     async_save: bool = True
     """Copy the state to host memory, let training continue and write it in a background thread (at most one save
     in flight; the run waits for it before it ends); false = training waits until the checkpoint is written."""
@@ -397,6 +415,12 @@ class RunConfig:
         ev = self.eval
         _require(not (ev.check and ev.verifiers), "eval.check", "is the old form of eval.verifiers: set only one")
         _require(len(set(ev.verifiers)) == len(ev.verifiers), "eval.verifiers", "lists a verifier twice: list it once")
+        restores = bool(ev.probe_source) and self.reward.collapse_action in ("stop", "rollback")
+        _require(
+            not restores or self.checkpoint.keep_best > 0,
+            "checkpoint.keep_best",
+            f"is 0, but reward.collapse_action={self.reward.collapse_action} needs the best-probe checkpoint: set it >= 1",
+        )
         lora = self.model.lora
         _require(bool(lora.target_modules) or not lora.rank, "model.lora.target_modules", "needs at least one name")
         _require(
@@ -447,6 +471,8 @@ RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "reward.ensemble_classes": (lambda v: v >= 2, "must be >= 2 (correct and wrong)"),
     "reward.max_failing_steps": (_non_negative, "must be >= 0 (0 = never stop)"),
     "reward.score_timeout_s": (_non_negative, "must be >= 0 seconds (0 = no limit)"),
+    "reward.collapse_drop": (lambda v: 0 <= v < 1, "must be in [0, 1) (a fall of probe pass@1, absolute)"),
+    "reward.max_rollbacks": (_non_negative, "must be >= 0"),
     "algo.eps_low": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "algo.eps_high": (_non_negative, "must be >= 0"),
     "algo.dual_clip": (lambda v: v > 1, "must be > 1 (the DAPO dual-clip constant)"),
@@ -474,6 +500,8 @@ RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "eval.max_new_tokens": (_non_negative, "must be >= 0 (0 = rollout.max_new_tokens)"),
     "eval.batch_size": (_positive, "must be >= 1"),
     "eval.num_samples_saved": (_non_negative, "must be >= 0"),
+    "eval.probe_every": (_non_negative, "must be >= 0 (0 = eval.every)"),
+    "eval.probe_max_problems": (_positive, "must be >= 1"),
     "checkpoint.every": (_non_negative, "must be >= 0 (0 = only at the end)"),
     "checkpoint.keep_last": (_positive, "must be >= 1 (the newest checkpoint is what --resume continues from)"),
     "checkpoint.keep_best": (_non_negative, "must be >= 0"),
@@ -563,6 +591,8 @@ def _coerce(value: Any, hint: Any, key: str, source: str) -> Any:
     args = typing.get_args(hint)
     bad = ConfigError(f"{source}config key '{key}' expects {_type_name(hint)}, got {value!r}")
     if origin is Literal:
+        if isinstance(value, bool) and ("on" if value else "off") in args:  # YAML 1.1 reads off/on as booleans
+            value = "on" if value else "off"
         if value not in args:
             raise ConfigError(f"{source}config key '{key}' must be one of {', '.join(map(repr, args))}, got {value!r}")
         return value
@@ -658,8 +688,8 @@ def _parse_value(raw: str, hint: Any) -> Any:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         return raw
-    if hint is str and not isinstance(value, str):
-        return raw.strip()
+    if (hint is str or raw.strip() in typing.get_args(hint)) and not isinstance(value, str):
+        return raw.strip()  # also `off` for a Literal naming it, which YAML reads as False
     return value
 
 
@@ -804,6 +834,7 @@ RESUME_FIXED: dict[str, str] = {
     "reward.ensemble_classes": "the saved ensemble fit has this many classes",
     "reward.necessary_checks": "the saved ensemble fit was made with these checks",
     "reward.label_free": "the saved ensemble window holds scores made with (or without) the answers",
+    "eval.probe_source": "data/probe.parquet was prepared from it (and the checkpoint checks its hash)",
 }
 # model keys that change how the update computes, not what the weights are
 RESUME_FREE = {"model.gradient_checkpointing", "model.attn_implementation"}

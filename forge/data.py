@@ -6,6 +6,8 @@ Hugging Face `datasets` directory written by `save_to_disk` (a Dataset, or a Dat
 (`load_rows`; `datasets` is imported only for those). A prompt is a string or a list of `{"role", "content"}`
 chat messages. Rows are checked one by one (`validate_rows`), given the exact text the model sees
 (`model_input = format_prompt(prompt)`), and written to run_dir/data/{train,eval}.parquet plus manifest.json.
+A labelled probe set (`eval.probe_source`, for the collapse guard) is read and checked like an eval source and
+written to data/probe.parquet; the manifest counts its rows and the content hash covers it.
 
 Columns keep their types: every column is stored with the Arrow type of its values (int, float, bool, string,
 list, struct), so `read_split` returns what the source held. A column whose rows hold different types (an int in
@@ -39,7 +41,7 @@ import math
 import operator
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -68,11 +70,14 @@ class PreparedData:
     """Output of the prep stage. Every row has the same columns: id (str), prompt (raw: a string or a list of
     messages), model_input (str: prompt after format_prompt, what the model sees), answer (str; None in unlabeled
     training rows), then every other source column with its own type (sorted; None where a row lacks one). Rows
-    are as `read_split` will return them (they went through Arrow once). `manifest` is what manifest.json holds."""
+    are as `read_split` will return them (they went through Arrow once). `manifest` is what manifest.json holds.
+    `probe`: the probe rows (eval.probe_source; empty without one), with the same base columns and its own other
+    columns."""
 
     train: list[dict]
     eval: list[dict]
     manifest: dict
+    probe: list[dict] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- built-in arithmetic task
@@ -643,11 +648,31 @@ def build(
         return count_tokens(format_prompt(prompt))
 
     train, eval_, rejected = _splits(cfg, count_model_tokens)
+    probe, probe_rejected = _probe_rows(cfg, count_model_tokens)
     columns = _BASE_COLUMNS + sorted({k for r in train + eval_ for k in r} - set(_BASE_COLUMNS))
     train, eval_ = _complete(train, columns, format_prompt), _complete(eval_, columns, format_prompt)
     _check_splits_agree(train, eval_, columns)
     train, eval_ = _arrow_table(train, columns).to_pylist(), _arrow_table(eval_, columns).to_pylist()
-    return PreparedData(train, eval_, _manifest(cfg, train, eval_, rejected, columns))
+    if probe:
+        probe_columns = _BASE_COLUMNS + sorted({k for r in probe for k in r} - set(_BASE_COLUMNS))
+        probe = _arrow_table(_complete(probe, probe_columns, format_prompt), probe_columns).to_pylist()
+    manifest = _manifest(cfg, train, eval_, rejected + probe_rejected, columns, probe)
+    return PreparedData(train, eval_, manifest, probe)
+
+
+def _probe_rows(cfg: RunConfig, count_tokens: Callable[[str | list[dict]], int]) -> tuple[list[dict], list[dict]]:
+    """The labelled probe rows of eval.probe_source (none when it is empty) and the rejected ones, read and checked
+    as an eval source is (data.prompt_column / data.answer_column, data.on_bad_rows)."""
+    source, dc = cfg.eval.probe_source, cfg.data
+    if not source:
+        return [], []
+    if not (Path(source).exists() or _is_glob(source)):
+        raise UserError(
+            f"eval.probe_source '{source}' does not exist; point it at a labelled file (prompt and answer columns, "
+            "as for data.eval_source) or set it to '' for no probe"
+        )
+    rows = load_rows(source, dc.prompt_column, dc.answer_column, split_key="eval.probe_source")
+    return _validated(rows, source, dc.prompt_column, dc.answer_column, dc, count_tokens)
 
 
 def _splits(
@@ -780,12 +805,12 @@ def _arrow_table(rows: list[dict], columns: list[str]):
     return pa.table({c: array(c) for c in columns})
 
 
-def content_hash(train: list[dict], eval_: list[dict]) -> str:
-    """sha256 of the canonical JSON (sorted keys, no spaces, UTF-8) of both splits; values JSON has no form for
-    (dates, bytes, decimals) are written as their ISO / hex / str text."""
-    canonical = json.dumps(
-        {"train": train, "eval": eval_}, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=_canonical
-    )
+def content_hash(train: list[dict], eval_: list[dict], probe: list[dict] | None = None) -> str:
+    """sha256 of the canonical JSON (sorted keys, no spaces, UTF-8) of both splits (and the probe rows, when there
+    are any: without them the hash is what it always was); values JSON has no form for (dates, bytes, decimals) are
+    written as their ISO / hex / str text."""
+    splits = {"train": train, "eval": eval_, **({"probe": probe} if probe else {})}
+    canonical = json.dumps(splits, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=_canonical)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
@@ -801,8 +826,11 @@ def _prompt_key(prompt: str | list[dict]) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
 
 
-def _manifest(cfg: RunConfig, train: list[dict], eval_: list[dict], rejected: list[dict], columns: list[str]) -> dict:
+def _manifest(
+    cfg: RunConfig, train: list[dict], eval_: list[dict], rejected: list[dict], columns: list[str], probe: list[dict]
+) -> dict:
     train_prompts = {_prompt_key(r["prompt"]) for r in train}
+    probe_keys = {"probe_source": cfg.eval.probe_source, "probe_rows": len(probe)} if probe else {}
     return {
         "source": cfg.data.source,
         "eval_source": cfg.data.eval_source,
@@ -815,9 +843,10 @@ def _manifest(cfg: RunConfig, train: list[dict], eval_: list[dict], rejected: li
         "eval_prompts_in_train": sum(_prompt_key(r["prompt"]) in train_prompts for r in eval_),  # contamination
         "rejected_count": len(rejected),
         "rejected": rejected[:_MAX_REJECTED_IN_MANIFEST],
-        "content_hash": content_hash(train, eval_),
+        "content_hash": content_hash(train, eval_, probe),
         "columns": columns,
         "column_types": {f.name: str(f.type) for f in _arrow_table(train + eval_, columns).schema},
+        **probe_keys,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
     }
 
@@ -828,6 +857,10 @@ def write_prepared(data: PreparedData, run_dir: Path) -> None:
     (out / "manifest.json").unlink(missing_ok=True)  # no stale manifest beside half-replaced splits
     for split, rows in (("train", data.train), ("eval", data.eval)):
         atomic_write_bytes(out / f"{split}.parquet", _parquet_bytes(rows, data.manifest["columns"]))
+    if data.probe:
+        atomic_write_bytes(out / "probe.parquet", _parquet_bytes(data.probe, list(data.probe[0])))
+    else:
+        (out / "probe.parquet").unlink(missing_ok=True)
     write_json(out / "manifest.json", data.manifest)
 
 
@@ -841,7 +874,8 @@ def _parquet_bytes(rows: list[dict], columns: list[str]) -> bytes:
 
 
 def read_split(run_dir: Path, split: str) -> list[dict]:
-    """Rows of run_dir/data/{split}.parquet ('train' or 'eval') as dicts, each column with its stored type."""
+    """Rows of run_dir/data/{split}.parquet ('train', 'eval' or 'probe') as dicts, each column with its stored
+    type."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -857,6 +891,11 @@ def read_split(run_dir: Path, split: str) -> list[dict]:
         ) from None
 
 
+def read_probe(run_dir: Path) -> list[dict] | None:
+    """The probe rows of a prepared run (data/probe.parquet), None when it has no probe set."""
+    return read_split(run_dir, "probe") if (Path(run_dir) / "data" / "probe.parquet").is_file() else None
+
+
 def train_row_count(run_dir: Path) -> int:
     """Training rows of a prepared run (data/manifest.json), 0 when it cannot be read."""
     try:
@@ -865,9 +904,12 @@ def train_row_count(run_dir: Path) -> int:
         return 0
 
 
-def check_data_hash(run_dir: Path, train: list[dict], eval_: list[dict], saved: str | None = None) -> str:
-    """The splits' content hash, checked against data/manifest.json and (on resume) the checkpoint's `saved`
-    one: a run never continues on data other than what it started with. Raises UserError naming the file."""
+def check_data_hash(
+    run_dir: Path, train: list[dict], eval_: list[dict], saved: str | None = None, probe: list[dict] | None = None
+) -> str:
+    """The splits' (and probe rows') content hash, checked against data/manifest.json and (on resume) the
+    checkpoint's `saved` one: a run never continues on data other than what it started with. Raises UserError
+    naming the file."""
     manifest = Path(run_dir) / "data" / "manifest.json"
     try:
         expected = json.loads(manifest.read_text(encoding="utf-8"))["content_hash"]
@@ -875,11 +917,12 @@ def check_data_hash(run_dir: Path, train: list[dict], eval_: list[dict], saved: 
         raise UserError(
             f"{manifest}: missing or unreadable ({type(e).__name__}); the run's data is damaged: start a new run"
         ) from None
-    actual = content_hash(train, eval_)
+    actual = content_hash(train, eval_, probe)
+    splits = "train/eval/probe splits" if probe else "train/eval splits"
     for what, want in (("data/manifest.json", expected), ("the checkpoint", saved)):
         if want is not None and want != actual:
             raise UserError(
-                f"{Path(run_dir) / 'data'}: the train/eval splits changed since {what} was written "
+                f"{Path(run_dir) / 'data'}: the {splits} changed since {what} was written "
                 f"(hash {actual[:12]} != {want[:12]}); restore the run's own data or start a new run"
             )
     return actual

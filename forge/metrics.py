@@ -1,7 +1,12 @@
-"""The metrics of a GRPO step, namespaced (`reward/`, `completion/`, `train/`, `rollout/`, `perf/`, `time/`, `eval/`),
-computed from the stage records the loop in `forge.recipes.grpo` passes along."""
+"""The metrics of a GRPO step, namespaced (`reward/`, `completion/`, `train/`, `rollout/`, `perf/`, `time/`, `eval/`,
+`probe/`), computed from the stage records the loop in `forge.recipes.grpo` passes along; `Stopwatch` times its
+stages."""
 
 from __future__ import annotations
+
+import contextlib
+import sys
+import time
 
 from forge.advantages import frac_zero_std
 from forge.errors import UserError
@@ -13,6 +18,11 @@ def eval_metrics(report: dict) -> dict[str, float]:
     """An eval report's pass@k and mean reward as `eval/...` metrics."""
     keys = [k for k in report if k.startswith("pass@") or k == "mean_reward"]
     return {f"eval/{k}": report[k] for k in keys}
+
+
+def probe_metrics(report: dict) -> dict[str, float]:
+    """A probe report's greedy pass@1 and mean reward as `probe/...` metrics (the collapse guard's input)."""
+    return {f"probe/{k}": report[k] for k in ("pass@1", "mean_reward") if k in report}
 
 
 def step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: dict[str, float]) -> dict[str, float]:
@@ -67,6 +77,28 @@ def overlap_metrics(ro: Rollouts, stats: UpdateStats, wall: float, staleness: in
     }
 
 
+def checked_staleness(step: int, trainer: int, sampler: int, cap: int) -> int:
+    """Policy versions between the sampler and the trainer (0 on-policy); outside [0, algo.max_staleness] it is a
+    bug, not a user mistake: RuntimeError."""
+    staleness = trainer - sampler
+    if not 0 <= staleness <= cap:
+        raise RuntimeError(
+            f"step {step}: rollout used policy version {sampler}, trainer is at {trainer}: "
+            f"{staleness} versions stale, algo.max_staleness={cap}"
+        )
+    return staleness
+
+
+def show_verifier_errors(batch: ScoredBatch, step: int, shown: set[tuple[str, str]]) -> None:
+    """Print each verifier error text once per run on stderr (`shown`: the (verifier, text) pairs printed so far)."""
+    for name, text in batch.verifier_errors.items():
+        if (name, text) not in shown:
+            shown.add((name, text))
+            n, bad = batch.scores.shape[0], batch.verifier_errored.get(name, 0)
+            print(f"forgeweave: step {step}: verifier '{name}' erred on {bad} of {n} items: {error_line(text)}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
+
 def skipped_in_a_row(before: int, stats: UpdateStats, step: int, limit: int) -> int:
     """Updates skipped in a row for a non-finite loss or gradient norm (`forge.trainer`), counting this step's;
     `limit` in a row stop the run (UserError): the weights are still the last finite ones, as is every checkpoint."""
@@ -101,3 +133,22 @@ def error_line(text: str, limit: int = 300) -> str:
     """A verifier's error text as one line of at most `limit` characters."""
     line = " ".join(text.split())
     return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+class Stopwatch:
+    """Seconds per stage of one step: `with clock("rollout"): ...`; `laps` maps stage -> seconds."""
+
+    def __init__(self):
+        self.laps: dict[str, float] = {}
+        self.started = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.laps[stage] = self.laps.get(stage, 0.0) + time.perf_counter() - t0

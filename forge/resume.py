@@ -2,8 +2,8 @@
 
 `check_resumable(run_dir)` reads (never writes) every file a resume depends on: `checkpoints/latest` (it must name
 a step directory beside it), the checkpoint's trainer state (JSON + safetensors) and weight-file headers,
-`metrics.jsonl` (every line but a torn last one must be a metrics row), the data splits (readable parquet whose
-content hash matches data/manifest.json and the checkpoint). Any problem is a one-line UserError naming the file,
+`metrics.jsonl` (every line but a torn last one must be a metrics row), the data splits and the probe set, if any
+(readable parquet whose content hash matches data/manifest.json and the checkpoint). Any problem is a one-line UserError naming the file,
 raised while the directory is still exactly as it was. Returns the checkpoint directory, or None when the run has
 no checkpoint yet (it was stopped before its first one: the recipe starts it again from step 0). A second
 process on the run (`forge.rundir.RunLock`) is refused here too, before anything is written.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from forge.checkpoint import STATE_TENSORS, damaged, latest_checkpoint, load_state
 from forge.config import RunConfig, check_resume_changes, config_diff, dump_yaml, load_yaml
-from forge.data import check_data_hash, read_split
+from forge.data import check_data_hash, read_probe, read_split
 from forge.io import atomic_write_text
 from forge.rundir import CHANGES, note_stale, refuse_if_locked
 from forge.tracking import read_metrics
@@ -41,7 +41,8 @@ def check_resumable(run_dir: Path) -> Path | None:
     if ckpt is not None:
         saved = load_state(ckpt)
         check_weight_files(ckpt)
-        check_data_hash(run_dir, read_split(run_dir, "train"), read_split(run_dir, "eval"), saved.get("data_hash"))
+        train, eval_ = read_split(run_dir, "train"), read_split(run_dir, "eval")
+        check_data_hash(run_dir, train, eval_, saved.get("data_hash"), read_probe(run_dir))
     note_stale(run_dir)
     if ckpt is None:
         print(f"forgeweave: {run_dir.name} has no checkpoint yet: starting it from step 0", file=sys.stderr)

@@ -227,6 +227,14 @@ _last_status: dict[str, dict] = {}
 _status_lock = threading.Lock()
 
 
+def write_guard_log(run_dir: Path, events: list[dict]) -> None:
+    """guard.jsonl := the collapse guard's firings, one JSON object a line (rewritten whole, atomically: after a
+    resume it holds those up to the checkpoint); not created while nothing has fired."""
+    path = Path(run_dir) / "guard.jsonl"
+    if events or path.exists():
+        atomic_write_text(path, "".join(json.dumps(e) + "\n" for e in events))
+
+
 def write_status(run_dir: Path, state: str, step: int = 0, error: str = "") -> None:
     """status.json: state, step, this process's pid and host, when (updated; heartbeat) and the error, if any."""
     now = time.time()

@@ -71,7 +71,9 @@ class Stages(Protocol):
         """One update; the rollout workers then hold the new weights (`sync_seconds`: moving them)."""
         ...
 
-    def evaluate(self, rows: list[dict], step: int) -> dict: ...
+    def evaluate(self, rows: list[dict], step: int, probe: bool = False) -> dict:
+        """The eval report of the current policy on `rows`; `probe`: greedy pass@1 and mean reward only."""
+        ...
 
     def save(self, root: Path, step: int, payload: dict, eval_score: float | None) -> None:
         """Start checkpoint `step` (every update rank snapshots; written in the background unless
@@ -152,8 +154,8 @@ class LocalStages:
         self.rollout_worker.load_weights(None, stats.policy_version)  # the same module: nothing moves
         return stats
 
-    def evaluate(self, rows: list[dict], step: int) -> dict:
-        return self.rollout_worker.evaluate(rows, step, self.policy_version)
+    def evaluate(self, rows: list[dict], step: int, probe: bool = False) -> dict:
+        return self.rollout_worker.evaluate(rows, step, self.policy_version, probe)
 
     def save(self, root: Path, step: int, payload: dict, eval_score: float | None) -> None:
         self.trainer.save(str(root), step, payload, eval_score)

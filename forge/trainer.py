@@ -327,6 +327,7 @@ class Trainer:
         AdamW's moments; live, DTensor shards under FSDP) and the rest as plain values: the optimizer's param
         groups, the adaptive LR state, step and policy version."""
         flat, groups = dist_state.trainer_tensors(self.unwrapped, self.optimizer, with_model)
+        self._forget_init_step()
         plain = {"param_groups": groups, "adaptive": self.adaptive.state_dict(), "step": self.step,
                  "policy_version": self.policy_version}  # fmt: skip
         return flat, plain
@@ -351,6 +352,14 @@ class Trainer:
         self.adaptive.load_state_dict(plain["adaptive"])
         self.step = plain["step"]
         self.policy_version = plain["policy_version"]
+        self._forget_init_step()
+
+    def _forget_init_step(self) -> None:
+        """Before the first update (a step-0 checkpoint), drop the AdamW state torch made with its zero-LR
+        initialising step (`forge.distributed.state.trainer_tensors`): kept, that step would count in AdamW's bias
+        correction and shrink the first real update. The saved tensors stay valid (the snapshot holds them)."""
+        if self.step == 0:
+            self.optimizer.state.clear()
 
     def close(self) -> None:
         """Nothing to stop in-process (the multi-process `RemoteTrainer` stops its ranks here)."""

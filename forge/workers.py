@@ -138,8 +138,9 @@ class RolloutWorker:
         self.policy_version = version
         return time.perf_counter() - t0
 
-    def evaluate(self, rows: list[dict], step: int, version: int) -> dict:
-        """The eval report of policy `version` on `rows` (greedy pass@1, sampled pass@k, mean reward)."""
+    def evaluate(self, rows: list[dict], step: int, version: int, probe: bool = False) -> dict:
+        """The eval report of policy `version` on `rows` (greedy pass@1, sampled pass@k, mean reward); `probe`: the
+        collapse guard's probe, greedy pass@1 and mean reward only, on all of `rows`."""
         if version != self.policy_version:
             raise RuntimeError(f"rollout worker holds policy version {self.policy_version}, asked for {version}")
         c = self.cfg
@@ -147,7 +148,8 @@ class RolloutWorker:
         # the current fit, not alone (and its verifiers, an LLM judge say, would cost as much as the eval)
         if self._verifiers is None and c.reward.aggregate == "weighted":
             self._verifiers = resolve_verifiers(c.reward.verifiers, c.reward)
-        report = evaluate(self.backend, rows, c.eval, c.rollout, self._verifiers, c.reward.weights, seed=c.seed + step,
+        ev = dataclasses.replace(c.eval, k=0, max_problems=len(rows)) if probe else c.eval
+        report = evaluate(self.backend, rows, ev, c.rollout, self._verifiers, c.reward.weights, seed=c.seed + step,
                           timeout_s=c.reward.score_timeout_s, reward=c.reward, hidden=hidden_columns(c))  # fmt: skip
         if self.sleeps:
             self.backend.sleep()

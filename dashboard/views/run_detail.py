@@ -1,4 +1,5 @@
-"""Run detail page: key numbers, training curves, stage times, samples, the Weaver plan and the config of one run."""
+"""Run detail page: key numbers, training curves, stage times, samples, the Weaver plan and the config of one run;
+with a probe set, probe pass@1 beside eval pass@1 and the reward, and the collapse guard's firings."""
 
 import time
 
@@ -7,6 +8,7 @@ import streamlit as st
 from dashboard import charts, data, loaders
 from dashboard.widgets import empty_state, fmt, live, pick_run
 
+PROBE_TITLE = "probe pass@1 (labelled probe) vs eval pass@1 and reward/mean"
 STALE_S = 15 * 60  # a running run whose status.json is older than this may have been killed
 # (title, metric columns, mark each point) of the curves after the reward chart; eval columns are added per run
 CURVES = [
@@ -64,6 +66,9 @@ def curves(name: str) -> None:
         ("eval", charts.lines(frame, evals, "eval pass@k (held-out)", points=True)),
         *((title, charts.lines(frame, cols, title, points)) for title, cols, points in CURVES),
     ]
+    if "probe/pass@1" in frame.columns:  # the collapse guard's view: labelled probe vs held-out eval vs the reward
+        probe = charts.lines(frame, ["probe/pass@1", "eval/pass@1", "reward/mean"], PROBE_TITLE, points=True)
+        specs.insert(2, ("probe", probe))
     for i, (title, chart) in enumerate(specs):
         if i % 2 == 0:
             row = st.columns(2)  # one row per pair keeps the charts of a row aligned
@@ -75,6 +80,14 @@ def curves(name: str) -> None:
     bars = charts.stage_bars(data.stage_times(frame))
     if bars is not None:
         st.altair_chart(bars, width="stretch")
+
+
+def guard(name: str) -> None:
+    events = loaders.guard_events(name)
+    if not events.empty:
+        st.subheader("Collapse guard")
+        st.warning(data.guard_summary(events))
+        st.dataframe(events, hide_index=True)
 
 
 def any_metric(name: str) -> None:
@@ -157,6 +170,7 @@ def render() -> None:
 
     with tab_curves:
         live(live_part, default=running, key="live_detail")
+        guard(name)
         any_metric(name)
         ensemble(name)
     with tab_samples:

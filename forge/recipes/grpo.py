@@ -17,15 +17,20 @@ it (`forge.losses`). The schedule is fixed, not timing-dependent, and no rollout
 (in-flight work is drained there): a run gives the same result however fast its actors are, and resumes exactly.
 k = 0 is the synchronous loop: rollout, reward and update take turns.
 
+Collapse guard (`eval.probe_source`): pass@1 on a labelled probe set the reward never sees, at step 0 and every
+`eval.probe_every` steps; when it fell while reward/mean rose (`forge.guard`) the run warns, rolls back to the
+best-probe checkpoint and goes on with new prompts, or stops with its weights (`reward.collapse_action`).
+
 Faults: a `WorkerLost` (an actor died) rebuilds the stages and continues from the last checkpoint (or from the
 start when there is none yet), up to `orchestration.max_restarts` times; the steps redone are cut from
 metrics.jsonl/samples.jsonl first, so no step is lost or recorded twice.
 
 Run directory (the contract other tools read): config.yaml (the current config: a resume may change it, each
-change a line of config_changes.jsonl), plan.json, status.json, data/{train,eval}.parquet,
-data/manifest.json, metrics.jsonl, samples.jsonl, eval/step-NNNNNN.json, checkpoints/step-NNNNNN/ +
-checkpoints/latest, ensemble/step-NNNNNN.json (label-free refits), workers.json (where every stage ran),
-inputs/ (datasets given to forge.train as objects) and summary.json only once the run has finished.
+change a line of config_changes.jsonl), plan.json, status.json, data/{train,eval,probe}.parquet,
+data/manifest.json, metrics.jsonl, samples.jsonl, eval/step-NNNNNN.json, eval/probe-step-NNNNNN.json,
+checkpoints/step-NNNNNN/ + checkpoints/latest, ensemble/step-NNNNNN.json (label-free refits), guard.jsonl (collapse
+guard firings), workers.json (where every stage ran), inputs/ (datasets given to forge.train as objects) and
+summary.json only once the run has finished.
 """
 
 from __future__ import annotations
@@ -50,14 +55,18 @@ from forge.checkpoint import (
     step_dir_name,
 )
 from forge.config import RunConfig, dump_yaml
-from forge.data import PromptSampler, check_data_hash, prepare, read_split
+from forge.data import PromptSampler, check_data_hash, prepare, read_probe, read_split
 from forge.errors import UserError
+from forge.guard import CollapseGuard
 from forge.io import atomic_write_text, write_json
 from forge.metrics import (
-    error_line,
+    Stopwatch,
+    checked_staleness,
     eval_metrics,
     failing_in_a_row,
     overlap_metrics,
+    probe_metrics,
+    show_verifier_errors,
     skipped_in_a_row,
     step_metrics,
 )
@@ -74,6 +83,7 @@ from forge.rundir import (
     track_run_start,
     truncate_samples,
     update_bar,
+    write_guard_log,
     write_status,
 )
 from forge.stages import LocalStages, StageRunner, Stages, StagesFactory, WorkerLost, call_stage
@@ -110,7 +120,7 @@ def run(
     with grpo.failure_guard():
         runner("prepare", 0, grpo.setup)
         bar = progress_bar(cfg.steps, grpo.state.step, progress)
-        while grpo.state.step < cfg.steps:
+        while grpo.state.step < cfg.steps and not grpo.stopped:
             try:
                 for step in grpo.remaining_steps():
                     s, clock = grpo.stages, Stopwatch()
@@ -129,11 +139,15 @@ def run(
                         with clock("evaluate"):
                             report = runner("evaluate", step, grpo.evaluate, step)
                     metrics = grpo.end_step(step, rows, scored, stats, report, clock, staleness)  # 5. metrics
+                    if grpo.probe_due(step):  # labelled probe -> collapse guard: warn, roll back or stop (forge.guard)
+                        grpo.after_probe(step, runner("probe", step, grpo.probe, step))
                     if grpo.checkpoint_due(step):  # 6. weights, optimizer, data cursor, RNG, atomically
                         with clock("checkpoint"):
                             runner("checkpoint", step, grpo.checkpoint, step)
                         grpo.add_seconds({"checkpoint": clock.laps["checkpoint"]})
                     update_bar(bar, metrics, grpo.state.last_eval)
+                    if grpo.stopped:  # by the collapse guard, with the best probe's weights (summary.json says why)
+                        break
             except WorkerLost as lost:
                 grpo.recover(lost)  # rebuild the workers, continue from the last checkpoint (or re-raise)
         if bar is not None:
@@ -185,6 +199,10 @@ class GRPORun:
         self.in_flight: dict[int, tuple[list[dict], Any]] = {}  # step -> (rows, handle) of started rollouts
         self.saving: tuple[int, float] | None = None  # the checkpoint in flight: (step, seconds the loop waited)
         self.last_saved: SaveReport | None = None
+        self.guard = CollapseGuard.for_run(cfg.reward) if cfg.eval.probe_source else None  # + its state after step 0:
+        self.first_guard, self.stopped = None, ""  # stopped: why the collapse guard ended the run early
+        self.restores = self.guard is not None and cfg.reward.collapse_action in ("stop", "rollback")
+        self.probe_every = cfg.eval.probe_every or cfg.eval.every
 
     @contextlib.contextmanager
     def failure_guard(self):
@@ -214,6 +232,7 @@ class GRPORun:
         if not self.resume:  # a fresh start (or a retried prepare): nothing recorded yet
             self.jsonl.truncate_after(-1)
             truncate_samples(run_dir, -1)
+            write_guard_log(run_dir, [])
             tok = load_tokenizer(cfg.model)
             prepare(
                 cfg,
@@ -222,7 +241,8 @@ class GRPORun:
                 lambda s: len(tok(s, add_special_tokens=False).input_ids),
             )
         self.train_rows, self.eval_rows = read_split(run_dir, "train"), read_split(run_dir, "eval")
-        self.data_hash = check_data_hash(run_dir, self.train_rows, self.eval_rows)
+        self.probe_rows = read_probe(run_dir)
+        self.data_hash = check_data_hash(run_dir, self.train_rows, self.eval_rows, probe=self.probe_rows)
         self.sampler = PromptSampler(self.train_rows, seed=cfg.seed)
         self.close()  # a retried prepare: the workers of the failed attempt are stopped, not leaked
         self.stages = self.make_stages(cfg, run_dir, self.plan)
@@ -234,6 +254,11 @@ class GRPORun:
             self.state.initial_eval = self.state.last_eval = self._eval_report(0)
             self.state.seconds["evaluate"] += self.state.initial_eval["seconds"]
             self.tracker.log_metrics(eval_metrics(self.state.initial_eval), step=0)
+            if self.guard is not None:  # the guard's first best; a rollback to it needs a checkpoint
+                self.after_probe(0, self.probe(0))
+                self.first_guard = self.guard.state_dict()
+                if self.restores:
+                    self.checkpoint(0)
         write_status(run_dir, "running", step=self.state.step)
         return {"train_rows": len(self.train_rows), "eval_rows": len(self.eval_rows), "start_step": self.state.step}
 
@@ -260,27 +285,14 @@ class GRPORun:
 
     def check_staleness(self, step: int, rollouts: Rollouts) -> int:
         """Policy versions between the sampler and the trainer (0 on-policy); never above algo.max_staleness."""
-        trainer, cap = self.stages.policy_version, self.cfg.algo.max_staleness
-        staleness = trainer - rollouts.policy_version
-        if not 0 <= staleness <= cap:
-            raise RuntimeError(
-                f"step {step}: rollout used policy version {rollouts.policy_version}, trainer is at {trainer}: "
-                f"{staleness} versions stale, algo.max_staleness={cap}"
-            )
-        return staleness
+        return checked_staleness(step, self.stages.policy_version, rollouts.policy_version, self.cfg.algo.max_staleness)
 
     def check_verifiers(self, step: int, scored: Scored) -> None:
         """Print each verifier error text once (stderr); reward.max_failing_steps steps in a row on which a
         verifier erred on every item stop the run with its error."""
-        batch = scored.batch
-        for name, text in batch.verifier_errors.items():
-            if (name, text) not in self.shown_errors:
-                self.shown_errors.add((name, text))
-                n, bad = batch.scores.shape[0], batch.verifier_errored.get(name, 0)
-                print(f"forgeweave: step {step}: verifier '{name}' erred on {bad} of {n} items: {error_line(text)}",
-                      file=sys.stderr, flush=True)  # fmt: skip
+        show_verifier_errors(scored.batch, step, self.shown_errors)
         limit = self.cfg.reward.max_failing_steps
-        self.failing_in_a_row = failing_in_a_row(self.failing_in_a_row, batch, step, limit)
+        self.failing_in_a_row = failing_in_a_row(self.failing_in_a_row, scored.batch, step, limit)
 
     def check_skipped(self, step: int, stats: UpdateStats) -> None:
         """Updates skipped in a row for a non-finite loss/gradient; update.max_skipped_steps of them stop the run."""
@@ -293,6 +305,28 @@ class GRPORun:
         report = self._eval_report(step)
         self.state.last_eval = report
         return report
+
+    def probe_due(self, step: int) -> bool:
+        return self.guard is not None and _due(step, self.probe_every, self.cfg.steps)
+
+    def probe(self, step: int) -> dict:
+        """Greedy pass@1 on the probe rows (measures only: safe to repeat); eval/probe-step-NNNNNN.json."""
+        report = self.stages.evaluate(self.probe_rows[: self.cfg.eval.probe_max_problems], step, True)
+        write_json(path := self.run_dir / "eval" / f"probe-{step_dir_name(step)}.json", report)
+        self.tracker.log_artifact(path, "eval")
+        return report
+
+    def after_probe(self, step: int, report: dict) -> None:
+        """The guard decides; `probe/*`, `guard/*` metrics; a firing: stderr, guard.jsonl, maybe a restore."""
+        event = self.guard.probe(step, report["pass@1"])
+        self.add_seconds({"probe": report["seconds"]})
+        if event is not None:
+            print(event.line(), file=sys.stderr, flush=True)
+            write_guard_log(self.run_dir, self.guard.events)
+            if event.action in ("rollback", "stop"):
+                self._restore_best()
+            self.stopped = event.line().removeprefix("forgeweave: ") if event.action == "stop" else ""
+        self.tracker.log_metrics({**probe_metrics(report), **self.guard.metrics(event)}, step=step)
 
     def end_step(
         self, step: int, rows: list[dict], scored: Scored, stats: UpdateStats, report: dict | None,
@@ -312,6 +346,8 @@ class GRPORun:
             write_json(self.run_dir / "ensemble" / f"{step_dir_name(step)}.json", scored.ensemble_report)
         self.add_seconds(times)
         self.state.step = step
+        if self.guard is not None:
+            self.guard.observe(step, metrics["reward/mean"])
         self.tracker.log_metrics(metrics, step=step)
         self.tracker.log_table("samples", step, append_samples(self.run_dir, step, rows, batch))
         write_status(self.run_dir, "running", step=step)
@@ -322,12 +358,13 @@ class GRPORun:
             self.state.seconds[k] = self.state.seconds.get(k, 0.0) + v
 
     def checkpoint_due(self, step: int) -> bool:
-        return _due(step, self.cfg.checkpoint.every, self.cfg.steps)
+        """On schedule and at the last step; also at every probe step when the guard may restore one."""
+        return _due(step, self.cfg.checkpoint.every, self.cfg.steps) or (self.restores and self.probe_due(step))
 
     def next_checkpoint(self, step: int) -> int:
-        """The first checkpoint step at or after `step`."""
-        every, last = self.cfg.checkpoint.every, self.cfg.steps
-        return min(last, -(-step // every) * every) if every > 0 else last
+        """The first checkpoint step at or after `step` (`checkpoint_due`'s next)."""
+        every = [e for e in (self.cfg.checkpoint.every, self.probe_every if self.restores else 0) if e > 0]
+        return min([self.cfg.steps, *(-(-step // e) * e for e in every)])
 
     def checkpoint(self, step: int) -> None:
         """Start checkpoint `step` once the previous one is durable (at most one in flight); written in the
@@ -342,9 +379,11 @@ class GRPORun:
             "last_eval": self.state.last_eval,
             "aggregator": self.stages.reward_state(),
             "data_hash": self.data_hash,
+            "guard": self.guard.state_dict() if self.guard is not None else None,
         }
         last = self.state.last_eval
         score = last["pass@1"] if last and last.get("step") == step else None
+        score = self.guard.score_at(step) if self.guard else score  # retention: the best by probe pass@1 if probed
         self.stages.save(self.run_dir / "checkpoints", step, payload, score)
         self.saving = (step, time.perf_counter() - start)
         if not self.cfg.checkpoint.async_save:
@@ -369,8 +408,8 @@ class GRPORun:
         )
         self.add_seconds({"checkpoint_total": total, "checkpoint_stall": stall})
         self.last_saved = report
-        final = Path(report.path)
-        if step == self.cfg.steps and not has_weights(final) and not is_adapter(final):  # a LoRA run: `export`
+        final, last = Path(report.path), step == self.cfg.steps or self.stopped
+        if last and not has_weights(final) and not is_adapter(final):  # a LoRA run: `export`
             export_model(final)  # sharded by several ranks: the run's final model as an HF directory
         self.tracker.register_checkpoint(Path(report.path), step, report.eval_score)
         apply_retention(self.run_dir / "checkpoints", self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_best)
@@ -388,6 +427,7 @@ class GRPORun:
               file=sys.stderr, flush=True)  # fmt: skip
         self.close()
         self.in_flight = {}  # started on the dead workers; the sampler goes back to the checkpoint's cursor below
+        self.stopped = ""  # the steps after the checkpoint are redone: the guard decides again
         self.stages = self.make_stages(self.cfg, self.run_dir, self.plan)
         write_json(self.run_dir / "workers.json", self.stages.where())
         if latest_checkpoint(self.run_dir / "checkpoints") is not None:
@@ -399,6 +439,9 @@ class GRPORun:
             self.state.seconds["evaluate"] = first["seconds"]
             self.jsonl.truncate_after(0)
             truncate_samples(self.run_dir, 0)
+            if self.guard is not None:
+                self.guard.load_state_dict(self.first_guard)
+                write_guard_log(self.run_dir, self.guard.events)
 
     def finish(self, **extra) -> dict:
         """Wait for the checkpoint in flight; write summary.json (extra keys, e.g. the Prefect flow-run id, are
@@ -406,6 +449,8 @@ class GRPORun:
         self.collect_saved()
         summary = {**run_summary(self.cfg, self.run_dir, self.state, time.perf_counter() - self.started), **extra}
         summary["restarts"] = self.restarts
+        if self.guard is not None:  # probe figures; after a stop, why and whose weights the final checkpoint holds
+            summary.update(self.guard.summary(self.stopped))
         if self.last_saved is not None:
             summary["checkpoint"] = {"async_save": self.cfg.checkpoint.async_save, "bytes": self.last_saved.bytes,
                                      "last": Path(self.last_saved.path).name}  # fmt: skip
@@ -423,39 +468,31 @@ class GRPORun:
         self.tracker.log_artifact(path, "eval")
         return report
 
+    def _restore_best(self) -> None:
+        """The best probe's weights, optimizer, reward state (and eval); new prompts and rollout RNG go on."""
+        self.collect_saved()  # it may still be in flight; retention keeps it (the best by probe pass@1)
+        saved = load_state(ckpt := self.run_dir / "checkpoints" / step_dir_name(self.guard.best_step))
+        self.stages.restore(ckpt, saved.get("aggregator"), None)
+        if (saved.get("last_eval") or {}).get("step") == self.guard.best_step:
+            self.state.last_eval = saved["last_eval"]
+
     def _restore(self) -> None:
         ckpt = latest_checkpoint(self.run_dir / "checkpoints")
         remove_partial(self.run_dir / "checkpoints")  # what a killed save left behind (no save is in flight now)
         saved = load_state(ckpt)
-        check_data_hash(self.run_dir, self.train_rows, self.eval_rows, saved.get("data_hash"))
+        check_data_hash(self.run_dir, self.train_rows, self.eval_rows, saved.get("data_hash"), self.probe_rows)
         self.stages.restore(ckpt, saved.get("aggregator"), saved.get("rollout_rng"))  # every rank, then the rollout
         self.sampler.load_state_dict(saved["sampler"])
         set_rng_state(saved["rng"])
         self.jsonl.truncate_after(saved["step"])
         truncate_samples(self.run_dir, saved["step"])
         self.state = RunState(saved["step"], saved["seconds"], saved["initial_eval"], saved["last_eval"])
+        if self.guard is not None:
+            self.guard.load_state_dict(saved.get("guard"))
+            write_guard_log(self.run_dir, self.guard.events)  # firings after the checkpoint are redone
 
 
 # ---------------------------------------------------------------- helpers
-
-
-class Stopwatch:
-    """Seconds per stage of one step: `with clock("rollout"): ...`; `laps` maps stage -> seconds."""
-
-    def __init__(self):
-        self.laps: dict[str, float] = {}
-        self.started = time.perf_counter()
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
-
-    @contextlib.contextmanager
-    def __call__(self, stage: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.laps[stage] = self.laps.get(stage, 0.0) + time.perf_counter() - t0
 
 
 def _due(step: int, every: int, last: int) -> bool:

@@ -1,0 +1,173 @@
+"""The collapse guard: a small labelled probe set watches a (label-free) reward for a collapse.
+
+A label-free reward (`reward.label_free`, the weak-verifier ensemble) can be gamed: the policy settles on a confident
+wrong answer that the checks agree on, and the reward keeps rising while accuracy falls. The run measures greedy
+pass@1 on a labelled probe set (`eval.probe_source`, prepared into data/probe.parquet; the reward never sees it)
+every `eval.probe_every` steps and at step 0, and hands each result to a `CollapseGuard`, which decides.
+
+The rule, at a probe step s with probe pass@1 p_s, where the best probe so far is p_b at step b (the first probe that
+reached that value: a later equal one does not replace it, as checkpoint retention keeps the earliest of equal
+scores):
+
+    fire  when  p_b - p_s > drop   (reward.collapse_drop, absolute)
+           and  R_since > R_at_b   (the reward rose meanwhile)
+
+R_since is the mean `reward/mean` over the steps since the best probe step (b, s]; R_at_b is the mean `reward/mean`
+over the probe interval that ended at b (the steps after the probe before b, up to b), or, for b = 0, of step 1,
+whose rollouts come from the step-0 policy. A probe above p_b becomes the new best. A probe that falls without the
+reward rising (training simply got worse) does not fire: that is not the reward being gamed.
+
+Actions (`reward.collapse_action`): "warn" reports; "rollback" asks the run to restore the best probe's checkpoint
+(weights, optimizer, reward state) and go on with new prompts: the steps since b start again, from the restored
+weights; after `max_rollbacks` rollbacks the next firing is a "stop", which ends the run with the best probe's
+weights; "off" never fires. The guard is pure: it computes, the recipe acts (`forge.recipes.grpo`), and its state
+travels in checkpoints (`state_dict` / `load_state_dict`), so a resumed run decides exactly as the uninterrupted one.
+
+>>> g = CollapseGuard("rollback", drop=0.05, max_rollbacks=1)
+>>> g.probe(0, 0.0) is None                             # step 0: the first best
+True
+>>> for step, reward in [(1, 0.2), (2, 0.3)]:
+...     g.observe(step, reward)
+>>> g.probe(2, 0.40) is None                            # new best at step 2; R_at_b = (0.2 + 0.3) / 2 = 0.25
+True
+>>> for step, reward in [(3, 0.5), (4, 0.7)]:
+...     g.observe(step, reward)
+>>> event = g.probe(4, 0.20)                            # 0.40 - 0.20 > 0.05 and R_since = 0.6 > 0.25
+>>> event.action, event.best_step, g.rollbacks
+('rollback', 2, 1)
+>>> print(event.line())
+forgeweave: step 4: collapse guard: probe pass@1 0.40 -> 0.20 while reward/mean 0.25 -> 0.60; rolled back to step 2 (rollback 1 of 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from forge.config import RewardConfig
+
+Action = Literal["off", "warn", "stop", "rollback"]
+
+
+@dataclass(frozen=True)
+class GuardEvent:
+    """One firing of the guard: a line of guard.jsonl."""
+
+    step: int  # the probe step it fired at
+    action: str  # what the run does: warn, rollback or stop
+    best_step: int  # the best probe's step (a rollback restores its checkpoint; a stop ends with its weights)
+    probe_before: float  # best probe pass@1 so far
+    probe_after: float  # this probe's pass@1
+    reward_before: float  # R_at_b: mean reward/mean of the probe interval that ended at the best probe step
+    reward_after: float  # R_since: mean reward/mean over the steps since the best probe step
+    rollbacks: int  # rollbacks done, this one included
+    max_rollbacks: int  # reward.max_rollbacks when it fired
+
+    def line(self) -> str:
+        """The one stderr line the run prints."""
+        head = (
+            f"forgeweave: step {self.step}: collapse guard: probe pass@1 {self.probe_before:.2f} -> "
+            f"{self.probe_after:.2f} while reward/mean {self.reward_before:.2f} -> {self.reward_after:.2f}"
+        )
+        if self.action == "rollback":
+            return f"{head}; rolled back to step {self.best_step} (rollback {self.rollbacks} of {self.max_rollbacks})"
+        if self.action == "stop":
+            return f"{head}; stopping: the run ends with the weights of step {self.best_step}"
+        return head
+
+
+class CollapseGuard:
+    """Tracks the best probe and the reward since it; `probe` decides at each probe step (rule: module docstring)."""
+
+    def __init__(self, action: Action = "warn", drop: float = 0.05, max_rollbacks: int = 2):
+        self.action, self.drop, self.max_rollbacks = action, drop, max_rollbacks
+        self.best_step: int | None = None  # None until the first probe
+        self.best = 0.0  # best probe pass@1 so far
+        self.reward_at_best: float | None = None  # R_at_b; None until a step's reward is known (b = 0)
+        self.since = [0.0, 0]  # sum and count of reward/mean over the steps since the best probe step
+        self.interval = [0.0, 0]  # the same since the last probe
+        self.held = [0, 0.0]  # [step, probe pass@1] of the weights the run holds: the last probe's, or the best's
+        self.rollbacks = 0
+        self.events: list[dict] = []  # every firing, as guard.jsonl lines
+
+    @classmethod
+    def for_run(cls, reward: RewardConfig) -> CollapseGuard:
+        """The guard reward.collapse_action / collapse_drop / max_rollbacks ask for."""
+        return cls(reward.collapse_action, reward.collapse_drop, reward.max_rollbacks)
+
+    def observe(self, step: int, reward_mean: float) -> None:
+        """Record a training step's reward/mean (every step, in order)."""
+        if self.reward_at_best is None:
+            self.reward_at_best = reward_mean
+        for acc in (self.since, self.interval):
+            acc[0] += reward_mean
+            acc[1] += 1
+
+    def probe(self, step: int, pass1: float) -> GuardEvent | None:
+        """Decide at a probe step: None, or the event (its action: warn, rollback or stop) the run must act on."""
+        event = self._fires(step, pass1)
+        self.held = [step, pass1]
+        if event is None and (self.best_step is None or pass1 > self.best):
+            self.best_step, self.best = step, pass1
+            self.reward_at_best, self.since = _mean(self.interval), [0.0, 0]
+        self.interval = [0.0, 0]
+        if event is not None:
+            self.events.append(dataclasses.asdict(event))
+            if event.action in ("rollback", "stop"):  # the run restores the best probe's weights
+                self.held, self.since = [step, self.best], [0.0, 0]
+        return event
+
+    def metrics(self, event: GuardEvent | None) -> dict[str, float]:
+        """`guard/fired` (0/1), `guard/rollbacks` and, for a rollback, `guard/rollback_to` of a probe step."""
+        m = {"guard/fired": float(event is not None), "guard/rollbacks": float(self.rollbacks)}
+        if event is not None and event.action == "rollback":
+            m["guard/rollback_to"] = float(event.best_step)
+        return m
+
+    def score_at(self, step: int) -> float | None:
+        """The checkpoint score of step `step`: probe pass@1 of the weights held then (None: not probed)."""
+        return self.held[1] if self.held[0] == step else None
+
+    def summary(self, stopped: str = "") -> dict:
+        """summary.json's `probe` entry; after a stop (`stopped`: why) also `stopped` and `final_model_step`, the
+        step whose weights the final checkpoint holds."""
+        out: dict = {"probe": {"best_step": self.best_step, "best_pass@1": self.best, "rollbacks": self.rollbacks,
+                               "guard_events": len(self.events)}}  # fmt: skip
+        if stopped:
+            out.update(stopped=stopped, final_model_step=self.best_step)
+        return out
+
+    def _fires(self, step: int, pass1: float) -> GuardEvent | None:
+        if self.action == "off" or self.best_step is None or self.reward_at_best is None or not self.since[1]:
+            return None
+        after = _mean(self.since)
+        if not (self.best - pass1 > self.drop and after > self.reward_at_best):
+            return None
+        action = self.action
+        if action == "rollback":
+            action = "rollback" if self.rollbacks < self.max_rollbacks else "stop"
+            self.rollbacks += action == "rollback"
+        return GuardEvent(step, action, self.best_step, self.best, pass1, self.reward_at_best, after,
+                          self.rollbacks, self.max_rollbacks)  # fmt: skip
+
+    def state_dict(self) -> dict:
+        """Everything it decides on (JSON-ready), for the checkpoint payload."""
+        return {
+            "best_step": self.best_step, "best": self.best, "reward_at_best": self.reward_at_best,
+            "since": list(self.since), "interval": list(self.interval), "held": list(self.held),
+            "rollbacks": self.rollbacks, "events": [dict(e) for e in self.events],
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Restore what `state_dict` gave (None: a checkpoint written without a probe; nothing changes)."""
+        if state is None:
+            return
+        self.best_step, self.best, self.reward_at_best = state["best_step"], state["best"], state["reward_at_best"]
+        self.since, self.interval, self.held = list(state["since"]), list(state["interval"]), list(state["held"])
+        self.rollbacks, self.events = state["rollbacks"], [dict(e) for e in state["events"]]
+
+
+def _mean(acc: list) -> float | None:
+    return acc[0] / acc[1] if acc[1] else None
