@@ -112,16 +112,17 @@ def smollm2_arith_lora() -> RunConfig:
 def smollm2_arith_unlabeled() -> RunConfig:
     """`smollm2-arith` from a file without answers: the reward is the label-free ensemble of six weak verifiers.
 
-    Train prompts: forge/tasks/arith_unlabeled_train.jsonl (no answer column); eval (200) and the collapse guard's
-    probe (50) are held-out labelled files used only for measurement (forge/arith_tasks.py). Verifiers, none of
-    which reads an answer: self-consistency (`group_agreement`), a length prior (`concise`), format
-    (`format_integer`), two partial rule checks that a wrong sum often passes (`parity_check`, `magnitude_check`)
-    and an LLM judge, the policy's own frozen initial weights asked "is the proposed answer correct?". Measured at
-    step 0 (256 samples, hidden labels): the judge is worse than chance (AUROC 0.16, it prefers wrong answers); the
-    Gaussian ensemble learns that without labels and gives it a negative weight. bench/label_free_rl.py compares
-    this with the labelled reward, majority vote and the plain mean.
+    Train prompts: forge/tasks/arith_unlabeled_train.jsonl (no answer column); eval (200) and the probe (50) are
+    held-out labelled files used only to measure (forge/arith_tasks.py). The probe feeds the collapse guard, which
+    rolls back to the best-probe checkpoint when probe pass@1 falls while the reward rises. Verifiers, none of which
+    reads an answer: self-consistency (`group_agreement`), a length prior (`concise`), format (`format_integer`),
+    two partial rule checks that a wrong sum often passes (`parity_check`, `magnitude_check`; declared necessary:
+    a completion failing one gets reward 0) and an LLM judge, the policy's own frozen initial weights asked "is the
+    proposed answer correct?". At step 0 the judge is worse than chance (it prefers wrong answers); the Gaussian
+    ensemble learns that without labels and gives it a negative weight. bench/label_free_rl.py compares this with the
+    labelled reward, majority vote and the plain mean (docs/verifier-ensemble.md).
     """
-    from forge.arith_tasks import EVAL_FILE, TRAIN_FILE
+    from forge.arith_tasks import EVAL_FILE, PROBE_FILE, TRAIN_FILE
 
     cfg = smollm2_arith()
     cfg.preset = "smollm2-arith-unlabeled"
@@ -132,7 +133,8 @@ def smollm2_arith_unlabeled() -> RunConfig:
     r.label_free, r.aggregate, r.ensemble_model = True, "ensemble", "gaussian"
     r.necessary_checks = ["parity_check", "magnitude_check"]  # true of every right sum: failing one means wrong
     r.score_timeout_s = 300.0  # the judge reads 64 questions a step: ~15 s on 2 cores in fp32, more when busy
-    cfg.eval.verifiers = ["math_answer"]
+    r.collapse_action = "rollback"  # probe pass@1 down while the reward rose: back to the best-probe checkpoint
+    cfg.eval.verifiers, cfg.eval.probe_source = ["math_answer"], str(PROBE_FILE)
     return cfg
 
 
