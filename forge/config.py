@@ -150,8 +150,9 @@ class RewardConfig:
     """Verifier names (built-ins: math_answer, format_integer, format_tags, code_exec) or import paths 'pkg.mod:fn'."""
     weights: list[float] = field(default_factory=list)
     """One weight per verifier; empty = all 1.0. Reward = sum(w_v * score_v), missing scores count as 0."""
-    aggregate: Literal["weighted", "ensemble"] = "weighted"
-    """weighted: the sum above; ensemble: P(correct | scores) from the label-free weak-verifier ensemble."""
+    aggregate: Literal["weighted", "ensemble", "majority", "mean"] = "weighted"
+    """weighted: the sum above; ensemble: P(correct | scores) from the label-free weak-verifier ensemble; majority:
+    1 for the group's most common final answer, else 0 (TTRL); mean: the scores' average, NaN ignored."""
     window_steps: int = 8
     """ensemble: steps of recent scored rollouts the ensemble is fit on."""
     refit_every: int = 1
@@ -161,7 +162,8 @@ class RewardConfig:
     ensemble_classes: int = 3
     """ensemble: latent classes, correct plus kinds of wrong."""
     necessary_checks: list[str] = field(default_factory=list)
-    """latent_class ensemble: verifiers every correct answer passes (rule checks); failing one means wrong."""
+    """ensemble: verifiers every correct answer passes (rule checks); failing one means wrong (latent_class: pins
+    the correct class; gaussian: P(correct) = 0 for a completion that failed one)."""
     label_free: bool = False
     """Do not pass the reference answer column to verifiers (evaluation still scores against it)."""
     max_failing_steps: int = 3
@@ -826,7 +828,8 @@ RESUME_FIXED: dict[str, str] = {
     "model.": "the checkpoint holds this model's weights, and data/ holds prompts formatted for it",
     "data.": "data/*.parquet were prepared from these settings (and the checkpoint checks their hash)",
     "reward.verifiers": "the saved reward state and the run's reward metrics are per verifier",
-    "reward.aggregate": "the saved reward state (the ensemble's window and fit) belongs to this aggregation",
+    "reward.aggregate": "the saved reward state (the ensemble's window and fit) and the run's rewards belong to "
+    "this aggregation",
     "reward.ensemble_model": "the saved ensemble fit is of this model",
     "reward.ensemble_classes": "the saved ensemble fit has this many classes",
     "reward.necessary_checks": "the saved ensemble fit was made with these checks",

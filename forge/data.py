@@ -16,6 +16,10 @@ in one column are stored as floats. A row that lacks a column gets None there. T
 kept as `answer` (as text, what the built-in verifiers compare), and under its own name, with its own type,
 when `data.answer_column` names another column.
 
+Unlabeled data: with `reward.label_free`, a training source without the answer column trains; its rows' answer
+is None (null in train.parquet, still a string column) and the manifest says `"train_labelled": false`. Eval
+needs reference answers, so such a source needs `data.eval_source` (or `data.eval_split`) naming labelled rows.
+
 Plan purely, act separately: `build` reads and validates and returns a `PreparedData` without writing;
 `write_prepared` writes it; `prepare` does both. Every file is written atomically; the manifest is removed first
 and written last, so a manifest always describes the parquet files beside it. Everything but the manifest's
@@ -64,10 +68,11 @@ Problem = tuple[int, int, int]  # (a, index into the op list, b)
 @dataclass(frozen=True)
 class PreparedData:
     """Output of the prep stage. Every row has the same columns: id (str), prompt (raw: a string or a list of
-    messages), model_input (str: prompt after format_prompt, what the model sees), answer (str), then every other
-    source column with its own type (sorted; None where a row lacks one). Rows are as `read_split` will return
-    them (they went through Arrow once). `manifest` is what manifest.json holds. `probe`: the probe rows
-    (eval.probe_source; empty without one), with the same base columns and its own other columns."""
+    messages), model_input (str: prompt after format_prompt, what the model sees), answer (str; None in unlabeled
+    training rows), then every other source column with its own type (sorted; None where a row lacks one). Rows
+    are as `read_split` will return them (they went through Arrow once). `manifest` is what manifest.json holds.
+    `probe`: the probe rows (eval.probe_source; empty without one), with the same base columns and its own other
+    columns."""
 
     train: list[dict]
     eval: list[dict]
@@ -204,7 +209,11 @@ def _arith_row(cfg: DataConfig, a: int, op: str, b: int) -> dict:
 
 
 def load_rows(
-    path: str | Path, prompt_column: str, answer_column: str, split: str = "train", split_key: str = "data.split"
+    path: str | Path,
+    prompt_column: str,
+    answer_column: str | None,
+    split: str = "train",
+    split_key: str = "data.split",
 ) -> list[dict]:
     """Read a data source into a list of dicts, values as stored (typed where the format has types).
 
@@ -212,8 +221,9 @@ def load_rows(
     directory, or a directory or glob of data files, through `datasets` (`split` picks a DatasetDict's split;
     `split_key` is the config key that named it, for errors). Raises UserError for a missing source, an unknown
     extension, an unparsable line or item (naming file and line), an empty source, or a prompt/answer column
-    that no row has. Per-row problems are left to `validate_rows`. Blank .jsonl lines are skipped, so row N is
-    the Nth object (for .csv, the Nth record after the header).
+    that no row has (answer_column None: the answer column is not required, see `_labelled`). Per-row problems
+    are left to `validate_rows`. Blank .jsonl lines are skipped, so row N is the Nth object (for .csv, the Nth
+    record after the header).
     """
     p = Path(path)
     if p.is_dir() or _is_glob(str(path)):
@@ -231,10 +241,14 @@ def load_rows(
     if not rows:
         raise UserError(f"{path}: the source has no rows; add some or point data.source elsewhere")
     for column, key in ((prompt_column, "data.prompt_column"), (answer_column, "data.answer_column")):
-        if column not in columns:
-            found = ", ".join(repr(c) for c in list(columns)[:10])
-            raise UserError(f"{path}: no column '{column}' in any row (found {found}); set {key}")
+        if column is not None and column not in columns:
+            raise UserError(_no_column(path, column, columns, key))
     return rows
+
+
+def _no_column(path: str | Path, column: str, columns: list[str], fix: str) -> str:
+    found = ", ".join(repr(c) for c in list(columns)[:10])
+    return f"{path}: no column '{column}' in any row (found {found}); set {fix}"
 
 
 def source_label(source: str, split: str | None) -> str:
@@ -434,7 +448,7 @@ def validate_rows(
     *,
     source: str,
     prompt_column: str,
-    answer_column: str,
+    answer_column: str | None,
     count_tokens: Callable[[str | list[dict]], int],
     max_prompt_tokens: int,
 ) -> tuple[list[dict], list[int], list[dict]]:
@@ -448,6 +462,7 @@ def validate_rows(
     Good rows become {"id", "prompt", "answer", **other columns as stored}: id is the row's "id" column (as
     text), else "<source stem>-<row>"; the answer is text (numbers str()-ed), and also kept as stored under
     its own name when answer_column is not "answer"; other columns named id/prompt/answer/model_input are dropped.
+    answer_column None reads unlabeled rows: no answer is checked and every row's answer is None.
     """
     good, numbers, rejected, first_row_of_id = [], [], [], {}
     stem = re.sub(r"[*?\[\]]", "", Path(source.rstrip("/")).stem) or "row"
@@ -468,29 +483,36 @@ def validate_rows(
 def _row_problem(
     row: dict,
     prompt_column: str,
-    answer_column: str,
+    answer_column: str | None,
     count_tokens: Callable[[str | list[dict]], int],
     max_prompt_tokens: int,
 ) -> str | None:
     """Why this row is invalid, or None. Cheap checks first; tokens are counted last."""
     for column in (prompt_column, answer_column):
-        if row.get(column) is None:
+        if column is not None and row.get(column) is None:
             return f"missing field '{column}'"
-    prompt, answer = row[prompt_column], row[answer_column]
+    prompt = row[prompt_column]
     why = _prompt_problem(prompt, prompt_column)
+    if why is None and answer_column is not None:
+        why = _answer_problem(row[answer_column], answer_column)
     if why is not None:
         return why
-    if isinstance(answer, bool) or not isinstance(answer, str | int | float):
-        return f"{answer_column} is not a string or number (got {type(answer).__name__})"
-    if isinstance(answer, float) and math.isinf(answer):
-        return f"{answer_column} is not a finite number (got {answer})"
-    if isinstance(answer, str) and "\x00" in answer:
-        return f"{answer_column} contains a NUL byte (a binary or mis-encoded file?)"
-    if not _answer_text(answer).strip():
-        return f"empty {answer_column}"
     n_tokens = count_tokens(prompt)
     if n_tokens > max_prompt_tokens:
         return f"{prompt_column} has {n_tokens} tokens > data.max_prompt_tokens={max_prompt_tokens}"
+    return None
+
+
+def _answer_problem(answer: Any, column: str) -> str | None:
+    """Why a reference answer is not a non-empty string or finite number, or None."""
+    if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+        return f"{column} is not a string or number (got {type(answer).__name__})"
+    if isinstance(answer, float) and math.isinf(answer):
+        return f"{column} is not a finite number (got {answer})"
+    if isinstance(answer, str) and "\x00" in answer:
+        return f"{column} contains a NUL byte (a binary or mis-encoded file?)"
+    if not _answer_text(answer).strip():
+        return f"empty {column}"
     return None
 
 
@@ -541,9 +563,11 @@ def _row_id(row: dict, stem: str, n: int) -> str:
     return given if given.strip() else f"{stem}-{n}"
 
 
-def _normalise(row: dict, row_id: str, prompt_column: str, answer_column: str) -> dict:
+def _normalise(row: dict, row_id: str, prompt_column: str, answer_column: str | None) -> dict:
     skip = {prompt_column, answer_column, *_BASE_COLUMNS}
     extras = {str(k): v for k, v in row.items() if k not in skip}
+    if answer_column is None:  # unlabeled: no reference answer
+        return {"id": row_id, "prompt": row[prompt_column], "answer": None, **extras}
     if answer_column != "answer":  # verifiers written for the source (TRL's `solution`) read it by its own name
         extras[answer_column] = row[answer_column]
     return {"id": row_id, "prompt": row[prompt_column], "answer": _answer_text(row[answer_column]), **extras}
@@ -666,9 +690,15 @@ def _splits(
     else:
         _check_split_key(dc.source, dc.split, "train", "data.split")
         label = source_label(dc.source, dc.split)
-        rows = load_rows(dc.source, dc.prompt_column, dc.answer_column, dc.split)
-        good, rejected = _validated(rows, label, dc.prompt_column, dc.answer_column, dc, count_tokens)
+        rows = load_rows(dc.source, dc.prompt_column, None, dc.split)
+        answers = dc.answer_column if _labelled(rows, label, dc, cfg.reward.label_free) else None
         separate = dc.eval_source or dc.eval_split
+        if not separate and answers is None:  # eval and pass@1 need reference answers
+            raise UserError(
+                f"{label}: no answer column '{dc.answer_column}' to hold out eval rows from; set data.eval_source "
+                "to a labelled file"
+            )
+        good, rejected = _validated(rows, label, dc.prompt_column, answers, dc, count_tokens)
         train, eval_ = (good, []) if separate else _hold_out(good, dc.eval_size, cfg.seed, label)
         eval_rejected = []
     if dc.eval_source or dc.eval_split:
@@ -679,6 +709,17 @@ def _splits(
         rows = load_rows(source, dc.prompt_column, dc.answer_column, split, key)
         eval_, eval_rejected = _validated(rows, label, dc.prompt_column, dc.answer_column, dc, count_tokens)
     return train, eval_, rejected + eval_rejected
+
+
+def _labelled(rows: list[dict], label: str, dc: DataConfig, label_free: bool) -> bool:
+    """Whether the training rows carry reference answers (some row has data.answer_column). A source without
+    them trains only with reward.label_free (the reward never reads answers then); else a UserError saying so."""
+    if any(dc.answer_column in r for r in rows):
+        return True
+    if not label_free:
+        fix = "data.answer_column or set reward.label_free=true"
+        raise UserError(_no_column(label, dc.answer_column, _union_keys(rows), fix))
+    return False
 
 
 def _check_split_key(source: str, split: str, default: str, key: str) -> None:
@@ -694,12 +735,12 @@ def _validated(
     rows: list[dict],
     source: str,
     prompt_column: str,
-    answer_column: str,
+    answer_column: str | None,
     dc: DataConfig,
     count_tokens: Callable[[str | list[dict]], int],
 ) -> tuple[list[dict], list[dict]]:
-    """validate_rows plus the data.on_bad_rows policy and the one-type-per-column check; rejected items get a
-    "file" key."""
+    """validate_rows (answer_column None: unlabeled rows) plus the data.on_bad_rows policy and the
+    one-type-per-column check; rejected items get a "file" key."""
     good, numbers, rejected = validate_rows(
         rows,
         source=source,
@@ -754,10 +795,14 @@ def _check_splits_agree(train: list[dict], eval_: list[dict], columns: list[str]
 
 
 def _arrow_table(rows: list[dict], columns: list[str]):
-    """The rows as an Arrow table, each column typed from its values (checked to fit one type before)."""
+    """The rows as an Arrow table, each column typed from its values (checked to fit one type before); `answer`
+    is always text, also where every row's is None (unlabeled training rows)."""
     import pyarrow as pa
 
-    return pa.table({c: pa.array([r[c] for r in rows]) for c in columns})
+    def array(c: str):
+        return pa.array([r[c] for r in rows], type=pa.string() if c == "answer" else None)
+
+    return pa.table({c: array(c) for c in columns})
 
 
 def content_hash(train: list[dict], eval_: list[dict], probe: list[dict] | None = None) -> str:
@@ -794,6 +839,7 @@ def _manifest(
         "seed": cfg.seed,
         "train_rows": len(train),
         "eval_rows": len(eval_),
+        "train_labelled": any(r["answer"] is not None for r in train),  # false: an unlabeled source (label_free)
         "eval_prompts_in_train": sum(_prompt_key(r["prompt"]) in train_prompts for r in eval_),  # contamination
         "rejected_count": len(rejected),
         "rejected": rejected[:_MAX_REJECTED_IN_MANIFEST],

@@ -9,7 +9,8 @@ the deprecated `eval.check` (one name), else the run's correctness verifiers (`e
    (`format`, `length`, `len_`): a TRL `accuracy_reward` decides, its `format_reward` and `len_reward` do not;
    reward models, LLM judges and the label-free checks never do, else
 3. math_answer.
-They always see the reference answer column (reward.label_free only hides it from the reward). The report names
+They always see the reference answer column (reward.label_free only hides it from the reward, and from the
+reward verifiers' call that gives `mean_reward`: `hidden`). The report names
 them (`"verifiers"`) and keeps each one's first error (`"verifier_errors"`). pass@k is the share of problems
 with at least one correct completion among k samples (n = k, so the unbiased estimator of Chen et al. 2021
 reduces to this). Sampling for pass@k uses its own seed (`SamplingParams.seed`) and leaves the training RNG untouched, so
@@ -41,11 +42,13 @@ def evaluate(
     seed: int = 0,
     timeout_s: float = 0.0,
     reward: RewardConfig | None = None,
+    hidden: tuple[str, ...] = (),
 ) -> dict:
     """Return the eval report (JSON-ready). rows: eval split rows with model_input and answer. `verifiers`: the
-    run's resolved reward verifiers (reused by name; also give `mean_reward`); `reward`: the run's reward config
-    (picks the default eval verifiers; None = RewardConfig()). `timeout_s`: each verifier's budget for the batch
-    (reward.score_timeout_s; 0 = none)."""
+    run's resolved reward verifiers (reused by name; also give `mean_reward`, called without the `hidden`
+    columns, as the reward stage calls them); `reward`: the run's reward config (picks the default eval
+    verifiers; None = RewardConfig()). `timeout_s`: each verifier's budget for the batch (reward.score_timeout_s;
+    0 = none)."""
     start = time.perf_counter()
     rows = rows[: cfg.max_problems]
     prompts = [r["model_input"] for r in rows]
@@ -68,9 +71,8 @@ def evaluate(
         "mean_completion_tokens": float(greedy.completion_mask.sum(1).float().mean()),
     }
     if verifiers:
-        res = score_completions(
-            verifiers, weights, prompts, greedy.texts, columns, timeout_s=timeout_s, raw_prompts=raw
-        )
+        seen = {k: v for k, v in columns.items() if k not in hidden}
+        res = score_completions(verifiers, weights, prompts, greedy.texts, seen, timeout_s=timeout_s, raw_prompts=raw)
         report["mean_reward"] = float(res.rewards.mean()) if len(rows) else 0.0
     if cfg.k > 0 and rows:
         report[f"pass@{cfg.k}"] = _pass_at_k(

@@ -38,6 +38,7 @@ def step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: di
         m[f"reward/{name}/mean"] = mean
         m[f"reward/{name}/failures"] = float(batch.verifier_failures[name])
         m[f"reward/{name}/errors"] = float(batch.verifier_errored.get(name, 0))
+    m.update(batch.reward_metrics)  # e.g. reward/majority_share
     m.update(
         {
             "completion/len_mean": float(lengths.mean()),

@@ -109,6 +109,33 @@ def smollm2_arith_lora() -> RunConfig:
     return cfg
 
 
+def smollm2_arith_unlabeled() -> RunConfig:
+    """`smollm2-arith` from a file without answers: the reward is the label-free ensemble of six weak verifiers.
+
+    Train prompts: forge/tasks/arith_unlabeled_train.jsonl (no answer column); eval (200) and the collapse guard's
+    probe (50) are held-out labelled files used only for measurement (forge/arith_tasks.py). Verifiers, none of
+    which reads an answer: self-consistency (`group_agreement`), a length prior (`concise`), format
+    (`format_integer`), two partial rule checks that a wrong sum often passes (`parity_check`, `magnitude_check`)
+    and an LLM judge, the policy's own frozen initial weights asked "is the proposed answer correct?". Measured at
+    step 0 (256 samples, hidden labels): the judge is worse than chance (AUROC 0.16, it prefers wrong answers); the
+    Gaussian ensemble learns that without labels and gives it a negative weight. bench/label_free_rl.py compares
+    this with the labelled reward, majority vote and the plain mean.
+    """
+    from forge.arith_tasks import EVAL_FILE, TRAIN_FILE
+
+    cfg = smollm2_arith()
+    cfg.preset = "smollm2-arith-unlabeled"
+    cfg.data.source, cfg.data.eval_source = str(TRAIN_FILE), str(EVAL_FILE)
+    r = cfg.reward
+    r.verifiers = ["group_agreement", "concise", "format_integer", "parity_check", "magnitude_check",
+                   "llm_judge=smollm2-135m-instruct"]  # fmt: skip
+    r.label_free, r.aggregate, r.ensemble_model = True, "ensemble", "gaussian"
+    r.necessary_checks = ["parity_check", "magnitude_check"]  # true of every right sum: failing one means wrong
+    r.score_timeout_s = 300.0  # the judge reads 64 questions a step: ~15 s on 2 cores in fp32, more when busy
+    cfg.eval.verifiers = ["math_answer"]
+    return cfg
+
+
 def smollm2_code() -> RunConfig:
     """SmolLM2-135M-Instruct completing one-line Python functions, rewarded by running hidden tests (code_exec).
 
@@ -135,6 +162,7 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
     "tiny-code": tiny_code,
     "smollm2-arith": smollm2_arith,
     "smollm2-arith-lora": smollm2_arith_lora,
+    "smollm2-arith-unlabeled": smollm2_arith_unlabeled,
     "smollm2-code": smollm2_code,
 }
 

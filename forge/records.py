@@ -44,6 +44,7 @@ class ScoredBatch:
     verifier_failures: dict[str, int]  # verifier name -> items it raised on or returned None for
     verifier_errors: dict[str, str] = field(default_factory=dict)  # verifier name -> first error text (if any)
     verifier_errored: dict[str, int] = field(default_factory=dict)  # verifier name -> items it raised on / scored badly
+    reward_metrics: dict[str, float] = field(default_factory=dict)  # the aggregation's own `reward/...` figures
 
 
 @dataclass(frozen=True)

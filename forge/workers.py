@@ -7,7 +7,8 @@ node Weaver planned for its stage. Nothing here knows which: no Ray, no Prefect.
 
 - `RolloutWorker`: samples (`generate`) and evaluates (`evaluate`) with the hf backend or a vLLM engine in its own
   process; receives new weights with `load_weights(weights, version)` and refuses to sample for another version.
-- `RewardWorker`: verifiers -> weighted reward or the label-free ensemble -> group advantages (`score`).
+- `RewardWorker`: verifiers -> the reward (`reward.aggregate`: weighted, mean, majority vote or the label-free
+  ensemble; forge/rewards/aggregate.py) -> group advantages (`score`).
 - `TrainerWorker`: one update rank (rank r of a world of N: a torch.distributed group, gloo on CPU, NCCL on GPU,
   with Accelerate inside); `step` trains on the rank's share of a batch and returns the new weights on rank 0;
   `save` starts a checkpoint (every rank snapshots and writes its own shard, in a background thread by default)
@@ -56,6 +57,7 @@ from forge.distributed import state as dist_state
 from forge.evaluate import evaluate
 from forge.models import default_device, is_peft, load_policy
 from forge.records import Rollouts, Scored, ScoredBatch, UpdateStats
+from forge.rewards.aggregate import majority_rewards, mean_scores
 from forge.rewards.registry import resolve_verifiers
 from forge.rewards.score import score_completions
 from forge.rollout import SamplingParams, make_backend
@@ -141,12 +143,14 @@ class RolloutWorker:
         collapse guard's probe, greedy pass@1 and mean reward only, on all of `rows`."""
         if version != self.policy_version:
             raise RuntimeError(f"rollout worker holds policy version {self.policy_version}, asked for {version}")
-        if self._verifiers is None:
-            self._verifiers = resolve_verifiers(self.cfg.reward.verifiers, self.cfg.reward)
         c = self.cfg
+        # mean reward only for the weighted sum: a label-free aggregate scores a completion against its group and
+        # the current fit, not alone (and its verifiers, an LLM judge say, would cost as much as the eval)
+        if self._verifiers is None and c.reward.aggregate == "weighted":
+            self._verifiers = resolve_verifiers(c.reward.verifiers, c.reward)
         ev = dataclasses.replace(c.eval, k=0, max_problems=len(rows)) if probe else c.eval
         report = evaluate(self.backend, rows, ev, c.rollout, self._verifiers, c.reward.weights, seed=c.seed + step,
-                          timeout_s=c.reward.score_timeout_s, reward=c.reward)  # fmt: skip
+                          timeout_s=c.reward.score_timeout_s, reward=c.reward, hidden=hidden_columns(c))  # fmt: skip
         if self.sleeps:
             self.backend.sleep()
         report["step"] = step
@@ -160,7 +164,7 @@ class RolloutWorker:
 
 
 class RewardWorker:
-    """The reward stage: per-verifier scores, the weighted (or label-free ensemble) reward, group advantages."""
+    """The reward stage: per-verifier scores, the aggregated reward (`reward.aggregate`), group advantages."""
 
     def __init__(self, cfg: RunConfig, train_rows: int = 0):
         """`train_rows`: the training split's size, for trainer_state.epoch (0 = unknown: epoch stays 0)."""
@@ -181,26 +185,32 @@ class RewardWorker:
         """Score step `step`'s completions; safe to repeat for the same step (the ensemble replaces its entry).
         `echo_rollouts=False` leaves the rollouts out of the returned batch (`rollouts=None`) for a remote caller
         that holds them already: they are the bulk of the record."""
-        g, answer_column = rollouts.group_size, self.cfg.data.answer_column
-        hidden = ("answer", answer_column) if self.cfg.reward.label_free else ()
+        g = rollouts.group_size
         result = score_completions(
             self.verifiers,
             self.cfg.reward.weights,
             rollouts.prompts,
             rollouts.texts,
-            _columns(rows, g, hidden),
+            _columns(rows, g, hidden_columns(self.cfg)),
             timeout_s=self.cfg.reward.score_timeout_s,
             raw_prompts=[r["prompt"] for r in rows for _ in range(g)],
             completion_ids=completion_id_lists(rollouts),
             trainer_state=self.trainer_state(step),
         )
-        rewards, report = result.rewards, None  # [N]
+        rewards, report, extra = result.rewards, None, {}  # [N]: weighted
+        aggregate = self.cfg.reward.aggregate
         if self.aggregator is not None:  # label-free: P(correct | the V scores), refit on recent steps
             rewards, report = self.aggregator(result.scores, g, step)
+        elif aggregate == "majority":  # the group's own vote on the final answer; the scores are only logged
+            rewards = majority_rewards(rollouts.texts, g)
+            extra = {"reward/majority_share": float(rewards.mean())}
+        elif aggregate == "mean":
+            rewards = mean_scores(result.scores)
         advantages = group_advantages(rewards, g, self.cfg.algo.advantage)  # [N]
         kept = rollouts if echo_rollouts else None
         batch = ScoredBatch(kept, result.names, result.scores, rewards, advantages, result.failures,
-                            verifier_errors=result.errors, verifier_errored=result.errored)  # fmt: skip
+                            verifier_errors=result.errors, verifier_errored=result.errored,
+                            reward_metrics=extra)  # fmt: skip
         return Scored(batch=batch, ensemble_report=report)
 
     def trainer_state(self, step: int):
@@ -389,6 +399,11 @@ def _check_group(accelerator, world: int) -> None:
     ones = torch.ones(1, device=accelerator.device)
     dist.all_reduce(ones)
     assert int(ones.item()) == world, f"all_reduce over {world} ranks gave {ones.item()}"
+
+
+def hidden_columns(cfg: RunConfig) -> tuple[str, ...]:
+    """The data columns reward verifiers never get: with reward.label_free, the answer under both its names."""
+    return ("answer", cfg.data.answer_column) if cfg.reward.label_free else ()
 
 
 def completion_id_lists(rollouts: Rollouts) -> list[list[int]]:

@@ -439,3 +439,77 @@ def test_eval_split_needs_a_dataset_dict(tmp_path):
     cfg = file_cfg(tmp_path, write_jsonl(tmp_path / "src.jsonl", typed_rows()), eval_split="test")
     with pytest.raises(ConfigError, match="data.eval_split.*not a `datasets` DatasetDict"):
         prepare(cfg, tmp_path / "run", identity, count_words)
+
+
+# ---------------------------------------------------------------- unlabeled training data (issue 17)
+
+UNLABELED = [{"prompt": f"{i}+1=", "level": i % 3} for i in range(6)]
+LABELLED_EVAL = [{"prompt": "7+1=", "answer": "8", "level": 1}, {"prompt": "8+1=", "answer": 9, "level": 2}]
+
+
+def write_unlabeled(tmp_path: Path, kind: str) -> tuple[str, dict]:
+    """An unlabeled training source of `kind` and the data keys that name a labelled eval split for it."""
+    eval_file = {"eval_source": str(write_jsonl(tmp_path / "e.jsonl", LABELLED_EVAL))}
+    if kind == "jsonl":
+        return str(write_jsonl(tmp_path / "u.jsonl", UNLABELED)), eval_file
+    if kind == "csv":  # csv holds text: the eval file's levels are text too (one type per column)
+        (tmp_path / "u.csv").write_text("prompt,level\n" + "".join(f"{r['prompt']},{r['level']}\n" for r in UNLABELED))
+        (tmp_path / "e.csv").write_text("prompt,answer,level\n7+1=,8,1\n8+1=,9,2\n")
+        return str(tmp_path / "u.csv"), {"eval_source": str(tmp_path / "e.csv")}
+    if kind == "parquet":
+        pq.write_table(pa.Table.from_pylist(UNLABELED), tmp_path / "u.parquet")
+        return str(tmp_path / "u.parquet"), eval_file
+    evals = [{**r, "answer": str(r["answer"])} for r in LABELLED_EVAL]  # one type per column in a Dataset
+    return str(save_dict(tmp_path / "dd", train=UNLABELED, test=evals)), {"eval_split": "test"}
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "csv", "parquet", "datasets"])
+def test_unlabeled_source_trains_with_label_free_and_round_trips(tmp_path, kind):
+    from forge.data import check_data_hash
+
+    source, eval_keys = write_unlabeled(tmp_path, kind)
+    cfg = file_cfg(tmp_path, source, **eval_keys)
+    cfg.reward.label_free = True
+    data = prepare(cfg, tmp_path / "run", identity, count_words)
+    assert [r["answer"] for r in data.train] == [None] * 6 and [r["answer"] for r in data.eval] == ["8", "9"]
+    assert data.train[2]["prompt"] == "2+1=" and data.train[2]["level"] == ("2" if kind == "csv" else 2)
+    m = data.manifest
+    assert (m["train_rows"], m["eval_rows"], m["train_labelled"]) == (6, 2, False)
+    assert m["columns"] == ["id", "prompt", "model_input", "answer", "level"]
+    assert m["column_types"]["answer"] == "string"
+    assert str(pq.read_schema(tmp_path / "run" / "data" / "train.parquet").field("answer").type) == "string"
+    train, eval_ = read_split(tmp_path / "run", "train"), read_split(tmp_path / "run", "eval")
+    assert (train, eval_) == (data.train, data.eval)  # the all-null answer column round-trips
+    assert check_data_hash(tmp_path / "run", train, eval_) == m["content_hash"]
+    assert prepare(cfg, tmp_path / "run2", identity, count_words).manifest["content_hash"] == m["content_hash"]
+
+
+def test_labelled_source_with_label_free_keeps_its_answers(tmp_path):
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(5)]
+    cfg = file_cfg(tmp_path, write_jsonl(tmp_path / "src.jsonl", rows), eval_size=1)
+    cfg.reward.label_free = True  # hides answers from the reward, not from the data
+    data = prepare(cfg, tmp_path / "run", identity, count_words)
+    assert data.manifest["train_labelled"] and all(r["answer"] is not None for r in data.train + data.eval)
+
+
+def test_unlabeled_source_errors_are_one_line(tmp_path):
+    src = write_jsonl(tmp_path / "u.jsonl", UNLABELED)
+    cfg = file_cfg(tmp_path, src, eval_source=str(write_jsonl(tmp_path / "e.jsonl", LABELLED_EVAL)))
+    with pytest.raises(UserError) as e:  # without label_free an answer column is required
+        prepare(cfg, tmp_path / "run", identity, count_words)
+    assert str(e.value) == (
+        f"{src}: no column 'answer' in any row (found 'prompt', 'level'); set data.answer_column or set "
+        "reward.label_free=true"
+    )
+    cfg = file_cfg(tmp_path, src, answer_column="solution")
+    cfg.reward.label_free = True
+    with pytest.raises(UserError) as e:  # no eval source: nothing labelled to evaluate on
+        prepare(cfg, tmp_path / "run", identity, count_words)
+    assert str(e.value) == (
+        f"{src}: no answer column 'solution' to hold out eval rows from; set data.eval_source to a labelled file"
+    )
+    cfg.data.answer_column, cfg.data.eval_source = "answer", str(src)
+    with pytest.raises(UserError) as e:  # the eval source must have answers, label_free or not
+        prepare(cfg, tmp_path / "run", identity, count_words)
+    assert str(e.value) == f"{src}: no column 'answer' in any row (found 'prompt', 'level'); set data.answer_column"
+    assert not (tmp_path / "run" / "data").exists()

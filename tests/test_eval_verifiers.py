@@ -59,6 +59,7 @@ def test_presets_keep_their_eval_verifiers():
         "tiny-code": ["code_exec"],
         "smollm2-arith": ["math_answer"],
         "smollm2-arith-lora": ["math_answer"],
+        "smollm2-arith-unlabeled": ["math_answer"],
         "smollm2-code": ["code_exec"],
     }
 

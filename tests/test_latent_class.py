@@ -102,8 +102,8 @@ def test_errors_are_user_errors():
         LatentClassConfig(classes=1)
     with pytest.raises(UserError, match="necessary_checks.*'mod7'"):
         EnsembleAggregator(["parity"], 4, 1, model="latent_class", necessary=["mod7"])
-    with pytest.raises(UserError, match="necessary_checks: needs reward.ensemble_model=latent_class"):
-        EnsembleAggregator(["parity"], 4, 1, necessary=["parity"])
+    with pytest.raises(UserError, match="necessary_checks.*'mod7'"):
+        EnsembleAggregator(["parity"], 4, 1, model="gaussian", necessary=["mod7"])
     cfg = RunConfig()
     cfg.reward.ensemble_classes = 1
     with pytest.raises(ConfigError, match="reward.ensemble_classes"):

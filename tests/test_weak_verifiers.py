@@ -73,6 +73,22 @@ def test_reward_model_and_llm_judge_from_local_dirs(tmp_path):
     assert scores[0] == pytest.approx(float(expected), abs=1e-5)
 
 
+def test_llm_judge_batches_dedupes_and_scores_as_one_at_a_time(tmp_path):
+    _, judge = resolve_verifier(f"llm_judge={_save_tiny(tmp_path, 'lm')}")
+    judge.batch_size = 2  # several length-sorted, left-padded batches
+    prompts = ["1+2=", "1+2=", "11+22=", "1+2=", "7+8="]
+    completions = ["3", "four", "33", "3", "a much longer completion 15"]
+    batched = judge(prompts=prompts, completions=completions)
+    alone = [judge(prompts=[p], completions=[c])[0] for p, c in zip(prompts, completions, strict=True)]
+    assert batched == pytest.approx(alone, abs=1e-5)
+    assert batched[0] == batched[3]  # the repeated pair was judged once
+    calls = []
+    judge.model.register_forward_hook(lambda m, args, kwargs, out: calls.append(kwargs["input_ids"].shape[0]),
+                                      with_kwargs=True)  # fmt: skip
+    judge(prompts=prompts, completions=completions)
+    assert sum(calls) == 4  # 4 distinct pairs of 5
+
+
 def test_model_verifier_with_a_bad_path_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="not a local Hugging Face model directory"):
         resolve_verifier(f"llm_judge={tmp_path / 'nope'}")
@@ -98,3 +114,18 @@ def test_ensemble_aggregator_ranks_passing_candidates_first_and_round_trips():
     assert len(clone.window) == 2
     retried, _ = clone(scores, group_size=16, step=2)  # a retried reward stage: the step's entry is replaced
     assert len(clone.window) == 2 and torch.equal(retried, again)
+
+
+def test_gaussian_ensemble_pays_nothing_for_a_failed_necessary_check():
+    rng = np.random.default_rng(1)
+    right = rng.random(320) < 0.3  # [N] hidden truth
+    check = np.where(right, 1.0, (rng.random(320) < 0.5).astype(float))  # every right answer passes
+    soft = right + rng.normal(0, 0.6, 320)  # a continuous signal that a wrong answer can score high on
+    scores = torch.tensor(np.stack([check, soft], axis=1), dtype=torch.float32)
+    plain = EnsembleAggregator(["check", "soft"], window_steps=4, refit_every=1)
+    gated = EnsembleAggregator(["check", "soft"], window_steps=4, refit_every=1, necessary=["check"])
+    p_plain, _ = plain(scores, group_size=8, step=1)
+    p_gated, _ = gated(scores, group_size=8, step=1)
+    failed = check == 0
+    assert p_plain[failed].max() > 0.05  # the linear posterior lets the soft signal outweigh the failed check
+    assert p_gated[failed].max() == 0 and torch.equal(p_gated[~failed], p_plain[~failed])

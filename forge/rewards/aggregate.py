@@ -1,4 +1,16 @@
-"""Reward aggregation with the label-free ensemble over a rolling window of recent scored rollouts.
+"""Reward aggregation: the label-free ensemble over a rolling window of recent scored rollouts, and two baselines.
+
+`reward.aggregate` picks how a completion's reward is made (forge.workers.RewardWorker.score):
+
+- weighted: sum_v w_v * score_v (forge.rewards.score; NaN counts as 0);
+- mean: `mean_scores`, the naive average of the verifier scores, ignoring NaN (every score NaN: 0), the
+  baseline an ensemble must beat;
+- majority: `majority_rewards`, test-time RL by majority vote (TTRL, Zuo et al. 2025): in each group the most
+  common final answer (`forge.rewards.math.answer_key`) gets 1, every other completion 0. Departures from the
+  paper: the vote is over the G training samples themselves (TTRL can vote over more samples than it trains
+  on), a tie goes to the answer seen first, and a group where no completion has an answer gets 0 throughout.
+  The verifiers still run (their scores are logged) but do not enter the reward;
+- ensemble: below.
 
 With `reward.aggregate: ensemble` the reward of a completion is P(correct | its verifier scores), from a
 `WeakVerifierEnsemble` (`reward.ensemble_model: gaussian`, any scores) or a `LatentClassEnsemble` (`latent_class`,
@@ -15,12 +27,54 @@ keeps the previous ensemble and is logged with the reason (`ensemble/accepted` =
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import torch
 
 from forge.errors import UserError
 from forge.rewards.ensemble import EnsembleConfig, WeakVerifierEnsemble
 from forge.rewards.latent_class import LatentClassConfig, LatentClassEnsemble
+from forge.rewards.math import answer_key
+
+
+def mean_scores(scores: torch.Tensor) -> torch.Tensor:
+    """scores [N, V] (NaN = missing) -> rewards [N]: each completion's mean score over the verifiers that scored it
+    (0 where none did).
+
+    >>> nan = float("nan")
+    >>> mean_scores(torch.tensor([[1.0, 0.0, 0.5], [nan, 1.0, nan], [nan, nan, nan]])).tolist()
+    [0.5, 1.0, 0.0]
+    """
+    return scores.double().nanmean(dim=1).nan_to_num(nan=0.0).float()
+
+
+def majority_vote(answers: list[str | None]) -> str | None:
+    """The most common answer that is not None (a tie goes to the one seen first); None when none has one.
+
+    >>> majority_vote(["8", None, "7", "7", "8"]), majority_vote([None, None]) is None
+    ('8', True)
+    """
+    counts = Counter(a for a in answers if a is not None)
+    return max(counts, key=counts.__getitem__) if counts else None  # max keeps the first of equal counts
+
+
+def majority_rewards(texts: list[str], group_size: int) -> torch.Tensor:
+    """texts [N] (G consecutive completions per prompt) -> rewards [N]: 1 where a completion's final answer is
+    its group's majority answer, else 0 (also when it has no answer).
+
+    >>> majority_rewards(["so 4", "4", "5", "I do not know"], 4).tolist()
+    [1.0, 1.0, 0.0, 0.0]
+    >>> majority_rewards(["no idea", "none"], 2).tolist()
+    [0.0, 0.0]
+    """
+    keys = [answer_key(t) for t in texts]
+    rewards = []
+    for start in range(0, len(keys), group_size):
+        group = keys[start : start + group_size]
+        winner = majority_vote(group)
+        rewards += [float(winner is not None and k == winner) for k in group]
+    return torch.tensor(rewards, dtype=torch.float32)
 
 
 class EnsembleAggregator:
@@ -30,8 +84,6 @@ class EnsembleAggregator:
     ):  # fmt: skip
         self.names = names
         self.model, self.classes = model, classes
-        if necessary and model != "latent_class":
-            raise UserError("reward.necessary_checks: needs reward.ensemble_model=latent_class")
         if unknown := [n for n in necessary if n not in names]:
             raise UserError(f"reward.necessary_checks: {unknown} are not among the verifiers {names}")
         self.necessary = tuple(names.index(n) for n in necessary)
@@ -54,6 +106,8 @@ class EnsembleAggregator:
         if self.ensemble is None or step % self.refit_every == 0:
             report = self._refit()
         p = self.ensemble.predict_proba(s, groups)  # [N]
+        if self.necessary and self.model == "gaussian":
+            p = p * passes_necessary(s, self.necessary)
         return torch.as_tensor(p, dtype=torch.float32), report
 
     def _refit(self) -> dict:
@@ -93,6 +147,20 @@ class EnsembleAggregator:
         model = state.get("model")
         # an older checkpoint without the fit: refit on the restored window at the next step
         self.ensemble = self._new_model().load_state_dict(model) if model is not None else None
+
+
+def passes_necessary(scores: np.ndarray, necessary: tuple[int, ...]) -> np.ndarray:
+    """[N] 1.0 where no declared-necessary check failed (score < 1), else 0.0; a missing score (NaN) fails nothing.
+
+    The Gaussian ensemble's posterior is linear in the (normal) scores, so strong soft signals can outweigh a
+    failed check: on SmolLM2 it paid ~1.0 for bare echoes of an operand ("78" for 78 + 37), short and well formatted
+    but failing parity and digit count. A check that every right answer passes makes P(correct | failed it) = 0.
+
+    >>> passes_necessary(np.array([[1.0, 1.0, 0.3], [0.0, 1.0, 0.9], [np.nan, 1.0, 0.1]]), (0, 1)).tolist()
+    [1.0, 0.0, 1.0]
+    """
+    checks = scores[:, list(necessary)]
+    return (~(checks < 1.0)).all(axis=1).astype(float)
 
 
 def refit_verdict(report: dict, previous: dict | None, min_weight: float = 1e-3) -> str | None:

@@ -3,8 +3,12 @@
 - `RewardModel(path)`: a Hugging Face sequence-classification model; score = sigmoid(logit) with one label,
   else the softmax probability of the last label ("good").
 - `LLMJudge(path)`: a causal LM asked whether the answer is correct; score = P(yes) / (P(yes) + P(no)) from
-  its next-token distribution (first token of " yes"/"yes" and " no"/"no").
-Both are used in `reward.verifiers` as `reward_model=PATH` / `llm_judge=PATH`; they never see reference answers.
+  its next-token distribution (first token of " yes"/"yes" and " no"/"no"). Batched: identical (prompt,
+  completion) pairs are judged once (a converging policy repeats itself), questions are batched by length (little
+  padding), and only the last position's logits are computed (`logits_to_keep=1`: no [n, T, vocab] tensor).
+Both are used in `reward.verifiers` as `reward_model=PATH` / `llm_judge=PATH`, PATH a local model directory or a
+built-in model name (`llm_judge=smollm2-135m-instruct`: the demo policy's own frozen initial weights as judge);
+they never see reference answers.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ JUDGE_QUESTION = "Question: {prompt}\nProposed answer: {completion}\nIs the prop
 
 
 def _load_tokenizer(path: str, what: str):
-    """(checked directory, tokenizer with a pad token) for a local model directory."""
+    """(checked directory, tokenizer with a pad token) for a local model directory or a built-in model name."""
     from transformers import AutoTokenizer
 
-    p = Path(path).expanduser()
+    from forge.models import SMOLLM2, smollm2_dir
+
+    p = smollm2_dir() if path == SMOLLM2 else Path(path).expanduser()
     if not (p / "config.json").is_file():
         raise UserError(f"{what} '{path}' is not a local Hugging Face model directory (no config.json)")
     tok = AutoTokenizer.from_pretrained(p)
@@ -84,17 +90,22 @@ class LLMJudge:
 
     @torch.no_grad()
     def __call__(self, prompts: list[str], completions: list[str], **kwargs: Any) -> list[float | None]:
-        out: list[float | None] = []
-        for i in range(0, len(prompts), self.batch_size):
-            qs = [
-                self._question(p, c)
-                for p, c in zip(prompts[i : i + self.batch_size], completions[i : i + self.batch_size], strict=True)
-            ]
-            enc = self.tok(qs, return_tensors="pt", padding=True, add_special_tokens=False)
-            probs = torch.softmax(self.model(**enc).logits[:, -1].float(), dim=-1)  # [n, vocab]
-            p_yes, p_no = probs[:, self.yes].sum(-1), probs[:, self.no].sum(-1)
-            out.extend((p_yes / (p_yes + p_no).clamp(min=1e-12)).tolist())
-        return out
+        pairs = list(zip(prompts, completions, strict=True))
+        unique = list(dict.fromkeys(pairs))  # each distinct (prompt, completion) once, in first-seen order
+        questions = [self._question(p, c) for p, c in unique]
+        ids = [self.tok(q, add_special_tokens=False).input_ids for q in questions]
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths share a batch
+        p_yes = [0.0] * len(unique)
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start : start + self.batch_size]
+            enc = self.tok.pad({"input_ids": [ids[i] for i in batch]}, return_tensors="pt")
+            logits = self.model(**enc, logits_to_keep=1).logits[:, -1].float()  # [n, vocab]
+            probs = torch.softmax(logits, dim=-1)
+            yes, no = probs[:, self.yes].sum(-1), probs[:, self.no].sum(-1)
+            for i, value in zip(batch, (yes / (yes + no).clamp(min=1e-12)).tolist(), strict=True):
+                p_yes[i] = value
+        score = dict(zip(unique, p_yes, strict=True))
+        return [score[pair] for pair in pairs]
 
 
 FACTORIES = {"reward_model": RewardModel, "llm_judge": LLMJudge}

@@ -107,6 +107,24 @@ def is_plain_number(s: str) -> bool:
     return _as_number(_normalise(s)) is not None
 
 
+def answer_key(text: str) -> str | None:
+    r"""What a completion's final answer is compared by when answers vote (`reward.aggregate=majority`): the
+    `extract_answer` answer after the normalisation the fast path uses, as the exact number it spells when it is
+    a plain number (so 1,234, 1234 and 1234.0 agree), else as lower-case text without spaces; None = no answer.
+
+    >>> answer_key("The answer is 1,234."), answer_key(r"\boxed{1234.0}"), answer_key("x = 3/6")
+    ('1234', '1234', '1/2')
+    >>> answer_key(r"\boxed{\text{East}}"), answer_key("no idea") is None
+    ('east', True)
+    """
+    pred = extract_answer(text)
+    if pred is None:
+        return None
+    s = _normalise(pred)
+    x = _as_number(s)
+    return str(x) if x is not None else _squash(s)
+
+
 def _gold_text(ref: str) -> str:
     return ref if any(d in ref for d in _MATH_DELIMITERS) else f"${ref}$"
 

@@ -118,3 +118,19 @@ def test_reward_stage_passes_typed_columns_raw_prompts_and_trainer_state(tmp_pat
     assert (state.global_step, state.max_steps, state.epoch) == (2, 10, 1.0)
     assert "answer" not in hidden and "target" not in hidden and hidden["tags"] == call["tags"]  # label_free
     assert hidden["trainer_state"].epoch == 1.5  # 3 updates x 2 prompts / 4 rows
+
+
+def test_eval_mean_reward_calls_the_reward_verifiers_without_hidden_columns():
+    """Evaluation runs the reward verifiers for `mean_reward`: under label_free they get what the reward stage gives
+    them (no answer columns); the eval verifiers that decide pass@1 still score against the answers."""
+    from forge.config import EvalConfig, RolloutConfig
+    from forge.evaluate import evaluate
+    from tests.test_eval_verifiers import _ScriptedBackend
+
+    rows = [{"id": "a", "prompt": "1+1=", "model_input": "1+1=", "answer": "2", "target": 2, "n": 5}]
+    calls = []
+    report = evaluate(_ScriptedBackend(["2"], []), rows, EvalConfig(k=0), RolloutConfig(),
+                      verifiers=[("seen", recorder(calls))], hidden=("answer", "target"))  # fmt: skip
+    (call,) = calls
+    assert "answer" not in call and "target" not in call and call["n"] == [5] and call["id"] == ["a"]
+    assert report["pass@1"] == 1.0 and report["verifiers"] == ["math_answer"] and report["mean_reward"] == 1.0
