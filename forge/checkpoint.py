@@ -14,7 +14,7 @@ Layout of `checkpoints/step-NNNNNN/`:
 - `trainer_state.json` + `trainer_state.safetensors`: optimizer param groups, adaptive-LR state, step, policy
   version, process RNG, data-sampler cursor, ensemble window, rollout RNG streams, evals. Tensors and arrays go
   to the safetensors file and appear in the JSON as `{"__tensor__": key}` / `{"__ndarray__": key}`.
-- `checkpoint.json`: step, eval pass@1, ranks, bytes.
+- `checkpoint.json`: step, eval pass@1 (the retention score), ranks, bytes.
 
 Nothing is pickled and nothing is unpickled: safetensors and JSON only (DCP's own `.metadata` pickle is not used;
 its safetensors reader rebuilds the metadata from the file headers). A pickled `trainer_state.pt` from an older
@@ -30,7 +30,9 @@ memory while the next update's forward and backward passes run (the state change
 which waits for the copy), then writes it while training continues; at most one save is in flight (the next one
 waits for it); the error of a failed background save is raised by every later wait.
 
-Retention keeps the `keep_last` newest plus the `keep_best` best by eval pass@1.
+Retention keeps the `keep_last` newest plus the `keep_best` best by their score (checkpoint.json's `eval_pass@1`: the
+eval pass@1 the recipe passes, or with a probe set the probe pass@1 of the weights saved, so the collapse guard's
+best-probe checkpoint stays).
 """
 
 from __future__ import annotations
