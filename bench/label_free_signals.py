@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import torch
+from label_free_rl import true_sum  # bench/ is on sys.path when this file runs as a script
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 PRESET = "smollm2-arith-unlabeled"
@@ -55,13 +56,8 @@ def sample(cfg, prompts: int, seed: int) -> tuple[list[str], list[str], list[str
     out = HFBackend(model, tok, batch_size=r.batch_size).generate(
         [fmt(row["prompt"]) for row in rows], SamplingParams(r.max_new_tokens, r.temperature, r.top_p, n=g)
     )
-    answers = [_sum(row["prompt"]) for row in rows for _ in range(g)]
+    answers = [true_sum(row["prompt"]) for row in rows for _ in range(g)]
     return [row["prompt"] for row in rows for _ in range(g)], out.texts, answers
-
-
-def _sum(prompt: str) -> str:
-    a, b = prompt.split("Compute ")[1].split(".")[0].split(" + ")
-    return str(int(a) + int(b))
 
 
 def main() -> None:
