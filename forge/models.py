@@ -276,13 +276,12 @@ def build_tiny_model(
         intermediate_size=hidden * 4,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=heads,
         max_position_embeddings=512,
         tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-        **config_kwargs,
+        **{"num_key_value_heads": heads, **config_kwargs},
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)

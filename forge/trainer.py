@@ -47,6 +47,7 @@ from forge.lr import AdaptiveLR, scheduled_lr
 from forge.models import is_peft, merged_weights
 from forge.precision import update_bf16
 from forge.records import ScoredBatch, UpdateStats
+from forge.shared_prefix import PackingCost, group_spans, pack, pack_saves_compute, packed_logits
 
 
 @dataclass(frozen=True)
@@ -69,16 +70,27 @@ def token_logprobs(
     autocast_bf16: bool = False,
     completion_only: bool = True,
     chunk_elements: int = LOGPROB_CHUNK_ELEMENTS,
+    packing: PackingCost | None = None,
 ) -> TokenLogprobs:
     """Per-token log-probs of `completion_ids` given the left-padded prompts. Shapes [n, P] and [n, T].
 
     The model's logits stay in its compute dtype; the fp32 log-softmax is taken over chunks of completion positions
     (`chunk_elements` fp32 values each), recomputed in the backward pass when there are several, so no
-    [n, T, vocab] fp32 tensor is ever held: per row the values are those of one full log-softmax."""
+    [n, T, vocab] fp32 tensor is ever held: per row the values are those of one full log-softmax. With `packing`
+    (the model's cost model), rows sharing a prompt are packed so the prompt is computed once
+    (`forge.shared_prefix`) where that costs fewer FLOPs."""
+    T = completion_ids.shape[1]
+    if packing is not None and completion_only:
+        spans = group_spans(prompt_ids, prompt_mask)
+        if pack_saves_compute(packing, spans, prompt_ids.shape[1], T):
+            packed = pack(prompt_ids, prompt_mask, completion_ids, completion_mask, spans)
+            dtype = next(model.parameters()).dtype
+            with autocast_context(prompt_ids.device.type, autocast_bf16):
+                logits = packed_logits(model, packed, packing.mask_kind, dtype)  # [n, T, vocab]
+            return chunked_logprobs(logits, completion_ids, temperature, chunk_elements)
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [n, P+T]
     attention = torch.cat([prompt_mask, completion_mask], dim=1)
     position_ids = (attention.long().cumsum(dim=1) - 1).clamp(min=0)
-    T = completion_ids.shape[1]
     kwargs = {"logits_to_keep": T + 1} if completion_only else {}
     with autocast_context(input_ids.device.type, autocast_bf16):
         logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, **kwargs).logits
@@ -154,6 +166,7 @@ class Trainer:
         # LoRA: the reference is the base model, i.e. the policy with its adapter disabled (no second copy)
         assert cfg.algo.beta == 0 or ref_model is not None or is_peft(model), "algo.beta > 0 needs a reference model"
         self.ref_model = ref_model
+        self.packing = PackingCost.of(self.unwrapped) if u.shared_prefix else None
         self.adaptive = AdaptiveLR.from_config(u)
         self.step = 0
         self.policy_version = 0
@@ -242,6 +255,7 @@ class Trainer:
             temperature=self.cfg.rollout.temperature,
             autocast_bf16=self.autocast_bf16,
             completion_only=self.cfg.update.logits_completion_only,
+            packing=self.packing,
         )
 
     @torch.no_grad()
