@@ -7,6 +7,7 @@ top-p warpers are passed to `generate` as logits processors followed by `_Chosen
 chosen tokens' log-probs step by step, never the [n, T, vocab] scores (tens of GB at 1k tokens, 150k vocabulary).
 `generate` is called on chunks of `batch_size` sequences (`rollout.batch_size`; `SamplingParams.batch_size` for
 evaluation).
+
 Shared prefill (`rollout.shared_prefill`, on by default, n > 1): a chunk holds whole groups, max(1, batch_size // n)
 distinct prompts; one forward pass over those prompts minus their last token fills a `DynamicCache` (positions from
 the left-padded mask, as `generate` derives them), which is repeated n times per prompt and handed to `generate`
@@ -15,6 +16,7 @@ the plain path's up to float noise (a seeded rollout draws the same tokens when 
 batch_size is a multiple of n or every sequence fits in one chunk). Where `generate` cannot take an outside cache
 (prompt-learning adapters, a `cache_implementation`, `use_cache=False`, cache-less models) or the prefill yields
 no `DynamicCache` of attention layers, or every prompt of a chunk is one token, that chunk runs the plain way.
+
 Colocated with the trainer, weight sync is free: the backend holds the trainer's module.
 """
 
@@ -85,14 +87,10 @@ class HFBackend:
             torch.autocast(model.device.type, dtype=torch.bfloat16) if self.autocast_bf16 else contextlib.nullcontext()
         )
         with autocast:
-            cache = _prefill(model, enc) if repeats > 1 else None
-            if repeats > 1:
-                enc = {k: v.repeat_interleave(repeats, dim=0) for k, v in enc.items()}  # [n, L]
-            if cache is not None:
-                cache.batch_repeat_interleave(repeats)  # [n, heads, L - 1, head_dim] per layer
+            enc, shared = _expand(model, enc, repeats)  # [n, L]
             sequences = model.generate(
                 **enc,
-                **({"cache": cache} if cache is not None else {}),
+                **shared,
                 max_new_tokens=params.max_new_tokens,
                 do_sample=not greedy,
                 temperature=None if greedy else 1.0,  # warpers: ours, before the log-prob recorder
@@ -158,6 +156,18 @@ def _takes_outside_cache(model) -> bool:
         and not model.config.is_encoder_decoder
         and base._supports_default_dynamic_cache()
     )
+
+
+def _expand(model, enc, repeats: int) -> tuple[dict, dict]:
+    """(`enc` with each prompt's row repeated `repeats` times, generate's extra kwargs: {"cache": the shared
+    prefill's cache, repeated likewise} or {} where generate prefills itself)."""
+    if repeats == 1:
+        return dict(enc), {}
+    cache = _prefill(model, enc)
+    if cache is not None:
+        cache.batch_repeat_interleave(repeats)  # [n, heads, L - 1, head_dim] per layer
+    expanded = {k: v.repeat_interleave(repeats, dim=0) for k, v in enc.items()}
+    return expanded, ({"cache": cache} if cache is not None else {})
 
 
 def _prefill(model, enc) -> DynamicCache | None:
