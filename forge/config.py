@@ -119,6 +119,8 @@ class RolloutConfig:
     """Nucleus sampling mass."""
     batch_size: int = 64
     """Sequences per generate() call."""
+    shared_prefill: bool = True
+    """hf: prefill each prompt once per group and share its KV cache (same tokens; less prefill compute)."""
     autocast_bf16: bool = False
     """Sample under bf16 autocast (faster on CPUs with bf16 units and on GPUs)."""
     vllm_python: str = ""

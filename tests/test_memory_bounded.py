@@ -45,7 +45,9 @@ def _scores_reference(model, tok, params: SamplingParams):
 def test_hf_rollout_streams_the_same_tokens_and_logprobs_as_stored_scores():
     model, tok = _tiny()
     params = SamplingParams(max_new_tokens=7, temperature=0.7, top_p=0.9, n=3, seed=11)
-    ro = make_backend("hf", model, tok, rollout=RolloutConfig(batch_size=64)).generate(PROMPTS, params)
+    # the plain path: bit-equal to the reference (a shared prefill differs by float noise: tests/rollout/)
+    rollout = RolloutConfig(batch_size=64, shared_prefill=False)
+    ro = make_backend("hf", model, tok, rollout=rollout).generate(PROMPTS, params)
     ids, logp = _scores_reference(model, tok, params)
     width = ro.completion_ids.shape[1]
     mask = ro.completion_mask.bool()
@@ -83,9 +85,17 @@ def _generate_sizes(monkeypatch, model) -> list[int]:
 def test_rollout_batch_size_sets_sequences_per_generate_call(monkeypatch):
     model, tok = _tiny()
     sizes = _generate_sizes(monkeypatch, model)
-    backend = make_backend("hf", model, tok, rollout=RolloutConfig(batch_size=4))
-    ro = backend.generate(PROMPTS, SamplingParams(max_new_tokens=3, n=3, seed=0))  # 9 sequences
+    params = SamplingParams(max_new_tokens=3, n=3, seed=0)  # 9 sequences
+    ro = make_backend("hf", model, tok, rollout=RolloutConfig(batch_size=4, shared_prefill=False)).generate(
+        PROMPTS, params
+    )
     assert sizes == [4, 4, 1] and ro.num_completions == 9
+    sizes.clear()  # a shared prefill keeps groups whole: max(1, 4 // 3) = 1 prompt, 3 sequences per call
+    make_backend("hf", model, tok, rollout=RolloutConfig(batch_size=4)).generate(PROMPTS, params)
+    assert sizes == [3, 3, 3]
+    sizes.clear()  # 7 // 3 = 2 prompts per call
+    make_backend("hf", model, tok, rollout=RolloutConfig(batch_size=7)).generate(PROMPTS, params)
+    assert sizes == [6, 3]
 
 
 def test_eval_batch_size_sets_sequences_per_generate_call(monkeypatch):

@@ -22,8 +22,10 @@ def make_backend(
         vllm: the Ray adapter runs it in .venv-vllm), its files under `work_dir` (a temp dir if None), sleeping between a
     generate and the next weight load if `sleep` (`forge.rollout.vllm.wants_sleep`)."""
     if name == "hf":
-        batch_size = rollout.batch_size if rollout is not None else RolloutConfig.batch_size
-        return HFBackend(model, tokenizer, autocast_bf16=autocast_bf16, batch_size=batch_size)
+        r = rollout or RolloutConfig()
+        return HFBackend(
+            model, tokenizer, autocast_bf16=autocast_bf16, batch_size=r.batch_size, shared_prefill=r.shared_prefill
+        )
     if name == "vllm":
         from forge.rollout.vllm import VLLMBackend
 

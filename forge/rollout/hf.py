@@ -7,6 +7,16 @@ top-p warpers are passed to `generate` as logits processors followed by `_Chosen
 chosen tokens' log-probs step by step, never the [n, T, vocab] scores (tens of GB at 1k tokens, 150k vocabulary).
 `generate` is called on chunks of `batch_size` sequences (`rollout.batch_size`; `SamplingParams.batch_size` for
 evaluation).
+
+Shared prefill (`rollout.shared_prefill`, on by default, n > 1): a chunk holds whole groups, max(1, batch_size // n)
+distinct prompts; one forward pass over those prompts minus their last token fills a `DynamicCache` (positions from
+the left-padded mask, as `generate` derives them), which is repeated n times per prompt and handed to `generate`
+with the expanded ids and mask, so `generate` runs only the last prompt token and the new tokens. The tokens equal
+the plain path's up to float noise (a seeded rollout draws the same tokens when the chunks are the same size, i.e.
+batch_size is a multiple of n or every sequence fits in one chunk). Where `generate` cannot take an outside cache
+(prompt-learning adapters, a `cache_implementation`, `use_cache=False`, cache-less models) or the prefill yields
+no `DynamicCache` of attention layers, or every prompt of a chunk is one token, that chunk runs the plain way.
+
 Colocated with the trainer, weight sync is free: the backend holds the trainer's module.
 """
 
@@ -15,7 +25,13 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import (
+    DynamicCache,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from forge.precision import bf16_autocast
 from forge.records import Rollouts
@@ -23,11 +39,14 @@ from forge.rollout.base import SamplingParams, cat_padded
 
 
 class HFBackend:
-    def __init__(self, model, tokenizer, autocast_bf16: bool = False, batch_size: int = 64):
+    def __init__(
+        self, model, tokenizer, autocast_bf16: bool = False, batch_size: int = 64, shared_prefill: bool = True
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.autocast_bf16 = bf16_autocast(autocast_bf16, model.device.type, "rollout.autocast_bf16")
         self.batch_size = batch_size
+        self.shared_prefill = shared_prefill
         self.policy_version = 0
 
     def sync_weights(self, model, version: int) -> float:
@@ -42,14 +61,21 @@ class HFBackend:
     def generate(self, prompts: list[str], params: SamplingParams) -> Rollouts:
         expanded = [p for p in prompts for _ in range(params.n)]  # [N]
         size = params.batch_size or self.batch_size
+        share = self.shared_prefill and params.n > 1 and _takes_outside_cache(self.model)
+        repeats = params.n if share else 1  # rows per tokenized prompt
+        rows = prompts if share else expanded
+        per_chunk = max(1, size // params.n) if share else size  # whole groups per chunk
         seeded = params.seed is not None and params.temperature > 0
         with torch.random.fork_rng() if seeded else contextlib.nullcontext():
             if seeded:  # the caller's seed, not this process's RNG: the same completions wherever this runs
                 torch.manual_seed(params.seed)
-            chunks = [self._generate_chunk(expanded[i : i + size], params) for i in range(0, len(expanded), size)]
+            chunks = [
+                self._generate_chunk(rows[i : i + per_chunk], repeats, params) for i in range(0, len(rows), per_chunk)
+            ]
         return self._merge(chunks, expanded, params.n)
 
-    def _generate_chunk(self, prompts: list[str], params: SamplingParams) -> dict:
+    def _generate_chunk(self, prompts: list[str], repeats: int, params: SamplingParams) -> dict:
+        """`repeats` completions of each prompt ([len(prompts) * repeats] rows); repeats > 1 prefills each prompt once."""
         tok, model = self.tokenizer, self.model
         enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
         greedy = params.temperature == 0
@@ -61,8 +87,10 @@ class HFBackend:
             torch.autocast(model.device.type, dtype=torch.bfloat16) if self.autocast_bf16 else contextlib.nullcontext()
         )
         with autocast:
+            enc, shared = _expand(model, enc, repeats)  # [n, L]
             sequences = model.generate(
                 **enc,
+                **shared,
                 max_new_tokens=params.max_new_tokens,
                 do_sample=not greedy,
                 temperature=None if greedy else 1.0,  # warpers: ours, before the log-prob recorder
@@ -73,12 +101,12 @@ class HFBackend:
                 eos_token_id=tok.eos_token_id,
             )
         model.train(was_training)
-        completion = sequences[:, enc.input_ids.shape[1] :]  # [n, T]
+        completion = sequences[:, enc["input_ids"].shape[1] :]  # [n, T]
         logprobs = chosen.finish(completion)  # [n, T]
         mask = completion_mask(completion, tok.eos_token_id)
         return {
-            "prompt_ids": enc.input_ids,
-            "prompt_mask": enc.attention_mask,
+            "prompt_ids": enc["input_ids"],
+            "prompt_mask": enc["attention_mask"],
             "completion_ids": completion,
             "mask": mask,
             "logprobs": logprobs * mask,
@@ -112,6 +140,54 @@ class HFBackend:
             policy_version=self.policy_version,
             prompts=prompts,
         )
+
+
+def _takes_outside_cache(model) -> bool:
+    """Whether `generate` can start from a `DynamicCache` filled here: not for prompt-learning adapters (their virtual
+    tokens live in the cache), a `cache_implementation` (generate refuses a cache beside one), `use_cache=False`,
+    encoder-decoders, or models `generate` gives no `DynamicCache`."""
+    peft_config = getattr(model, "active_peft_config", None)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    gen = model.generation_config
+    return (
+        not getattr(peft_config, "is_prompt_learning", False)
+        and gen.cache_implementation is None
+        and gen.use_cache is not False
+        and not model.config.is_encoder_decoder
+        and base._supports_default_dynamic_cache()
+    )
+
+
+def _expand(model, enc, repeats: int) -> tuple[dict, dict]:
+    """(`enc` with each prompt's row repeated `repeats` times, generate's extra kwargs: {"cache": the shared
+    prefill's cache, repeated likewise} or {} where generate prefills itself)."""
+    if repeats == 1:
+        return dict(enc), {}
+    cache = _prefill(model, enc)
+    if cache is not None:
+        cache.batch_repeat_interleave(repeats)  # [n, heads, L - 1, head_dim] per layer
+    expanded = {k: v.repeat_interleave(repeats, dim=0) for k, v in enc.items()}
+    return expanded, ({"cache": cache} if cache is not None else {})
+
+
+def _prefill(model, enc) -> DynamicCache | None:
+    """The KV cache of every prompt token but the last ([b, L - 1] of the left-padded [b, L]), computed as generate's
+    own prefill computes it: positions from the mask (cumsum - 1, pads at 0), no mask when nothing is padded. None
+    (generate prefills itself) for 1-token prompts or a cache that is not a `DynamicCache` of attention layers."""
+    ids, mask = enc["input_ids"], enc["attention_mask"]  # [b, L]
+    if ids.shape[1] < 2:
+        return None
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    out = model(
+        input_ids=ids[:, :-1],
+        attention_mask=None if bool(mask.all()) else mask[:, :-1],
+        position_ids=positions[:, :-1],
+        use_cache=True,
+        **({"logits_to_keep": 1} if base._supports_logits_to_keep() else {}),  # the logits are not needed
+    )
+    cache = getattr(out, "cache", None)
+    return cache if isinstance(cache, DynamicCache) and not any(cache.is_linear) else None
 
 
 def _warpers(params: SamplingParams) -> list:
