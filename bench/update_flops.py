@@ -98,11 +98,15 @@ def main() -> None:
     flops = model_flops(model, batch)
     peak32, peak16 = matmul_tflops(torch.float32), matmul_tflops(torch.bfloat16)
     print(f"matmul peak: fp32 {peak32:.3f} TFLOP/s, bf16 {peak16:.3f} TFLOP/s; update = {flops / 1e12:.3f} TFLOP")
+    bf16_units = peak16 > peak32  # without bf16 units (AVX2 CPUs) bf16 matmuls are emulated, far below fp32
     print(f"{'update':<16}{'s (median)':>12}{'TFLOP/s':>10}{'% fp32 peak':>13}{'% bf16 peak':>13}")
     for shared, name in ((False, "plain"), (True, "shared prefix")):
         s = statistics.median(times[shared])
         rate = flops / s / 1e12
-        print(f"{name:<16}{s:>12.2f}{rate:>10.3f}{100 * rate / peak32:>12.1f}%{100 * rate / peak16:>12.1f}%")
+        of_bf16 = f"{100 * rate / peak16:>12.1f}%" if bf16_units else f"{'n/a':>13}"
+        print(f"{name:<16}{s:>12.2f}{rate:>10.3f}{100 * rate / peak32:>12.1f}%{of_bf16}")
+    if not bf16_units:
+        print("no bf16 matmul units here (bf16 is slower than fp32): the update runs in fp32 (forge/precision.py)")
     speedup = statistics.median(times[False]) / statistics.median(times[True])
     print(f"shared prefix: {speedup:.2f}x faster than plain")
 
