@@ -11,6 +11,8 @@ are summed over ranks, so they, too, do not depend on the split.
 Precision: bf16 autocast on GPUs, fp32 on CPU (`update.autocast_bf16` opts a CPU run into bf16 autocast where the
 CPU has bf16 units; `forge.precision`); the reference model runs under the same autocast as the policy, so the KL
 at identical weights is exactly 0. Log-probs never hold a [n, T, vocab] fp32 tensor (`chunked_logprobs`).
+A micro-batch's rows that share a prompt (a GRPO group) are packed into one row so the prompt is computed once,
+where that costs fewer FLOPs (`update.shared_prefix`, `forge.shared_prefix`): same log-probs up to float rounding.
 FSDP (`update.strategy=fsdp`, more than one rank) shards the model with torch's `fully_shard` (FSDP2) per decoder
 layer and at the root, because Accelerate 1.15's FSDP plugin is silently ignored on CPU (it wraps the model in
 DDP). Checkpoints are sharded (`forge.distributed.state`, `forge.checkpoint`): each rank saves its own slice and a
