@@ -17,7 +17,9 @@ attention spans the whole row (masked pairs are computed too). `pack_saves_compu
 and the trainer packs only when packing is cheaper (a long prompt with short completions: always; a short prompt
 with 1k-token completions: not). Consecutive rows with identical prompt ids form a group, so a group split between
 micro-batches or ranks is packed per piece, and rows that share no prompt are a group of one (no saving, same
-numbers). Only `sdpa` and `eager` attention read a custom 4D mask; other kernels use the plain forward.
+numbers). Only `sdpa` and `eager` attention read a custom 4D mask; other kernels use the plain forward, and so do
+models with chunked attention, or a sliding window shorter than a row's prompt + completion (the custom mask
+replaces the model's own, so it must give the same keys).
 """
 
 from __future__ import annotations
@@ -36,19 +38,28 @@ class PackingCost:
     per_token: float  # 2 x parameters outside the embedding and the LM head
     per_pair: float  # 4 x attention width x layers (scores and the weighted sum)
     mask_kind: str  # "bool" (sdpa: True = attend) or "additive" (eager: 0 or the dtype's minimum)
+    window: int | None = None  # sliding-window attention: the longest row context the packed mask reproduces
 
     @classmethod
     def of(cls, model) -> PackingCost | None:
         """The cost model of an (unwrapped) HF causal LM, or None where its attention kernel takes no 4D mask."""
         config = model.config
         kind = MASKED_KERNELS.get(getattr(config, "_attn_implementation", None) or "")
-        if kind is None:
-            return None
+        if kind is None or set(getattr(config, "layer_types", None) or []) - {"full_attention", "sliding_attention"}:
+            return None  # chunked or other attention patterns: the custom mask would replace them
         heads = getattr(config, "num_attention_heads", 1)
         width = getattr(config, "head_dim", None) or config.hidden_size // heads
         lookups = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
         params = sum(p.numel() for p in model.parameters() if id(p) not in lookups)  # the LM head: same in both
-        return cls(per_token=2.0 * params, per_pair=4.0 * heads * width * config.num_hidden_layers, mask_kind=kind)
+        per_pair = 4.0 * heads * width * config.num_hidden_layers
+        return cls(
+            per_token=2.0 * params, per_pair=per_pair, mask_kind=kind, window=getattr(config, "sliding_window", None)
+        )
+
+    def fits(self, context: int) -> bool:
+        """Whether rows of `context` tokens (prompt + completion) see the same keys packed: the packed mask is full
+        attention, which equals a sliding window only while the whole context fits in it."""
+        return self.window is None or context <= self.window
 
     def forward_flops(self, rows: int, length: int) -> float:
         return rows * (length * self.per_token + length * length * self.per_pair)

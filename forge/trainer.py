@@ -82,7 +82,7 @@ def token_logprobs(
     (the model's cost model), rows sharing a prompt are packed so the prompt is computed once
     (`forge.shared_prefix`) where that costs fewer FLOPs."""
     T = completion_ids.shape[1]
-    if packing is not None and completion_only:
+    if packing is not None and completion_only and packing.fits(prompt_ids.shape[1] + T):
         spans = group_spans(prompt_ids, prompt_mask)
         if pack_saves_compute(packing, spans, prompt_ids.shape[1], T):
             packed = pack(prompt_ids, prompt_mask, completion_ids, completion_mask, spans)

@@ -8,10 +8,12 @@ slots), completions of different lengths with an eos in some rows, right-padded 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
+import forge.trainer as trainer_mod
 from forge.config import RunConfig
 from forge.models import build_char_tokenizer, build_tiny_model
 from forge.records import Rollouts, ScoredBatch
@@ -89,7 +91,7 @@ def test_packed_layout_puts_each_prompt_once_before_its_slots(tok):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_logprobs_and_gradients_equal_the_plain_forward(tok, attn):
+def test_packed_logprobs_and_gradients_equal_the_plain_forward(tok, attn, packed_calls):
     ro = rollouts(tok)
     m = ro.completion_mask.bool()
     weights = torch.linspace(-1.0, 1.0, ro.completion_ids.numel()).reshape(ro.completion_ids.shape)
@@ -101,6 +103,7 @@ def test_packed_logprobs_and_gradients_equal_the_plain_forward(tok, attn):
         logp = logprobs(model, ro, cost if packed else None)
         (logp * weights * m).sum().backward()
         grads[packed] = (logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    assert len(packed_calls) == 1
     plain_logp, plain_grads = grads[False]
     packed_logp, packed_grads = grads[True]
     assert torch.allclose(packed_logp[m], plain_logp[m], atol=1e-5, rtol=0)
@@ -109,7 +112,7 @@ def test_packed_logprobs_and_gradients_equal_the_plain_forward(tok, attn):
     assert sum(g.abs().sum() for g in plain_grads.values()) > 0
 
 
-def test_a_trainer_step_is_the_same_packed_or_plain(tok):
+def test_a_trainer_step_is_the_same_packed_or_plain(tok, packed_calls):
     """Micro-batches of 4 rows split the first group's 3 and the last group's 2 rows across micro-batches."""
     ro = rollouts(tok)
     rewards = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.0, 1.0])
@@ -132,6 +135,7 @@ def test_a_trainer_step_is_the_same_packed_or_plain(tok):
         assert (trainer.packing is not None) is shared
         stats = [trainer.update(batch) for _ in range(2)]
         results[shared] = (stats, {n: p.detach().clone() for n, p in trainer.unwrapped.named_parameters()})
+    assert len(packed_calls) == 2 * 2  # two micro-batches (rows 0-3, 4-5) in each of the two packed steps
     (plain_stats, plain_w), (packed_stats, packed_w) = results[False], results[True]
     for a, b in zip(plain_stats, packed_stats, strict=True):
         assert b.loss == pytest.approx(a.loss, abs=1e-6)
@@ -159,4 +163,46 @@ def test_packing_is_used_only_where_it_saves_flops():
 def test_kernels_without_a_4d_mask_are_not_packed(tok):
     model = tiny(tok)
     model.config._attn_implementation = "flash_attention_2"
+    assert PackingCost.of(model) is None
+
+
+@pytest.fixture()
+def packed_calls(monkeypatch):
+    """How many forwards took the packed path."""
+    calls = []
+    real = trainer_mod.packed_logits
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_mod, "packed_logits", spy)
+    return calls
+
+
+@pytest.mark.parametrize("window", [4, 64])
+def test_a_sliding_window_is_packed_only_where_the_whole_context_fits_in_it(tok, window, packed_calls):
+    """The packed mask is full attention: a window shorter than prompt + completion (4 here) must run plain."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, sliding_window=window,
+                           attn_implementation="sdpa", pad_token_id=tok.pad_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).eval()
+    ro = rollouts(tok)
+    cost = dataclasses.replace(PackingCost.of(model), per_pair=0.0)  # attention free: the FLOP gate always packs
+    assert cost.window == window and cost.fits(ro.prompt_ids.shape[1] + T) is (window == 64)
+    m = ro.completion_mask.bool()
+    with torch.no_grad():
+        plain, packed = logprobs(model, ro, None), logprobs(model, ro, cost)
+    assert len(packed_calls) == (window == 64)
+    assert torch.allclose(packed[m], plain[m], atol=1e-5, rtol=0)
+    if window == 4:  # the plain forward itself: bit for bit
+        assert torch.equal(packed, plain)
+
+
+def test_chunked_attention_layers_are_not_packed(tok):
+    model = tiny(tok)
+    model.config.layer_types = ["chunked_attention", "full_attention"]
     assert PackingCost.of(model) is None
