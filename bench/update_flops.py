@@ -30,6 +30,7 @@ from forge.presets import get_preset
 from forge.records import ScoredBatch
 from forge.rewards.math import completion_matches
 from forge.rollout import HFBackend, SamplingParams
+from forge.shared_prefix import PackingCost
 from forge.trainer import Trainer
 
 
@@ -57,8 +58,8 @@ def real_batch(cfg, model, tok) -> ScoredBatch:
 
 def model_flops(model, batch: ScoredBatch) -> float:
     """6 x body parameters x distinct tokens + 6 x LM-head parameters x completion tokens (fwd + bwd)."""
-    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    body = sum(p.numel() for p in model.parameters() if p is not emb and p is not head)
+    body = PackingCost.of(model).per_token / 2  # parameters outside the embedding and the LM head
+    head = model.get_output_embeddings().weight
     ro = batch.rollouts
     group = ro.group_size
     prompt_tokens = int(ro.prompt_mask[::group].sum())
