@@ -30,7 +30,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from arith_task import PRESET, TASK  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-TRL_SPECS = ["trl==1.16.0", "datasets==5.2.0"]
+TRL_SPECS = ["trl==1.16.0", "datasets==5.2.0", "math-verify==0.9.0"]  # math-verify: the shared reward's parser
 
 
 def trl_python(venv: Path) -> Path:

@@ -264,8 +264,9 @@ class UpdateConfig:
     logits_completion_only: bool = True
     """Apply the LM head only to completion positions (the loss never reads prompt logits)."""
     shared_prefix: bool = True
-    """Compute each group's prompt once per micro-batch (prompt + its completions packed in one row with a
-    block mask; forge/shared_prefix.py) where that costs fewer FLOPs; same log-probs up to float rounding."""
+    """Pack each micro-batch into one padding-free row in which each group's prompt is computed once (a block
+    mask keeps every completion to its own context; forge/shared_prefix.py) where that costs fewer FLOPs; same
+    log-probs up to float rounding."""
     num_processes: int = 0
     """Update processes: 0 = what Weaver's plan gives the update pool (1 on a CPU machine); >1 = that many rank
     actors on Ray forming one torch.distributed group (gloo on CPU, NCCL on GPUs); rank 0 hands the new weights

@@ -11,8 +11,8 @@ are summed over ranks, so they, too, do not depend on the split.
 Precision: bf16 autocast on GPUs, fp32 on CPU (`update.autocast_bf16` opts a CPU run into bf16 autocast where the
 CPU has bf16 units; `forge.precision`); the reference model runs under the same autocast as the policy, so the KL
 at identical weights is exactly 0. Log-probs never hold a [n, T, vocab] fp32 tensor (`chunked_logprobs`).
-A micro-batch's rows that share a prompt (a GRPO group) are packed into one row so the prompt is computed once,
-where that costs fewer FLOPs (`update.shared_prefix`, `forge.shared_prefix`): same log-probs up to float rounding.
+A micro-batch is packed into one padding-free row in which each group's prompt appears once (GRPO's G completions
+of a prompt share it), where that costs fewer FLOPs (`update.shared_prefix`, `forge.shared_prefix`): same log-probs up to float rounding.
 FSDP (`update.strategy=fsdp`, more than one rank) shards the model with torch's `fully_shard` (FSDP2) per decoder
 layer and at the root, because Accelerate 1.15's FSDP plugin is silently ignored on CPU (it wraps the model in
 DDP). Checkpoints are sharded (`forge.distributed.state`, `forge.checkpoint`): each rank saves its own slice and a
@@ -49,7 +49,15 @@ from forge.lr import AdaptiveLR, scheduled_lr
 from forge.models import is_peft, merged_weights
 from forge.precision import update_bf16
 from forge.records import ScoredBatch, UpdateStats
-from forge.shared_prefix import PackingCost, group_spans, pack, pack_saves_compute, packed_logits
+from forge.shared_prefix import (
+    PackingCost,
+    completion_lengths,
+    group_spans,
+    pack,
+    pack_saves_compute,
+    packed_length,
+    packed_logits,
+)
 
 
 @dataclass(frozen=True)
@@ -79,17 +87,24 @@ def token_logprobs(
     The model's logits stay in its compute dtype; the fp32 log-softmax is taken over chunks of completion positions
     (`chunk_elements` fp32 values each), recomputed in the backward pass when there are several, so no
     [n, T, vocab] fp32 tensor is ever held: per row the values are those of one full log-softmax. With `packing`
-    (the model's cost model), rows sharing a prompt are packed so the prompt is computed once
-    (`forge.shared_prefix`) where that costs fewer FLOPs."""
-    T = completion_ids.shape[1]
+    (the model's cost model), the rows are packed into one padding-free row in which each group's prompt is
+    computed once (`forge.shared_prefix`) where that costs fewer FLOPs."""
+    n, T = completion_ids.shape
     if packing is not None and completion_only and packing.fits(prompt_ids.shape[1] + T):
         spans = group_spans(prompt_ids, prompt_mask)
-        if pack_saves_compute(packing, spans, prompt_ids.shape[1], T):
+        length = packed_length(prompt_mask, completion_lengths(completion_mask), spans)
+        packed = None
+        if pack_saves_compute(packing, n, prompt_ids.shape[1] + T, length):
             packed = pack(prompt_ids, prompt_mask, completion_ids, completion_mask, spans)
+        if packed is not None:
             dtype = next(model.parameters()).dtype
             with autocast_context(prompt_ids.device.type, autocast_bf16):
-                logits = packed_logits(model, packed, packing.mask_kind, dtype)  # [n, T, vocab]
-            return chunked_logprobs(logits, completion_ids, temperature, chunk_elements)
+                logits = packed_logits(model, packed, packing.mask_kind, dtype)  # [1, C, vocab]
+            flat = chunked_logprobs(logits, packed.targets, temperature, chunk_elements)  # [1, C]
+            return TokenLogprobs(
+                logp=flat.logp.new_zeros(n, T).masked_scatter(packed.taken, flat.logp[0]),
+                entropy=flat.entropy.new_zeros(n, T).masked_scatter(packed.taken, flat.entropy[0]),
+            )
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [n, P+T]
     attention = torch.cat([prompt_mask, completion_mask], dim=1)
     position_ids = (attention.long().cumsum(dim=1) - 1).clamp(min=0)

@@ -1,8 +1,8 @@
 """Shared-prefix packing (forge/shared_prefix.py): the same log-probs, gradients and update as the plain forward.
 
 A tiny 2-layer Llama with grouped-query attention and the character tokenizer. Rows: 3 prompts of different
-lengths (left-padded) with groups of 3, 1 and 2 completions (a group of one and uneven groups exercise empty
-slots), completions of different lengths with an eos in some rows, right-padded to T = 5.
+lengths (left-padded) with groups of 3, 1 and 2 completions (a group of one, uneven groups), completions of
+different lengths with an eos in some rows, right-padded to T = 5 (the packed row drops every padding token).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import forge.trainer as trainer_mod
 from forge.config import RunConfig
 from forge.models import build_char_tokenizer, build_tiny_model
 from forge.records import Rollouts, ScoredBatch
-from forge.shared_prefix import PackingCost, group_spans, pack, pack_saves_compute
+from forge.shared_prefix import PackingCost, completion_lengths, group_spans, pack, pack_saves_compute, packed_length
 from forge.trainer import Trainer, token_logprobs
 
 torch.set_num_threads(1)
@@ -72,22 +72,47 @@ def test_groups_are_runs_of_identical_prompts(tok):
     assert group_spans(ro.prompt_ids, ro.prompt_mask) == [(0, 3), (3, 4), (4, 6)]
 
 
-def test_packed_layout_puts_each_prompt_once_before_its_slots(tok):
+def test_packed_row_holds_each_prompt_once_and_no_padding(tok):
     ro = rollouts(tok)
     spans = group_spans(ro.prompt_ids, ro.prompt_mask)
     packed = pack(ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask, spans)
-    P = ro.prompt_ids.shape[1]
-    assert packed.slots == 3 and packed.input_ids.shape == (3, P + 3 * T)
-    assert packed.rows.tolist() == [0, 1, 2, 3, 6, 7]  # group g's slot j is row g*3 + j
-    assert torch.equal(packed.input_ids[2, P + T : P + 2 * T], ro.completion_ids[5])
-    # slot 1's first token is predicted from the prompt's last position, its second from its own first
-    assert packed.keep[T].item() == P - 1 and packed.keep[T + 1].item() == P + T
-    mask = packed.attention[0, 0]  # group 0: prompt fully real ("12+34=" is the longest prompt)
-    q = P + T  # slot 1, token 0
-    assert mask[q, :P].all() and not mask[q, P : P + T].any() and mask[q, q] and not mask[q, q + 1 :].any()
-    # positions restart after the prompt in every slot
-    assert packed.position_ids[0, P : P + 2].tolist() == [P, P + 1]
-    assert packed.position_ids[0, P + T : P + T + 2].tolist() == [P, P + 1]
+    prompts = [p for p, _ in GROUPS]
+    lengths = ro.completion_mask.sum(1).tolist()  # [3, 1, 4, 3, 3, 5]: "46"+eos, "4", "460"+eos, ...
+    assert completion_lengths(ro.completion_mask).tolist() == lengths
+    assert packed.input_ids.shape == (1, sum(map(len, prompts)) + sum(lengths))
+    assert packed_length(ro.prompt_mask, completion_lengths(ro.completion_mask), spans) == packed.input_ids.shape[1]
+    p0, c0 = len(prompts[0]), lengths[0]
+    row = packed.input_ids[0]
+    assert torch.equal(row[:p0], ro.prompt_ids[0, -p0:])  # group 0's real prompt tokens, no left padding
+    assert torch.equal(row[p0 : p0 + c0], ro.completion_ids[0, :c0])
+    assert torch.equal(row[p0 + c0 : p0 + c0 + lengths[1]], ro.completion_ids[1, : lengths[1]])
+    # completion 1's first token is predicted from the prompt's last position, its next ones from its own tokens
+    assert packed.keep[:c0].tolist() == [p0 - 1, p0, p0 + 1]
+    assert packed.keep[c0].item() == p0 - 1
+    assert torch.equal(packed.targets[0], ro.completion_ids[ro.completion_mask.bool()])
+    mask = packed.attention[0, 0]
+    q = p0 + c0  # completion 1's first token sees group 0's prompt and itself, not completion 0
+    assert mask[q, :p0].all() and not mask[q, p0:q].any() and mask[q, q] and not mask[q, q + 1 :].any()
+    g1 = p0 + sum(lengths[:3])  # group 1's prompt sees none of group 0
+    assert not mask[g1, :g1].any() and mask[g1, g1]
+    # positions restart after the prompt in every completion, and at 0 in every prompt
+    assert packed.position_ids[0, p0 : p0 + 2].tolist() == [p0, p0 + 1]
+    assert packed.position_ids[0, q : q + 1].tolist() == [p0]
+    assert packed.position_ids[0, g1] == 0
+
+
+def test_a_masked_token_inside_a_completion_stays_context_but_no_key(tok, packed_calls):
+    """A hole in the completion mask (a tool's output, say) is kept in the row as the plain forward keeps it: no key
+    for later tokens, positions not advanced; the tokens after it get the plain log-probs."""
+    ro = rollouts(tok)
+    mask = ro.completion_mask.clone()
+    mask[2, 1] = 0  # "460"+eos: the "6" is masked, "0" and eos still count
+    ro = dataclasses.replace(ro, completion_mask=mask)
+    model = tiny(tok)
+    with torch.no_grad():
+        plain, packed = logprobs(model, ro, None), logprobs(model, ro, PackingCost.of(model))
+    assert len(packed_calls) == 1
+    assert torch.allclose(packed[mask.bool()], plain[mask.bool()], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -149,15 +174,16 @@ def test_a_trainer_step_is_the_same_packed_or_plain(tok, packed_calls):
 
 
 def test_packing_is_used_only_where_it_saves_flops():
-    # per_token 1000, per_pair 1: plain n*(L*1000 + L*L), packed Gp*(L'*1000 + L'^2)
+    # per_token 1000, per_pair 1: plain n*(L*1000 + L*L), packed L'*1000 + L'^2
     cost = PackingCost(per_token=1000.0, per_pair=1.0, mask_kind="bool")
-    eight = [(0, 8)]
-    # prompt 50, completions 32: plain 8*(82*1000 + 82^2) = 709,792; packed 306*1000 + 306^2 = 399,636
-    assert pack_saves_compute(cost, eight, prompt_len=50, comp_len=32)
+    # a group of 8, prompt 50, completions 32: plain 8*(82*1000 + 82^2) = 709,792; packed 306*1000 + 306^2 = 399,636
+    assert pack_saves_compute(cost, rows=8, padded_len=82, packed_len=50 + 8 * 32)
     # prompt 10, completions 1000: plain 8*(1010*1000 + 1010^2) = 16.2M; packed 8010*1000 + 8010^2 = 72.2M
-    assert not pack_saves_compute(cost, eight, prompt_len=10, comp_len=1000)
-    # rows that share no prompt: packing cannot save anything
-    assert not pack_saves_compute(cost, [(i, i + 1) for i in range(8)], prompt_len=50, comp_len=32)
+    assert not pack_saves_compute(cost, rows=8, padded_len=1010, packed_len=10 + 8 * 1000)
+    # rows that share no prompt and have no padding: packing cannot save anything
+    assert not pack_saves_compute(cost, rows=8, padded_len=82, packed_len=8 * 82)
+    # ... but with padding it can: 8 rows of 82 padded, 8 * 41 real tokens
+    assert pack_saves_compute(cost, rows=8, padded_len=82, packed_len=8 * 41)
 
 
 def test_kernels_without_a_4d_mask_are_not_packed(tok):
