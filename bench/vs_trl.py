@@ -9,7 +9,12 @@ Both trained models are scored by the same evaluator (greedy pass@1 on the held-
 
 Seconds per step: the median over the steps after the first (warm-up). For TRL, an optimizer step's wall time
 (generation, reward, update); for forgeweave, `perf/step_s` of the loop.
-Usage: python bench/vs_trl.py [--steps 32] [--eval-problems 200] [--only trl|forgeweave] [--set key=value ...]
+
+Each side's result is written to `--out` (runs/bench-vs-trl). `--reuse-trl` takes TRL's result from there when it
+was measured with the same settings on this machine (TRL's side does not change with forgeweave's code; the table
+says when it was measured), so a forgeweave change is re-measured in minutes instead of TRL's half hour.
+Usage: python bench/vs_trl.py [--steps 32] [--eval-problems 200] [--only trl|forgeweave] [--reuse-trl]
+                              [--set key=value ...]
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -48,6 +54,33 @@ def trl_python(venv: Path) -> Path:
     subprocess.run([*pip, *specs], check=True)
     stamp.write_text(" ".join(specs))
     return py
+
+
+def trl_key(cfg, extra: list[str]) -> dict:
+    """What TRL's result depends on: the task's settings, the packages and the machine."""
+    import torch
+
+    r, u = cfg.rollout, cfg.update
+    return {
+        "steps": cfg.steps, "prompts": r.prompts_per_step, "group": r.group_size, "tokens": r.max_new_tokens,
+        "temperature": r.temperature, "lr": u.lr, "warmup": u.warmup_steps, "seed": cfg.seed,
+        "eval_problems": cfg.eval.max_problems, "sets": extra, "packages": [torch.__version__, *TRL_SPECS],
+        "machine": [platform.machine(), platform.processor(), os.cpu_count(), cpu_model()],
+    }  # fmt: skip
+
+
+def cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return next((x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")), "")
+
+
+def save_result(path: Path, result: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)
 
 
 def task_config(steps: int, problems: int, extra: list[str]):
@@ -111,17 +144,32 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--eval-problems", type=int, default=200)
     ap.add_argument("--only", choices=["trl", "forgeweave"], help="run one side only")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-vs-trl", help="where both runs go")
+    ap.add_argument("--reuse-trl", action="store_true", help="reuse TRL's result measured with the same settings")
     ap.add_argument("--trl-venv", type=Path, default=ROOT / ".venv-trl", help="TRL's own venv (created on first use)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for both runs")
     args = ap.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="fw-bench-trl-"))
-    print(f"machine: {os.cpu_count()} cores; runs in {root}", flush=True)
+    root = args.out.resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"machine: {os.cpu_count()} cores ({cpu_model()}); runs in {root}", flush=True)
     cfg = task_config(args.steps, args.eval_problems, args.set)
     res = {}
     if args.only != "forgeweave":
-        res["TRL 1.16 GRPOTrainer (fp32)"] = run_trl(cfg, root, args.trl_venv, args.set)
+        cached, key = root / "trl-result.json", trl_key(cfg, args.set)
+        old = json.loads(cached.read_text()) if args.reuse_trl and cached.is_file() else {}
+        if old.get("key") == key:
+            print(f"TRL: reusing the result measured {old['measured']} ({cached})", flush=True)
+            trl = {**old["result"], "detail": f"{old['result']['detail']}; measured {old['measured']}"}
+        else:
+            if args.reuse_trl:
+                print("TRL: no result with these settings on this machine yet: measuring it", flush=True)
+            trl = run_trl(cfg, root, args.trl_venv, args.set)
+            save_result(cached, {"key": key, "measured": time.strftime("%Y-%m-%d %H:%M"), "result": trl})
+        res["TRL 1.16 GRPOTrainer (fp32)"] = trl
     if args.only != "trl":
+        shutil.rmtree(root / "forgeweave", ignore_errors=True)
         res["forgeweave"] = run_forgeweave(cfg, root)
+        save_result(root / "forgeweave-result.json", res["forgeweave"])
     print(f"\nSmolLM2-135M-Instruct, {args.steps} steps, greedy pass@1 on {args.eval_problems} held-out problems")
     print(f"{'':<30}{'s/step':>9}{'pass@1 before -> after':>26}{'wall s':>9}  detail")
     for name, r in res.items():

@@ -5,7 +5,10 @@ The adaptive controller watches one signal each step:
              when beta > 0); `target` is an absolute KL. With one PPO pass and beta = 0 this KL is 0 by
              construction, so prefer `grad_norm` there.
   grad_norm  the pre-clip gradient norm, compared with its own exponential moving average; `target` is the
-             spike ratio (e.g. 2.0 = cut when the norm is twice its recent average).
+             spike ratio (e.g. 2.0 = cut when the norm is twice its recent average). A step whose gradient is
+             exactly zero (every advantage 0: each group's rewards were all equal) carries no signal and is not an
+             observation: it neither moves the average nor counts as calm, or GRPO's frequent all-equal batches
+             would pull the average to 0 and make every real step after them look like a spike.
 Above target the scale is multiplied by `cut`; when the signal is below half the target it recovers by
 `recover` per step, up to 1. This is a simple multiplicative-decrease / slow-increase rule in the spirit of
 adaptive-KL PPO (Schulman et al., 2017), applied to the LR instead of a KL coefficient.
@@ -62,7 +65,12 @@ class AdaptiveLR:
         >>> a = AdaptiveLR(signal="grad_norm", target=2.0)
         >>> [a.observe(0, g) for g in (1.0, 1.0, 5.0)]
         [1.0, 1.0, 0.5]
+        >>> b = AdaptiveLR(signal="grad_norm", target=2.0)
+        >>> [b.observe(0, g) for g in (0.0, 2.0, 0.0, 0.0, 2.5)]  # zero-gradient steps: no observation
+        [1.0, 1.0, 1.0, 1.0, 1.0]
         """
+        if self.signal == "grad_norm" and grad_norm == 0.0:
+            return self.scale  # no gradient, no signal: hold, and keep the average of real steps
         level = self._level(kl, grad_norm)
         if level > 1.0:
             self.scale = max(self.min_scale, self.scale * self.cut)

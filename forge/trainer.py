@@ -68,6 +68,7 @@ class TokenLogprobs:
 
 # fp32 elements of one chunk of [n, t, vocab] log-softmax (256 MiB): bounds the log-prob temporaries at any length
 LOGPROB_CHUNK_ELEMENTS = 2**26
+FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # torch's fused AdamW (CPU and CUDA)
 
 
 def token_logprobs(
@@ -173,7 +174,12 @@ class Trainer:
         if self.fsdp and is_peft(model):
             raise UserError("model.lora.rank > 0 cannot be combined with update.strategy=fsdp: use ddp")
         trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapter only
-        optimizer = torch.optim.AdamW(trainable, lr=u.lr, betas=tuple(u.adam_betas), weight_decay=u.weight_decay)
+        # fused: one kernel over all parameters (0.12 s vs 0.41 s per step for 133M fp32 parameters on 2 CPU
+        # cores); FSDP's sharded DTensor parameters take the default implementation
+        fused = not self.fsdp and all(p.dtype in FUSED_DTYPES for p in trainable)
+        optimizer = torch.optim.AdamW(
+            trainable, lr=u.lr, betas=tuple(u.adam_betas), weight_decay=u.weight_decay, fused=fused or None
+        )
         if self.fsdp:
             self.model, self.optimizer = model, optimizer
         else:

@@ -93,6 +93,16 @@ def test_grad_norm_spike_cuts_then_recovers_slowly_to_exactly_one():
     assert a.cuts == 1
 
 
+def test_grad_norm_zero_gradient_steps_are_not_observations():
+    """GRPO batches whose groups all have equal rewards give a zero gradient. Measured on the speed task (4 prompts
+    x 8): step 1 was such a batch, the average started at 0, and the controller cut the LR to its 1% floor by step 9."""
+    a = AdaptiveLR(signal="grad_norm", target=2.0)
+    norms = [0.0, 2.1, 2.0, 0.0, 2.4, 2.9, 2.2, 2.5, 2.9, 0.0, 1.9, 2.5]  # that run's first 12 pre-clip norms
+    assert [a.observe(0.0, g) for g in norms] == [1.0] * len(norms)
+    assert a.cuts == 0 and a.ema == pytest.approx(2.24, abs=0.05)
+    assert a.observe(0.0, 10.0) == 0.5  # a real spike still cuts
+
+
 def test_grad_norm_hold_zone():
     a = AdaptiveLR(signal="grad_norm", target=2.0)
     a.observe(0.0, 1.0)
