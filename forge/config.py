@@ -121,6 +121,9 @@ class RolloutConfig:
     """Sequences per generate() call."""
     shared_prefill: bool = True
     """hf: prefill each prompt once per group and share its KV cache (same tokens; less prefill compute)."""
+    compact_every: int = 4
+    """hf: every this many new tokens, sequences that have ended leave the batch, so decoding no longer computes
+    them (0 = never; greedy tokens are the same either way)."""
     autocast_bf16: bool = False
     """Sample under bf16 autocast (faster on CPUs with bf16 units and on GPUs)."""
     vllm_python: str = ""
@@ -468,6 +471,7 @@ RANGES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "rollout.temperature": (_positive, "must be > 0 (use eval for greedy)"),
     "rollout.top_p": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
     "rollout.batch_size": (_positive, "must be >= 1"),
+    "rollout.compact_every": (_non_negative, "must be >= 0 (0 = never)"),
     "rollout.vllm_kv_cache_gib": (_positive, "must be >= 1"),
     "rollout.vllm_start_timeout_s": (_positive, "must be > 0 seconds"),
     "rollout.replicas": (_positive, "must be >= 1"),

@@ -6,6 +6,7 @@ gradients), and rollout.batch_size / eval.batch_size set the sequences per gener
 from __future__ import annotations
 
 import torch
+from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
 from forge.config import EvalConfig, RolloutConfig
 from forge.evaluate import evaluate
@@ -45,8 +46,9 @@ def _scores_reference(model, tok, params: SamplingParams):
 def test_hf_rollout_streams_the_same_tokens_and_logprobs_as_stored_scores():
     model, tok = _tiny()
     params = SamplingParams(max_new_tokens=7, temperature=0.7, top_p=0.9, n=3, seed=11)
-    # the plain path: bit-equal to the reference (a shared prefill differs by float noise: tests/rollout/)
-    rollout = RolloutConfig(batch_size=64, shared_prefill=False)
+    # the plain path in one generate call: bit-equal to the reference (a shared prefill differs by float noise,
+    # compaction draws fewer random numbers once rows have ended: tests/rollout/)
+    rollout = RolloutConfig(batch_size=64, shared_prefill=False, compact_every=0)
     ro = make_backend("hf", model, tok, rollout=rollout).generate(PROMPTS, params)
     ids, logp = _scores_reference(model, tok, params)
     width = ro.completion_ids.shape[1]
@@ -54,6 +56,33 @@ def test_hf_rollout_streams_the_same_tokens_and_logprobs_as_stored_scores():
     assert torch.equal(ro.completion_ids[mask], ids[:, :width][mask])  # same warpers, same draws
     assert torch.equal(ro.sampling_logprobs, logp[:, :width])
     assert (ro.sampling_logprobs[mask] < 0).all()
+
+
+def _teacher_forced_logprobs(model, ro, params: SamplingParams) -> torch.Tensor:
+    """The rollout's tokens scored afresh: one forward over prompt + completion, the temperature and top-p warpers
+    applied to each position's logits, the full [n, T, vocab] log-softmax. [n, T], 0 after eos."""
+    P, T = ro.prompt_ids.shape[1], ro.completion_ids.shape[1]
+    ids = torch.cat([ro.prompt_ids, ro.completion_ids], dim=1)
+    mask = torch.cat([ro.prompt_mask, ro.completion_mask], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+    warpers = [TemperatureLogitsWarper(params.temperature), TopPLogitsWarper(params.top_p)]
+    logp = torch.zeros(ro.completion_ids.shape)
+    for t in range(T):
+        scores = logits[:, P - 1 + t].float()
+        for warp in warpers:
+            scores = warp(ids[:, : P + t], scores)
+        logp[:, t] = torch.log_softmax(scores, dim=-1).gather(-1, ro.completion_ids[:, t : t + 1]).squeeze(-1)
+    return logp * ro.completion_mask
+
+
+def test_hf_rollout_compacted_streams_the_log_probs_of_the_distribution_it_sampled():
+    model, tok = _tiny()
+    params = SamplingParams(max_new_tokens=7, temperature=0.7, top_p=0.9, n=3, seed=11)
+    ro = make_backend("hf", model, tok, rollout=RolloutConfig(compact_every=2)).generate(PROMPTS, params)
+    mask = ro.completion_mask.bool()
+    torch.testing.assert_close(ro.sampling_logprobs, _teacher_forced_logprobs(model, ro, params), rtol=0, atol=1e-5)
+    assert (ro.sampling_logprobs[mask] < 0).all() and (ro.sampling_logprobs[~mask] == 0).all()
 
 
 def test_hf_rollout_never_asks_generate_for_scores(monkeypatch):

@@ -24,7 +24,12 @@ def make_backend(
     if name == "hf":
         r = rollout or RolloutConfig()
         return HFBackend(
-            model, tokenizer, autocast_bf16=autocast_bf16, batch_size=r.batch_size, shared_prefill=r.shared_prefill
+            model,
+            tokenizer,
+            autocast_bf16=autocast_bf16,
+            batch_size=r.batch_size,
+            shared_prefill=r.shared_prefill,
+            compact_every=r.compact_every,
         )
     if name == "vllm":
         from forge.rollout.vllm import VLLMBackend

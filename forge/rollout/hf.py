@@ -3,9 +3,8 @@
 Prompts are left-padded, completions right-padded. The completion mask covers sampled tokens up to and
 including the first eos (so pad == eos tokenizers keep their eos), never `token != pad`. Sampling
 log-probs are those of the distribution actually sampled from (after temperature and top-p): the temperature and
-top-p warpers are passed to `generate` as logits processors followed by `_PickToken`, which samples the token
-itself (inverse CDF: torch.multinomial's per-entry exponential draws were 14% of a rollout) and keeps only the
-chosen tokens' log-probs step by step, never the [n, T, vocab] scores (tens of GB at 1k tokens, 150k vocabulary).
+top-p warpers are passed to `generate` as logits processors followed by `_PickToken`, which picks the token
+itself (the same draw generate makes) and keeps only the chosen tokens' log-probs step by step, never the [n, T, vocab] scores (tens of GB at 1k tokens, 150k vocabulary).
 `generate` is called on chunks of `batch_size` sequences (`rollout.batch_size`; `SamplingParams.batch_size` for
 evaluation).
 
@@ -42,13 +41,20 @@ from forge.rollout.base import SamplingParams, cat_padded
 
 class HFBackend:
     def __init__(
-        self, model, tokenizer, autocast_bf16: bool = False, batch_size: int = 64, shared_prefill: bool = True
+        self,
+        model,
+        tokenizer,
+        autocast_bf16: bool = False,
+        batch_size: int = 64,
+        shared_prefill: bool = True,
+        compact_every: int = 4,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.autocast_bf16 = bf16_autocast(autocast_bf16, model.device.type, "rollout.autocast_bf16")
         self.batch_size = batch_size
         self.shared_prefill = shared_prefill
+        self.compact_every = compact_every
         self.policy_version = 0
 
     def sync_weights(self, model, version: int) -> float:
@@ -80,9 +86,7 @@ class HFBackend:
         """`repeats` completions of each prompt ([len(prompts) * repeats] rows); repeats > 1 prefills each prompt once."""
         tok, model = self.tokenizer, self.model
         enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-        greedy = params.temperature == 0
-        pick = _PickToken(sample=not greedy)
-        warpers = [] if greedy else _warpers(params)
+        warpers = [] if params.temperature == 0 else _warpers(params)
         was_training = model.training
         model.eval()
         autocast = (
@@ -90,21 +94,8 @@ class HFBackend:
         )
         with autocast:
             enc, shared = _expand(model, enc, repeats)  # [n, L]
-            sequences = model.generate(
-                **enc,
-                **shared,
-                max_new_tokens=params.max_new_tokens,
-                do_sample=False,  # `pick` chooses the token (after our warpers); generate takes it
-                temperature=None,
-                top_p=None,
-                top_k=None,
-                logits_processor=LogitsProcessorList([*warpers, pick]),
-                pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id,
-            )
+            completion, logprobs = self._decode(enc, shared, params, warpers)  # [n, T]
         model.train(was_training)
-        completion = sequences[:, enc["input_ids"].shape[1] :]  # [n, T]
-        logprobs = pick.finish(completion)  # [n, T]
         mask = completion_mask(completion, tok.eos_token_id)
         return {
             "prompt_ids": enc["input_ids"],
@@ -113,6 +104,47 @@ class HFBackend:
             "mask": mask,
             "logprobs": logprobs * mask,
         }
+
+    def _decode(
+        self, enc: dict, shared: dict, params: SamplingParams, warpers: list
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, T] completion tokens (pad after eos) and their log-probs, by `generate`. With `compact_every`, generate
+        runs that many tokens at a time; between the calls the sequences that have ended leave the batch, and the
+        rest go on from their KV cache (`DynamicCache.batch_select_indices`), so decoding computes only live ones."""
+        tok, model, T = self.tokenizer, self.model, params.max_new_tokens
+        ids, mask = enc["input_ids"], enc["attention_mask"]
+        every = self.compact_every if self.compact_every and _takes_outside_cache(model) else T
+        tokens = torch.full((ids.shape[0], T), tok.pad_token_id, dtype=torch.long, device=ids.device)
+        logprobs = torch.zeros(ids.shape[0], T, device=ids.device)
+        alive = torch.arange(ids.shape[0], device=ids.device)  # rows of `tokens` still decoding
+        done = 0
+        while True:
+            pick = _PickToken(sample=params.temperature > 0)
+            steps = min(every, T - done)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                **shared,
+                max_new_tokens=steps,
+                do_sample=False,  # `pick` chooses the token (after our warpers); generate takes it
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                logits_processor=LogitsProcessorList([*warpers, pick]),
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+                return_dict_in_generate=True,
+            )
+            new = out.sequences[:, ids.shape[1] :]  # [a, <= steps]: shorter when every sequence ended
+            tokens[alive, done : done + new.shape[1]] = new
+            logprobs[alive, done : done + new.shape[1]] = pick.finish(new)
+            done += new.shape[1]
+            live = torch.nonzero(~(new == tok.eos_token_id).any(dim=1)).flatten()
+            if done >= T or new.shape[1] < steps or live.numel() == 0 or not isinstance(out.cache, DynamicCache):
+                return tokens[:, :done], logprobs[:, :done]
+            out.cache.batch_select_indices(live)  # the ended sequences leave the cache and the batch
+            ids, mask = out.sequences[live], torch.cat([mask[live], torch.ones_like(new[live])], dim=1)
+            alive, shared = alive[live], {"cache": out.cache}
 
     def _merge(self, chunks: list[dict], prompts: list[str], group_size: int) -> Rollouts:
         tok = self.tokenizer
@@ -202,10 +234,10 @@ class _PickToken(LogitsProcessor):
     """The last logits processor: picks every row's next token itself and records its log-prob under the
     processed distribution. Holds [n, vocab] for one step, never [n, T, vocab].
 
-    Greedy: the argmax. Sampling: `sample_categorical` (exact inverse-CDF sampling, one uniform draw per row). It
-    replaces `torch.multinomial`, which took 45 ms of each decoding step on SmolLM2-135M here (14% of a rollout;
-    `replacement=True` is no faster). The returned scores are 0 at the chosen token and -inf elsewhere, and
-    `generate` runs greedy, so it takes exactly that token."""
+    Greedy: the argmax; sampling: `torch.multinomial` over the softmax, the draw `generate` itself makes (so the
+    same seed gives the same tokens as `generate`'s own sampling). The returned scores are 0 at the chosen token and
+    -inf elsewhere, and `generate` runs greedy, so it takes exactly that token. Picking here rather than in
+    `generate` lets the log-prob be recorded at once and lets a batch be compacted between generate calls."""
 
     def __init__(self, sample: bool):
         self.sample = sample
@@ -214,7 +246,7 @@ class _PickToken(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         logsm = torch.log_softmax(scores.float(), dim=-1)  # [n, vocab]
         if self.sample:
-            chosen = sample_categorical(logsm.exp())  # [n, 1]
+            chosen = torch.multinomial(torch.softmax(scores.float(), dim=-1), 1)  # generate's own draw  [n, 1]
         else:
             chosen = scores.argmax(dim=-1, keepdim=True)
         self.logprobs.append(logsm.gather(-1, chosen).squeeze(-1))
@@ -226,30 +258,6 @@ class _PickToken(LogitsProcessor):
         if not self.logprobs:
             return torch.zeros(completion.shape, dtype=torch.float32, device=completion.device)
         return torch.stack(self.logprobs, dim=1)
-
-
-def sample_categorical(probs: torch.Tensor, block: int = 256) -> torch.Tensor:
-    """One index per row of `probs` ([n, V], unnormalised, >= 0), drawn with probability p_i / sum(p): exact
-    inverse-CDF sampling from one `torch.rand` draw per row, in two levels (the block, then the entry in it) so only
-    [n, V / block] sums and one block per row are accumulated, in float64. A zero-probability entry is never drawn.
-
-    >>> _ = torch.manual_seed(0)
-    >>> p = torch.tensor([[0.0, 0.25, 0.0, 0.75], [1.0, 0.0, 0.0, 0.0]])
-    >>> draws = torch.cat([sample_categorical(p, block=2) for _ in range(4000)], dim=1)  # [2, 4000]
-    >>> sorted(set(draws[0].tolist())), round(float((draws[0] == 3).double().mean()), 2), set(draws[1].tolist())
-    ([1, 3], 0.75, {0})
-    """
-    n, V = probs.shape
-    pad = -V % block
-    blocks = torch.nn.functional.pad(probs, (0, pad)).view(n, -1, block)  # [n, B, block]
-    block_cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # [n, B]
-    u = torch.rand(n, 1, dtype=torch.float64, device=probs.device) * block_cdf[:, -1:]  # [n, 1] in [0, total)
-    # entry i owns [cdf[i-1], cdf[i]): the first cdf above u; empty blocks and entries own nothing
-    b = torch.searchsorted(block_cdf, u, right=True).clamp(max=block_cdf.shape[1] - 1)  # [n, 1]
-    before = torch.where(b > 0, block_cdf.gather(-1, (b - 1).clamp(min=0)), 0.0)
-    inner = blocks[torch.arange(n, device=probs.device), b[:, 0]].cumsum(dim=-1, dtype=torch.float64)  # [n, block]
-    rest = torch.minimum(u - before, inner[:, -1:] * (1 - 1e-12))  # rounding must not push u past the block's mass
-    return b * block + torch.searchsorted(inner, rest, right=True).clamp(max=block - 1)
 
 
 def completion_mask(completion: torch.Tensor, eos_id: int) -> torch.Tensor:
