@@ -12,7 +12,8 @@ Precision: bf16 autocast on GPUs, fp32 on CPU (`update.autocast_bf16` opts a CPU
 CPU has bf16 units; `forge.precision`); the reference model runs under the same autocast as the policy, so the KL
 at identical weights is exactly 0. Log-probs never hold a [n, T, vocab] fp32 tensor (`chunked_logprobs`).
 A micro-batch is packed into one padding-free row in which each group's prompt appears once (GRPO's G completions
-of a prompt share it), where that costs fewer FLOPs (`update.shared_prefix`, `forge.shared_prefix`): same log-probs up to float rounding.
+of a prompt share it), where that costs fewer FLOPs (`update.shared_prefix`, `forge.shared_prefix`): same
+log-probs up to float rounding.
 FSDP (`update.strategy=fsdp`, more than one rank) shards the model with torch's `fully_shard` (FSDP2) per decoder
 layer and at the root, because Accelerate 1.15's FSDP plugin is silently ignored on CPU (it wraps the model in
 DDP). Checkpoints are sharded (`forge.distributed.state`, `forge.checkpoint`): each rank saves its own slice and a
@@ -94,10 +95,10 @@ def token_logprobs(
     if packing is not None and completion_only and packing.fits(prompt_ids.shape[1] + T):
         spans = group_spans(prompt_ids, prompt_mask)
         length = packed_length(prompt_mask, completion_lengths(completion_mask), spans)
-        packed = None
-        if pack_saves_compute(packing, n, prompt_ids.shape[1] + T, length):
-            packed = pack(prompt_ids, prompt_mask, completion_ids, completion_mask, spans)
-        if packed is not None:
+        if (
+            pack_saves_compute(packing, n, prompt_ids.shape[1] + T, length)
+            and (packed := pack(prompt_ids, prompt_mask, completion_ids, completion_mask, spans)) is not None
+        ):
             dtype = next(model.parameters()).dtype
             with autocast_context(prompt_ids.device.type, autocast_bf16):
                 logits = packed_logits(model, packed, packing.mask_kind, dtype)  # [1, C, vocab]
