@@ -4,7 +4,7 @@ Prompts are left-padded, completions right-padded. The completion mask covers sa
 including the first eos (so pad == eos tokenizers keep their eos), never `token != pad`. Sampling
 log-probs are those of the distribution actually sampled from (after temperature and top-p): the temperature and
 top-p warpers are passed to `generate` as logits processors followed by `_PickToken`, which picks the token
-itself (the same draw generate makes) and keeps only the chosen tokens' log-probs step by step, never the [n, T, vocab] scores (tens of GB at 1k tokens, 150k vocabulary).
+itself (an exact draw, `sample_tokens`) and keeps only the chosen tokens' log-probs step by step, never the [n, T, vocab] scores (tens of GB at 1k tokens, 150k vocabulary).
 `generate` is called on chunks of `batch_size` sequences (`rollout.batch_size`; `SamplingParams.batch_size` for
 evaluation).
 
@@ -37,6 +37,8 @@ from transformers import (
 from forge.precision import bf16_autocast
 from forge.records import Rollouts
 from forge.rollout.base import SamplingParams, cat_padded
+
+SAMPLE_BLOCK = 256  # tokens per block of `sample_tokens`'s first stage
 
 
 class HFBackend:
@@ -234,23 +236,24 @@ class _PickToken(LogitsProcessor):
     """The last logits processor: picks every row's next token itself and records its log-prob under the
     processed distribution. Holds [n, vocab] for one step, never [n, T, vocab].
 
-    Greedy: the argmax; sampling: `torch.multinomial` over the softmax, the draw `generate` itself makes (so the
-    same seed gives the same tokens as `generate`'s own sampling). The returned scores are 0 at the chosen token and
-    -inf elsewhere, and `generate` runs greedy, so it takes exactly that token. Picking here rather than in
-    `generate` lets the log-prob be recorded at once and lets a batch be compacted between generate calls."""
+    Greedy: the argmax; sampling: `sample_tokens`, an exact draw from the softmax. The returned scores are 0 at the
+    chosen token and -inf elsewhere, and `generate` runs greedy, so it takes exactly that token. Picking here rather
+    than in `generate` lets the log-prob be recorded at once and lets a batch be compacted between generate calls.
+    `generate` hands its processors a copy of the logits, which is overwritten in place."""
 
     def __init__(self, sample: bool):
         self.sample = sample
         self.logprobs: list[torch.Tensor] = []  # T x [n]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        logsm = torch.log_softmax(scores.float(), dim=-1)  # [n, vocab]
+        scores = scores.float()
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # [n, 1]
         if self.sample:
-            chosen = torch.multinomial(torch.softmax(scores.float(), dim=-1), 1)  # generate's own draw  [n, 1]
+            chosen = sample_tokens((scores - lse).exp_())  # [n, 1]
         else:
             chosen = scores.argmax(dim=-1, keepdim=True)
-        self.logprobs.append(logsm.gather(-1, chosen).squeeze(-1))
-        return torch.full_like(scores, -math.inf).scatter_(-1, chosen, 0.0)
+        self.logprobs.append((scores.gather(-1, chosen) - lse).squeeze(-1))
+        return scores.fill_(-math.inf).scatter_(-1, chosen, 0.0)
 
     def finish(self, completion: torch.Tensor) -> torch.Tensor:
         """[n, T] log-probs of `completion` (the tokens generate returned: the picked ones, pad after an eos)."""
@@ -258,6 +261,24 @@ class _PickToken(LogitsProcessor):
         if not self.logprobs:
             return torch.zeros(completion.shape, dtype=torch.float32, device=completion.device)
         return torch.stack(self.logprobs, dim=1)
+
+
+def sample_tokens(probs: torch.Tensor, block: int = SAMPLE_BLOCK) -> torch.Tensor:
+    """One token per row of `probs` [n, V] (non-negative, any scale), drawn exactly from it in two stages: a
+    block of `block` consecutive tokens by its total mass, then a token inside it by its own. P(block) x
+    P(token | block) is the token's probability, and `torch.multinomial` draws 2 x sqrt(V)-ish exponentials per row
+    instead of V (49k for SmolLM2: 45 ms of every decoding step at 32 rows on 2 cores). [n, 1] long.
+
+    >>> sample_tokens(torch.tensor([[0.0, 0.0, 3.0], [1.0, 0.0, 0.0]]), block=2).tolist()
+    [[2], [0]]
+    """
+    n, vocab = probs.shape
+    if vocab % block:
+        probs = torch.nn.functional.pad(probs, (0, -vocab % block))  # zero mass: never drawn
+    blocks = probs.view(n, -1, block)  # [n, B, block]
+    chosen = torch.multinomial(blocks.sum(-1), 1)  # [n, 1] block
+    inner = blocks[torch.arange(n, device=probs.device), chosen.squeeze(1)]  # [n, block]
+    return chosen * block + torch.multinomial(inner, 1)
 
 
 def completion_mask(completion: torch.Tensor, eos_id: int) -> torch.Tensor:
