@@ -13,7 +13,6 @@ from forge.config import EvalConfig, RolloutConfig
 from forge.evaluate import evaluate
 from forge.models import build_char_tokenizer, build_tiny_model
 from forge.rollout import SamplingParams, make_backend
-from forge.rollout.hf import completion_mask
 from forge.trainer import chunked_logprobs
 
 torch.set_num_threads(1)
