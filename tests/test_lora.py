@@ -282,11 +282,12 @@ def test_attn_implementation_reaches_the_model(tmp_path: Path):
 
 @pytest.mark.slow
 def test_lora_learns_on_a_pretrained_tiny_model(tmp_path: Path):
-    """LoRA is for adapting a trained model: the tiny preset is first fully fine-tuned for 100 steps (greedy
-    pass@1 0.00 -> 0.40 on all 55 sums), then a rank-16 adapter alone trains on top of that checkpoint.
+    """LoRA is for adapting a trained model: the tiny preset is first fully fine-tuned for 80 steps (greedy
+    pass@1 0.00 -> 0.455 on all 55 sums; 0.84 after 100, too close to the top to show the adapter's gain), then a
+    rank-16 adapter alone trains on top of that checkpoint.
 
-    Measured (seed 0): the adapter run starts where its base ended (B = 0: the same 0.40) and reaches 0.67 after
-    50 steps (0.84 after 100); its checkpoint holds only the adapter."""
+    Measured (seed 0): the adapter run starts where its base ended (B = 0: the same 0.455) and reaches 0.82 after
+    25 steps, 0.93 after 50; its checkpoint holds only the adapter."""
     from forge.presets import tiny
     from forge.recipes.grpo import run
     from forge.tracking import read_metrics
@@ -297,9 +298,9 @@ def test_lora_learns_on_a_pretrained_tiny_model(tmp_path: Path):
         c.eval.k, c.eval.every, c.checkpoint.every = 0, every, steps
         return c
 
-    base = run(cfg(100, 100), tmp_path / "base", progress=False)
+    base = run(cfg(80, 80), tmp_path / "base", progress=False)
     c = cfg(50, 25)
-    c.model.path = str(tmp_path / "base" / "checkpoints" / "step-000100")
+    c.model.path = str(tmp_path / "base" / "checkpoints" / "step-000080")
     c.model.lora.rank, c.update.lr = 16, 3e-3
     lora = run(c, tmp_path / "lora", progress=False)
     before, after = lora["eval"]["initial"]["pass@1"], lora["eval"]["final"]["pass@1"]
