@@ -20,8 +20,8 @@ import statistics
 import time
 
 import torch
+from arith_task import PRESET, TASK  # bench/ is on sys.path when this file runs as a script
 
-from bench.arith_task import PRESET, TASK
 from forge.advantages import group_advantages
 from forge.config import apply_overrides
 from forge.data import generate_arithmetic
