@@ -1,7 +1,7 @@
 """The hf rollout's token draw (`sample_tokens`): a block by its mass, then a token inside it. Its frequencies are
 those of the distribution (a chi-square test over 200k draws, vocabularies that do and do not fill the last block),
-tokens of zero probability (cut by top-p) are never drawn, and the rollout's sampled tokens and log-probs are those
-of the distribution that the teacher-forced model gives.
+tokens of zero probability (cut by top-p) are never drawn, and seeded draws repeat. That the rollout records the
+log-probs of the distribution it sampled from is tested in tests/test_memory_bounded.py.
 """
 
 from __future__ import annotations
