@@ -33,11 +33,7 @@ def test_runs_and_run_detail_in_chromium(tiny_run, tmp_path):
         charts_drawn(page, 2)
         page.screenshot(path=tmp_path / "dashboard-runs.png")
 
-        # selecting the run's row (its checkbox, left of the first data row) opens it on the Run detail page; live
-        # refresh off first: its fragment redraws the table every 5 s, and a click during a redraw is lost
-        page.get_by_text("Live refresh (every 5 s)").click()
-        page.wait_for_timeout(500)
-        page.locator("[data-testid='stStatusWidget']").wait_for(state="hidden", timeout=WAIT_MS)
+        # selecting the run's row (its checkbox, left of the first data row) opens it on the Run detail page
         table = page.locator("[data-testid='stDataFrame']").first.bounding_box()
         page.mouse.click(table["x"] + 15, table["y"] + 52)
         page.wait_for_url(f"**/run?run={RUN}", timeout=WAIT_MS)
