@@ -27,13 +27,9 @@ from prefect.utilities.annotations import quote
 
 from forge.config import RunConfig
 from forge.io import write_json
+from forge.stages import Stage
 
 STAGE_TASK = {"cache_policy": NONE, "persist_result": False}
-# stages that give the same result when repeated for their step (the rollout's seed is chosen before the call, the
-# ensemble replaces its entry for the step, a checkpoint is rewritten atomically; a probe only measures, the collapse
-# guard decides outside the task); an update is never repeated:
-# a second attempt would take a second optimizer step
-RETRY_SAFE = {"prepare", "rollout", "reward", "evaluate", "probe", "checkpoint"}
 
 
 @task(name="stage", **STAGE_TASK)
@@ -43,7 +39,7 @@ def stage_task(fn, *args):
 
 class PrefectRunner:
     """The loop's stage runner as Prefect task runs: one per stage per step, named `<stage>-<step>`, retried
-    `orchestration.retries` times where that is safe; each eval report is also a markdown artifact.
+    `orchestration.retries` times where that is safe (`forge.stages.Stage.retry_safe`); each eval report is also a markdown artifact.
 
     Task runs carry no tags: in Prefect 3.9 a tagged task run looks up tag concurrency limits through the API,
     which was measured here to triple the tiny preset's step time (30 steps: 59 s with pool/stage tags, 19 s
@@ -52,19 +48,19 @@ class PrefectRunner:
     def __init__(self, cfg: RunConfig, run_name: str):
         self.cfg, self.run_name, self.task_runs = cfg, run_name, 0
 
-    def __call__(self, stage: str, step: int, fn, *args):
+    def __call__(self, stage: Stage, step: int, fn, *args):
         o = self.cfg.orchestration
-        retries = o.retries if stage in RETRY_SAFE else 0
+        retries = o.retries if stage.retry_safe else 0
         t = stage_task.with_options(
-            name=stage,
-            task_run_name=f"{stage}-{step:06d}",
+            name=stage.value,
+            task_run_name=f"{stage.value}-{step:06d}",
             retries=retries,
             retry_delay_seconds=o.retry_delay_s,
         )
         # quote(): hand the batch over as is; Prefect would otherwise walk every string and tensor in it
         result = t(quote(fn), *[quote(a) for a in args])
         self.task_runs += 1
-        if stage == "evaluate":
+        if stage is Stage.EVALUATE:
             create_markdown_artifact(
                 key=artifact_key(self.run_name), markdown=eval_markdown(self.run_name, result),
                 description=f"eval at step {step}",

@@ -18,7 +18,8 @@ owns the devices, which lets stages share a GPU when the plan colocates them).
 
 Weights move once per step, actor to actor: each rank's `step` call returns (stats, weights), rank 0's weights
 stay in Ray's object store (`num_returns=2`: the driver never fetches them) and every rollout actor receives the
-same object (zero-copy reads on a node). Batches go the other way as one `ray.put`.
+same object (each unpickles its own copy). The rollouts and their advantages go the other way through `ray.put`;
+the reward actor receives the rollouts from the driver.
 
 Faults: an actor that dies surfaces as `forge.stages.WorkerLost`, on which the loop rebuilds these stages and
 resumes from the last checkpoint. Actors are owned by the driver (not detached) and killed by `close()`, so none
@@ -34,10 +35,11 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
+import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 import forge
@@ -47,13 +49,15 @@ from forge.config import RunConfig
 from forge.data import train_row_count
 from forge.errors import UserError
 from forge.models import load_tokenizer
-from forge.records import Rollouts, Scored, ScoredBatch, UpdateStats
-from forge.rollout import SamplingParams
+from forge.records import RolloutRequest, Rollouts, ScoredBatch, UpdateStats
 from forge.rollout.base import concat_rollouts
 from forge.stages import WorkerLost
 from weaver.apply import ActorSpec, actor_specs, pool_resource
 from weaver.balance import ThroughputBalancer
 from weaver.plan import Plan
+
+if TYPE_CHECKING:
+    from forge.trainer import MicroUpdate
 
 REPO = Path(forge.__file__).resolve().parent.parent
 
@@ -86,19 +90,12 @@ def ray_session(cfg: RunConfig, plan: dict, run_name: str):
             reaper.wait(timeout=10)
 
 
-@dataclass
-class RayStep:
-    """A started step: its generate calls (replica index, result ref), its scoring call, its rollouts once here."""
-
-    parts: list[tuple[int, ray.ObjectRef]]
-    score: ray.ObjectRef
-    rollouts: Rollouts | None = None
-
-
 class RayStages:
     """`forge.stages.Stages` over Ray actors placed by Weaver's plan. Needs `ray_session` (or ray.init) first."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, plan: dict | None):
+    def __init__(self, cfg: RunConfig, run_dir: Path, plan: dict | None, micro_update: MicroUpdate):
+        """`micro_update`: the recipe's update math (`forge.recipes.grpo.update_micro_batch`), which each update rank
+        actor receives by reference (its module is importable there)."""
         if plan is None:
             raise UserError("Ray execution needs Weaver's plan (flows.planning.plan_run)")
         self.cfg, self.run_dir = cfg, Path(run_dir)
@@ -107,11 +104,12 @@ class RayStages:
         self.actors: dict[str, list] = {}
         self.policy_version = 0
         self._loads: list = []  # weight loads an asynchronous update queued on the rollout actors
+        self._started: dict[int, list[tuple[int, ray.ObjectRef]]] = {}  # step -> prefetched generate calls
         self._load_seconds = 0.0
         self.pad_id = load_tokenizer(cfg.model).pad_token_id
         _check_pools(self.plan)
         try:
-            self._start_trainers(actor_specs(self.plan, "update", cores))
+            self._start_trainers(actor_specs(self.plan, "update", cores), micro_update)
             self._start_rollouts(cores)
             self.reward_actor = self._actor(actor_specs(self.plan, "reward", cores)[0], "reward")
             self._get([self.reward_actor.start.remote("reward", cfg, train_row_count(run_dir))], "reward")
@@ -133,14 +131,14 @@ class RayStages:
         self.actors.setdefault(stage, []).append(actor)
         return actor
 
-    def _start_trainers(self, specs: list[ActorSpec]) -> None:
+    def _start_trainers(self, specs: list[ActorSpec], micro_update: MicroUpdate) -> None:
         world = self.cfg.update.num_processes or len(specs)
         if world != len(specs):
             raise UserError(f"update.num_processes={world}, but Weaver planned {len(specs)} update processes")
         ranks = [self._actor(s, "update") for s in specs]
         addr, port = self._get([ranks[0].rendezvous.remote()], "update")[0] if world > 1 else ("", 0)
-        starts = [a.start.remote("update", self.cfg, rank=r, world=world, master_addr=addr, master_port=port)
-                  for r, a in enumerate(ranks)]  # fmt: skip
+        starts = [a.start.remote("update", self.cfg, rank=r, world=world, master_addr=addr, master_port=port,
+                                 micro_update=micro_update) for r, a in enumerate(ranks)]  # fmt: skip
         self._get(starts, "update")
 
     def _start_rollouts(self, cores: dict[str, int]) -> None:
@@ -177,43 +175,44 @@ class RayStages:
 
     # ------------------------------------------------------------ Stages
 
-    def start(self, rows: list[dict], prompts: list[str], params: SamplingParams, step: int) -> RayStep:
-        """Submit the step's generate calls (split over the replicas in whole groups) and its scoring, which the
-        reward actor runs as soon as the rollouts exist (Ray passes it their object-store copies): nothing waits.
-        Calls from this driver run on an actor in the order they were made, so each generate sees the weights
-        loaded last before it, whatever the update is doing meanwhile."""
-        actors, n = self.actors["rollout"], params.n
+    def prefetch(self, request: RolloutRequest) -> None:
+        """Submit the request's generate calls (split over the replicas in whole groups); nothing waits. Calls from
+        this driver run on an actor in the order they were made, so each generate sees the weights loaded last
+        before it, whatever the update is doing meanwhile."""
+        if request.step not in self._started:
+            self._started[request.step] = self._submit(request)
+
+    def _submit(self, request: RolloutRequest) -> list[tuple[int, ray.ObjectRef]]:
+        actors, params, prompts = self.actors["rollout"], request.params, request.prompts
         sizes = self.balancer.split(len(prompts)) if len(actors) > 1 else [len(prompts)]
         parts, lo = [], 0
         for i, size in enumerate(sizes):
-            if size:  # with a seed, row j of this chunk is row lo*n + j of the step (vLLM seeds row by row)
-                part = params if params.seed is None else dataclasses.replace(params, seed=params.seed + lo * n)
-                parts.append((i, actors[i].call.remote("generate", prompts[lo : lo + size], part, self.policy_version)))
+            if size:  # each replica's chunk is seeded from its first row: row j of it is row lo*n + j of the step
+                part = params if params.seed is None else dataclasses.replace(params, seed=params.seed + lo * params.n)
+                parts.append((i, actors[i].call.remote("generate", prompts[lo : lo + size], part,
+                                                       request.policy_version)))  # fmt: skip
             lo += size
-        refs = [ref for _, ref in parts]
-        score = self.reward_actor.call.remote("score_parts", rows, step, self.pad_id, *refs)
-        return RayStep(parts, score)
+        return parts
 
-    def rollout(self, started: RayStep) -> Rollouts:
-        if started.rollouts is None:
-            self._collect_loads(wait=False)  # a load queued behind this rollout must not hold up the trainer
-            got = self._get([ref for _, ref in started.parts], "rollout")
-            for (i, _), ro in zip(started.parts, got, strict=True):  # the replica's own sampling time
-                self.balancer.observe(i, int(ro.completion_mask.sum()), max(ro.seconds, 1e-6))
-            started.rollouts = got[0] if len(got) == 1 else concat_rollouts(got, self.pad_id)
-        return started.rollouts
+    def rollout(self, request: RolloutRequest) -> Rollouts:
+        """The request's rollouts: the prefetched calls' results, else sampled now. A failed call is forgotten, so a
+        retry samples again."""
+        parts = self._started.pop(request.step, None) or self._submit(request)
+        self._collect_loads(wait=False)  # a load queued behind this rollout must not hold up the trainer
+        got = self._get([ref for _, ref in parts], "rollout")
+        for (i, _), ro in zip(parts, got, strict=True):  # the replica's own sampling time
+            self.balancer.observe(i, int(ro.completion_mask.sum()), max(ro.seconds, 1e-6))
+        return got[0] if len(got) == 1 else concat_rollouts(got, self.pad_id)
 
-    def reward(self, started: RayStep) -> Scored:
-        """Only the scores come back: the driver holds the rollouts already."""
-        scored = self._get([started.score], "reward")[0]
-        return dataclasses.replace(scored, batch=dataclasses.replace(scored.batch, rollouts=self.rollout(started)))
+    def reward(self, rows: list[dict], rollouts: Rollouts, step: int) -> ScoredBatch:
+        return self._get([self.reward_actor.call.remote("score", rows, rollouts, step)], "reward")[0]
 
-    def update(self, batch: ScoredBatch) -> UpdateStats:
+    def update(self, rollouts: Rollouts, advantages: torch.Tensor) -> UpdateStats:
         """One step on every rank; rank 0's new weights go to the rollout actors. On-policy the loop waits for them
         to load; asynchronous (`algo.max_staleness` > 0) the loads queue behind the generate calls in flight and
         `sync_seconds` is the rollout actors' own load time of the previous version."""
-        batch_ref = ray.put(batch)
-        calls = [a.call.options(num_returns=2).remote("step", batch_ref, True) for a in self.actors["update"]]
+        ro_ref, adv_ref = ray.put(rollouts), ray.put(advantages)
+        calls = [a.call.options(num_returns=2).remote("step", ro_ref, adv_ref, True) for a in self.actors["update"]]
         stats = self._get([c[0] for c in calls], "update")[0]  # every rank: a dead one is named, not a peer's error
         if self.cfg.algo.max_staleness > 0:
             self._loads += [a.call.remote("load_weights", calls[0][1], stats.policy_version)
@@ -246,18 +245,11 @@ class RayStages:
     def wait_saved(self) -> SaveReport | None:
         return self._get([a.call.remote("wait_saved") for a in self.actors["update"]], "update")[0]
 
-    def restore(self, ckpt: Path, reward_state: dict | None, rollout_rng: list | None) -> None:
+    def restore(self, ckpt: Path, reward_state: dict | None) -> None:
         versions = self._get([a.call.remote("restore", str(ckpt)) for a in self.actors["update"]], "update")
         self._get([self.reward_actor.call.remote("load_state_dict", reward_state)], "reward")
-        rollouts = self.actors["rollout"]
-        if rollout_rng and len(rollout_rng) == len(rollouts):  # else (another replica count) fresh streams
-            self._get(
-                [a.call.remote("set_rng_state", s) for a, s in zip(rollouts, rollout_rng, strict=True)], "rollout"
-            )
+        self._started = {}
         self._publish(versions[0])
-
-    def rollout_rng(self) -> list:
-        return self._get([a.call.remote("rng_state") for a in self.actors["rollout"]], "rollout")
 
     def reward_state(self) -> dict | None:
         return self._get([self.reward_actor.call.remote("state_dict")], "reward")[0]

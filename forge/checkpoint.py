@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import random
 import re
 import shutil
 import threading
@@ -71,26 +70,7 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-# ---------------------------------------------------------------- RNG and the JSON + tensors codec
-
-
-def rng_state() -> dict:
-    """This process's RNG states (python, numpy, torch, CUDA) as JSON values, arrays and tensors."""
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(legacy=False),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def set_rng_state(state: dict) -> None:
-    version, internal, gauss = state["python"]  # JSON turned the tuples into lists
-    random.setstate((version, tuple(internal), gauss))
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+# ---------------------------------------------------------------- the JSON + tensors codec
 
 
 def split_tensors(tree, tensors: dict[str, torch.Tensor], path: str = "s"):

@@ -1,24 +1,21 @@
-"""Policy-gradient losses for GRPO and its variants (math in shared/reference/grpo.md).
+"""The pieces GRPO's policy losses are built from (math in shared/reference/grpo.md); the recipe
+(`forge.recipes.grpo.grpo_loss`) picks them by name and shows how they combine.
 
-Every loss returns the *contribution of one micro-batch* to the step's loss, already divided by a
-normaliser computed over the whole step (all micro-batches, all ranks): summing the contributions
-gives the same number however the step's batch was split. `StepTotals` carries those global counts.
-
-Aggregation per loss type:
-  grpo     sequence mean: mean_i (sum_t m L / sum_t m)          (original GRPO; biased toward short answers)
-  dr_grpo  fixed horizon: sum m L / (N * T_max)                 (Dr. GRPO)
-  dapo     token mean over the step, clip-higher via eps_high, dual clip for A < 0
-  gspo     one sequence-level ratio exp(mean_t (logp - logp_old)), sequence mean
-  cispo    -sg(min(r, eps_max)) * A * logp, token mean
-Optional k3 KL to the reference (beta > 0) is added per token and aggregated like the policy term.
-
-Off-policy correction (`algo.is_correction=tis`, for asynchronous GRPO and sampler/trainer mismatch): the tokens
-were sampled by a policy mu (an older version, or the same weights in another engine), while the ratio above is
-taken against pi_old, the trainer's policy at the start of the update. Each token's policy term is multiplied by
-the truncated importance weight w_t = min(exp(logp_old_t - logp_mu_t), C) (stop-gradient; C = `algo.is_cap`),
-the token-level TIS correction of Yao et al. 2025 ("Your efficient RL framework secretly brings you off-policy RL
-training"), as TRL's vLLM importance-sampling correction and verl's rollout correction apply it. The KL term is
-not reweighted. `importance_weights` computes w.
+Per-token objectives, each [n, T] -> ([n, T] loss, [n, T] clipped low, [n, T] clipped high):
+  clipped_objective   PPO clip: -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)        (GRPO, Dr. GRPO, GSPO)
+  dual_clip_objective the PPO clip, then min(L, -c A) where A < 0                          (DAPO)
+  cispo_objective     -sg(min(r, eps_max)) * A * logp                                      (CISPO)
+Normalisers, each returning *this micro-batch's share* of the step loss, divided by counts taken over the whole
+step (all micro-batches, all ranks: `StepTotals`), so summing the shares gives the same number however the step's
+batch was split:
+  sequence_mean   mean_i (sum_t m L / sum_t m)    original GRPO (biased toward short answers), GSPO
+  horizon_mean    sum m L / (N * T_max)           Dr. GRPO
+  token_mean      sum m L / sum m                 DAPO, CISPO
+`sequence_log_ratio` is GSPO's one ratio per sequence; `k3_kl` the KL estimator to the reference policy;
+`importance_weights` the truncated token-level correction (TIS) for tokens sampled by another policy mu (an older
+version, or the same weights in another engine): w_t = min(exp(logp_old_t - logp_mu_t), C), stop-gradient,
+the correction of Yao et al. 2025 ("Your efficient RL framework secretly brings you off-policy RL training"), as
+TRL's vLLM importance-sampling correction and verl's rollout correction apply it.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ import torch
 
 from forge.config import AlgoConfig
 
-MAX_LOG_RATIO = 20.0
+MAX_LOG_RATIO = 20.0  # log-ratios are clamped to +-20 before exp: one wild token cannot overflow the step
 
 
 @dataclass(frozen=True)
@@ -43,42 +40,63 @@ class StepTotals:
 
 @dataclass(frozen=True)
 class LossOutput:
+    """One micro-batch's loss and the per-token figures the update reports."""
+
     loss: torch.Tensor  # scalar, this micro-batch's share of the step loss
-    kl: torch.Tensor  # [n, T] per-token KL (k3 to ref when beta > 0, else approx KL to logp_old)
+    kl_old: torch.Tensor  # [n, T] approximate KL to pi_old, (r - 1) - log r (0 on the first pass)
+    kl_ref: torch.Tensor | None  # [n, T] k3 KL to the reference policy (beta > 0), else None
     clipped_low: torch.Tensor  # [n, T] bool
     clipped_high: torch.Tensor  # [n, T] bool
 
 
-def policy_loss(
-    logp: torch.Tensor,  # [n, T] current policy log-probs of the sampled tokens
-    old_logp: torch.Tensor,  # [n, T] policy that sampled (detached)
-    advantages: torch.Tensor,  # [n]
-    mask: torch.Tensor,  # [n, T] completion mask
-    cfg: AlgoConfig,
-    totals: StepTotals,
-    ref_logp: torch.Tensor | None = None,  # [n, T] reference policy, required when beta > 0
-    is_weight: torch.Tensor | None = None,  # [n, T] off-policy weight of each token's policy term (see above)
-) -> LossOutput:
-    mask = mask.to(logp.dtype)
-    adv = advantages.to(logp.dtype).unsqueeze(1)  # [n, 1]
-    log_ratio = (logp - old_logp.detach()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    if cfg.loss == "gspo":
-        seq_log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
-        # token-wise form with a sequence-level value: s_i * exp(logp - sg(logp)) keeps the gradient per token
-        log_ratio = seq_log_ratio.detach() + logp - logp.detach()
-    ratio = torch.exp(log_ratio)
-    per_token, low, high = _per_token_objective(ratio, adv, logp, cfg)
-    if is_weight is not None:
-        per_token = per_token * is_weight.detach()
-    approx_kl = (ratio.detach() - 1) - log_ratio.detach()
-    kl = approx_kl
-    if cfg.beta > 0:
-        assert ref_logp is not None, "beta > 0 needs reference log-probs"
-        d = ref_logp.detach() - logp
-        kl = torch.exp(d) - d - 1  # k3 estimator, >= 0
-        per_token = per_token + cfg.beta * kl
-    loss = _aggregate(per_token, mask, cfg.loss, totals)
-    return LossOutput(loss=loss, kl=kl.detach(), clipped_low=low & mask.bool(), clipped_high=high & mask.bool())
+def clipped_objective(ratio, adv, logp, cfg: AlgoConfig):
+    """PPO's clipped surrogate, negated (a loss). [n, T] ratio, [n, 1] advantages."""
+    clipped = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    r = ratio.detach()
+    return per_token, (r < 1 - cfg.eps_low) & (adv < 0), (r > 1 + cfg.eps_high) & (adv > 0)
+
+
+def dual_clip_objective(ratio, adv, logp, cfg: AlgoConfig):
+    """DAPO: the clipped surrogate, bounded by -c * A for negative advantages (c = algo.dual_clip)."""
+    per_token, low, high = clipped_objective(ratio, adv, logp, cfg)
+    return torch.where(adv < 0, torch.min(per_token, -cfg.dual_clip * adv), per_token), low, high
+
+
+def cispo_objective(ratio, adv, logp, cfg: AlgoConfig):
+    """CISPO: a REINFORCE term weighted by the stop-gradient ratio capped at algo.cispo_eps_max (never zeroed)."""
+    weight = ratio.detach().clamp(max=cfg.cispo_eps_max)
+    return -weight * adv * logp, torch.zeros_like(ratio, dtype=torch.bool), ratio.detach() > cfg.cispo_eps_max
+
+
+def sequence_mean(per_token, mask, totals: StepTotals) -> torch.Tensor:
+    per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
+    return per_seq.sum() / totals.sequences
+
+
+def horizon_mean(per_token, mask, totals: StepTotals) -> torch.Tensor:
+    return (per_token * mask).sum() / (totals.sequences * totals.max_len)
+
+
+def token_mean(per_token, mask, totals: StepTotals) -> torch.Tensor:
+    return (per_token * mask).sum() / max(totals.tokens, 1)
+
+
+def sequence_log_ratio(log_ratio, logp, mask) -> torch.Tensor:
+    """GSPO: every token carries its sequence's mean log-ratio as value, s_i + logp - sg(logp), so the gradient
+    still flows per token. [n, T]."""
+    seq = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # [n, 1]
+    return seq.detach() + logp - logp.detach()
+
+
+def k3_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """k3 estimator of KL(pi || ref) per token, >= 0, with the gradient through `logp`.
+
+    >>> float(k3_kl(torch.tensor([0.0]), torch.tensor([0.0])))
+    0.0
+    """
+    d = ref_logp.detach() - logp
+    return torch.exp(d) - d - 1
 
 
 def importance_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, cap: float) -> torch.Tensor:
@@ -89,26 +107,3 @@ def importance_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, cap: 
     """
     log_w = (old_logp.detach() - sampler_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     return torch.exp(log_w).clamp(max=cap)
-
-
-def _per_token_objective(ratio, adv, logp, cfg: AlgoConfig):
-    if cfg.loss == "cispo":
-        weight = ratio.detach().clamp(max=cfg.cispo_eps_max)
-        return -weight * adv * logp, torch.zeros_like(ratio, dtype=torch.bool), ratio.detach() > cfg.cispo_eps_max
-    clipped = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
-    per_token = -torch.min(ratio * adv, clipped * adv)
-    if cfg.loss == "dapo":
-        per_token = torch.where(adv < 0, torch.min(per_token, -cfg.dual_clip * adv), per_token)
-    r = ratio.detach()
-    low = (r < 1 - cfg.eps_low) & (adv < 0)
-    high = (r > 1 + cfg.eps_high) & (adv > 0)
-    return per_token, low, high
-
-
-def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, kind: str, totals: StepTotals) -> torch.Tensor:
-    if kind in ("grpo", "gspo"):
-        per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
-        return per_seq.sum() / totals.sequences
-    if kind == "dr_grpo":
-        return (per_token * mask).sum() / (totals.sequences * totals.max_len)
-    return (per_token * mask).sum() / max(totals.tokens, 1)

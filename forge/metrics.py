@@ -9,7 +9,6 @@ import sys
 import time
 
 from forge.advantages import frac_zero_std
-from forge.errors import UserError
 from forge.records import Rollouts, ScoredBatch, UpdateStats
 from forge.rewards.score import per_verifier_means
 
@@ -25,8 +24,10 @@ def probe_metrics(report: dict) -> dict[str, float]:
     return {f"probe/{k}": report[k] for k in ("pass@1", "mean_reward") if k in report}
 
 
-def step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: dict[str, float]) -> dict[str, float]:
-    """A step's rewards, completions, update figures and stage seconds (`times`: stage -> seconds)."""
+def step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: dict[str, float], wall: float = 0.0,
+                 staleness: int = 0) -> dict[str, float]:  # fmt: skip
+    """A step's rewards, completions, update figures, stage seconds (`times`: stage -> seconds), the off-policy and
+    overlap figures (`wall`: the step's seconds) and, on a refit step, the label-free ensemble's."""
     lengths = ro.completion_mask.sum(1).float()  # [N]
     tokens = float(lengths.sum())
     m = {
@@ -45,7 +46,8 @@ def step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: di
             "completion/len_max": float(lengths.max()),
             "completion/truncated_frac": sum(f == "length" for f in ro.finish_reasons) / len(ro.finish_reasons),
             "train/loss": stats.loss,
-            "train/kl": stats.kl,
+            "train/kl_old": stats.kl_old,  # approximate KL to the policy at the start of the update
+            "train/kl_ref": stats.kl_ref,  # k3 KL to the reference policy (algo.beta > 0; else 0)
             "train/clip_frac_low": stats.clip_frac_low,
             "train/clip_frac_high": stats.clip_frac_high,
             "train/entropy": stats.entropy,
@@ -60,6 +62,12 @@ def step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: di
         }
     )
     m.update({f"time/{k}_s": v for k, v in times.items()})
+    m["perf/weight_sync_s"] = stats.sync_seconds  # new weights -> rollout workers; part of time/update_s
+    m.update(overlap_metrics(ro, stats, wall, staleness))
+    if batch.ensemble_report is not None:
+        from forge.rewards.aggregate import report_metrics
+
+        m.update(report_metrics(batch.ensemble_report))
     return m
 
 
@@ -97,36 +105,6 @@ def show_verifier_errors(batch: ScoredBatch, step: int, shown: set[tuple[str, st
             n, bad = batch.scores.shape[0], batch.verifier_errored.get(name, 0)
             print(f"forgeweave: step {step}: verifier '{name}' erred on {bad} of {n} items: {error_line(text)}",
                   file=sys.stderr, flush=True)  # fmt: skip
-
-
-def skipped_in_a_row(before: int, stats: UpdateStats, step: int, limit: int) -> int:
-    """Updates skipped in a row for a non-finite loss or gradient norm (`forge.trainer`), counting this step's;
-    `limit` in a row stop the run (UserError): the weights are still the last finite ones, as is every checkpoint."""
-    count = before + 1 if stats.skipped else 0
-    if count >= limit:
-        raise UserError(
-            f"step {step}: {limit} updates in a row had a non-finite loss or gradient norm and were skipped "
-            f"(update.max_skipped_steps={limit}); check the rewards and lower update.lr, then --resume"
-        )
-    return count
-
-
-def failing_in_a_row(before: dict[str, int], batch: ScoredBatch, step: int, limit: int) -> dict[str, int]:
-    """Steps in a row on which each verifier erred on every item (raised, or returned something that is not a
-    score; None is not an error), counting this step's; `limit` in a row stop the run with a UserError carrying
-    the verifier's error text (0 = never stop): training on the zeros it leaves would teach nothing."""
-    n = batch.scores.shape[0]
-    counts = {
-        v: before.get(v, 0) + 1 if n and batch.verifier_errored.get(v, 0) == n else 0 for v in batch.verifier_names
-    }
-    for name, count in counts.items():
-        if limit and count >= limit:
-            raise UserError(
-                f"step {step}: verifier '{name}' failed on every item for {count} steps in a row "
-                f"(reward.max_failing_steps={limit}): {error_line(batch.verifier_errors.get(name, ''))}; fix the "
-                "verifier (or set reward.max_failing_steps=0), then --resume"
-            )
-    return counts
 
 
 def error_line(text: str, limit: int = 300) -> str:

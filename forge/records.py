@@ -7,8 +7,13 @@ T completion tokens (right-padded), P prompt tokens (left-padded), V verifiers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from forge.losses import LossOutput
+    from forge.rollout import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -33,10 +38,21 @@ class Rollouts:
 
 
 @dataclass(frozen=True)
-class ScoredBatch:
-    """Rollouts with rewards and advantages: what the update stage consumes."""
+class RolloutRequest:
+    """What one step's rollout samples: B prompt rows, G completions each, from policy `policy_version`, seeded
+    from (run seed, step) by the loop so a retried or resumed step samples the same batch."""
 
-    rollouts: Rollouts
+    step: int
+    rows: list[dict]  # [B] the prompt rows (every data column: the reward stage reads them)
+    prompts: list[str]  # [B] the model inputs (chat template applied)
+    params: SamplingParams  # n = G, the seed
+    policy_version: int  # the weights it must be sampled from (the trainer's when it was made)
+
+
+@dataclass(frozen=True)
+class ScoredBatch:
+    """What the reward stage returns for a step's rollouts: scores, rewards and advantages."""
+
     verifier_names: list[str]  # [V]
     scores: torch.Tensor  # [N, V] per-verifier scores; NaN where a verifier failed or returned None
     rewards: torch.Tensor  # [N] aggregated reward
@@ -45,14 +61,7 @@ class ScoredBatch:
     verifier_errors: dict[str, str] = field(default_factory=dict)  # verifier name -> first error text (if any)
     verifier_errored: dict[str, int] = field(default_factory=dict)  # verifier name -> items it raised on / scored badly
     reward_metrics: dict[str, float] = field(default_factory=dict)  # the aggregation's own `reward/...` figures
-
-
-@dataclass(frozen=True)
-class Scored:
-    """What the reward stage returns: the scored batch and, on steps the label-free ensemble was refit, its report."""
-
-    batch: ScoredBatch
-    ensemble_report: dict | None = None
+    ensemble_report: dict | None = None  # on steps the label-free ensemble was refit: its report
 
 
 @dataclass(frozen=True)
@@ -60,7 +69,7 @@ class UpdateStats:
     """What one update step did (means over micro-batches and PPO passes)."""
 
     loss: float
-    kl: float  # k3 KL to reference when beta > 0, else approximate KL to the sampling policy
+    kl_old: float  # approximate KL to pi_old, the policy at the start of the update (0 with one PPO pass)
     clip_frac_low: float
     clip_frac_high: float
     entropy: float
@@ -74,3 +83,46 @@ class UpdateStats:
     logprob_diff: float = 0.0  # mean |log pi_old - log mu| over the step's tokens: trainer vs sampler mismatch
     is_truncated_frac: float = 0.0  # tis: share of tokens whose importance weight hit algo.is_cap
     skipped: int = 0  # optimizer steps (PPO passes) skipped because the loss or gradient norm was not finite
+    kl_ref: float = 0.0  # k3 KL to the reference policy (algo.beta > 0; 0 otherwise)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of an update, on the trainer's device. n rows, T completion tokens (shared padding cut)."""
+
+    prompt_ids: torch.Tensor  # [n, P] left-padded
+    prompt_mask: torch.Tensor  # [n, P]
+    completion_ids: torch.Tensor  # [n, T]
+    completion_mask: torch.Tensor  # [n, T] 1 on the tokens the loss counts
+    advantages: torch.Tensor  # [n]
+    sampler_logp: torch.Tensor  # [n, T] log-probs under the policy that sampled (mu)
+    old_logp: torch.Tensor | None = None  # [n, T] pi_old, fixed before the first of several PPO passes
+    ref_logp: torch.Tensor | None = None  # [n, T] the reference policy's (algo.beta > 0)
+
+
+@dataclass(frozen=True)
+class MicroStats:
+    """Sums over one micro-batch's completion tokens (the trainer adds them up over micro-batches and ranks)."""
+
+    loss: float  # the micro-batch's share of the step loss
+    kl_old: float
+    kl_ref: float
+    clip_low: float
+    clip_high: float
+    entropy: float
+    logprob_diff: float  # |log pi_old - log mu|: trainer vs sampler
+    is_truncated: float  # tokens whose importance weight hit algo.is_cap
+
+    @classmethod
+    def of(cls, res: LossOutput, entropy, old, mb: MicroBatch, weight, cap: float) -> MicroStats:
+        m = mb.completion_mask.bool()
+        return cls(
+            loss=float(res.loss.detach()),
+            kl_old=float(res.kl_old[m].sum()),
+            kl_ref=float(res.kl_ref[m].sum()) if res.kl_ref is not None else 0.0,
+            clip_low=float(res.clipped_low.sum()),
+            clip_high=float(res.clipped_high.sum()),
+            entropy=float(entropy[m].sum()),
+            logprob_diff=float((old - mb.sampler_logp).abs()[m].sum()),
+            is_truncated=float((weight[m] >= cap).sum()) if weight is not None else 0.0,
+        )

@@ -35,7 +35,7 @@ import torch
 
 from forge.errors import UserError
 from forge.io import atomic_write_text, write_json
-from forge.records import ScoredBatch
+from forge.records import Rollouts, ScoredBatch
 from forge.tracking import Tracker
 
 SAMPLES_PER_STEP = 8
@@ -45,10 +45,10 @@ INPUTS = "inputs"  # datasets given to forge.train as objects, saved here before
 HEARTBEAT_S = 30.0
 
 
-def append_samples(run_dir: Path, step: int, rows: list[dict], batch: ScoredBatch) -> list[dict]:
+def append_samples(run_dir: Path, step: int, rows: list[dict], ro: Rollouts, batch: ScoredBatch) -> list[dict]:
     """A few completions per step (the first group) with their per-verifier scores, for inspection; returns them.
     On a step where a verifier erred, each line also says how many items it erred on and its first error text."""
-    ro, g = batch.rollouts, batch.rollouts.group_size
+    g = ro.group_size
     errors = {n: {"items": batch.verifier_errored.get(n, 0), "first": e} for n, e in batch.verifier_errors.items()}
     samples = []
     for i in range(min(SAMPLES_PER_STEP, ro.num_completions)):
@@ -350,10 +350,10 @@ def progress_bar(total: int, done: int, enabled: bool):
     return tqdm(total=total, initial=done, desc="grpo", unit="step", dynamic_ncols=True)
 
 
-def update_bar(bar, metrics: dict, last_eval: dict | None) -> None:
+def update_bar(bar, reward: float | None, last_eval: dict | None) -> None:
     if bar is None:
         return
-    post = {"reward": f"{metrics['reward/mean']:.3f}"}
+    post = {"reward": f"{reward:.3f}" if reward is not None else "-"}
     if last_eval:
         post["eval_pass@1"] = f"{last_eval['pass@1']:.3f}"
     bar.set_postfix(post)
@@ -361,7 +361,7 @@ def update_bar(bar, metrics: dict, last_eval: dict | None) -> None:
 
 
 def run_summary(cfg, run_dir: Path, state, wall: float) -> dict:
-    """summary.json's content: `state` is the recipe's RunState (step, seconds, initial_eval, last_eval)."""
+    """summary.json's content: `state` is the loop's `forge.loop.LoopState` (step, seconds, initial/last eval)."""
 
     def brief(report):
         return {k: v for k, v in (report or {}).items() if k.startswith("pass@") or k in ("step", "mean_reward")}

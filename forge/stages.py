@@ -1,36 +1,58 @@
-"""The stage seam of the GRPO loop: which workers do the stages (`Stages`) and how each call is run (`StageRunner`).
+"""The stage seam of the GRPO loop: the stages (`Stage`), the workers that do them (`Stages`) and how each call is
+run (`StageRunner`).
 
-The loop in `forge.recipes.grpo` calls `runner(stage, step, fn, *args)` for every stage, where `fn` is a method of a
-`Stages` object. Two seams, each with one small interface:
+The loop in `forge.recipes.grpo` calls `runner(Stage.X, step, fn, *args)` for every stage and for nothing else
+(its bookkeeping is `forge.loop`, outside the seam), where `fn` is a method of a `Stages` object:
 
 - **where** a stage runs: `Stages`. `LocalStages` keeps the workers (`forge.workers`) in this process — one update
   process, the hf rollout sampling from the trainer's own module (weight sync is free). The Ray adapter
   (`flows/ray_exec.py`) implements the same methods over long-lived actors placed by Weaver.
 - **how** a call is run: `StageRunner`. `call_stage` calls the function; the Prefect flow turns each call into a
-  task run (`flows/pipeline.py`). Neither has a loop of its own.
+  task run (`flows/pipeline.py`), retried where `Stage.retry_safe` says so. Neither has a loop of its own.
 
-Every method takes its inputs and returns its record; nothing is left on a shared object for a later stage.
-A step's rollout and reward are started together (`start`, which only submits) and waited on separately
-(`rollout`, `reward`): that is what lets asynchronous GRPO (`algo.max_staleness`) sample later steps while the
-trainer updates, with the same loop.
+Every stage method takes its inputs and returns its record (the reward stage takes the rollouts and returns their
+scores); nothing is left on a shared object for a later stage. A stage call does its work when called, so a retry
+re-runs it in every mode: a retried rollout samples the same batch again (its seed is in the request). Asynchronous
+GRPO (`algo.max_staleness`) only adds `prefetch`, which starts a later step's rollout early on a Ray actor; its
+`rollout` call then collects it (or, if it failed, samples it again).
 A `WorkerLost` error (an actor died) is what the loop recovers from by rebuilding the stages and resuming from
 the last checkpoint (`orchestration.max_restarts`).
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
 
 from forge.checkpoint import SaveReport
 from forge.config import RunConfig
 from forge.data import train_row_count
 from forge.errors import UserError
-from forge.records import Rollouts, Scored, ScoredBatch, UpdateStats
-from forge.rollout import SamplingParams
+from forge.records import RolloutRequest, Rollouts, ScoredBatch, UpdateStats
 from forge.workers import RewardWorker, RolloutWorker, TrainerWorker
+
+if TYPE_CHECKING:
+    from forge.trainer import MicroUpdate
+
+
+class Stage(enum.Enum):
+    """The stages the loop runs through the seam; `retry_safe`: a repeat gives the same result for its step."""
+
+    PREPARE = "prepare"  # writes data/ atomically from the config: the same files again
+    ROLLOUT = "rollout"  # seeded by its request: the same samples again
+    REWARD = "reward"  # pure scores; the ensemble replaces its entry for the step
+    UPDATE = "update"  # never repeated: a second attempt would take a second optimizer step
+    EVALUATE = "evaluate"  # measures only (seeded)
+    PROBE = "probe"  # measures only; the collapse guard decides outside the call
+    CHECKPOINT = "checkpoint"  # rewritten atomically
+
+    @property
+    def retry_safe(self) -> bool:
+        return self is not Stage.UPDATE
 
 
 class WorkerLost(RuntimeError):
@@ -38,12 +60,12 @@ class WorkerLost(RuntimeError):
 
 
 class StageRunner(Protocol):
-    def __call__(self, stage: str, step: int, fn: Callable[..., Any], *args: Any) -> Any:
+    def __call__(self, stage: Stage, step: int, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn(*args)` as stage `stage` of step `step` and return its result."""
         ...
 
 
-def call_stage(stage: str, step: int, fn: Callable[..., Any], *args: Any) -> Any:
+def call_stage(stage: Stage, step: int, fn: Callable[..., Any], *args: Any) -> Any:
     """The plain runner: a function call."""
     return fn(*args)
 
@@ -53,21 +75,19 @@ class Stages(Protocol):
 
     policy_version: int
 
-    def start(self, rows: list[dict], prompts: list[str], params: SamplingParams, step: int) -> Any:
-        """Start step `step`'s rollout from the current policy version, and its scoring once it is done; returns
-        the handle `rollout` and `reward` wait on. Submits and returns: under Ray the work runs while the loop
-        goes on (asynchronous GRPO starts the rollouts of later steps before this step's update)."""
+    def prefetch(self, request: RolloutRequest) -> None:
+        """Start `request`'s rollout now, if the workers can sample while the loop goes on (Ray); else nothing."""
         ...
 
-    def rollout(self, started: Any) -> Rollouts:
-        """The started step's completions (waits for them)."""
+    def rollout(self, request: RolloutRequest) -> Rollouts:
+        """The request's completions, sampled from its policy version with its seed (collects a prefetched one)."""
         ...
 
-    def reward(self, started: Any) -> Scored:
-        """The started step's scores, rewards and advantages (waits for them)."""
+    def reward(self, rows: list[dict], rollouts: Rollouts, step: int) -> ScoredBatch:
+        """Per-verifier scores, rewards and group advantages of step `step`'s rollouts of `rows`."""
         ...
 
-    def update(self, batch: ScoredBatch) -> UpdateStats:
+    def update(self, rollouts: Rollouts, advantages: torch.Tensor) -> UpdateStats:
         """One update; the rollout workers then hold the new weights (`sync_seconds`: moving them)."""
         ...
 
@@ -84,16 +104,11 @@ class Stages(Protocol):
         """Wait for the save in flight; its report (None if there was none); raises a failed save's error."""
         ...
 
-    def restore(self, ckpt: Path, reward_state: dict | None, rollout_rng: list | None) -> None:
-        """Trainer (weights, optimizer), reward state and the rollout workers' RNG streams from a checkpoint;
-        the rollout workers get the weights."""
+    def restore(self, ckpt: Path, reward_state: dict | None) -> None:
+        """Trainer (weights, optimizer) and reward state from a checkpoint; the rollout workers get the weights."""
         ...
 
     def reward_state(self) -> dict | None: ...
-
-    def rollout_rng(self) -> list:
-        """Each rollout worker's RNG stream state (for the checkpoint)."""
-        ...
 
     def where(self) -> dict[str, list[dict]]:
         """stage -> one entry per worker: host, pid, devices, threads (and node id under Ray)."""
@@ -102,32 +117,20 @@ class Stages(Protocol):
     def close(self) -> None: ...
 
 
-StagesFactory = Callable[[RunConfig, Path, dict | None], Stages]
-
-
-@dataclass
-class LocalStep:
-    """A started step in-process: its inputs, the policy version it must sample from, its rollouts once done."""
-
-    rows: list[dict]
-    prompts: list[str]
-    params: SamplingParams
-    step: int
-    version: int
-    rng: dict | None = None  # the sampling stream when the step started: a retried rollout samples the same again
-    rollouts: Rollouts | None = None
+# (cfg, run_dir, Weaver's plan, the recipe's micro-batch update) -> the run's stages
+StagesFactory = Callable[[RunConfig, Path, "dict | None", "MicroUpdate"], Stages]
 
 
 class LocalStages:
     """All workers in this process: one update process; the rollout shares the trainer's module."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, plan: dict | None = None):
+    def __init__(self, cfg: RunConfig, run_dir: Path, plan: dict | None, micro_update: MicroUpdate):
         if cfg.algo.max_staleness > 0:  # the rollout samples from the trainer's own module: no older weights exist
             raise UserError(
                 "algo.max_staleness > 0 needs the rollout in a process of its own: run it with "
                 "orchestration.execution=ray (or auto), or set algo.max_staleness=0"
             )
-        self.trainer = TrainerWorker(cfg)
+        self.trainer = TrainerWorker(cfg, micro_update=micro_update)
         model = self.trainer.trainer.unwrapped
         self.rollout_worker = RolloutWorker(cfg, model=model, tokenizer=self.trainer.tokenizer)
         self.reward_worker = RewardWorker(cfg, train_row_count(run_dir))
@@ -136,21 +139,17 @@ class LocalStages:
     def policy_version(self) -> int:
         return self.trainer.policy_version
 
-    def start(self, rows: list[dict], prompts: list[str], params: SamplingParams, step: int) -> LocalStep:
-        """In-process nothing runs ahead: the step's work runs when the loop asks for its results."""
-        return LocalStep(rows, prompts, params, step, self.policy_version, self.rollout_worker.rng_state())
+    def prefetch(self, request: RolloutRequest) -> None:
+        """In-process nothing runs ahead: the rollout samples when the loop asks for it."""
 
-    def rollout(self, started: LocalStep) -> Rollouts:
-        if started.rollouts is None:  # a retry after a failure samples again, from the same RNG state; a second
-            self.rollout_worker.set_rng_state(started.rng)  # call does not sample at all
-            started.rollouts = self.rollout_worker.generate(started.prompts, started.params, started.version)
-        return started.rollouts
+    def rollout(self, request: RolloutRequest) -> Rollouts:
+        return self.rollout_worker.generate(request.prompts, request.params, request.policy_version)
 
-    def reward(self, started: LocalStep) -> Scored:
-        return self.reward_worker.score(started.rows, self.rollout(started), started.step)
+    def reward(self, rows: list[dict], rollouts: Rollouts, step: int) -> ScoredBatch:
+        return self.reward_worker.score(rows, rollouts, step)
 
-    def update(self, batch: ScoredBatch) -> UpdateStats:
-        stats, _ = self.trainer.step(batch, publish=False)
+    def update(self, rollouts: Rollouts, advantages: torch.Tensor) -> UpdateStats:
+        stats, _ = self.trainer.step(rollouts, advantages, publish=False)
         self.rollout_worker.load_weights(None, stats.policy_version)  # the same module: nothing moves
         return stats
 
@@ -163,18 +162,13 @@ class LocalStages:
     def wait_saved(self) -> SaveReport | None:
         return self.trainer.wait_saved()
 
-    def restore(self, ckpt: Path, reward_state: dict | None, rollout_rng: list | None) -> None:
+    def restore(self, ckpt: Path, reward_state: dict | None) -> None:
         version = self.trainer.restore(str(ckpt))
         self.rollout_worker.load_weights(None, version)
         self.reward_worker.load_state_dict(reward_state)
-        if rollout_rng:
-            self.rollout_worker.set_rng_state(rollout_rng[0])
 
     def reward_state(self) -> dict | None:
         return self.reward_worker.state_dict()
-
-    def rollout_rng(self) -> list:
-        return [self.rollout_worker.rng_state()]
 
     def where(self) -> dict[str, list[dict]]:
         return {

@@ -1,9 +1,12 @@
-"""The update stage: Accelerate-wrapped AdamW over micro-batches, `num_iterations` PPO passes per batch.
+"""The update stage around the recipe's math: Accelerate-wrapped AdamW over micro-batches, `num_iterations` PPO
+passes per batch, one optimizer step per pass. The math of one micro-batch (log-probs -> ratio -> loss ->
+backward) is the recipe's (`forge.recipes.grpo.update_micro_batch`, handed in as `micro_update`); this module
+keeps micro-batching, gradient sync over ranks, clipping, the non-finite skip and the optimizer.
 
-One optimizer step per pass. Each micro-batch's loss is already normalised by the step's global counts
+Each micro-batch's loss is already normalised by the step's global counts
 (`forge.losses.StepTotals`), so gradients are summed, never averaged, across micro-batches: the result does
-not depend on the micro-batch size. Under data parallelism (`forge.distributed`: persistent ranks started with
-`accelerate launch`) every rank reads the whole batch, computes the step's global counts from it, and trains on
+not depend on the micro-batch size. Under data parallelism (persistent rank processes, `forge.workers.TrainerWorker`,
+forming one torch.distributed group) every rank reads the whole batch, computes the step's global counts from it, and trains on
 its own contiguous share of the rows; DDP (and FSDP's reduce-scatter) average gradients over ranks, so each rank
 scales its loss by the world size to keep the same global sum. The reported loss, KL, clip fractions and entropy
 are summed over ranks, so they, too, do not depend on the split.
@@ -24,13 +27,17 @@ Log-probs are computed with explicit position ids from the attention mask (promp
 autocast. With one PPO pass the "old" log-probs are the current ones detached, so the ratio is exactly 1.
 The sampler's own log-probs (`Rollouts.sampling_logprobs`) are compared with them on every step
 (`train/logprob_diff`) and, with `algo.is_correction=tis`, weight the loss (`forge.losses.importance_weights`).
+Dropout (a LoRA adapter's) draws from a seed derived from (seed, step, rank), so a resumed run draws the same.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -45,11 +52,12 @@ from forge.config import RunConfig
 from forge.distributed import fsdp
 from forge.distributed import state as dist_state
 from forge.errors import UserError
-from forge.losses import StepTotals, importance_weights, policy_loss
+from forge.losses import StepTotals
 from forge.lr import AdaptiveLR, scheduled_lr
 from forge.models import is_peft, merged_weights
 from forge.precision import update_bf16
-from forge.records import ScoredBatch, UpdateStats
+from forge.records import MicroBatch, MicroStats, Rollouts, UpdateStats
+from forge.seeds import derived_seed
 from forge.shared_prefix import (
     PackingCost,
     completion_lengths,
@@ -70,6 +78,9 @@ class TokenLogprobs:
 # fp32 elements of one chunk of [n, t, vocab] log-softmax (256 MiB): bounds the log-prob temporaries at any length
 LOGPROB_CHUNK_ELEMENTS = 2**26
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # torch's fused AdamW (CPU and CUDA)
+MICRO_SUMS = tuple(f.name for f in dataclasses.fields(MicroStats))
+# (current log-probs of a micro-batch, the micro-batch, algo config, step totals, backward) -> its sums
+MicroUpdate = Callable[..., MicroStats]
 
 
 def token_logprobs(
@@ -160,7 +171,12 @@ def make_accelerator(timeout: timedelta | None = None) -> Accelerator:
 class Trainer:
     """Owns the policy's optimisation: optimizer, LR schedule + adaptive scale, policy version."""
 
-    def __init__(self, model, cfg: RunConfig, total_steps: int, ref_model=None, accelerator: Accelerator | None = None):
+    def __init__(self, model, cfg: RunConfig, total_steps: int, ref_model=None, accelerator: Accelerator | None = None,
+                 micro_update: MicroUpdate | None = None):  # fmt: skip
+        """`micro_update`: the update math of one micro-batch (`forge.recipes.grpo.update_micro_batch`); the
+        trainer around it micro-batches, syncs gradients, clips and steps."""
+        assert micro_update is not None, "the trainer needs the recipe's micro-batch update (micro_update=...)"
+        self.micro_update = micro_update
         self.cfg = cfg
         self.total_steps = total_steps
         self.accelerator = accelerator or make_accelerator()
@@ -203,44 +219,33 @@ class Trainer:
         base = scheduled_lr(self.cfg.update, self.step, self.total_steps)
         return base * (self.adaptive.scale if self.cfg.update.adaptive else 1.0)
 
-    def update(self, batch: ScoredBatch) -> UpdateStats:
-        start = time.perf_counter()
-        lr = self.current_lr()
+    def update(self, rollouts: Rollouts, advantages: torch.Tensor) -> UpdateStats:
+        """One update on this rank's share of the step's rows: `update.num_iterations` passes of the micro-batches
+        through `micro_update` (the recipe's math), one optimizer step each. `advantages`: [N]."""
+        start, lr = time.perf_counter(), self.current_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        micro = self._micro_batches(batch, self._my_rows(batch.rollouts.num_completions))
-        totals = StepTotals(
-            sequences=batch.rollouts.num_completions,
-            tokens=int(batch.rollouts.completion_mask.sum()),
-            max_len=self.cfg.rollout.max_new_tokens,
-        )
-        olds = self._fixed_logprobs(micro, self.model) if self.cfg.update.num_iterations > 1 else [None] * len(micro)
-        refs = self._reference_logprobs(micro) if self.cfg.algo.beta > 0 else [None] * len(micro)
-        passes = [self._one_pass(micro, olds, refs, totals) for _ in range(self.cfg.update.num_iterations)]
-        grad_norm = sum(p["grad_norm"] for p in passes) / len(passes)
-        kl = passes[-1]["kl"]
+        torch.manual_seed(derived_seed(self.cfg.seed, self.step + 1, "update", self.accelerator.process_index))
+        micro = self._micro_batches(rollouts, advantages, self._my_rows(rollouts.num_completions))
+        totals = StepTotals(sequences=rollouts.num_completions, tokens=int(rollouts.completion_mask.sum()),
+                            max_len=self.cfg.rollout.max_new_tokens)  # fmt: skip
+        passes = [self._one_pass(micro, totals) for _ in range(self.cfg.update.num_iterations)]
+        mean = lambda k: sum(p[k] for p in passes) / len(passes)  # noqa: E731
         skipped = sum(p["skipped"] for p in passes)
+        kl_ref, kl_old = passes[-1]["kl_ref"], passes[-1]["kl_old"]
+        # the adaptive LR's kl signal: to the reference when there is one, else to pi_old (forge/lr.py)
+        signal_kl = kl_ref if self.cfg.algo.beta > 0 else kl_old
         observe = self.cfg.update.adaptive and not skipped  # a NaN would poison the controller's moving average
-        scale = self.adaptive.observe(kl, grad_norm) if observe else self.adaptive.scale
+        scale = self.adaptive.observe(signal_kl, mean("grad_norm")) if observe else self.adaptive.scale
         self.step += 1
         self.policy_version += 1
-        mean = lambda k: sum(p[k] for p in passes) / len(passes)  # noqa: E731
         return UpdateStats(
-            loss=mean("loss"),
-            kl=kl,
-            clip_frac_low=mean("clip_low"),
-            clip_frac_high=mean("clip_high"),
-            entropy=passes[0]["entropy"],
-            logprob_diff=passes[0]["logprob_diff"],
-            is_truncated_frac=passes[0]["is_truncated"],
-            grad_norm=grad_norm,
-            lr=lr,
-            lr_scale=scale,
-            tokens=totals.tokens,
-            seconds=time.perf_counter() - start,
-            policy_version=self.policy_version,
+            loss=mean("loss"), kl_old=kl_old, kl_ref=kl_ref, clip_frac_low=mean("clip_low"),
+            clip_frac_high=mean("clip_high"), entropy=passes[0]["entropy"], logprob_diff=passes[0]["logprob_diff"],
+            is_truncated_frac=passes[0]["is_truncated"], grad_norm=mean("grad_norm"), lr=lr, lr_scale=scale,
+            tokens=totals.tokens, seconds=time.perf_counter() - start, policy_version=self.policy_version,
             skipped=skipped,
-        )
+        )  # fmt: skip
 
     def _my_rows(self, n: int) -> range:
         """This rank's contiguous share of the batch's n rows (the first n % world ranks get one more)."""
@@ -250,79 +255,56 @@ class Trainer:
         start = rank * size + min(rank, extra)
         return range(start, start + size + (rank < extra))
 
-    def _micro_batches(self, batch: ScoredBatch, rows: range) -> list[dict]:
-        ro, size, device = batch.rollouts, self.cfg.update.micro_batch_size, self.accelerator.device
-        out = []
+    def _micro_batches(self, ro: Rollouts, advantages: torch.Tensor, rows: range) -> list[MicroBatch]:
+        """The rank's rows in micro-batches of update.micro_batch_size, with pi_old's log-probs when several PPO
+        passes need them fixed and the reference's when algo.beta > 0."""
+        size, device, out = self.cfg.update.micro_batch_size, self.accelerator.device, []
         for i in range(rows.start, rows.stop, size):
             sl = slice(i, min(i + size, rows.stop))
-            # trim right padding shared by the whole micro-batch: less compute, same result
-            width = max(1, int(ro.completion_mask[sl].sum(1).max()))
-            out.append(
-                {
-                    "prompt_ids": ro.prompt_ids[sl].to(device),
-                    "prompt_mask": ro.prompt_mask[sl].to(device),
-                    "completion_ids": ro.completion_ids[sl, :width].to(device),
-                    "completion_mask": ro.completion_mask[sl, :width].to(device),
-                    "advantages": batch.advantages[sl].to(device),
-                    "sampler_logp": ro.sampling_logprobs[sl, :width].to(device),
-                }
-            )
+            width = max(1, int(ro.completion_mask[sl].sum(1).max()))  # right padding the whole micro-batch shares
+            mb = MicroBatch(ro.prompt_ids[sl].to(device), ro.prompt_mask[sl].to(device),
+                            ro.completion_ids[sl, :width].to(device), ro.completion_mask[sl, :width].to(device),
+                            advantages[sl].to(device), ro.sampling_logprobs[sl, :width].to(device))  # fmt: skip
+            old = self._fixed_logprobs(mb, self.model) if self.cfg.update.num_iterations > 1 else None
+            ref = self._reference_logprobs(mb) if self.cfg.algo.beta > 0 else None
+            out.append(dataclasses.replace(mb, old_logp=old, ref_logp=ref))
         return out
 
-    def _logprobs(self, model, mb: dict) -> TokenLogprobs:
+    def _logprobs(self, model, mb: MicroBatch) -> TokenLogprobs:
         return token_logprobs(
-            model,
-            mb["prompt_ids"],
-            mb["prompt_mask"],
-            mb["completion_ids"],
-            mb["completion_mask"],
-            temperature=self.cfg.rollout.temperature,
-            autocast_bf16=self.autocast_bf16,
-            completion_only=self.cfg.update.logits_completion_only,
-            packing=self.packing,
-        )
+            model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
+            temperature=self.cfg.rollout.temperature, autocast_bf16=self.autocast_bf16,
+            completion_only=self.cfg.update.logits_completion_only, packing=self.packing,
+        )  # fmt: skip
 
     @torch.no_grad()
-    def _fixed_logprobs(self, micro: list[dict], model) -> list[torch.Tensor]:
-        return [self._logprobs(model, mb).logp for mb in micro]
+    def _fixed_logprobs(self, mb: MicroBatch, model) -> torch.Tensor:
+        return self._logprobs(model, mb).logp
 
-    def _reference_logprobs(self, micro: list[dict]) -> list[torch.Tensor]:
+    def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         """The reference policy's log-probs: its own model, or (LoRA) the policy under peft's `disable_adapter`."""
         if self.ref_model is not None:
-            return self._fixed_logprobs(micro, self.ref_model)
+            return self._fixed_logprobs(mb, self.ref_model)
         with self.unwrapped.disable_adapter():
-            return self._fixed_logprobs(micro, self.unwrapped)
+            return self._fixed_logprobs(mb, self.unwrapped)
 
-    def _one_pass(self, micro, olds, refs, totals: StepTotals) -> dict:
+    def _one_pass(self, micro: list[MicroBatch], totals: StepTotals) -> dict:
+        """One optimizer step over the micro-batches: gradients summed (reduced over ranks with the last one)."""
         self.optimizer.zero_grad(set_to_none=True)
-        acc = dict.fromkeys(("loss", "kl", "clip_low", "clip_high", "entropy", "logprob_diff", "is_truncated"), 0.0)
         world, algo = self.accelerator.num_processes, self.cfg.algo
-        for i, (mb, old, ref) in enumerate(zip(micro, olds, refs, strict=True)):
-            last = i == len(micro) - 1
-            with self._grad_sync(last):
-                out = self._logprobs(self.model, mb)
-                old_logp = out.logp.detach() if old is None else old  # [n, T] pi_old
-                # off-policy: the tokens came from the sampler's policy mu (older weights or another engine)
-                weight = importance_weights(old_logp, mb["sampler_logp"], algo.is_cap) if algo.tis else None
-                res = policy_loss(
-                    out.logp, old_logp, mb["advantages"], mb["completion_mask"], algo, totals, ref, weight
-                )
-                self.accelerator.backward(res.loss * world)
-            m = mb["completion_mask"].bool()
-            acc["loss"] += float(res.loss.detach())
-            acc["kl"] += float(res.kl[m].sum())
-            acc["clip_low"] += float(res.clipped_low.sum())
-            acc["clip_high"] += float(res.clipped_high.sum())
-            acc["entropy"] += float(out.entropy[m].sum())
-            acc["logprob_diff"] += float((old_logp - mb["sampler_logp"]).abs()[m].sum())  # trainer vs sampler
-            if weight is not None:
-                acc["is_truncated"] += float((weight[m] >= algo.is_cap).sum())
+        backward = lambda loss: self.accelerator.backward(loss * world)  # noqa: E731  DDP averages over ranks
+        policy = functools.partial(self._logprobs, self.model)
+        acc = dict.fromkeys(MICRO_SUMS, 0.0)
+        for i, mb in enumerate(micro):
+            with self._grad_sync(i == len(micro) - 1):
+                stats = self.micro_update(policy, mb, algo, totals, backward)
+            for k in acc:
+                acc[k] += getattr(stats, k)
         acc = self._sum_over_ranks(acc)  # before the step: every rank decides on the same global loss
         grad_norm, stepped = self._clip_and_step(acc["loss"])
         tokens = max(totals.tokens, 1)
-        per_token = ("kl", "clip_low", "clip_high", "entropy", "logprob_diff", "is_truncated")
         return {"loss": acc["loss"], "grad_norm": grad_norm, "skipped": int(not stepped),
-                **{k: acc[k] / tokens for k in per_token}}  # fmt: skip
+                **{k: acc[k] / tokens for k in MICRO_SUMS if k != "loss"}}  # fmt: skip
 
     def _grad_sync(self, last: bool):
         """Reduce gradients over ranks only with the step's last micro-batch. FSDP2 modules have their own switch
@@ -399,5 +381,3 @@ class Trainer:
         if self.step == 0:
             self.optimizer.state.clear()
 
-    def close(self) -> None:
-        """Nothing to stop in-process (the multi-process `RemoteTrainer` stops its ranks here)."""

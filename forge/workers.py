@@ -14,10 +14,9 @@ node Weaver planned for its stage. Nothing here knows which: no Ray, no Prefect.
   `save` starts a checkpoint (every rank snapshots and writes its own shard, in a background thread by default)
   and `wait_saved` waits for it.
 
-Randomness: a rollout worker samples from an RNG stream of its own, which starts where the process's RNG is once
-the policy is built (seeded `cfg.seed`) and advances only with its own samples; it is swapped in for each call and
-out again, so other work in the same process (the trainer, in-process) never shifts it and it is the same stream
-whether the worker runs in-process or in an actor. Its state travels in checkpoints (`rng_state`/`set_rng_state`).
+Randomness is derived, not carried (`forge.seeds`): every sampling call brings its seed (`SamplingParams.seed`,
+from the run seed and the step), the update seeds its dropout from (seed, step, rank); no RNG state is kept
+between calls or saved in checkpoints.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,7 +48,6 @@ from forge.checkpoint import (
     encode_state,
     host_snapshot,
     load_state,
-    rng_state,
     write_checkpoint,
     write_model_files,
 )
@@ -56,12 +55,14 @@ from forge.config import RunConfig
 from forge.distributed import state as dist_state
 from forge.evaluate import evaluate
 from forge.models import default_device, is_peft, load_policy
-from forge.records import Rollouts, Scored, ScoredBatch, UpdateStats
+from forge.records import Rollouts, ScoredBatch, UpdateStats
 from forge.rewards.aggregate import majority_rewards, mean_scores
 from forge.rewards.registry import resolve_verifiers
 from forge.rewards.score import score_completions
 from forge.rollout import SamplingParams, make_backend
-from forge.rollout.base import concat_rollouts
+
+if TYPE_CHECKING:
+    from forge.trainer import MicroUpdate
 
 # a rank waits in a collective while the other ranks are still busy (slow micro-batches, a checkpoint)
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
@@ -104,27 +105,18 @@ class RolloutWorker:
                                     work_dir=Path(work_dir) if work_dir else None, sleep=self.sleeps)  # fmt: skip
         self.policy_version = 0
         self._verifiers = None
-        self._rng = _capture_rng()  # the sampling stream: where the process's RNG is once the policy is built
 
     def generate(self, prompts: list[str], params: SamplingParams, version: int) -> Rollouts:
-        """params.n completions per prompt from policy `version` (refused if this worker holds another one)."""
+        """params.n completions per prompt from policy `version` (refused if this worker holds another one),
+        sampled with `params.seed`."""
         if version != self.policy_version:
             raise RuntimeError(f"rollout worker holds policy version {self.policy_version}, asked for {version}")
         t0 = time.perf_counter()
-        with torch.random.fork_rng(devices=_cuda_devices()):
-            _restore_rng(self._rng)
-            rollouts = self.backend.generate(prompts, params)
-            self._rng = _capture_rng()
+        rollouts = self.backend.generate(prompts, params)
         seconds = time.perf_counter() - t0
         if self.sleeps:  # the update comes next: give it the engine's GPU memory until the weights arrive
             self.backend.sleep()
         return dataclasses.replace(rollouts, seconds=seconds)
-
-    def rng_state(self) -> dict:
-        return self._rng
-
-    def set_rng_state(self, state: dict) -> None:
-        self._rng = state
 
     def load_weights(self, weights: dict[str, torch.Tensor] | None, version: int) -> float:
         """Sample from `weights` (None: the shared module already holds them) labelled `version`; returns seconds."""
@@ -181,10 +173,8 @@ class RewardWorker:
                 names, r.window_steps, r.refit_every, cfg.seed, r.ensemble_model, r.ensemble_classes, r.necessary_checks
             )
 
-    def score(self, rows: list[dict], rollouts: Rollouts, step: int, echo_rollouts: bool = True) -> Scored:
-        """Score step `step`'s completions; safe to repeat for the same step (the ensemble replaces its entry).
-        `echo_rollouts=False` leaves the rollouts out of the returned batch (`rollouts=None`) for a remote caller
-        that holds them already: they are the bulk of the record."""
+    def score(self, rows: list[dict], rollouts: Rollouts, step: int) -> ScoredBatch:
+        """Score step `step`'s completions; safe to repeat for the same step (the ensemble replaces its entry)."""
         g = rollouts.group_size
         result = score_completions(
             self.verifiers,
@@ -207,11 +197,9 @@ class RewardWorker:
         elif aggregate == "mean":
             rewards = mean_scores(result.scores)
         advantages = group_advantages(rewards, g, self.cfg.algo.advantage)  # [N]
-        kept = rollouts if echo_rollouts else None
-        batch = ScoredBatch(kept, result.names, result.scores, rewards, advantages, result.failures,
-                            verifier_errors=result.errors, verifier_errored=result.errored,
-                            reward_metrics=extra)  # fmt: skip
-        return Scored(batch=batch, ensemble_report=report)
+        return ScoredBatch(result.names, result.scores, rewards, advantages, result.failures,
+                           verifier_errors=result.errors, verifier_errored=result.errored, reward_metrics=extra,
+                           ensemble_report=report)  # fmt: skip
 
     def trainer_state(self, step: int):
         """What TRL passes reward functions as `trainer_state`: a transformers TrainerState. While step `step` is
@@ -222,11 +210,6 @@ class RewardWorker:
         epoch = drawn / self.train_rows if self.train_rows else 0.0
         return TrainerState(epoch=epoch, global_step=step - 1, max_steps=self.cfg.steps,
                             train_batch_size=self.cfg.rollout.prompts_per_step)  # fmt: skip
-
-    def score_parts(self, rows: list[dict], step: int, pad_id: int, *parts: Rollouts) -> Scored:
-        """`score` of a step whose rollouts came from several replicas (consecutive groups), without echoing them."""
-        rollouts = parts[0] if len(parts) == 1 else concat_rollouts(list(parts), pad_id)
-        return self.score(rows, rollouts, step, echo_rollouts=False)
 
     def state_dict(self) -> dict | None:
         return self.aggregator.state_dict() if self.aggregator is not None else None
@@ -251,7 +234,9 @@ class TrainerWorker:
     """
 
     def __init__(self, cfg: RunConfig, model=None, tokenizer=None, rank: int = 0, world: int = 1,
-                 master_addr: str = "", master_port: int = 0, local_rank: int = 0):  # fmt: skip
+                 master_addr: str = "", master_port: int = 0, local_rank: int = 0,
+                 micro_update: MicroUpdate | None = None):  # fmt: skip
+        """`micro_update`: the recipe's update math for one micro-batch (`forge.trainer.Trainer`)."""
         from forge.trainer import Trainer, make_accelerator
 
         self.cfg, self.rank, self.world = cfg, rank, world
@@ -270,7 +255,8 @@ class TrainerWorker:
         # LoRA needs no copy: the reference is the policy with its adapter disabled (`Trainer._reference_logprobs`)
         copy_ref = cfg.algo.beta > 0 and not is_peft(model)
         ref = copy.deepcopy(model).eval().requires_grad_(False) if copy_ref else None
-        self.trainer = Trainer(model, cfg, total_steps=cfg.steps, ref_model=ref, accelerator=accelerator)
+        self.trainer = Trainer(model, cfg, total_steps=cfg.steps, ref_model=ref, accelerator=accelerator,
+                               micro_update=micro_update)  # fmt: skip
         self.saver = AsyncCheckpointer()
         _torch_optimizer(self.trainer.optimizer).register_step_pre_hook(lambda *_: self.saver.wait_staged())
         # the checkpoint writer's DCP collectives run on a gloo group of their own, so they never interleave with
@@ -281,9 +267,10 @@ class TrainerWorker:
     def policy_version(self) -> int:
         return self.trainer.policy_version
 
-    def step(self, batch: ScoredBatch, publish: bool = True) -> tuple[UpdateStats, dict[str, torch.Tensor] | None]:
-        """Train on this rank's share of `batch`; (stats, the new full weights on CPU on rank 0 if `publish`)."""
-        stats = self.trainer.update(batch)
+    def step(self, rollouts: Rollouts, advantages: torch.Tensor,
+             publish: bool = True) -> tuple[UpdateStats, dict[str, torch.Tensor] | None]:  # fmt: skip
+        """Train on this rank's share of the step; (stats, the new full weights on CPU on rank 0 if `publish`)."""
+        stats = self.trainer.update(rollouts, advantages)
         return stats, self.weights() if publish else None
 
     def weights(self) -> dict[str, torch.Tensor] | None:
@@ -301,7 +288,7 @@ class TrainerWorker:
         state; every rank must call it. Waits for the save in flight first (at most one), snapshots (a host copy
         when `checkpoint.async_save`) and writes in a background thread (async) or before returning."""
         self.saver.wait()
-        snap = self._snapshot(step, {**payload, "rng": rng_state()}, eval_score)
+        snap = self._snapshot(step, payload, eval_score)
         check_finite(snap, Path(root), self.checkpoint_group)  # a NaN never reaches a checkpoint (nor `latest`)
         tmp = begin_checkpoint(Path(root), step, self.rank)
         if self.rank == 0:
@@ -374,20 +361,6 @@ def rollout_sleeps(cfg: RunConfig) -> bool:
 
 def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper holds the torch optimizer
-
-
-def _cuda_devices() -> list[int]:
-    return [torch.cuda.current_device()] if torch.cuda.is_available() else []
-
-
-def _capture_rng() -> dict:
-    return {"cpu": torch.get_rng_state(), "cuda": [torch.cuda.get_rng_state(d) for d in _cuda_devices()]}
-
-
-def _restore_rng(state: dict) -> None:
-    torch.set_rng_state(state["cpu"])
-    for d, s in zip(_cuda_devices(), state["cuda"], strict=False):
-        torch.cuda.set_rng_state(s, d)
 
 
 def _check_group(accelerator, world: int) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import random
 import threading
 import time
 from pathlib import Path
@@ -28,7 +27,6 @@ from forge.checkpoint import (
     latest_checkpoint,
     load_state,
     load_weights,
-    set_rng_state,
     shard_keys,
     step_dir_name,
 )
@@ -36,7 +34,7 @@ from forge.errors import UserError
 from forge.io import atomic_write_text, write_json
 from forge.models import build_char_tokenizer, build_tiny_model
 from forge.tracking import JsonlTracker, read_metrics
-from forge.workers import TrainerWorker
+from tests.grpo_parts import TrainerWorker
 from tests.test_trainer import make_batch, make_cfg
 
 torch.set_num_threads(1)
@@ -140,12 +138,12 @@ def test_restore_continues_exactly(tmp_path: Path, tok, async_save):
     the same weights and AdamW moments, bitwise, and the same LR controller, step and policy version."""
     a = worker(tok, async_save, adaptive=True, max_grad_norm=1.0)
     batch = make_batch(tok)
-    a.step(batch, publish=False), a.step(batch, publish=False)
+    a.step(*batch, publish=False), a.step(*batch, publish=False)
     ckpt = save(a, tmp_path, 2).path
-    a.step(batch, publish=False)
+    a.step(*batch, publish=False)
     b = worker(tok, async_save, adaptive=True, max_grad_norm=1.0)
     assert b.restore(ckpt) == 2
-    b.step(batch, publish=False)
+    b.step(*batch, publish=False)
     want, got = weights_and_moments(a), weights_and_moments(b)
     assert want.keys() == got.keys() and any(k.endswith(".exp_avg_sq") for k in want)
     for k in want:
@@ -155,7 +153,7 @@ def test_restore_continues_exactly(tmp_path: Path, tok, async_save):
 
 def test_load_weights_restores_parameters_into_fresh_model(tmp_path: Path, tok):
     w = worker(tok)
-    w.step(make_batch(tok), publish=False)  # move off init so a re-init could not pass by accident
+    w.step(*make_batch(tok), publish=False)  # move off init so a re-init could not pass by accident
     ckpt = Path(save(w, tmp_path, 1).path)
     model = w.trainer.unwrapped
     other = build_tiny_model(tok, hidden=32, layers=1, seed=1)
@@ -169,17 +167,6 @@ def test_load_weights_restores_parameters_into_fresh_model(tmp_path: Path, tok):
     # weights are copied in place (the optimizer holds these Parameter objects) and the head stays tied
     assert all(p is params_before[n] for n, p in other.named_parameters())
     assert other.lm_head.weight.data_ptr() == other.model.embed_tokens.weight.data_ptr()
-
-
-def test_rng_state_round_trip(tmp_path: Path, tok):
-    torch.manual_seed(123)
-    random.seed(5)
-    ckpt = Path(save(worker(tok), tmp_path, 1).path)
-    drawn = (torch.rand(4), random.random(), np.random.rand())
-    torch.rand(10), random.random(), np.random.rand(3)  # the run goes on, then crashes
-    set_rng_state(load_state(ckpt)["rng"])
-    again = (torch.rand(4), random.random(), np.random.rand())
-    assert torch.equal(again[0], drawn[0]) and again[1:] == drawn[1:]
 
 
 def test_latest_moves_to_newest_save_and_a_resave_replaces(tmp_path: Path, tok):
@@ -211,10 +198,10 @@ def test_async_save_returns_before_the_write_and_keeps_the_snapshot(tmp_path: Pa
 
     monkeypatch.setattr(ckpt_mod, "write_shards", held)
     w, root, batch = worker(tok, async_save=True), tmp_path / "checkpoints", make_batch(tok)
-    w.step(batch, publish=False)
+    w.step(*batch, publish=False)
     at_save = {k: v.clone() for k, v in w.trainer.unwrapped.state_dict().items()}
     w.save(str(root), 1, {}, None)  # returns with the write held: training continues
-    w.step(batch, publish=False)
+    w.step(*batch, publish=False)
     assert latest_checkpoint(root) is None and (root / ".step-000001.partial").is_dir()
     second = threading.Thread(target=w.save, args=(str(root), 2, {}, None))
     second.start()
@@ -239,10 +226,10 @@ def test_the_next_optimizer_step_waits_for_the_host_copy(tmp_path: Path, tok, mo
 
     monkeypatch.setattr(ckpt_mod, "host_copy", slow_copy)
     w, batch = worker(tok, async_save=True), make_batch(tok)
-    w.step(batch, publish=False)
+    w.step(*batch, publish=False)
     before = {k: v.clone() for k, v in w.trainer.unwrapped.state_dict().items()}
     w.save(str(tmp_path), 1, {}, None)
-    update = threading.Thread(target=w.step, args=(batch, False))
+    update = threading.Thread(target=w.step, args=(*batch, False))
     update.start()
     time.sleep(0.5)
     assert update.is_alive()  # forward/backward done, the optimizer step waits: the weights are still unchanged

@@ -46,7 +46,8 @@ def test_tiny_preset_learns(runs_dir, capsys):
         "reward/mean",
         "reward/math_answer/mean",
         "train/loss",
-        "train/kl",
+        "train/kl_old",
+        "train/kl_ref",
         "train/lr",
         "train/grad_norm",
         "train/entropy",
@@ -204,7 +205,7 @@ def test_existing_run_dir_is_not_overwritten(runs_dir, capsys):
 
 def test_export_writes_an_hf_directory_and_refuses_a_non_checkpoint(tmp_path, capsys):
     from forge.models import build_char_tokenizer, build_tiny_model
-    from forge.workers import TrainerWorker
+    from tests.grpo_parts import TrainerWorker
     from tests.test_trainer import make_cfg
 
     tok = build_char_tokenizer()

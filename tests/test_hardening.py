@@ -3,9 +3,11 @@ checkpoints, the run-directory lock and stale status, pointers, the fitted ensem
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -153,7 +155,7 @@ def tok():
 
 def _trainer(tok, **update):
     from forge.models import build_tiny_model
-    from forge.trainer import Trainer
+    from tests.grpo_parts import Trainer
     from tests.test_trainer import make_cfg
 
     return Trainer(build_tiny_model(tok, hidden=32, layers=1, seed=0), make_cfg(**update), total_steps=10)
@@ -165,22 +167,21 @@ def _params(trainer) -> dict[str, torch.Tensor]:
 
 def test_nan_advantages_skip_the_step_and_leave_weights_and_adam_untouched(tok):
     """A reward that turned into NaN advantages (or any NaN loss): no optimizer step, counted as skipped."""
-    import dataclasses
 
     from tests.test_trainer import make_batch
 
     tr = _trainer(tok)
-    tr.update(make_batch(tok))  # one good step: AdamW has moments
+    tr.update(*make_batch(tok))  # one good step: AdamW has moments
     before, moments = _params(tr), {k: dict(v) for k, v in tr.optimizer.state_dict()["state"].items()}
     batch = make_batch(tok)
-    bad = dataclasses.replace(batch, advantages=torch.full_like(batch.advantages, float("nan")))
-    stats = tr.update(bad)
+    bad = batch._replace(advantages=torch.full_like(batch.advantages, float("nan")))
+    stats = tr.update(*bad)
     assert stats.skipped == 1 and not math.isfinite(stats.loss)
     after = _params(tr)
     assert all(torch.equal(before[k], after[k]) for k in before)
     for k, state in tr.optimizer.state_dict()["state"].items():
         assert torch.equal(state["exp_avg"], moments[k]["exp_avg"])
-    good = tr.update(make_batch(tok))  # training goes on from the last finite weights
+    good = tr.update(*make_batch(tok))  # training goes on from the last finite weights
     assert good.skipped == 0 and all(torch.isfinite(v).all() for v in _params(tr).values())
 
 
@@ -191,7 +192,7 @@ def test_an_infinite_gradient_skips_the_step(tok):
     before = _params(tr)
     first = next(p for p in tr.model.parameters() if p.requires_grad)
     handle = first.register_hook(lambda g: torch.full_like(g, float("inf")))
-    stats = tr.update(make_batch(tok))
+    stats = tr.update(*make_batch(tok))
     handle.remove()
     assert stats.skipped == 2 and not math.isfinite(stats.grad_norm)  # both PPO passes skipped
     assert all(torch.equal(before[k], v) for k, v in _params(tr).items())
@@ -200,7 +201,7 @@ def test_an_infinite_gradient_skips_the_step(tok):
 def test_a_checkpoint_with_a_nan_is_refused_and_latest_stays(tok, tmp_path):
     from forge.checkpoint import latest_checkpoint
     from forge.models import build_tiny_model
-    from forge.workers import TrainerWorker
+    from tests.grpo_parts import TrainerWorker
     from tests.test_trainer import make_cfg
 
     w = TrainerWorker(make_cfg(), model=build_tiny_model(tok, hidden=32, layers=1, seed=0), tokenizer=tok)
@@ -217,20 +218,18 @@ def test_a_checkpoint_with_a_nan_is_refused_and_latest_stays(tok, tmp_path):
 
 
 def test_too_many_skipped_steps_in_a_row_stop_the_run():
-    from forge.recipes.grpo import GRPORun
-    from forge.records import UpdateStats
+    from forge.loop import LoopState, stop_reason, streaks
+    from forge.records import ScoredBatch, UpdateStats
 
-    run = GRPORun.__new__(GRPORun)  # the loop's bookkeeping alone
-    run.cfg, run.skipped_in_a_row = RunConfig(), 0
-    stats = UpdateStats(*([0.0] * 8), tokens=1, seconds=0.0, policy_version=1, skipped=1)
+    batch = ScoredBatch(["v"], torch.ones(2, 1), torch.ones(2), torch.zeros(2), {"v": 0})
+    skipped = UpdateStats(*([0.0] * 8), tokens=1, seconds=0.0, policy_version=1, skipped=1)
     ok = UpdateStats(*([0.0] * 8), tokens=1, seconds=0.0, policy_version=1)
-    for step in (1, 2):
-        run.check_skipped(step, stats)
-    run.check_skipped(3, ok)  # a good step resets the count
-    run.check_skipped(4, stats)
-    run.check_skipped(5, stats)
-    with pytest.raises(UserError, match=r"step 6: 3 updates in a row .*\(update.max_skipped_steps=3\)"):
-        run.check_skipped(6, stats)
+    state, cfg = LoopState(), RunConfig()
+    for step, stats in enumerate([skipped, skipped, ok, skipped, skipped], start=1):  # a good step resets the count
+        state = streaks(dataclasses.replace(state, step=step), batch, stats)
+        assert stop_reason(state, batch, cfg) == ""
+    state = streaks(dataclasses.replace(state, step=6), batch, skipped)
+    assert re.match(r"step 6: 3 updates in a row .*\(update.max_skipped_steps=3\)", stop_reason(state, batch, cfg))
 
 
 # ---------------------------------------------------------------- lock, status, names, pointers

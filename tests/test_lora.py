@@ -19,7 +19,7 @@ from forge.config import ConfigError, RunConfig, apply_overrides, dump_yaml, fro
 from forge.errors import UserError
 from forge.models import add_lora, build_char_tokenizer, build_tiny_model, is_peft, load_policy, merged_weights
 from forge.trainer import token_logprobs
-from forge.workers import TrainerWorker
+from tests.grpo_parts import TrainerWorker
 from tests.test_trainer import make_batch, make_cfg
 
 torch.set_num_threads(1)
@@ -101,7 +101,7 @@ def test_only_the_adapter_is_trainable_and_the_optimizer_holds_only_it():
     in_optimizer = {id(p) for g in w.trainer.optimizer.param_groups for p in g["params"]}
     assert in_optimizer == {id(p) for p in model.parameters() if p.requires_grad}
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    stats, _ = w.step(make_batch(w.tokenizer), publish=False)
+    stats, _ = w.step(*make_batch(w.tokenizer), publish=False)
     assert stats.grad_norm > 0
     assert all(torch.equal(base[n], p) for n, p in model.named_parameters() if n in base)  # base frozen
 
@@ -128,7 +128,7 @@ def test_published_weights_are_merged_and_load_into_a_plain_rollout_copy(tok):
     w = lora_worker(rank=4)
     batch = make_batch(w.tokenizer)
     for _ in range(2):
-        _, published = w.step(batch, publish=True)
+        _, published = w.step(*batch, publish=True)
     plain = build_tiny_model(tok, hidden=32, layers=1, seed=0)
     plain.load_state_dict(published)
     ro = batch.rollouts
@@ -145,13 +145,13 @@ def test_reference_is_the_base_model_with_the_adapter_disabled(tok):
     w = lora_worker(rank=4, beta=0.1)
     assert w.trainer.ref_model is None
     batch = make_batch(w.tokenizer)
-    first = w.step(batch, publish=False)[0]
-    assert first.kl == 0.0
+    first = w.step(*batch, publish=False)[0]
+    assert first.kl_ref == 0.0
     for _ in range(3):
-        stats = w.step(batch, publish=False)[0]
-    assert stats.kl > 0
-    micro = w.trainer._micro_batches(batch, range(batch.rollouts.num_completions))
-    ref = torch.cat([r for r in w.trainer._reference_logprobs(micro)])
+        stats = w.step(*batch, publish=False)[0]
+    assert stats.kl_ref > 0
+    micro = w.trainer._micro_batches(*batch, range(batch.rollouts.num_completions))
+    ref = torch.cat([w.trainer._reference_logprobs(mb) for mb in micro])
     base = build_tiny_model(tok, hidden=32, layers=1, seed=0).eval()
     ro = batch.rollouts
     with torch.no_grad():
@@ -171,7 +171,7 @@ def save(w: TrainerWorker, root: Path, step: int):
 
 def test_checkpoint_holds_only_the_adapter(tmp_path: Path):
     w = lora_worker(rank=4)
-    w.step(make_batch(w.tokenizer), publish=False)
+    w.step(*make_batch(w.tokenizer), publish=False)
     ckpt = Path(save(w, tmp_path, 1).path)
     files = {p.name: p.stat().st_size for p in ckpt.iterdir() if p.is_file()}
     assert ADAPTER in files and ADAPTER_CONFIG in files and WEIGHTS not in files and "config.json" not in files
@@ -193,12 +193,12 @@ def test_lora_restore_continues_exactly(tmp_path: Path, async_save):
     holds bitwise the same adapter and AdamW moments (and the base weights it never trained)."""
     a = lora_worker(rank=4, async_save=async_save, adaptive=True, max_grad_norm=1.0)
     batch = make_batch(a.tokenizer)
-    a.step(batch, publish=False), a.step(batch, publish=False)
+    a.step(*batch, publish=False), a.step(*batch, publish=False)
     ckpt = save(a, tmp_path, 2).path
-    a.step(batch, publish=False)
+    a.step(*batch, publish=False)
     b = lora_worker(rank=4, async_save=async_save, adaptive=True, max_grad_norm=1.0)
     assert b.restore(ckpt) == 2
-    b.step(batch, publish=False)
+    b.step(*batch, publish=False)
     want, got = (dict(w.trainer.checkpoint_tensors(with_model=True)[0]) for w in (a, b))
     assert want.keys() == got.keys() and any(".lora_B." in k and k.endswith("exp_avg_sq") for k in want)
     for k in want:
@@ -209,7 +209,7 @@ def test_lora_restore_continues_exactly(tmp_path: Path, async_save):
 
 def test_resume_with_another_rank_is_one_line(tmp_path: Path):
     a = lora_worker(rank=4)
-    a.step(make_batch(a.tokenizer), publish=False)
+    a.step(*make_batch(a.tokenizer), publish=False)
     ckpt = save(a, tmp_path, 1).path
     with pytest.raises(UserError, match="does not match this run's adapter"):
         lora_worker(rank=8).restore(ckpt)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from forge.config import AlgoConfig
-from forge.losses import StepTotals, policy_loss
+from forge.losses import StepTotals
+from forge.recipes.grpo import grpo_loss as policy_loss
 
 torch.set_num_threads(1)
 
@@ -69,7 +70,7 @@ def test_ratio_one_gives_minus_aggregated_advantage(loss):
     expected = torch.tensor([[g0, g0, g0], [g1, g1, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(logp.grad, expected)
     assert not out.clipped_low.any() and not out.clipped_high.any()
-    assert torch.equal(out.kl, torch.zeros_like(out.kl))  # approx KL to logp_old is exactly 0 at r = 1
+    assert torch.equal(out.kl_old, torch.zeros_like(out.kl_old))  # approx KL to logp_old is exactly 0 at r = 1
 
 
 # ---------------------------------------------------------------- PPO clipping (grpo, dr_grpo, dapo)
@@ -156,8 +157,8 @@ def test_gspo_uses_one_sequence_ratio():
     g = -s0 / 6
     torch.testing.assert_close(logp.grad, torch.tensor([[g, g, g], [0.0, 0.0, 0.0]], dtype=torch.float64))
     kl0, kl1 = s0 - 1 - 0.1, s1 - 1 - 0.4
-    torch.testing.assert_close(out.kl[:, :2], torch.tensor([[kl0, kl0], [kl1, kl1]], dtype=torch.float64))
-    assert out.kl[0, 2] == pytest.approx(kl0)  # token 0 alone would have given e^0.3 - 1 - 0.3
+    torch.testing.assert_close(out.kl_old[:, :2], torch.tensor([[kl0, kl0], [kl1, kl1]], dtype=torch.float64))
+    assert out.kl_old[0, 2] == pytest.approx(kl0)  # token 0 alone would have given e^0.3 - 1 - 0.3
     assert out.clipped_high.tolist() == [[False, False, False], [True, True, False]]
 
 
@@ -215,9 +216,9 @@ def test_k3_kl_value_and_sign(loss):
     assert out.loss.item() == pytest.approx(K3[loss], abs=1e-7)
     ln2 = math.log(2)
     expected_kl = [[0.0, 1 - ln2, ln2 - 0.5], [1 - ln2, 0.0]]
-    assert out.kl[0].tolist() == pytest.approx(expected_kl[0], abs=1e-12)
-    assert out.kl[1, :2].tolist() == pytest.approx(expected_kl[1], abs=1e-12)
-    assert (out.kl >= 0).all()
+    assert out.kl_ref[0].tolist() == pytest.approx(expected_kl[0], abs=1e-12)
+    assert out.kl_ref[1, :2].tolist() == pytest.approx(expected_kl[1], abs=1e-12)
+    assert (out.kl_ref >= 0).all()
 
 
 @pytest.mark.parametrize("loss", LOSSES)
@@ -231,7 +232,7 @@ def test_k3_kl_is_nonnegative_and_adds_beta_times_aggregated_kl(loss):
     totals = StepTotals(sequences=4, tokens=int(mask.sum()), max_len=6)
     plain = policy_loss(logp, old, adv, mask, AlgoConfig(loss=loss), totals)
     with_kl = policy_loss(logp, old, adv, mask, AlgoConfig(loss=loss, beta=0.5), totals, ref_logp=ref)
-    assert (with_kl.kl >= 0).all()
+    assert (with_kl.kl_ref >= 0).all()
     # the KL term is aggregated like the policy term: for r = 1 the same aggregation of a constant-free tensor
     kl_only = policy_loss(logp, logp, torch.zeros(4), mask, AlgoConfig(loss=loss, beta=0.5), totals, ref_logp=ref)
     assert kl_only.loss.item() >= 0  # A = 0: only beta * KL remains, cispo included (-w*0*logp = 0)

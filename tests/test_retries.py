@@ -1,6 +1,6 @@
-"""Stage retries (the Prefect runner's policy, `flows.pipeline.RETRY_SAFE`) are safe: an update is never retried, a
-retried rollout samples the same batch again (none skipped, same result), a retried prepare stops the workers of the
-failed attempt instead of leaking them."""
+"""Stage retries (the Prefect runner's policy, `forge.stages.Stage.retry_safe`) are safe: an update is never retried,
+a retried rollout samples the same batch again (none skipped, same result), a retried evaluation records its step
+once; the workers are not rebuilt for a retry (no stage call builds them)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from flows.pipeline import RETRY_SAFE
 from forge.config import apply_overrides
 from forge.presets import get_preset
 from forge.recipes.grpo import run
-from forge.stages import LocalStages
+from forge.stages import LocalStages, Stage
 from forge.tracking import read_metrics
 
 SETTINGS = ["steps=3", "threads=1", "checkpoint.every=1", "eval.every=0", "eval.k=0", "eval.max_problems=8",
@@ -22,11 +21,11 @@ SETTINGS = ["steps=3", "threads=1", "checkpoint.every=1", "eval.every=0", "eval.
 
 
 def retrying_runner(stage, step, fn, *args):
-    """The Prefect runner's retry policy without Prefect: one retry for a stage in RETRY_SAFE."""
+    """The Prefect runner's retry policy without Prefect: one retry for a stage safe to repeat."""
     try:
         return fn(*args)
     except RuntimeError:
-        if stage not in RETRY_SAFE:
+        if not stage.retry_safe:
             raise
         return fn(*args)
 
@@ -37,24 +36,23 @@ class Flaky(LocalStages):
     made: list = []
     failed: set = set()
 
-    def __init__(self, cfg, run_dir, plan=None):
-        super().__init__(cfg, run_dir, plan)
+    def __init__(self, cfg, run_dir, plan, micro_update):
+        super().__init__(cfg, run_dir, plan, micro_update)
         self.closed = False
         Flaky.made.append(self)
 
-    def rollout(self, started):
-        out = super().rollout(started)
-        if started.step == 2 and "rollout" not in Flaky.failed:
+    def rollout(self, request):
+        out = super().rollout(request)  # the work is done, then lost: as if the worker died before answering
+        if request.step == 2 and "rollout" not in Flaky.failed:
             Flaky.failed.add("rollout")
-            started.rollouts = None  # as if the worker died mid-call: nothing kept
             raise RuntimeError("rollout worker hiccup")
         return out
 
-    def evaluate(self, rows, step):
+    def evaluate(self, rows, step, probe=False):
         if "evaluate" not in Flaky.failed:
             Flaky.failed.add("evaluate")
             raise RuntimeError("evaluate hiccup")
-        return super().evaluate(rows, step)
+        return super().evaluate(rows, step, probe)
 
     def close(self):
         self.closed = True
@@ -62,7 +60,7 @@ class Flaky(LocalStages):
 
 
 def test_update_is_never_retried():
-    assert "update" not in RETRY_SAFE and {"rollout", "reward", "prepare"} <= RETRY_SAFE
+    assert [s for s in Stage if not s.retry_safe] == [Stage.UPDATE]
 
 
 def test_retried_rollout_and_prepare_give_the_run_without_failures(tmp_path: Path):
@@ -71,8 +69,8 @@ def test_retried_rollout_and_prepare_give_the_run_without_failures(tmp_path: Pat
     Flaky.made, Flaky.failed = [], set()
     run(cfg(), tmp_path / "flaky", progress=False, stages=Flaky, runner=retrying_runner)
     assert Flaky.failed == {"rollout", "evaluate"}
-    # the first prepare failed in its initial evaluation: its workers were stopped before the retry made new ones
-    assert len(Flaky.made) == 2 and Flaky.made[0].closed
+    # the initial evaluation failed once and was retried on the same workers, which the run stopped at its end
+    assert len(Flaky.made) == 1 and Flaky.made[0].closed
     a = load_file(tmp_path / "plain" / "checkpoints" / "step-000003" / "model.safetensors")
     b = load_file(tmp_path / "flaky" / "checkpoints" / "step-000003" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)  # the retried rollout sampled the same batch, nothing skipped
@@ -80,4 +78,4 @@ def test_retried_rollout_and_prepare_give_the_run_without_failures(tmp_path: Pat
     assert [r["step"] for r in rb] == [0, 1, 2, 3]
     assert [r["reward/mean"] for r in ra[1:]] == [r["reward/mean"] for r in rb[1:]]
     lines = (tmp_path / "flaky" / "metrics.jsonl").read_text().splitlines()
-    assert sum('"step": 0' in line for line in lines) == 1  # the retried prepare did not log step 0 twice
+    assert sum('"step": 0' in line for line in lines) == 1  # the retried evaluation did not log step 0 twice

@@ -16,9 +16,10 @@ import torch
 import forge.trainer as trainer_mod
 from forge.config import RunConfig
 from forge.models import build_char_tokenizer, build_tiny_model
-from forge.records import Rollouts, ScoredBatch
+from forge.records import Rollouts
 from forge.shared_prefix import PackingCost, completion_lengths, group_spans, pack, pack_saves_compute, packed_length
-from forge.trainer import Trainer, token_logprobs
+from forge.trainer import token_logprobs
+from tests.grpo_parts import Trainer
 
 torch.set_num_threads(1)
 
@@ -141,14 +142,7 @@ def test_a_trainer_step_is_the_same_packed_or_plain(tok, packed_calls):
     """Micro-batches of 4 rows split the first group's 3 and the last group's 2 rows across micro-batches."""
     ro = rollouts(tok)
     rewards = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.0, 1.0])
-    batch = ScoredBatch(
-        rollouts=ro,
-        verifier_names=["math_answer"],
-        scores=rewards.unsqueeze(1),
-        rewards=rewards,
-        advantages=rewards - 0.5,
-        verifier_failures={},
-    )
+    advantages = rewards - 0.5
     base = tiny(tok)
     results = {}
     for shared in (False, True):
@@ -158,7 +152,7 @@ def test_a_trainer_step_is_the_same_packed_or_plain(tok, packed_calls):
         cfg.algo.loss = "dapo"
         trainer = Trainer(copy.deepcopy(base).train(), cfg, total_steps=2)
         assert (trainer.packing is not None) is shared
-        stats = [trainer.update(batch) for _ in range(2)]
+        stats = [trainer.update(ro, advantages) for _ in range(2)]
         results[shared] = (stats, {n: p.detach().clone() for n, p in trainer.unwrapped.named_parameters()})
     assert len(packed_calls) == 2 * 2  # two micro-batches (rows 0-3, 4-5) in each of the two packed steps
     (plain_stats, plain_w), (packed_stats, packed_w) = results[False], results[True]

@@ -9,17 +9,20 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from typing import NamedTuple
 
 import pytest
 import torch
 
-import forge.trainer as trainer_mod
 from forge.advantages import group_advantages
 from forge.config import RunConfig
-from forge.losses import StepTotals, policy_loss
+from forge.losses import StepTotals
 from forge.models import build_char_tokenizer, build_tiny_model
-from forge.records import Rollouts, ScoredBatch
-from forge.trainer import Trainer, token_logprobs
+from forge.recipes import grpo
+from forge.recipes.grpo import grpo_loss
+from forge.records import Rollouts
+from forge.trainer import token_logprobs
+from tests.grpo_parts import Trainer
 
 torch.set_num_threads(1)
 
@@ -64,17 +67,16 @@ def make_rollouts(tok) -> Rollouts:
     )
 
 
-def make_batch(tok) -> ScoredBatch:
-    ro = make_rollouts(tok)
+class Batch(NamedTuple):
+    """What an update takes: the rollouts and their advantages (`trainer.update(*batch)`)."""
+
+    rollouts: Rollouts
+    advantages: torch.Tensor  # [N]
+
+
+def make_batch(tok) -> Batch:
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
-    return ScoredBatch(
-        rollouts=ro,
-        verifier_names=["math_answer"],
-        scores=rewards.unsqueeze(1),
-        rewards=rewards,
-        advantages=group_advantages(rewards, 2, "zscore"),
-        verifier_failures={},
-    )
+    return Batch(make_rollouts(tok), group_advantages(rewards, 2, "zscore"))
 
 
 def make_cfg(**update) -> RunConfig:
@@ -113,15 +115,15 @@ def test_logprobs_are_deterministic_so_first_ratio_is_exactly_one(tok, model):
     # with old = logp.detach() the ratio is 1: no clipping, zero approx KL, loss = -aggregated advantage
     adv = torch.tensor([1.0, -1.0, 0.5, 0.5, 2.0, -2.0])
     totals = StepTotals(sequences=6, tokens=int(m.sum()), max_len=T)
-    out = policy_loss(first, first.detach(), adv, ro.completion_mask, make_cfg().algo, totals)
+    out = grpo_loss(first, first.detach(), adv, ro.completion_mask, make_cfg().algo, totals)
     assert not out.clipped_low.any() and not out.clipped_high.any()
-    assert torch.equal(out.kl, torch.zeros_like(out.kl))
+    assert torch.equal(out.kl_old, torch.zeros_like(out.kl_old)) and out.kl_ref is None
     # grpo: every token's L = -A_i, so each sequence mean is -A_i and the loss is -mean(A) = -(1/6)
     assert out.loss.item() == pytest.approx(-1 / 6, abs=1e-7)
     # dapo (token mean), lengths [2, 1, 3, 4, 2, 2]: -(2*1 - 1 + 3*0.5 + 4*0.5 + 2*2 - 2*2) / 14 = -4.5 / 14
     cfg = make_cfg()
     cfg.algo.loss = "dapo"
-    out = policy_loss(first, first.detach(), adv, ro.completion_mask, cfg.algo, totals)
+    out = grpo_loss(first, first.detach(), adv, ro.completion_mask, cfg.algo, totals)
     assert out.loss.item() == pytest.approx(-4.5 / 14, abs=1e-7)
 
 
@@ -130,14 +132,14 @@ def test_trainer_first_pass_has_ratio_one(tok, model, monkeypatch):
 
     def spy(logp, old_logp, *args, **kwargs):
         seen.append(torch.equal(logp.detach(), old_logp))
-        return policy_loss(logp, old_logp, *args, **kwargs)
+        return grpo_loss(logp, old_logp, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_mod, "policy_loss", spy)
+    monkeypatch.setattr(grpo, "grpo_loss", spy)
     cfg = make_cfg(num_iterations=2, micro_batch_size=4, lr=1e-4)
-    stats = Trainer(model, cfg, total_steps=1).update(make_batch(tok))
+    stats = Trainer(model, cfg, total_steps=1).update(*make_batch(tok))
     assert seen == [True, True, False, False]  # 2 micro-batches x 2 passes: old == new only on pass 1
     assert stats.clip_frac_low == 0 and stats.clip_frac_high == 0
-    assert math.isfinite(stats.kl) and stats.kl >= 0
+    assert math.isfinite(stats.kl_old) and stats.kl_old >= 0 and stats.kl_ref == 0.0
 
 
 # ---------------------------------------------------------------- (b) positions, (c) completion-only logits
@@ -215,7 +217,7 @@ def test_update_is_invariant_to_micro_batch_size(tok, model, loss, beta, iters):
         policy = copy.deepcopy(model)
         ref = copy.deepcopy(model).eval().requires_grad_(False) if beta > 0 else None
         trainers.append(Trainer(policy, cfg, total_steps=1, ref_model=ref))
-    stats = [t.update(batch) for t in trainers]
+    stats = [t.update(*batch) for t in trainers]
     assert stats[0].loss == pytest.approx(stats[1].loss, abs=1e-6)
     assert stats[0].grad_norm == pytest.approx(stats[1].grad_norm, rel=1e-5)
     moved = max(
@@ -236,12 +238,13 @@ def test_update_stats_are_finite_and_versioned(tok, model):
     batch = make_batch(tok)
     cfg = make_cfg(lr=3e-4, micro_batch_size=4)
     trainer = Trainer(model, cfg, total_steps=2)
-    first = trainer.update(batch)
-    second = trainer.update(batch)
+    first = trainer.update(*batch)
+    second = trainer.update(*batch)
     for s in (first, second):
         for name in (
             "loss",
-            "kl",
+            "kl_old",
+            "kl_ref",
             "clip_frac_low",
             "clip_frac_high",
             "entropy",
@@ -266,17 +269,17 @@ def test_logprob_diff_measures_the_sampler_gap_and_tis_reweights(tok, model):
     whose sampler log-prob is far below the trainer's get the capped weight (is_truncated_frac)."""
     batch = make_batch(tok)
     exact = token_logprobs(model, *_inputs(batch.rollouts)).logp.detach() * batch.rollouts.completion_mask
-    on_policy = dataclasses.replace(batch, rollouts=dataclasses.replace(batch.rollouts, sampling_logprobs=exact))
-    stats = Trainer(copy.deepcopy(model), make_cfg(lr=1e-9), total_steps=1).update(on_policy)
+    on_policy = batch._replace(rollouts=dataclasses.replace(batch.rollouts, sampling_logprobs=exact))
+    stats = Trainer(copy.deepcopy(model), make_cfg(lr=1e-9), total_steps=1).update(*on_policy)
     assert stats.logprob_diff < 1e-6 and stats.is_truncated_frac == 0.0  # tis off: never counted
     # the sampler saw every token 1 nat less likely: |diff| = 1, weights e^1 > cap 2 -> all truncated
     shifted = dataclasses.replace(batch.rollouts, sampling_logprobs=(exact - 1.0) * batch.rollouts.completion_mask)
-    off = dataclasses.replace(batch, rollouts=shifted)
+    off = batch._replace(rollouts=shifted)
     cfg = make_cfg(lr=1e-9)
     cfg.algo.is_correction = "tis"
-    tis = Trainer(copy.deepcopy(model), cfg, total_steps=1).update(off)
+    tis = Trainer(copy.deepcopy(model), cfg, total_steps=1).update(*off)
     assert tis.logprob_diff == pytest.approx(1.0, abs=1e-5) and tis.is_truncated_frac == 1.0
-    plain = Trainer(copy.deepcopy(model), make_cfg(lr=1e-9), total_steps=1).update(off)
+    plain = Trainer(copy.deepcopy(model), make_cfg(lr=1e-9), total_steps=1).update(*off)
     assert tis.loss == pytest.approx(2.0 * plain.loss, rel=1e-5)  # every policy term weighted by the cap
 
 

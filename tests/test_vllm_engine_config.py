@@ -11,7 +11,8 @@ from forge.config import RolloutConfig, RunConfig
 from forge.models import build_char_tokenizer, build_tiny_model
 from forge.rollout import SamplingParams
 from forge.rollout.vllm import VLLMBackend, engine_dtype, engine_kwargs, wants_sleep
-from forge.workers import RolloutWorker, TrainerWorker
+from forge.workers import RolloutWorker
+from tests.grpo_parts import TrainerWorker
 
 torch.set_num_threads(1)
 

@@ -12,7 +12,8 @@ PROBE_TITLE = "probe pass@1 (labelled probe) vs eval pass@1 and reward/mean"
 STALE_S = 15 * 60  # a running run whose status.json is older than this may have been killed
 # (title, metric columns, mark each point) of the curves after the reward chart; eval columns are added per run
 CURVES = [
-    ("KL to the reference", ["train/kl"], False),
+    ("KL to the reference", ["train/kl_ref"], False),
+    ("KL to the policy before the update", ["train/kl_old"], False),
     ("entropy", ["train/entropy"], False),
     ("learning rate", ["train/lr"], False),
     ("grad norm", ["train/grad_norm"], False),

@@ -17,8 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from forge.models import build_char_tokenizer, build_tiny_model
-from forge.trainer import Trainer
-from forge.workers import TrainerWorker
+from tests.grpo_parts import Trainer, TrainerWorker
 from tests.test_trainer import make_batch, make_cfg
 
 
@@ -43,7 +42,7 @@ def _rank(rank: int, port: int, out: str) -> None:
         cfg = make_cfg(strategy="fsdp", micro_batch_size=micro)
         trainer = Trainer(build_tiny_model(tok, hidden=32, layers=2, seed=0), cfg, 1, accelerator=w.trainer.accelerator)
         calls["n"] = 0
-        stats = trainer.update(make_batch(tok))
+        stats = trainer.update(*make_batch(tok))
         result[micro] = {"reduce_scatters": calls["n"], "loss": stats.loss, "grad_norm": stats.grad_norm}
     w.close()
     if rank == 0:

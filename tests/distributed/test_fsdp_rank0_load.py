@@ -19,8 +19,7 @@ from safetensors.torch import load_file, save_file
 
 import forge.workers as workers
 from forge.models import load_policy
-from forge.trainer import Trainer
-from forge.workers import TrainerWorker
+from tests.grpo_parts import Trainer, TrainerWorker
 from tests.test_trainer import make_batch, make_cfg
 
 
@@ -35,11 +34,11 @@ def _rank(rank: int, port: int, root: str) -> None:
     workers.load_policy = spy  # this spawned process only
     cfg = make_cfg(strategy="fsdp")
     w = TrainerWorker(cfg, rank=rank, world=2, master_addr="127.0.0.1", master_port=port)
-    stats = w.trainer.update(make_batch(w.tokenizer))
+    stats = w.trainer.update(*make_batch(w.tokenizer))
     meta_loaded = w.weights()
     both, _ = load_policy(cfg.model, seed=cfg.seed)  # every rank builds the weights: the old path
     baseline = Trainer(both, cfg, 1, accelerator=w.trainer.accelerator)
-    base_stats = baseline.update(make_batch(w.tokenizer))
+    base_stats = baseline.update(*make_batch(w.tokenizer))
     base_weights = baseline.full_weights()
     if rank == 0:
         save_file(meta_loaded, Path(root) / "rank0_load.safetensors")

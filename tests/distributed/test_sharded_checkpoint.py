@@ -22,8 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from forge.checkpoint import export_model, load_state, shard_keys
 from forge.models import build_char_tokenizer, build_tiny_model
-from forge.trainer import Trainer
-from forge.workers import TrainerWorker
+from tests.grpo_parts import Trainer, TrainerWorker
 from tests.test_trainer import make_batch, make_cfg
 
 STEPS = 4
@@ -42,7 +41,7 @@ def _cfg():
 
 
 def _train(trainer: Trainer, tok, steps: int) -> list[float]:
-    return [trainer.update(make_batch(tok)).loss for _ in range(steps)]
+    return [trainer.update(*make_batch(tok)).loss for _ in range(steps)]
 
 
 def _rank(rank: int, port: int, root: str) -> None:

@@ -212,9 +212,9 @@ SLOW_S = 1.0
 class SlowUpdate(RayStages):
     """A trainer made slow on purpose: each update starts SLOW_S late (the rollouts already started run on)."""
 
-    def update(self, batch):
+    def update(self, rollouts, advantages):
         time.sleep(SLOW_S)
-        return super().update(batch)
+        return super().update(rollouts, advantages)
 
 
 def async_cfg(steps: int = 4):

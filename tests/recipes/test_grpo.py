@@ -15,7 +15,8 @@ from forge.data import PromptSampler, read_split
 from forge.presets import tiny
 from forge.recipes.grpo import run
 from forge.rollout import SamplingParams
-from forge.workers import RewardWorker, RolloutWorker, TrainerWorker
+from forge.workers import RewardWorker, RolloutWorker
+from tests.grpo_parts import TrainerWorker
 
 STEPS = 3
 
@@ -38,7 +39,7 @@ def synchronous_by_hand(cfg, run_dir) -> dict[str, torch.Tensor]:
     for step in range(1, cfg.steps + 1):
         rows = sampler.next_batch(r.prompts_per_step)
         ro = rollout.generate([row["model_input"] for row in rows], params, trainer.policy_version)
-        trainer.step(reward.score(rows, ro, step).batch, publish=False)
+        trainer.step(ro, reward.score(rows, ro, step).advantages, publish=False)
         rollout.load_weights(None, trainer.policy_version)
     return {k: v.detach().clone() for k, v in trainer.trainer.unwrapped.state_dict().items()}
 

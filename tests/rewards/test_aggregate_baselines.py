@@ -57,7 +57,7 @@ def test_reward_stage_majority_votes_and_still_runs_the_verifiers():
     worker = RewardWorker(reward_cfg("majority", ["math_answer", "format_integer"]))
     texts = ["3", "3", "4", "no", "5", "4", "4 x", "4"]  # group 1: majority 3 (right); group 2: majority 4 (wrong)
     scored = worker.score(ROWS, fake_rollouts(2, 4, texts), step=1)
-    b = scored.batch
+    b = scored
     assert b.rewards.tolist() == [1, 1, 0, 0, 0, 1, 1, 1]
     assert b.scores[:, 0].tolist() == [1, 1, 0, 0, 0, 1, 1, 1]  # math_answer ran (here it agrees with the vote)
     assert b.scores[:, 1].tolist() == [1, 1, 1, 0, 1, 1, 0.5, 1]  # format_integer ran too
@@ -70,7 +70,7 @@ def test_reward_stage_mean_averages_the_scores():
     worker = RewardWorker(reward_cfg("mean", ["math_answer", "format_integer"]))
     scored = worker.score(ROWS, fake_rollouts(2, 2, ["3", "3 ok", "4", "x"]), step=1)
     # math_answer [1, 1, 1, 0], format_integer [1, .5, 1, 0]: means 1, .75, 1, 0 (weights play no part)
-    assert scored.batch.rewards.tolist() == [1.0, 0.75, 1.0, 0.0] and scored.batch.reward_metrics == {}
+    assert scored.rewards.tolist() == [1.0, 0.75, 1.0, 0.0] and scored.reward_metrics == {}
 
 
 def test_aggregate_names_are_checked():

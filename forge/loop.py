@@ -1,0 +1,242 @@
+"""The bookkeeping around the GRPO loop (`forge.recipes.grpo`), in small named parts that know nothing of the math:
+
+- `Schedule`: which steps evaluate, probe and checkpoint, written once from the config.
+- `LoopState`: what the loop carries from step to step and saves with a checkpoint (a frozen record: the loop
+  replaces it, nothing mutates it behind the loop's back).
+- `Streaks` + `stop_reason`: the stop rules (a verifier failing on every item, non-finite updates), as pure
+  functions that return a reason instead of raising.
+- `RunRecord`: everything the run writes (the run directory and the tracker): claimed and locked at open,
+  metrics/samples/eval/probe/ensemble reports per step, checkpoints once durable, status and summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from forge.checkpoint import SaveReport, apply_retention, export_model, has_weights, is_adapter, step_dir_name
+from forge.config import RunConfig, dump_yaml
+from forge.io import atomic_write_text, write_json
+from forge.metrics import error_line, probe_metrics
+from forge.records import Rollouts, ScoredBatch, UpdateStats
+from forge.resume import check_resumable, checkpoint_step, record_changes, resume_changes
+from forge.rundir import (
+    RunLock,
+    append_samples,
+    claim_run_dir,
+    run_summary,
+    track_run_start,
+    truncate_samples,
+    write_guard_log,
+    write_status,
+)
+from forge.tracking import JsonlTracker, MultiTracker, Tracker
+
+
+def due(step: int, every: int, last: int) -> bool:
+    return step == last or (every > 0 and step % every == 0)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When the loop evaluates, probes (collapse guard) and checkpoints; the last step always does all three."""
+
+    steps: int
+    eval_every: int
+    checkpoint_every: int
+    probe_every: int  # 0 = no probe set
+    restores: bool  # the guard may roll back or stop: a checkpoint at every probe step too
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> Schedule:
+        probed = bool(cfg.eval.probe_source)
+        restores = probed and cfg.reward.collapse_action in ("stop", "rollback")
+        probe_every = (cfg.eval.probe_every or cfg.eval.every) if probed else 0
+        return cls(cfg.steps, cfg.eval.every, cfg.checkpoint.every, probe_every, restores)
+
+    def eval_due(self, step: int) -> bool:
+        return due(step, self.eval_every, self.steps)
+
+    def probe_due(self, step: int) -> bool:
+        return bool(self.probe_every) and due(step, self.probe_every, self.steps)
+
+    def checkpoint_due(self, step: int) -> bool:
+        return due(step, self.checkpoint_every, self.steps) or (self.restores and self.probe_due(step))
+
+    def next_checkpoint(self, step: int) -> int:
+        """The first checkpoint step at or after `step`: asynchronous rollouts never start past it."""
+        every = [e for e in (self.checkpoint_every, self.probe_every if self.restores else 0) if e > 0]
+        return min([self.steps, *(-(-step // e) * e for e in every)])
+
+
+@dataclass(frozen=True)
+class LoopState:
+    """What the loop carries between steps; all but `skipped`/`failing` also travel in checkpoints."""
+
+    step: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)  # stage -> seconds over the run
+    initial_eval: dict | None = None
+    last_eval: dict | None = None
+    skipped: int = 0  # updates skipped in a row (non-finite loss or gradient)
+    failing: dict[str, int] = field(default_factory=dict)  # verifier -> steps in a row it erred on every item
+    stopped: str = ""  # why the collapse guard ended the run early
+    last_reward: float | None = None  # the last step's reward/mean (the progress bar)
+    saving: tuple[int, float] | None = None  # the checkpoint in flight: (step, seconds the loop waited to start it)
+    saved: SaveReport | None = None  # the last durable checkpoint
+
+    def timed(self, laps: dict[str, float]) -> LoopState:
+        seconds = dict(self.seconds)
+        for k, v in laps.items():
+            seconds[k] = seconds.get(k, 0.0) + v
+        return dataclasses.replace(self, seconds=seconds)
+
+    def payload(self) -> dict:
+        return {"seconds": dict(self.seconds), "initial_eval": self.initial_eval, "last_eval": self.last_eval}
+
+    @classmethod
+    def restored(cls, saved: dict) -> LoopState:
+        return cls(saved["step"], saved["seconds"], saved["initial_eval"], saved["last_eval"])
+
+
+def streaks(state: LoopState, batch: ScoredBatch, stats: UpdateStats) -> LoopState:
+    """The stop rules' counts after a step: updates skipped in a row, and per verifier the steps in a row on which it
+    erred on every item (raised, or returned something that is not a score; None is not an error)."""
+    n = batch.scores.shape[0]
+    failing = {v: state.failing.get(v, 0) + 1 if n and batch.verifier_errored.get(v, 0) == n else 0
+               for v in batch.verifier_names}  # fmt: skip
+    return dataclasses.replace(state, skipped=state.skipped + 1 if stats.skipped else 0, failing=failing)
+
+
+def stop_reason(state: LoopState, batch: ScoredBatch, cfg: RunConfig) -> str:
+    """Why the run must stop after this step ("" = it goes on): a verifier that failed on every item for
+    reward.max_failing_steps steps (training on the zeros it leaves would teach nothing), or update.max_skipped_steps
+    non-finite updates in a row (the weights are still the last finite ones, as is every checkpoint)."""
+    limit = cfg.reward.max_failing_steps
+    for name, count in state.failing.items():
+        if limit and count >= limit:
+            return (f"step {state.step}: verifier '{name}' failed on every item for {count} steps in a row "
+                    f"(reward.max_failing_steps={limit}): {error_line(batch.verifier_errors.get(name, ''))}; fix the "
+                    "verifier (or set reward.max_failing_steps=0), then --resume")  # fmt: skip
+    if state.skipped >= (cap := cfg.update.max_skipped_steps):
+        return (f"step {state.step}: {cap} updates in a row had a non-finite loss or gradient norm and were skipped "
+                f"(update.max_skipped_steps={cap}); check the rewards and lower update.lr, then --resume")  # fmt: skip
+    return ""
+
+
+class RunRecord:
+    """The run directory and the tracker: every write the loop makes goes through here (rank 0 / the driver)."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool, tracker: Tracker | None, plan: dict | None):
+        """Claim the run directory (new, or existing with resume), lock it, write config.yaml (or record a resume's
+        changes) and plan.json. A refused resume leaves the directory exactly as it was."""
+        self.cfg, self.run_dir, self.started = cfg, run_dir, time.perf_counter()
+        claim_run_dir(run_dir, resume)
+        self.resume_from = check_resumable(run_dir) if resume else None  # None: no checkpoint yet
+        changes = resume_changes(run_dir, cfg, self.resume_from) if resume else {}  # refused ones raise here
+        self.lock = RunLock.acquire(run_dir)  # one process per run directory; released when the run is over
+        with contextlib.ExitStack() as on_error:
+            on_error.callback(self.lock.release)
+            if not resume:  # first: with config.yaml a run killed at any later moment can be resumed
+                atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
+            elif changes:  # config.yaml := the resumed config; config_changes.jsonl says what changed, from when
+                record_changes(run_dir, cfg, changes, checkpoint_step(self.resume_from))
+            if plan is not None:
+                write_json(run_dir / "plan.json", plan)
+            on_error.pop_all()
+        self.jsonl = JsonlTracker(run_dir)
+        self.tracker: Tracker = MultiTracker(self.jsonl, tracker) if tracker else self.jsonl
+        self.shown_errors: set[tuple[str, str]] = set()  # (verifier, error text) already printed
+
+    @contextlib.contextmanager
+    def failed_on_error(self, step: int = 0):
+        """Mark the run failed (status.json, tracker) if anything below raises; never swallow the error; release
+        the lock at the end whatever happens."""
+        try:
+            yield
+        except BaseException as e:
+            with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped the run
+                write_status(self.run_dir, "failed", step=self.status_step, error=f"{type(e).__name__}: {e}")
+            with contextlib.suppress(Exception):
+                self.tracker.finish("FAILED")
+            raise
+        finally:
+            self.lock.release()
+
+    status_step = 0  # the last step status.json named
+
+    def status(self, state: str, step: int) -> None:
+        self.status_step = step
+        write_status(self.run_dir, state, step=step)
+
+    def started_workers(self, where: dict) -> None:
+        write_json(self.run_dir / "workers.json", where)
+
+    def fresh(self) -> None:
+        """A fresh start (or a redone prepare): nothing recorded yet."""
+        self.truncate(-1)
+        write_guard_log(self.run_dir, [])
+
+    def truncate(self, step: int) -> None:
+        """Forget what was recorded after `step` (the steps a resume or recovery redoes)."""
+        self.jsonl.truncate_after(step)
+        truncate_samples(self.run_dir, step)
+
+    def track_start(self) -> None:
+        track_run_start(self.tracker, self.cfg, self.run_dir)
+
+    def eval_report(self, report: dict, probe: bool = False) -> None:
+        """eval/step-NNNNNN.json (or eval/probe-step-NNNNNN.json) and its metrics."""
+        name = f"probe-{step_dir_name(report['step'])}" if probe else step_dir_name(report["step"])
+        write_json(path := self.run_dir / "eval" / f"{name}.json", report)
+        self.tracker.log_artifact(path, "eval")
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.tracker.log_metrics(metrics, step=step)
+
+    def probe(self, step: int, report: dict, guard_metrics: dict, events: list[dict]) -> None:
+        self.tracker.log_metrics({**probe_metrics(report), **guard_metrics}, step=step)
+        self.probe_log(events)
+
+    def probe_log(self, events: list[dict]) -> None:
+        """guard.jsonl := the collapse guard's firings so far."""
+        write_guard_log(self.run_dir, events)
+
+    def step(self, step: int, metrics: dict, rows: list[dict], rollouts: Rollouts, batch: ScoredBatch) -> None:
+        """The step's metrics, a few samples, the ensemble's report on refit steps, status.json."""
+        if batch.ensemble_report is not None:
+            write_json(self.run_dir / "ensemble" / f"{step_dir_name(step)}.json", batch.ensemble_report)
+        self.tracker.log_metrics(metrics, step=step)
+        self.tracker.log_table("samples", step, append_samples(self.run_dir, step, rows, rollouts, batch))
+        self.status("running", step)
+
+    def checkpoint(self, step: int, report: SaveReport, stall: float, total: float, last: bool) -> None:
+        """A durable checkpoint as a second metrics row of its step; the run's final model exported as an HF
+        directory if it was sharded; registered with the tracker; retention applied."""
+        self.tracker.log_metrics(
+            {"time/checkpoint_s": total, "time/checkpoint_stall_s": stall, "checkpoint/bytes": float(report.bytes)},
+            step=step,
+        )
+        final = Path(report.path)
+        if last and not has_weights(final) and not is_adapter(final):  # a LoRA run: `export`
+            export_model(final)
+        self.tracker.register_checkpoint(final, step, report.eval_score)
+        c = self.cfg.checkpoint
+        apply_retention(self.run_dir / "checkpoints", c.keep_last, c.keep_best)
+
+    def finish(self, state: LoopState, extra: dict) -> dict:
+        """summary.json (with `extra`, e.g. the Prefect flow-run id), status finished; returns the summary."""
+        summary = {**run_summary(self.cfg, self.run_dir, state, time.perf_counter() - self.started), **extra}
+        summary.update(self.tracker.info())  # e.g. mlflow_run_id
+        write_json(self.run_dir / "summary.json", summary)
+        self.tracker.log_artifact(self.run_dir / "summary.json")
+        self.status("finished", state.step)
+        self.tracker.finish("FINISHED")
+        return summary
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
