@@ -4,7 +4,8 @@
 durable; `read_metrics` merges them) in the run directory; `NullTracker` drops everything; `MultiTracker` fans out.
 That is all forge has: MLflow (with its outbox), TensorBoard and W&B implement the same protocol in
 `flows.tracking`, whose `trackers_for_run` builds what `tracking.*` turns on, so forge never imports a tracking
-package. The recipe takes any other tracker as `tracker=`. A tracker must never raise into the training loop.
+package. The recipe and `forge.train` take them as `tracker=`. A tracker must never raise into the training
+loop.
 """
 
 from __future__ import annotations
