@@ -23,8 +23,8 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 def one_run(runs: Path, name: str, overrides: list[str], mlflow: bool) -> tuple[float, float]:
     """(wall seconds of the whole run, seconds spent in tracker.finish waiting for the outbox to drain)."""
     from flows.runs import resolve_run
+    from flows.tracking.mlflow_tracker import tracker_for_run
     from forge.recipes.grpo import run
-    from forge.tracking_mlflow import tracker_for_run
 
     cfg, run_dir = resolve_run("tiny", None, [*overrides, f"tracking.mlflow={mlflow}"], name, str(runs), False)
     tracker = tracker_for_run(cfg, run_dir)

@@ -222,7 +222,7 @@ def cmd_run(args) -> int:
     _, plan = plan_run(cfg)  # an impossible plan stops here, before anything is written
     print(f"run {run_dir.name}: preset={cfg.preset or '-'} model={cfg.model.path} steps={cfg.steps} -> {run_dir}")
     if args.no_prefect:
-        from forge.tracking import trackers_for_run
+        from flows.tracking import trackers_for_run
 
         tracker = trackers_for_run(cfg, run_dir)
         summary = train(cfg, run_dir, plan, resume=args.resume, progress=not args.quiet, tracker=tracker)
@@ -411,7 +411,7 @@ def cmd_dashboard(args) -> int:
 
 def cmd_mlflow(args) -> int:
     """Replace this process with `mlflow server` on 127.0.0.1 over <runs-dir>/mlflow.db (the embedded store)."""
-    from forge.tracking_mlflow import default_uri
+    from flows.tracking.mlflow_tracker import default_uri
 
     runs = Path(args.runs_dir).resolve()
     runs.mkdir(parents=True, exist_ok=True)
@@ -426,8 +426,8 @@ def cmd_mlflow(args) -> int:
 
 
 def cmd_sync(args) -> int:
-    from forge.outbox import OUTBOX
-    from forge.tracking_mlflow import Busy, sync_run
+    from flows.tracking.mlflow_tracker import Busy, sync_run
+    from flows.tracking.outbox import OUTBOX
 
     run_dir = Path(args.run) if Path(args.run).is_dir() else Path(args.runs_dir) / args.run
     if not (run_dir / OUTBOX).is_file():

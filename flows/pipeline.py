@@ -89,7 +89,7 @@ def grpo_pipeline(
     from flows.execute import train
     from flows.planning import plan_run
     from flows.runs import resolve_run
-    from forge.tracking import trackers_for_run
+    from flows.tracking import trackers_for_run
 
     runs_dir, config_path = confined(runs_dir, "runs_dir"), confined(config_path, "config_path")
     cfg, run_dir = resolve_run(preset, config_path or None, list(overrides or []), name or None, runs_dir, resume)

@@ -227,7 +227,7 @@ def store_uris(cfg: StackConfig, pg_password: str) -> tuple[str, str]:
     if cfg.db == "postgres":
         base = f"{PG_USER}:{pg_password}@127.0.0.1:{cfg.ports.postgres}"
         return f"postgresql+asyncpg://{base}/prefect", f"postgresql+psycopg2://{base}/mlflow"
-    from forge.tracking_mlflow import default_uri
+    from flows.tracking.mlflow_tracker import default_uri
 
     return f"sqlite+aiosqlite:///{cfg.state_dir / 'prefect.db'}", default_uri(cfg.runs_dir)
 

@@ -12,6 +12,12 @@ returns the same summary. What it adds is the hand-over of Python objects:
   and resolved to the object given (`forge.rewards.registry.provided`). Callables cannot go in YAML, so a CLI
   `--resume` of such a run works only when those names can be imported; otherwise it says to resume through
   `forge.train(..., resume=True)` with the same functions.
+- `tracker`: forge itself writes only metrics.jsonl (and the rest of the run directory); `tracking.*` (MLflow,
+  TensorBoard, W&B) is applied by whoever builds the trackers, and forge imports no tracking package. Pass
+  `tracker=flows.tracking.trackers_for_run` to record to what `tracking.*` turns on, exactly as `forgeweave run`
+  does: a callable `(cfg, run_dir) -> Tracker | None` is called with the run's final config and directory (after
+  preset, overrides and resume), so MLflow tracking (on by default) works with a preset and overrides too. A
+  `forge.tracking.Tracker` object is used as given. Without `tracker`, only metrics.jsonl is written.
 
 Stages run in this process only: configs that need several processes (vLLM, rollout replicas, several update
 ranks, asynchronous GRPO) are refused; use the CLI for those.
@@ -31,6 +37,9 @@ from typing import Any
 from forge.config import ConfigError, RunConfig, apply_overrides, load_yaml, overlay
 from forge.errors import UserError
 from forge.rundir import INPUTS, check_run_name, claim_run_dir
+from forge.tracking import Tracker
+
+TrackerFactory = Callable[[RunConfig, Path], Tracker | None]
 
 
 def train(
@@ -43,6 +52,7 @@ def train(
     preset: str | None = None,
     overrides: Sequence[str] = (),
     resume: bool = False,
+    tracker: Tracker | TrackerFactory | None = None,
     **kw: Any,
 ) -> dict:
     """Train with GRPO and return summary.json's content.
@@ -51,8 +61,9 @@ def train(
     given), or None for `preset` (default "tiny"). overrides: `section.field=value` strings applied last.
     run_dir: the run directory (default `$FORGEWEAVE_RUNS_DIR` or ./runs, then `<preset>-<time>`). resume:
     continue run_dir from its last checkpoint with its own config.yaml (plus overrides) and data; pass the same
-    reward_funcs again. Other keyword arguments go to `forge.recipes.grpo.run` (e.g. `tracker=`,
-    `progress=False`). Raises UserError for anything a user can fix.
+    reward_funcs again. tracker: a Tracker, or a factory `(cfg, run_dir)` such as `flows.tracking.trackers_for_run`
+    (None: metrics.jsonl only). Other keyword arguments go to `forge.recipes.grpo.run` (e.g. `progress=False`).
+    Raises UserError for anything a user can fix.
     """
     from forge.recipes.grpo import run
     from forge.rewards.registry import check_callables, provided
@@ -69,10 +80,21 @@ def train(
     _check_in_process(cfg)
     with provided(functions):
         check_callables(cfg.reward, resume)
+        tracker = _tracker(tracker, cfg, run_dir)  # before the run directory is written: its errors leave none
         if not resume and (dataset is not None or eval_dataset is not None):
             claim_run_dir(run_dir, resume=False)  # refuse a used directory before writing anything into it
             _save_inputs(cfg, run_dir, dataset, eval_dataset)
-        return run(cfg, run_dir, resume=resume, **{"execution": "embedded", **kw})
+        return run(cfg, run_dir, resume=resume, tracker=tracker, **{"execution": "embedded", **kw})
+
+
+def _tracker(tracker: Tracker | TrackerFactory | None, cfg: RunConfig, run_dir: Path) -> Tracker | None:
+    """A Tracker as given, or the one a factory builds for this run's final config and directory."""
+    if tracker is None or hasattr(tracker, "log_metrics"):
+        return tracker
+    if not callable(tracker):
+        what = type(tracker).__name__
+        raise UserError(f"forge.train: tracker must be a Tracker or a callable (cfg, run_dir), not a {what}")
+    return tracker(cfg, run_dir)
 
 
 def _base_config(config: RunConfig | dict | None, preset: str | None) -> RunConfig:

@@ -1,21 +1,17 @@
 """Trackers: where params, metrics and artifacts go. The recipe only sees the `Tracker` protocol.
 
 `JsonlTracker` writes `metrics.jsonl` (one JSON object per step, plus one per checkpoint, for its step, once it is
-durable; `read_metrics` merges them) in the run directory; `NullTracker`
-drops everything; `MultiTracker` fans out. `forge.tracking_mlflow.MlflowTracker` implements the same protocol
-(mlflow is imported only there, and only when it sends), as do the optional `forge.tracking_tensorboard` and
-`forge.tracking_wandb` (their packages imported only when on). `trackers_for_run` builds what `tracking.*` turns
-on. Trackers must never raise into the training loop: the optional ones go through a `Guard`, whose first caught
-error prints one warning line and turns that tracker off for the rest of the run.
+durable; `read_metrics` merges them) in the run directory; `NullTracker` drops everything; `MultiTracker` fans out.
+That is all forge has: MLflow (with its outbox), TensorBoard and W&B implement the same protocol in
+`flows.tracking`, whose `trackers_for_run` builds what `tracking.*` turns on, so forge never imports a tracking
+package. The recipe and `forge.train` take them as `tracker=`. A tracker must never raise into the training
+loop.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -155,50 +151,3 @@ class MultiTracker(NullTracker):
     def finish(self, status: str) -> None:
         for t in self.trackers:
             t.finish(status)
-
-
-class Guard:
-    """Runs a tracker's calls; the first exception prints one warning line and turns the tracker off (training
-    goes on: tracking must never stop it)."""
-
-    def __init__(self, name: str):
-        self.name, self.off = name, False
-
-    def __call__(self, fn: Callable, *args) -> None:
-        if self.off:
-            return
-        try:
-            fn(*args)
-        except Exception as e:
-            self.off = True
-            print(f"forgeweave: warning: {self.name} tracking stopped for this run: {type(e).__name__}: {e}",
-                  file=sys.stderr)  # fmt: skip
-
-
-def require_package(package: str, key: str) -> None:
-    """A UserError (before any training) when `key` turns on a tracker whose package is not installed."""
-    from forge.errors import UserError
-
-    if importlib.util.find_spec(package) is None:
-        raise UserError(f"{key}=true needs the {package} package: pip install 'forgeweave[{package}]' (or turn it off)")
-
-
-def trackers_for_run(cfg, run_dir: Path, tags: dict[str, str] | None = None) -> Tracker | None:
-    """The trackers `tracking.*` turns on besides metrics.jsonl: MLflow, TensorBoard, W&B (None when none is)."""
-    from forge.tracking_mlflow import tracker_for_run
-
-    t = cfg.tracking
-    found: list[Tracker] = []
-    if (mlflow := tracker_for_run(cfg, run_dir, tags)) is not None:
-        found.append(mlflow)
-    if t.tensorboard:
-        from forge.tracking_tensorboard import TensorBoardTracker
-
-        require_package("tensorboard", "tracking.tensorboard")
-        found.append(TensorBoardTracker(Path(run_dir) / "tensorboard"))
-    if t.wandb:
-        from forge.tracking_wandb import WandbTracker
-
-        require_package("wandb", "tracking.wandb")
-        found.append(WandbTracker(Path(run_dir), t.wandb_project, t.wandb_mode, tags or {}))
-    return None if not found else found[0] if len(found) == 1 else MultiTracker(*found)

@@ -13,6 +13,7 @@ import forge
 from flows.cli import main
 from forge.config import RunConfig
 from forge.errors import UserError
+from forge.tracking import NullTracker
 
 TINY = ["threads=1", "checkpoint.every=1", "eval.every=0", "eval.k=0", "eval.max_problems=4", "rollout.group_size=2",
         "rollout.prompts_per_step=2", "model.tiny_hidden=32", "model.tiny_layers=1", "data.eval_size=2"]  # fmt: skip
@@ -53,9 +54,20 @@ def test_train_saves_the_dataset_into_the_run_and_records_the_callables(tmp_path
         forge.train(run_dir=tmp_path / "r", resume=True, reward_funcs=[reward], overrides=["steps=3"])
     with pytest.raises(UserError, match="cannot be imported here; resume it through forge.train"):
         forge.train(run_dir=tmp_path / "r", resume=True, overrides=["steps=3"])
+    built, steps = [], []
+
+    class Recorder(NullTracker):
+        def log_metrics(self, metrics, step):
+            steps.append(step)
+
+    def factory(cfg, run_dir):  # as flows.tracking.trackers_for_run: called with the run's final config
+        built.append((cfg.steps, run_dir))
+        return Recorder()
+
     resumed = forge.train(run_dir=tmp_path / "r", resume=True, reward_funcs=["math_answer", reward],
-                          overrides=["steps=3"], progress=False)  # fmt: skip
+                          overrides=["steps=3"], progress=False, tracker=factory)  # fmt: skip
     assert resumed["steps"] == 3
+    assert built == [(3, tmp_path / "r")] and 3 in steps
 
 
 def test_config_forms():
@@ -78,6 +90,7 @@ def test_config_forms():
         ({"reward_funcs": [42]}, r"reward_funcs\[0\] is a int"),
         ({"overrides": ["rollout.backend=vllm"]}, "forge.train runs every stage in this process"),
         ({"resume": True}, "needs run_dir"),
+        ({"tracker": 42}, "tracker must be a Tracker or a callable"),
     ],
 )
 def test_bad_arguments_are_one_line_user_errors(tmp_path, kwargs, message):

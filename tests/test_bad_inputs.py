@@ -333,7 +333,7 @@ def test_a_second_process_on_the_run_is_refused_and_changes_nothing(finished, tm
 def test_sync_against_a_server_that_never_answers_gives_up_quickly(finished, tmp_path, capsys, monkeypatch):
     """A black-holed MLflow server (accepts the connection, never replies): the client timeout bounds the wait
     (MLflow's own defaults, 120 s and 7 retries with backoff, would take minutes)."""
-    from forge.outbox import Outbox
+    from flows.tracking.outbox import Outbox
 
     run = tmp_path / "runs" / "base"
     shutil.copytree(finished, run)

@@ -2,7 +2,7 @@
 
 import json
 
-from forge.outbox import Outbox, sending_lock
+from flows.tracking.outbox import Outbox, sending_lock
 
 URI = "sqlite:////x/mlflow.db"
 

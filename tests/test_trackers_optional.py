@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 
 from flows.cli import main
+from flows.tracking import require_package, trackers_for_run
+from flows.tracking.tensorboard_tracker import TensorBoardTracker
+from flows.tracking.wandb_tracker import WandbTracker
 from forge.checkpoint import latest_checkpoint, load_state
 from forge.config import RunConfig, load_yaml
 from forge.errors import UserError
 from forge.resume import resume_changes
-from forge.tracking import MultiTracker, read_metrics, require_package, trackers_for_run
-from forge.tracking_tensorboard import TensorBoardTracker
-from forge.tracking_wandb import WandbTracker
+from forge.tracking import MultiTracker, read_metrics
 
 os.environ.setdefault("WANDB_SILENT", "true")  # offline in every test; nothing here may reach the network
 os.environ.setdefault("WANDB_MODE", "offline")

@@ -20,9 +20,9 @@ import pytest
 from mlflow import MlflowClient
 
 from flows.cli import main
+from flows.tracking.mlflow_tracker import default_uri, tracker_for_run
 from forge.config import RunConfig
 from forge.rundir import git_commit
-from forge.tracking_mlflow import default_uri, tracker_for_run
 from tests.servers import stop
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ logged with their forgeweave step as the `step` key, the x axis of every chart (
 may only grow, while a checkpoint's record arrives after later steps. wandb does not capture the console
 (`console="off"`) and prints nothing (`silent`). Sample tables, artifacts and checkpoints are not sent (they stay in
 the run directory and MLflow). An error (no login for online mode, say) turns the tracker off with one warning
-(`forge.tracking.Guard`); it never reaches the training loop.
+(`flows.tracking.guard.Guard`); it never reaches the training loop.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
+from flows.tracking.guard import Guard
 from forge.io import atomic_write_text
-from forge.tracking import Guard, NullTracker
+from forge.tracking import NullTracker
 
 ID_FILE = "wandb_id"
 

@@ -7,14 +7,15 @@ summary each. The writer opens at the first metrics the process logs, with `purg
 (or one restarted from step 0) makes TensorBoard drop what the stopped process had logged from there on, so redone
 steps are not shown twice. Artifacts, sample tables and checkpoints are not sent (they stay in the run directory and
 MLflow). Events are flushed every `flush_secs` and at the end; an error turns the tracker off with one warning
-(`forge.tracking.Guard`), it never reaches the training loop.
+(`flows.tracking.guard.Guard`), it never reaches the training loop.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from forge.tracking import Guard, NullTracker
+from flows.tracking.guard import Guard
+from forge.tracking import NullTracker
 
 
 class TensorBoardTracker(NullTracker):

@@ -1,8 +1,8 @@
 """MLflow as the system of record: one MLflow run per forgeweave run, fed through an outbox in the run directory.
 
 `MlflowTracker` implements `forge.tracking.Tracker`. Each call only appends a record to
-`run_dir/mlflow_outbox.jsonl` (see `forge.outbox`) and wakes a background thread that delivers pending records
-in order with `MlflowClient` (metrics, params and tags of consecutive records go in one `log_batch`). Training
+`run_dir/mlflow_outbox.jsonl` (see `flows.tracking.outbox`) and wakes a background thread that delivers pending
+records in order with `MlflowClient` (metrics, params and tags of consecutive records go in one `log_batch`). Training
 therefore never waits on MLflow and never fails because of it: while the store is unreachable the thread backs
 off (1 s doubling to 30 s), and the records stay in the outbox until a later attempt succeeds, at the end of the
 run (waits at most `tracking.finish_timeout_s`), or `forgeweave sync RUN` sends them. A record the store rejects
@@ -39,8 +39,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from flows.tracking.outbox import Outbox, fresh_state, sending_lock
 from forge.io import write_json
-from forge.outbox import Outbox, fresh_state, sending_lock
 from forge.rundir import flatten
 from forge.tracking import NullTracker
 
