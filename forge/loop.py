@@ -5,6 +5,8 @@
   replaces it, nothing mutates it behind the loop's back).
 - `Streaks` + `stop_reason`: the stop rules (a verifier failing on every item, non-finite updates), as pure
   functions that return a reason instead of raising.
+- `Data`: the prepared splits and the prompt sampler; `prepare_data` is the prep stage's work.
+- `restore` / `recover`: the loop state back from a checkpoint (resume, a rollback, a worker lost).
 - `RunRecord`: everything the run writes (the run directory and the tracker): claimed and locked at open,
   metrics/samples/eval/probe/ensemble reports per step, checkpoints once durable, status and summary.
 """
@@ -17,11 +19,25 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from forge.checkpoint import SaveReport, apply_retention, export_model, has_weights, is_adapter, step_dir_name
+from forge.checkpoint import (
+    SaveReport,
+    apply_retention,
+    export_model,
+    has_weights,
+    is_adapter,
+    latest_checkpoint,
+    load_state,
+    remove_partial,
+    step_dir_name,
+)
 from forge.config import RunConfig, dump_yaml
+from forge.data import PromptSampler, check_data_hash, prepare, read_probe, read_split
+from forge.guard import CollapseGuard
 from forge.io import atomic_write_text, write_json
 from forge.metrics import error_line, probe_metrics
+from forge.models import format_prompt_fn, load_tokenizer
 from forge.records import Rollouts, ScoredBatch, UpdateStats
 from forge.resume import check_resumable, checkpoint_step, record_changes, resume_changes
 from forge.rundir import (
@@ -35,6 +51,9 @@ from forge.rundir import (
     write_status,
 )
 from forge.tracking import JsonlTracker, MultiTracker, Tracker
+
+if TYPE_CHECKING:
+    from forge.stages import Stages
 
 
 def due(step: int, every: int, last: int) -> bool:
@@ -236,6 +255,63 @@ class RunRecord:
         self.status("finished", state.step)
         self.tracker.finish("FINISHED")
         return summary
+
+
+@dataclass
+class Data:
+    """The prepared splits (checked against the manifest's hash) and the training prompt sampler."""
+
+    train: list[dict]
+    eval: list[dict]
+    probe: list[dict] | None
+    hash: str
+    sampler: PromptSampler
+
+    @classmethod
+    def read(cls, cfg: RunConfig, run_dir: Path) -> Data:
+        train, eval_, probe = read_split(run_dir, "train"), read_split(run_dir, "eval"), read_probe(run_dir)
+        digest = check_data_hash(run_dir, train, eval_, probe=probe)
+        return cls(train, eval_, probe, digest, PromptSampler(train, seed=cfg.seed))
+
+
+def prepare_data(cfg: RunConfig, run_dir: Path) -> dict:
+    """The prep stage: data/{train,eval,probe}.parquet and manifest.json from the configured source."""
+    tok = load_tokenizer(cfg.model)
+    count = lambda s: len(tok(s, add_special_tokens=False).input_ids)  # noqa: E731
+    prepared = prepare(cfg, run_dir, format_prompt_fn(tok, cfg.model), count)
+    return {"train_rows": len(prepared.train), "eval_rows": len(prepared.eval)}
+
+
+def restore(ckpt: Path, work: Stages, data: Data, record: RunRecord, guard: CollapseGuard | None) -> LoopState:
+    """Resume from checkpoint `ckpt`: the workers' state, the data cursor, the guard; what was recorded after it is
+    cut (those steps are redone)."""
+    remove_partial(ckpt.parent)  # what a killed save left behind (no save is in flight now)
+    saved = load_state(ckpt)
+    check_data_hash(record.run_dir, data.train, data.eval, saved.get("data_hash"), data.probe)
+    work.restore(ckpt, saved.get("aggregator"))
+    data.sampler.load_state_dict(saved["sampler"])
+    record.truncate(saved["step"])
+    if guard is not None:
+        guard.load_state_dict(saved.get("guard"))
+        record.probe_log(guard.events)  # firings after the checkpoint are redone
+    record.status("running", saved["step"])
+    return LoopState.restored(saved)
+
+
+def recover(first: tuple[LoopState, dict | None], work: Stages, data: Data, record: RunRecord,
+            guard: CollapseGuard | None) -> LoopState:  # fmt: skip
+    """After a worker died: the last checkpoint, or (none yet) step 0 again with the rebuilt workers' weights;
+    `first`: the loop state and the guard's state after step 0."""
+    ckpt = latest_checkpoint(record.run_dir / "checkpoints")
+    if ckpt is not None:
+        return restore(ckpt, work, data, record, guard)
+    data.sampler = PromptSampler(data.train, seed=record.cfg.seed)
+    record.truncate(0)
+    first_state, first_guard = first
+    if guard is not None:
+        guard.load_state_dict(first_guard)
+        record.probe_log(guard.events)
+    return first_state
 
 
 def say(line: str) -> None:

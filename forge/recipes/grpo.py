@@ -42,12 +42,11 @@ from pathlib import Path
 
 import torch
 
-from forge.checkpoint import latest_checkpoint, load_state, remove_partial, step_dir_name
+from forge.checkpoint import latest_checkpoint, load_state, step_dir_name
 from forge.config import AlgoConfig, RunConfig
-from forge.data import PromptSampler, check_data_hash, prepare, read_probe, read_split
 from forge.errors import UserError
 from forge.guard import CollapseGuard
-from forge.loop import LoopState, RunRecord, Schedule, say, stop_reason, streaks
+from forge.loop import Data, LoopState, RunRecord, Schedule, prepare_data, recover, restore, say, stop_reason, streaks
 from forge.losses import (
     MAX_LOG_RATIO,
     LossOutput,
@@ -69,7 +68,6 @@ from forge.metrics import (
     show_verifier_errors,
     step_metrics,
 )
-from forge.models import format_prompt_fn, load_tokenizer
 from forge.records import MicroBatch, MicroStats, RolloutRequest
 from forge.rollout import SamplingParams
 from forge.rundir import progress_bar, update_bar
@@ -267,31 +265,6 @@ def collect_saved(state: LoopState, work: Stages, record: RunRecord) -> LoopStat
     return dataclasses.replace(state, saving=None, saved=report)
 
 
-@dataclasses.dataclass
-class Data:
-    """The prepared splits (checked against the manifest's hash) and the training prompt sampler."""
-
-    train: list[dict]
-    eval: list[dict]
-    probe: list[dict] | None
-    hash: str
-    sampler: PromptSampler
-
-    @classmethod
-    def read(cls, cfg: RunConfig, run_dir: Path) -> Data:
-        train, eval_, probe = read_split(run_dir, "train"), read_split(run_dir, "eval"), read_probe(run_dir)
-        digest = check_data_hash(run_dir, train, eval_, probe=probe)
-        return cls(train, eval_, probe, digest, PromptSampler(train, seed=cfg.seed))
-
-
-def prepare_data(cfg: RunConfig, run_dir: Path) -> dict:
-    """The prep stage: data/{train,eval,probe}.parquet and manifest.json from the configured source."""
-    tok = load_tokenizer(cfg.model)
-    count = lambda s: len(tok(s, add_special_tokens=False).input_ids)  # noqa: E731
-    prepared = prepare(cfg, run_dir, format_prompt_fn(tok, cfg.model), count)
-    return {"train_rows": len(prepared.train), "eval_rows": len(prepared.eval)}
-
-
 def start(stages: StagesFactory, cfg: RunConfig, run_dir: Path, plan: dict | None, record: RunRecord) -> Stages:
     """The workers (update ranks, rollout engines, reward), recorded in workers.json and the tracker."""
     work = stages(cfg, run_dir, plan, update_micro_batch)
@@ -314,33 +287,3 @@ def first_eval(cfg, work, runner, data, record, guard, sched) -> LoopState:
     return state
 
 
-def restore(ckpt: Path, work: Stages, data: Data, record: RunRecord, guard: CollapseGuard | None) -> LoopState:
-    """Resume from checkpoint `ckpt`: the workers' state, the data cursor, the guard; what was recorded after it is
-    cut (those steps are redone)."""
-    remove_partial(ckpt.parent)  # what a killed save left behind (no save is in flight now)
-    saved = load_state(ckpt)
-    check_data_hash(record.run_dir, data.train, data.eval, saved.get("data_hash"), data.probe)
-    work.restore(ckpt, saved.get("aggregator"))
-    data.sampler.load_state_dict(saved["sampler"])
-    record.truncate(saved["step"])
-    if guard is not None:
-        guard.load_state_dict(saved.get("guard"))
-        record.probe_log(guard.events)  # firings after the checkpoint are redone
-    record.status("running", saved["step"])
-    return LoopState.restored(saved)
-
-
-def recover(first: tuple[LoopState, dict | None], work: Stages, data: Data, record: RunRecord,
-            guard: CollapseGuard | None) -> LoopState:  # fmt: skip
-    """After a worker died: the last checkpoint, or (none yet) step 0 again with the rebuilt workers' weights;
-    `first`: the loop state and the guard's state after step 0."""
-    ckpt = latest_checkpoint(record.run_dir / "checkpoints")
-    if ckpt is not None:
-        return restore(ckpt, work, data, record, guard)
-    data.sampler = PromptSampler(data.train, seed=record.cfg.seed)
-    record.truncate(0)
-    first_state, first_guard = first
-    if guard is not None:
-        guard.load_state_dict(first_guard)
-        record.probe_log(guard.events)
-    return first_state
