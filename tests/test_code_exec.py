@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from forge.code_tasks import (
+from forge.tasks.code import (
     EVAL_FILE,
     OP_EVAL_FILE,
     OP_TRAIN_FILE,
