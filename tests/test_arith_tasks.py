@@ -2,9 +2,9 @@
 
 import json
 
-from forge.tasks.arith import EVAL_FILE, PROBE_FILE, TRAIN_FILE, generate, to_jsonl
 from forge.presets import get_preset
 from forge.rewards.registry import CORRECTNESS
+from forge.tasks.arith import EVAL_FILE, PROBE_FILE, TRAIN_FILE, generate, to_jsonl
 
 
 def test_shipped_files_match_the_generator():

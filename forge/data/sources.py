@@ -37,9 +37,9 @@ def load_rows(
     directory, or a directory or glob of data files, through `datasets` (`split` picks a DatasetDict's split;
     `split_key` is the config key that named it, for errors). Raises UserError for a missing source, an unknown
     extension, an unparsable line or item (naming file and line), an empty source, or a prompt/answer column
-    that no row has (answer_column None: the answer column is not required, see `_labelled`). Per-row problems
-    are left to `validate_rows`. Blank .jsonl lines are skipped, so row N is the Nth object (for .csv, the Nth
-    record after the header).
+    that no row has (answer_column None: the answer column is not required, see `forge.data.splits._labelled`).
+    Per-row problems are left to `validate_rows`. Blank .jsonl lines are skipped, so row N is the Nth object (for
+    .csv, the Nth record after the header).
     """
     p = Path(path)
     if p.is_dir() or is_glob(str(path)):

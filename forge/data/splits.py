@@ -1,4 +1,5 @@
-"""Which rows train, which evaluate and which probe: the configured sources read, validated and split. Pure.
+"""Which rows train, which evaluate and which probe: the configured sources read, validated and split (nothing
+is written here).
 
 data.source 'arithmetic' generates both splits (forge.tasks.arith.generate_arithmetic); another source is split by
 holding out data.eval_size valid rows at random (seeded), unless data.eval_source names a separate eval source or
