@@ -1,7 +1,7 @@
 """Label-free rewards on a real model: labelled vs ensemble vs majority vote vs mean, same seeds and steps.
 
 Each run trains SmolLM2-135M-Instruct with `--preset smollm2-arith-unlabeled` (2-digit additions from a file
-without answers, forge/arith_tasks.py) and differs only in the reward:
+without answers, forge/tasks/arith.py) and differs only in the reward:
 
 - labelled: `math_answer` against the reference answers (the same train prompts, with their answers written to a
   labelled copy of the train file): the ceiling;
@@ -43,7 +43,7 @@ RUNS: dict[str, list[str]] = {
 
 def labelled_train_file(out: Path) -> Path:
     """The preset's train prompts with their answers ("Compute a + b. ..." -> a + b), for the labelled run."""
-    from forge.arith_tasks import TRAIN_FILE
+    from forge.tasks.arith import TRAIN_FILE
 
     path = out / "arith_labelled_train.jsonl"
     lines = []

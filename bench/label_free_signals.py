@@ -42,10 +42,10 @@ def within_group_auroc(scores: np.ndarray, truth: np.ndarray, group: int) -> flo
 
 def sample(cfg, prompts: int, seed: int) -> tuple[list[str], list[str], list[str]]:
     """(model inputs, completions, reference answers) for `prompts` training-file prompts x G samples."""
-    from forge.arith_tasks import TRAIN_FILE
     from forge.models import format_prompt_fn, load_policy
     from forge.rollout.base import SamplingParams
     from forge.rollout.hf import HFBackend
+    from forge.tasks.arith import TRAIN_FILE
 
     rows = [json.loads(line) for line in TRAIN_FILE.read_text().splitlines()[:prompts]]
     model, tok = load_policy(cfg.model, seed=seed)

@@ -24,13 +24,13 @@ from arith_task import PRESET, TASK  # bench/ is on sys.path when this file runs
 
 from forge.advantages import group_advantages
 from forge.config import apply_overrides
-from forge.data import generate_arithmetic
 from forge.models import format_prompt_fn, load_policy
 from forge.presets import get_preset
 from forge.records import ScoredBatch
 from forge.rewards.math import completion_matches
 from forge.rollout import HFBackend, SamplingParams
 from forge.shared_prefix import PackingCost
+from forge.tasks.arith import generate_arithmetic
 from forge.trainer import Trainer
 
 

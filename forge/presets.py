@@ -38,7 +38,7 @@ def tiny_unlabeled() -> RunConfig:
     """The tiny task without reference answers: the reward is P(correct) from a label-free ensemble of rule checks.
 
     Verifiers never see the answer column (`reward.label_free`); each checks one necessary condition of the true
-    result computed from the prompt (parity, residue mod 3, residue mod 5, digit count; forge/rewards/weak.py), which
+    result computed from the prompt (parity, residue mod 3, residue mod 5, digit count; forge/tasks/arith.py), which
     a wrong answer passes by chance. A latent class model (forge/rewards/latent_class.py) refit every step on the last
     8 steps learns without labels how the checks behave on right, wrong and malformed answers; declared necessary
     (`reward.necessary_checks`), a failed check cannot pass for noise on a right answer, so answers that pass them
@@ -61,10 +61,10 @@ def tiny_code() -> RunConfig:
     """The tiny random model learning which Python operator a description asks for, scored by running hidden tests.
 
     Prompts like `n times 7: def f(n): return n`; the one-character completion sits between the prompt's code and
-    the constant (answer column: prefix, suffix and 5 hidden asserts; forge/code_tasks.py, 108 train / 27
+    the constant (answer column: prefix, suffix and 5 hidden asserts; forge/tasks/code.py, 108 train / 27
     held-out problems) and the program runs in the `code_exec` sandbox. Reward = share of asserts passed.
     """
-    from forge.code_tasks import OP_EVAL_FILE, OP_TRAIN_FILE
+    from forge.tasks.code import OP_EVAL_FILE, OP_TRAIN_FILE
 
     cfg = tiny()
     cfg.preset, cfg.steps = "tiny-code", 150
@@ -113,7 +113,7 @@ def smollm2_arith_unlabeled() -> RunConfig:
     """`smollm2-arith` from a file without answers: the reward is the label-free ensemble of six weak verifiers.
 
     Train prompts: forge/tasks/arith_unlabeled_train.jsonl (no answer column); eval (200) and the probe (50) are
-    held-out labelled files used only to measure (forge/arith_tasks.py). The probe feeds the collapse guard, which
+    held-out labelled files used only to measure (forge/tasks/arith.py). The probe feeds the collapse guard, which
     rolls back to the best-probe checkpoint when probe pass@1 falls while the reward rises. Verifiers, none of which
     reads an answer: self-consistency (`group_agreement`), a length prior (`concise`), format (`format_integer`),
     two partial rule checks that a wrong sum often passes (`parity_check`, `magnitude_check`; declared necessary:
@@ -122,7 +122,7 @@ def smollm2_arith_unlabeled() -> RunConfig:
     ensemble learns that without labels and gives it a negative weight. bench/label_free_rl.py compares this with the
     labelled reward, majority vote and the plain mean (docs/verifier-ensemble.md).
     """
-    from forge.arith_tasks import EVAL_FILE, PROBE_FILE, TRAIN_FILE
+    from forge.tasks.arith import EVAL_FILE, PROBE_FILE, TRAIN_FILE
 
     cfg = smollm2_arith()
     cfg.preset = "smollm2-arith-unlabeled"
@@ -141,11 +141,11 @@ def smollm2_arith_unlabeled() -> RunConfig:
 def smollm2_code() -> RunConfig:
     """SmolLM2-135M-Instruct completing one-line Python functions, rewarded by running hidden tests (code_exec).
 
-    Prompts are the start of a function with a docstring, ending at `return` (forge/code_tasks.py: 500 train,
+    Prompts are the start of a function with a docstring, ending at `return` (forge/tasks/code.py: 500 train,
     100 held-out problems of 12 kinds); the completion continues the code and runs against 5 hidden asserts in
     the sandbox. Reward = share passed; eval pass@1 = all 5 pass. No chat template: the model continues code.
     """
-    from forge.code_tasks import EVAL_FILE, TRAIN_FILE
+    from forge.tasks.code import EVAL_FILE, TRAIN_FILE
 
     cfg = smollm2_arith()
     cfg.preset = "smollm2-code"

@@ -1,15 +1,15 @@
-"""The unlabeled arithmetic task's shipped files (forge/arith_tasks.py) and the preset that trains on them."""
+"""The unlabeled arithmetic task's shipped files (forge/tasks/arith.py) and the preset that trains on them."""
 
 import json
 
-from forge.arith_tasks import EVAL_FILE, PROBE_FILE, TRAIN_FILE, generate, to_jsonl
 from forge.presets import get_preset
 from forge.rewards.registry import CORRECTNESS
+from forge.tasks.arith import EVAL_FILE, PROBE_FILE, TRAIN_FILE, generate, to_jsonl
 
 
 def test_shipped_files_match_the_generator():
     for path, rows in zip((TRAIN_FILE, EVAL_FILE, PROBE_FILE), generate(), strict=True):
-        assert path.read_bytes() == to_jsonl(rows), f"{path.name} is stale: run python -m forge.arith_tasks"
+        assert path.read_bytes() == to_jsonl(rows), f"{path.name} is stale: run python -m forge.tasks.arith"
 
 
 def test_train_file_has_no_answers_and_the_splits_are_disjoint():

@@ -12,7 +12,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from forge.code_tasks import (
+from forge.config import RewardConfig
+from forge.errors import UserError
+from forge.rewards import code_exec as ce
+from forge.rewards.registry import resolve_verifiers
+from forge.rewards.score import score_completions
+from forge.tasks.code import (
     EVAL_FILE,
     OP_EVAL_FILE,
     OP_TRAIN_FILE,
@@ -21,11 +26,6 @@ from forge.code_tasks import (
     generate_operator_tasks,
     to_jsonl,
 )
-from forge.config import RewardConfig
-from forge.errors import UserError
-from forge.rewards import code_exec as ce
-from forge.rewards.registry import resolve_verifiers
-from forge.rewards.score import score_completions
 
 MODE = ce.probe_isolation()
 needs_sandbox = pytest.mark.skipif(MODE == "none", reason="no namespaces on this machine: code_exec refuses to run")

@@ -1,4 +1,5 @@
-"""Tests for forge.data (prep stage, loaders, validation, sampler) and the atomic writers in forge.io."""
+"""Tests for forge.data (prep stage, loaders, validation, sampler), the arithmetic generator (forge.tasks.arith) and
+the atomic writers in forge.io."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import pytest
 from forge.config import ConfigError, DataConfig, RunConfig
 from forge.data import (
     PromptSampler,
-    generate_arithmetic,
     load_rows,
     prepare,
     read_split,
@@ -21,6 +21,7 @@ from forge.data import (
 )
 from forge.errors import UserError
 from forge.io import write_json
+from forge.tasks.arith import generate_arithmetic
 
 TEMPLATE = "{a} {op} {b}"
 

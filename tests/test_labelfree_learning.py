@@ -1,7 +1,7 @@
 """Issue 6, acceptance 4: the tiny task learns with NO access to the reference answers.
 
 `--preset tiny-unlabeled` (forge/presets.py): the verifiers are four label-free rule checks (parity, residue mod 3,
-residue mod 5, digit count of the true result computed from the prompt; forge/rewards/weak.py), `reward.label_free`
+residue mod 5, digit count of the true result computed from the prompt; forge/tasks/arith.py), `reward.label_free`
 hides the answer column from them, and the reward is P(correct) from the latent class ensemble
 (forge/rewards/latent_class.py) refit every step on the last 8 steps' rollouts. Evaluation -- greedy pass@1 on all 55
 single-digit sums -- is the only place the true answers are read. The test also reads them, from samples.jsonl, to

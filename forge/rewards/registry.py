@@ -147,12 +147,14 @@ def _configured(name: str, reward: RewardConfig | None) -> Verifier:
 
 def _builtin(name: str) -> Verifier:
     from forge.rewards.weak import WEAK
+    from forge.tasks.arith import CHECKS as ARITH_CHECKS
 
+    weak = {**WEAK, **ARITH_CHECKS}  # generic label-free verifiers, then the tasks' own checks
     if name in BUILTIN:
         return BUILTIN[name]
-    if name in WEAK:
-        return WEAK[name]
-    names = [*BUILTIN, *CONFIGURED, *WEAK]
+    if name in weak:
+        return weak[name]
+    names = [*BUILTIN, *CONFIGURED, *weak]
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'? " if close else ""
     valid = ", ".join(names)

@@ -1,36 +1,39 @@
-'''A small code-writing task for the `code_exec` verifier: complete a one-line Python function from its docstring.
+'''The code task: complete a one-line Python function from its docstring; scored by running hidden tests.
 
 Each prompt is the start of a function whose docstring says what it returns; the completion continues after
 `return` (HumanEval style), and the answer column holds the hidden tests as JSON with the code the completion
-continues (`{"prefix": <the prompt>, "tests": ["assert f(0) == 2", ...]}`); `code_exec` runs prefix + completion
-against them in its sandbox. For example (prompt, then a right completion):
+continues (`{"prefix": <the prompt>, "tests": ["assert f(0) == 2", ...]}`). For example (prompt, then a right
+completion):
 
     def f(n):
         """Return n times 7, plus 2."""
         return| n * 7 + 2
 
-12 kinds of function (arithmetic, order of operands, digits, min/max, remainders), 5 variable names, random
-constants: 600 distinct problems, a seeded 100 of them held out for evaluation (the `smollm2-code` preset).
+Generators: `generate_function_tasks` (12 kinds of function: arithmetic, order of operands, digits, min/max,
+remainders; 5 variable names, random constants: 600 distinct problems, a seeded 100 of them held out; the
+`smollm2-code` preset). The tiny random model cannot write any of that from scratch (a right 3-character body is a
+one-in-a-million draw for it), so `tiny-code` gets a fill-in-the-middle version, `generate_operator_tasks`:
+`n times 7: def f(n): return n` + completion + suffix `7`, where the completion is the operator (135 problems,
+27 held out).
 
-The tiny random model cannot write any of that from scratch (a right 3-character body is a one-in-a-million
-draw for it), so `tiny-code` gets a fill-in-the-middle version: `n times 7: def f(n): return n` + completion +
-suffix `7`, where the completion is the operator (`generate_operator_tasks`: 135 problems, 27 held out).
+Checks: none of its own. The reward and the evaluation are the `code_exec` verifier (forge/rewards/code_exec.py),
+which runs prefix + completion (+ suffix) against the tests in its sandbox: the share of tests passed is the
+reward, and a completion is correct for pass@1 / pass@k when every test passes.
 
-`python -m forge.code_tasks` rewrites the shipped files (forge/tasks/code_{fn,op}_{train,eval}.jsonl); a test
-checks they match this generator.
+`python -m forge.tasks.code` rewrites the shipped files (forge/tasks/code_{fn,op}_{train,eval}.jsonl); a test
+checks they match these generators.
 '''
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
 from forge.io import atomic_write_bytes
+from forge.tasks import TASKS_DIR, to_jsonl
 
-TASKS_DIR = Path(__file__).with_name("tasks")
 TRAIN_FILE, EVAL_FILE = TASKS_DIR / "code_fn_train.jsonl", TASKS_DIR / "code_fn_eval.jsonl"
 VARIABLES = ("x", "n", "k", "m", "y")
 TEST_INPUTS = (0, 1, 3, 8, 25)
@@ -118,11 +121,8 @@ def generate_operator_tasks(seed: int = 0) -> tuple[list[dict], list[dict]]:
     return [rows[i] for i in order[27:]], [rows[i] for i in order[:27]]
 
 
-def to_jsonl(rows: list[dict]) -> bytes:
-    return "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()
-
-
 def write_task_files() -> None:
+    """Rewrite the four shipped files from the generators (seed 0)."""
     train, evaluation = generate_function_tasks()
     atomic_write_bytes(TRAIN_FILE, to_jsonl(train))
     atomic_write_bytes(EVAL_FILE, to_jsonl(evaluation))
