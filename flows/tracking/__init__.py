@@ -5,7 +5,7 @@ directory), TensorBoard and W&B. They live here, not in forge, so forge never im
   mlflow is imported only inside the sending code.
 - `flows.tracking.outbox`: the append-only outbox and its state file (pure file handling).
 - `flows.tracking.tensorboard_tracker`, `flows.tracking.wandb_tracker`: optional, their packages imported only
-  when they send; both go through `flows.tracking.guard.Guard`.
+  when they send; both go through `flows.tracking.safe_calls.SafeCalls`.
 
 `trackers_for_run` builds what `tracking.*` turns on; `forgeweave run` and the Prefect flow pass its result to the
 recipe as `tracker=`, and so can a `forge.train` caller (`forge.train(..., tracker=trackers_for_run)`).

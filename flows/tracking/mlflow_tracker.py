@@ -291,13 +291,13 @@ class Sender:
         artifact upload per table name. If any call fails the whole window is sent again later (idempotent)."""
         batch = [r for r in records if r["op"] in BATCH_LIMITS]
         for chunk in _chunks(batch):
-            self._guarded(Sender._send_batch, run_id, chunk, state)
+            self._send_safely(Sender._send_batch, run_id, chunk, state)
         tables = [r for r in records if r["op"] == "table"]
         for name in dict.fromkeys(r["name"] for r in tables):
-            self._guarded(Sender._send_tables, run_id, [r for r in tables if r["name"] == name], state)
+            self._send_safely(Sender._send_tables, run_id, [r for r in tables if r["name"] == name], state)
         rest = [r for r in records if r["op"] not in BATCH_LIMITS and r["op"] != "table"]
         for r in sorted(rest, key=lambda r: (r["op"] in ("start", "end"), r["seq"])):
-            self._guarded(SEND[r["op"]], run_id, [r], state)
+            self._send_safely(SEND[r["op"]], run_id, [r], state)
 
     def _connect(self, state: dict, start_ts: int) -> str:
         if self.client is None:
@@ -360,7 +360,7 @@ class Sender:
         run = self.client.create_run(exp_id, start_time=start_ts, tags=tags, run_name=self.target.run_dir.name)
         return run.info.run_id
 
-    def _guarded(self, send, run_id: str, chunk: list[dict], state: dict) -> None:
+    def _send_safely(self, send, run_id: str, chunk: list[dict], state: dict) -> None:
         """send(self, run_id, chunk); a rejection for good retries the records one by one and skips only those
         that fail alone (listed in state["skipped"]); any other error propagates (retry later)."""
         from mlflow.exceptions import MlflowException
@@ -372,7 +372,7 @@ class Sender:
                 raise
             if len(chunk) > 1:
                 for r in chunk:
-                    self._guarded(send, run_id, [r], state)
+                    self._send_safely(send, run_id, [r], state)
                 return
             skipped = {"seq": chunk[0]["seq"], "op": chunk[0]["op"], "error": str(e)[:500]}
             state.setdefault("skipped", []).append(skipped)

@@ -7,14 +7,14 @@ summary each. The writer opens at the first metrics the process logs, with `purg
 (or one restarted from step 0) makes TensorBoard drop what the stopped process had logged from there on, so redone
 steps are not shown twice. Artifacts, sample tables and checkpoints are not sent (they stay in the run directory and
 MLflow). Events are flushed every `flush_secs` and at the end; an error turns the tracker off with one warning
-(`flows.tracking.guard.Guard`), it never reaches the training loop.
+(`flows.tracking.safe_calls.SafeCalls`), it never reaches the training loop.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from flows.tracking.guard import Guard
+from flows.tracking.safe_calls import SafeCalls
 from forge.tracking import NullTracker
 
 
@@ -24,22 +24,22 @@ class TensorBoardTracker(NullTracker):
         self.writer = None  # torch.utils.tensorboard.SummaryWriter, from the first metrics on
         self.first_step = 0
         self.pending: list[tuple[str, str]] = []  # (tag, markdown) texts sent before the writer opened
-        self.guard = Guard("TensorBoard")
+        self.safe = SafeCalls("TensorBoard")
 
     def log_params(self, params: dict) -> None:
-        self.guard(self._text, "config", markdown_table(params))
+        self.safe(self._text, "config", markdown_table(params))
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        self.guard(self._text, "tags", markdown_table(tags))
+        self.safe(self._text, "tags", markdown_table(tags))
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        self.guard(self._scalars, metrics, step)
+        self.safe(self._scalars, metrics, step)
 
     def info(self) -> dict:
         return {"tensorboard_dir": str(self.log_dir)}
 
     def finish(self, status: str) -> None:
-        self.guard(self._close)
+        self.safe(self._close)
 
     def _text(self, tag: str, text: str) -> None:
         if self.writer is None:

@@ -9,7 +9,7 @@ logged with their forgeweave step as the `step` key, the x axis of every chart (
 may only grow, while a checkpoint's record arrives after later steps. wandb does not capture the console
 (`console="off"`) and prints nothing (`silent`). Sample tables, artifacts and checkpoints are not sent (they stay in
 the run directory and MLflow). An error (no login for online mode, say) turns the tracker off with one warning
-(`flows.tracking.guard.Guard`); it never reaches the training loop.
+(`flows.tracking.safe_calls.SafeCalls`); it never reaches the training loop.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
-from flows.tracking.guard import Guard
+from flows.tracking.safe_calls import SafeCalls
 from forge.io import atomic_write_text
 from forge.tracking import NullTracker
 
@@ -28,16 +28,16 @@ class WandbTracker(NullTracker):
     def __init__(self, run_dir: Path, project: str, mode: str = "offline", tags: dict[str, str] | None = None):
         self.run_dir, self.project, self.mode, self.tags = Path(run_dir), project, mode, dict(tags or {})
         self.run = None  # wandb's Run, from the first record on
-        self.guard = Guard("W&B")
+        self.safe = SafeCalls("W&B")
 
     def log_params(self, params: dict) -> None:
-        self.guard(self._config, params)
+        self.safe(self._config, params)
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        self.guard(self._config, tags)
+        self.safe(self._config, tags)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        self.guard(self._log, metrics, step)
+        self.safe(self._log, metrics, step)
 
     def info(self) -> dict:
         if self.run is None:
@@ -45,7 +45,7 @@ class WandbTracker(NullTracker):
         return {"wandb_run_id": self.run.id, "wandb_dir": str(Path(self.run.dir).parent)}
 
     def finish(self, status: str) -> None:
-        self.guard(self._finish, status)
+        self.safe(self._finish, status)
 
     def _start(self) -> None:
         if self.run is not None:

@@ -1,4 +1,4 @@
-"""`Guard`: the optional trackers (TensorBoard, W&B) run every call through one, so an error never reaches the
+"""`SafeCalls`: the optional trackers (TensorBoard, W&B) run every call through one, so an error never reaches the
 training loop: the first caught exception prints one warning line and turns that tracker off for the rest of the
 run."""
 
@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 
 
-class Guard:
+class SafeCalls:
     """Runs a tracker's calls; the first exception prints one warning line and turns the tracker off (training
     goes on: tracking must never stop it)."""
 
