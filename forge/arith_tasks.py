@@ -4,7 +4,7 @@
   answers has);
 - forge/tasks/arith_eval.jsonl: 200 held-out problems with answers, for measurement only (eval pass@1);
 - forge/tasks/arith_probe.jsonl: 50 other held-out problems with answers, the collapse guard's probe
-  (`eval.probe_source`); never read by the reward.
+  (`collapse.probe_source`); never read by the reward.
 
 The problems are the built-in generator's (forge.data.generate_arithmetic, seed 0, prompts as in `smollm2-arith`):
 the three files are disjoint. `python -m forge.arith_tasks` rewrites them; a test checks they match.

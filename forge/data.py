@@ -6,7 +6,7 @@ Hugging Face `datasets` directory written by `save_to_disk` (a Dataset, or a Dat
 (`load_rows`; `datasets` is imported only for those). A prompt is a string or a list of `{"role", "content"}`
 chat messages. Rows are checked one by one (`validate_rows`), given the exact text the model sees
 (`model_input = format_prompt(prompt)`), and written to run_dir/data/{train,eval}.parquet plus manifest.json.
-A labelled probe set (`eval.probe_source`, for the collapse guard) is read and checked like an eval source and
+A labelled probe set (`collapse.probe_source`, for the collapse guard) is read and checked like an eval source and
 written to data/probe.parquet; the manifest counts its rows and the content hash covers it.
 
 Columns keep their types: every column is stored with the Arrow type of its values (int, float, bool, string,
@@ -71,7 +71,7 @@ class PreparedData:
     messages), model_input (str: prompt after format_prompt, what the model sees), answer (str; None in unlabeled
     training rows), then every other source column with its own type (sorted; None where a row lacks one). Rows
     are as `read_split` will return them (they went through Arrow once). `manifest` is what manifest.json holds.
-    `probe`: the probe rows (eval.probe_source; empty without one), with the same base columns and its own other
+    `probe`: the probe rows (collapse.probe_source; empty without one), with the same base columns and its own other
     columns."""
 
     train: list[dict]
@@ -661,17 +661,17 @@ def build(
 
 
 def _probe_rows(cfg: RunConfig, count_tokens: Callable[[str | list[dict]], int]) -> tuple[list[dict], list[dict]]:
-    """The labelled probe rows of eval.probe_source (none when it is empty) and the rejected ones, read and checked
+    """The labelled probe rows of collapse.probe_source (none when it is empty) and the rejected ones, read and checked
     as an eval source is (data.prompt_column / data.answer_column, data.on_bad_rows)."""
-    source, dc = cfg.eval.probe_source, cfg.data
+    source, dc = cfg.collapse.probe_source, cfg.data
     if not source:
         return [], []
     if not (Path(source).exists() or _is_glob(source)):
         raise UserError(
-            f"eval.probe_source '{source}' does not exist; point it at a labelled file (prompt and answer columns, "
+            f"collapse.probe_source '{source}' does not exist; point it at a labelled file (prompt and answer columns, "
             "as for data.eval_source) or set it to '' for no probe"
         )
-    rows = load_rows(source, dc.prompt_column, dc.answer_column, split_key="eval.probe_source")
+    rows = load_rows(source, dc.prompt_column, dc.answer_column, split_key="collapse.probe_source")
     return _validated(rows, source, dc.prompt_column, dc.answer_column, dc, count_tokens)
 
 
@@ -830,7 +830,7 @@ def _manifest(
     cfg: RunConfig, train: list[dict], eval_: list[dict], rejected: list[dict], columns: list[str], probe: list[dict]
 ) -> dict:
     train_prompts = {_prompt_key(r["prompt"]) for r in train}
-    probe_keys = {"probe_source": cfg.eval.probe_source, "probe_rows": len(probe)} if probe else {}
+    probe_keys = {"probe_source": cfg.collapse.probe_source, "probe_rows": len(probe)} if probe else {}
     return {
         "source": cfg.data.source,
         "eval_source": cfg.data.eval_source,

@@ -191,7 +191,7 @@ class Trainer:
         assert cfg.algo.beta == 0 or ref_model is not None or is_peft(model), "algo.beta > 0 needs a reference model"
         self.ref_model = ref_model
         self.packing = PackingCost.of(self.unwrapped) if u.shared_prefix else None
-        self.adaptive = AdaptiveLR.from_config(u)
+        self.adaptive = AdaptiveLR(u.adaptive)
         self.step = 0
         self.policy_version = 0
 
@@ -201,7 +201,7 @@ class Trainer:
 
     def current_lr(self) -> float:
         base = scheduled_lr(self.cfg.update, self.step, self.total_steps)
-        return base * (self.adaptive.scale if self.cfg.update.adaptive else 1.0)
+        return base * (self.adaptive.scale if self.cfg.update.adaptive.enabled else 1.0)
 
     def update(self, batch: ScoredBatch) -> UpdateStats:
         start = time.perf_counter()
@@ -220,7 +220,7 @@ class Trainer:
         grad_norm = sum(p["grad_norm"] for p in passes) / len(passes)
         kl = passes[-1]["kl"]
         skipped = sum(p["skipped"] for p in passes)
-        observe = self.cfg.update.adaptive and not skipped  # a NaN would poison the controller's moving average
+        observe = self.cfg.update.adaptive.enabled and not skipped  # a NaN would poison the controller's moving average
         scale = self.adaptive.observe(kl, grad_norm) if observe else self.adaptive.scale
         self.step += 1
         self.policy_version += 1

@@ -8,7 +8,7 @@ CISPO, RLOO advantages) are config choices of the components (`forge.losses`, `f
 
 Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024) live in the components and are config: token-level
 loss normalisation by default (`algo.loss_type`), no KL term unless `algo.beta` > 0, an adaptive LR controller
-(`update.adaptive`), and optionally off-policy batches (asynchronous, below) with truncated importance weights.
+(`update.adaptive.enabled`), and optionally off-policy batches (asynchronous, below) with truncated importance weights.
 
 Asynchronous GRPO (`algo.max_staleness` = k >= 1, Ray actors): the rollouts of steps t+1..t+k are started before
 the update of step t, so sampling overlaps the update; the rollout of step t+k samples from the weights of step
@@ -17,9 +17,9 @@ it (`forge.losses`). The schedule is fixed, not timing-dependent, and no rollout
 (in-flight work is drained there): a run gives the same result however fast its actors are, and resumes exactly.
 k = 0 is the synchronous loop: rollout, reward and update take turns.
 
-Collapse guard (`eval.probe_source`): pass@1 on a labelled probe set the reward never sees, at step 0 and every
-`eval.probe_every` steps; when it fell while reward/mean rose (`forge.guard`) the run warns, rolls back to the
-best-probe checkpoint and goes on with new prompts, or stops with its weights (`reward.collapse_action`).
+Collapse guard (`collapse.probe_source`): pass@1 on a labelled probe set the reward never sees, at step 0 and every
+`collapse.probe_every` steps; when it fell while reward/mean rose (`forge.guard`) the run warns, rolls back to the
+best-probe checkpoint and goes on with new prompts, or stops with its weights (`collapse.action`).
 
 Faults: a `WorkerLost` (an actor died) rebuilds the stages and continues from the last checkpoint (or from the
 start when there is none yet), up to `orchestration.max_restarts` times; the steps redone are cut from
@@ -199,10 +199,10 @@ class GRPORun:
         self.in_flight: dict[int, tuple[list[dict], Any]] = {}  # step -> (rows, handle) of started rollouts
         self.saving: tuple[int, float] | None = None  # the checkpoint in flight: (step, seconds the loop waited)
         self.last_saved: SaveReport | None = None
-        self.guard = CollapseGuard.for_run(cfg.reward) if cfg.eval.probe_source else None  # + its state after step 0:
+        self.guard = CollapseGuard.for_run(cfg.collapse) if cfg.collapse.probe_source else None  # + its state after step 0:
         self.first_guard, self.stopped = None, ""  # stopped: why the collapse guard ended the run early
-        self.restores = self.guard is not None and cfg.reward.collapse_action in ("stop", "rollback")
-        self.probe_every = cfg.eval.probe_every or cfg.eval.every
+        self.restores = self.guard is not None and cfg.collapse.action in ("stop", "rollback")
+        self.probe_every = cfg.collapse.probe_every or cfg.eval.every
 
     @contextlib.contextmanager
     def failure_guard(self):
@@ -311,7 +311,7 @@ class GRPORun:
 
     def probe(self, step: int) -> dict:
         """Greedy pass@1 on the probe rows (measures only: safe to repeat); eval/probe-step-NNNNNN.json."""
-        report = self.stages.evaluate(self.probe_rows[: self.cfg.eval.probe_max_problems], step, True)
+        report = self.stages.evaluate(self.probe_rows[: self.cfg.collapse.probe_max_problems], step, True)
         write_json(path := self.run_dir / "eval" / f"probe-{step_dir_name(step)}.json", report)
         self.tracker.log_artifact(path, "eval")
         return report
