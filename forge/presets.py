@@ -131,7 +131,8 @@ def smollm2_arith_unlabeled() -> RunConfig:
     r.verifiers = ["group_agreement", "concise", "format_integer", "parity_check", "magnitude_check",
                    "llm_judge=smollm2-135m-instruct"]  # fmt: skip
     r.label_free, r.aggregate, r.ensemble.model = True, "ensemble", "gaussian"
-    r.ensemble.necessary_checks = ["parity_check", "magnitude_check"]  # true of every right sum: failing one means wrong
+    # true of every right sum: failing one means wrong
+    r.ensemble.necessary_checks = ["parity_check", "magnitude_check"]
     r.score_timeout_s = 300.0  # the judge reads 64 questions a step: ~15 s on 2 cores in fp32, more when busy
     cfg.collapse.action = "rollback"  # probe pass@1 down while the reward rose: back to the best-probe checkpoint
     cfg.eval.verifiers, cfg.collapse.probe_source = ["math_answer"], str(PROBE_FILE)

@@ -110,9 +110,9 @@ def test_old_and_new_key_together_is_an_error():
 
 
 def test_unknown_keys_still_suggest_names():
-    with pytest.raises(ConfigError, match=r"unknown config key 'rollout.vllm.pyton'; did you mean 'rollout.vllm.python'"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'rollout.vllm.pyton'; did you mean 'rollout.vllm.python"):
         apply_overrides(RunConfig(), ["rollout.vllm.pyton=x"])
-    with pytest.raises(ConfigError, match=r"unknown config key 'update.adaptive.tagret'; did you mean .*'update.adaptive.target'"):
+    with pytest.raises(ConfigError, match=r"key 'update.adaptive.tagret'; did you mean .*'update.adaptive.target'"):
         from_dict({"update": {"adaptive": {"tagret": 1.0}}})
     with pytest.raises(ConfigError, match=r"unknown config section 'colapse'; did you mean 'collapse'"):
         apply_overrides(RunConfig(), ["colapse.action=warn"])
@@ -122,7 +122,7 @@ def test_config_keys_shows_the_nested_keys(capsys):
     assert main(["config", "keys", "rollout.vllm"]) == 0
     out = capsys.readouterr().out
     first = out.splitlines()[0].split()
-    assert first[:4] == ["rollout.vllm.python", "str", "=", '""'] and " ".join(first[4:]).startswith("Python of the vLLM")
+    assert first[:4] == ["rollout.vllm.python", "str", "=", '""'] and first[4:7] == ["Python", "of", "the"]
     assert len(out.splitlines()) == 8
     assert main(["config", "keys"]) == 0
     keys = {line.split()[0] for line in capsys.readouterr().out.splitlines()}
@@ -136,11 +136,13 @@ def test_a_config_yaml_of_the_previous_release_loads_to_the_same_values(capsys):
     err = capsys.readouterr().err.splitlines()
     assert set(err) == {note(old) for old in RENAMED} and len(err) == len(RENAMED)
     assert (cfg.model.tiny.hidden, cfg.model.tiny.layers, cfg.model.tiny.head_dim) == (32, 1, 16)
-    assert (cfg.rollout.vllm.python, cfg.rollout.vllm.kv_cache_gib, cfg.rollout.vllm.sleep) == ("/opt/vllm/bin/python", 2, "off")
-    assert (cfg.reward.code_exec.timeout_s, cfg.reward.code_exec.workers, cfg.reward.code_exec.allow_network) == (7.5, 3, True)
+    vllm, code = cfg.rollout.vllm, cfg.reward.code_exec
+    assert (vllm.python, vllm.kv_cache_gib, vllm.sleep) == ("/opt/vllm/bin/python", 2, "off")
+    assert (code.timeout_s, code.workers, code.allow_network) == (7.5, 3, True)
     assert (cfg.reward.ensemble.window_steps, cfg.reward.ensemble.classes) == (5, 4)
     adaptive = cfg.update.adaptive
-    assert (adaptive.enabled, adaptive.signal, adaptive.target, adaptive.cut, adaptive.recover) == (True, "kl", 3.0, 0.25, 1.1)
+    assert (adaptive.enabled, adaptive.signal, adaptive.target) == (True, "kl", 3.0)
+    assert (adaptive.cut, adaptive.recover) == (0.25, 1.1)
     assert (cfg.collapse.action, cfg.collapse.drop, cfg.collapse.max_rollbacks) == ("rollback", 0.1, 3)
     assert (cfg.collapse.probe_every, cfg.collapse.probe_max_problems, cfg.collapse.probe_source) == (2, 50, "")
     assert cfg.eval.verifiers == ["math_answer"]  # eval.check: math_answer

@@ -199,7 +199,7 @@ class GRPORun:
         self.in_flight: dict[int, tuple[list[dict], Any]] = {}  # step -> (rows, handle) of started rollouts
         self.saving: tuple[int, float] | None = None  # the checkpoint in flight: (step, seconds the loop waited)
         self.last_saved: SaveReport | None = None
-        self.guard = CollapseGuard.for_run(cfg.collapse) if cfg.collapse.probe_source else None  # + its state after step 0:
+        self.guard = CollapseGuard.for_run(cfg.collapse) if cfg.collapse.probe_source else None  # + state after step 0:
         self.first_guard, self.stopped = None, ""  # stopped: why the collapse guard ended the run early
         self.restores = self.guard is not None and cfg.collapse.action in ("stop", "rollback")
         self.probe_every = cfg.collapse.probe_every or cfg.eval.every

@@ -15,7 +15,8 @@
 With `reward.aggregate: ensemble` the reward of a completion is P(correct | its verifier scores), from a
 `WeakVerifierEnsemble` (`reward.ensemble.model: gaussian`, any scores) or a `LatentClassEnsemble` (`latent_class`,
 discrete checks; `reward.ensemble.necessary_checks` names the checks every correct answer passes), refit every
-`reward.ensemble.refit_every` steps on the last `reward.ensemble.window_steps` steps' score matrices (the current one included). The window and the fitted ensemble are part of the checkpoint, so a resumed run
+`reward.ensemble.refit_every` steps on the last `reward.ensemble.window_steps` steps' score matrices (the current
+one included). The window and the fitted ensemble are part of the checkpoint, so a resumed run
 predicts with the same fit and refits on the same data. No reference answer is read here.
 
 A refit is accepted only if it still separates candidates and agrees in direction with the ensemble in use

@@ -15,7 +15,11 @@ if TYPE_CHECKING:
     from forge.rollout.hf import HFBackend
 
 __all__ = ["HFBackend", "RolloutBackend", "SamplingParams", "make_backend"]
-_LAZY = {"HFBackend": "forge.rollout.hf", "RolloutBackend": "forge.rollout.base", "SamplingParams": "forge.rollout.base"}
+_LAZY = {
+    "HFBackend": "forge.rollout.hf",
+    "RolloutBackend": "forge.rollout.base",
+    "SamplingParams": "forge.rollout.base",
+}
 
 
 def __getattr__(name: str) -> Any:
