@@ -28,7 +28,7 @@ from forge.trainer import Trainer
 
 def make_cfg(args) -> RunConfig:
     cfg = RunConfig(threads=0)
-    cfg.model.tiny_hidden, cfg.model.tiny_layers = args.hidden, args.layers
+    cfg.model.tiny.hidden, cfg.model.tiny.layers = args.hidden, args.layers
     cfg.rollout.max_new_tokens = args.tokens
     cfg.update.micro_batch_size = args.micro_batch
     return cfg

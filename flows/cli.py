@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-network-code",
         dest="overrides",
         action="append_const",
-        const="reward.allow_network_code=true",
+        const="reward.code_exec.allow_network=true",
         help="code_exec: run code even where no network namespace can be made (it could reach the network)",
     )
     _runs_dir_arg(r)
@@ -302,7 +302,7 @@ def format_summary(s: dict) -> str:
     lines = ["", f"{'eval':<14}{'before':>10}{'after':>10}"]
     for key in sorted(k for k in final if k.startswith("pass@")):
         lines.append(f"{key:<14}{init.get(key, float('nan')):>10.3f}{final[key]:>10.3f}")
-    if probe := s.get("probe"):  # a run with a probe set (eval.probe_source): the collapse guard's figures
+    if probe := s.get("probe"):  # a run with a probe set (collapse.probe_source): the collapse guard's figures
         lines.append(f"{'probe pass@1':<14}{'best':>10}{probe['best_pass@1']:>10.3f}  (step {probe['best_step']}; "
                      f"guard firings {probe['guard_events']}, rollbacks {probe['rollbacks']})")  # fmt: skip
     if s.get("stopped"):

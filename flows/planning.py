@@ -30,9 +30,9 @@ def estimate_params(cfg: RunConfig) -> int:
     if m.path in KNOWN_PARAMS:
         return KNOWN_PARAMS[m.path]
     if m.path == "tiny-random":
-        h = m.tiny_hidden
-        heads = max(1, h // m.tiny_head_dim)
-        return params_from_config({"hidden_size": h, "intermediate_size": 4 * h, "num_hidden_layers": m.tiny_layers,
+        h = m.tiny.hidden
+        heads = max(1, h // m.tiny.head_dim)
+        return params_from_config({"hidden_size": h, "intermediate_size": 4 * h, "num_hidden_layers": m.tiny.layers,
                                    "num_attention_heads": heads, "num_key_value_heads": heads,
                                    "vocab_size": TINY_VOCAB, "tie_word_embeddings": True})  # fmt: skip
     d = Path(m.path).expanduser()
@@ -142,7 +142,7 @@ def run_needs(cfg: RunConfig, pools: list[Pool]) -> list[StageNeed]:
         rollout_tp=r.tensor_parallel_size if vllm else 1,
         update_sharded=cfg.update.strategy == "fsdp",
         rollout_bytes_per_param=rollout_bytes(cfg, gpu),
-        engine_fraction=r.vllm_gpu_memory_utilization if vllm else 0.0,
+        engine_fraction=r.vllm.gpu_memory_utilization if vllm else 0.0,
         gpu_memory_gib=gpu_gib,
     )
     if gpu and vllm:
@@ -151,21 +151,21 @@ def run_needs(cfg: RunConfig, pools: list[Pool]) -> list[StageNeed]:
 
 
 def rollout_bytes(cfg: RunConfig, gpu: bool) -> int:
-    """Bytes per parameter the rollout holds: a vLLM engine's dtype (`rollout.vllm_dtype`: auto = bf16 on a GPU,
+    """Bytes per parameter the rollout holds: a vLLM engine's dtype (`rollout.vllm.dtype`: auto = bf16 on a GPU,
     else the policy's), the policy's own dtype for hf copies (autocast computes in bf16 but keeps the weights)."""
     r, own = cfg.rollout, cfg.model.dtype
     if r.backend == "vllm":
-        return BYTES[r.vllm_dtype] if r.vllm_dtype != "auto" else (2 if gpu else BYTES[own])
+        return BYTES[r.vllm.dtype] if r.vllm.dtype != "auto" else (2 if gpu else BYTES[own])
     return BYTES[own]
 
 
 def _check_engine_fits(cfg: RunConfig, params: int, gpu_gib: float) -> None:
     r = cfg.rollout
     weights = params * rollout_bytes(cfg, True) / r.tensor_parallel_size / 2**30
-    budget = r.vllm_gpu_memory_utilization * gpu_gib
+    budget = r.vllm.gpu_memory_utilization * gpu_gib
     if gpu_gib > 0 and weights + 1.0 > budget:
         raise UserError(
-            f"rollout.vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization} gives each vLLM engine "
+            f"rollout.vllm.gpu_memory_utilization={r.vllm.gpu_memory_utilization} gives each vLLM engine "
             f"{budget:.1f} GiB of a {gpu_gib:g} GiB GPU, but its weights alone take {weights:.1f} GiB: raise it, "
             "or set rollout.tensor_parallel_size"
         )

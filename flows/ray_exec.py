@@ -147,7 +147,7 @@ class RayStages:
         if r.backend == "vllm":
             from forge.rollout.vllm import engine_env, vllm_python
 
-            python = str(vllm_python(r.vllm_python))
+            python = str(vllm_python(r.vllm.python))
         tp = r.tensor_parallel_size if r.backend == "vllm" else 1
         specs = actor_specs(
             self.plan, "rollout", cores, per_process_devices=tp if self.plan.for_stage("rollout").kind == "gpu" else 1
@@ -159,7 +159,7 @@ class RayStages:
             self._actor(s, "rollout", python)
         work = str(self.run_dir / "rollout")
         starts = [a.start.remote("rollout", self.cfg, work_dir=work) for a in self.actors["rollout"]]
-        self._get(starts, "rollout", timeout=r.vllm_start_timeout_s)
+        self._get(starts, "rollout", timeout=r.vllm.start_timeout_s)
 
     def _publish(self, version: int) -> float:
         """Rank 0's current weights to every rollout actor (every rank joins: a collective under FSDP)."""

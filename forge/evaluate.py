@@ -2,7 +2,7 @@
 
 A completion is correct when every eval verifier scores it >= 1.0 (a verifier that raised or returned None for it:
 not correct). The eval verifiers are `eval.verifiers` when set (names or import paths, as in reward.verifiers), else
-the deprecated `eval.check` (one name), else the run's correctness verifiers (`eval_verifier_specs`):
+the run's correctness verifiers (`eval_verifier_specs`):
 1. the built-ins in reward.verifiers that judge correctness (`registry.CORRECTNESS`: math_answer, code_exec: every
    hidden test passes), else
 2. the import-path verifiers in reward.verifiers whose function name does not mention format or length
@@ -97,8 +97,6 @@ def eval_verifier_specs(cfg: EvalConfig, reward: RewardConfig) -> list[str]:
     """
     if cfg.verifiers:
         return list(cfg.verifiers)
-    if cfg.check:
-        return [cfg.check]
     specs = [s.strip() for s in reward.verifiers]
     builtin = [s for s in specs if s in CORRECTNESS]
     user = [s for s in specs if _is_import_path(s) and not any(w in _attr(s).lower() for w in _NOT_CORRECTNESS)]

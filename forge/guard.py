@@ -2,14 +2,14 @@
 
 A label-free reward (`reward.label_free`, the weak-verifier ensemble) can be gamed: the policy settles on a confident
 wrong answer that the checks agree on, and the reward keeps rising while accuracy falls. The run measures greedy
-pass@1 on a labelled probe set (`eval.probe_source`, prepared into data/probe.parquet; the reward never sees it)
-every `eval.probe_every` steps and at step 0, and hands each result to a `CollapseGuard`, which decides.
+pass@1 on a labelled probe set (`collapse.probe_source`, prepared into data/probe.parquet; the reward never sees it)
+every `collapse.probe_every` steps and at step 0, and hands each result to a `CollapseGuard`, which decides.
 
 The rule, at a probe step s with probe pass@1 p_s, where the best probe so far is p_b at step b (the first probe that
 reached that value: a later equal one does not replace it, as checkpoint retention keeps the earliest of equal
 scores):
 
-    fire  when  p_b - p_s > drop   (reward.collapse_drop, absolute)
+    fire  when  p_b - p_s > drop   (collapse.drop, absolute)
            and  R_since > R_at_b   (the reward rose meanwhile)
 
 R_since is the mean `reward/mean` over the steps since the best probe step (b, s]; R_at_b is the mean `reward/mean`
@@ -17,7 +17,7 @@ over the probe interval that ended at b (the steps after the probe before b, up 
 whose rollouts come from the step-0 policy. A probe above p_b becomes the new best. A probe that falls without the
 reward rising (training simply got worse) does not fire: that is not the reward being gamed.
 
-Actions (`reward.collapse_action`): "warn" reports; "rollback" asks the run to restore the best probe's checkpoint
+Actions (`collapse.action`): "warn" reports; "rollback" asks the run to restore the best probe's checkpoint
 (weights, optimizer, reward state) and go on with new prompts: the steps since b start again, from the restored
 weights; after `max_rollbacks` rollbacks the next firing is a "stop", which ends the run with the best probe's
 weights; "off" never fires. The guard is pure: it computes, the recipe acts (`forge.recipes.grpo`), and its state
@@ -43,12 +43,34 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-if TYPE_CHECKING:
-    from forge.config import RewardConfig
+from forge.config_base import ranged
 
 Action = Literal["off", "warn", "stop", "rollback"]
+
+
+@dataclass(kw_only=True)
+class CollapseConfig:
+    """`collapse`: the probe set and what the guard does when probe pass@1 falls while the reward rises."""
+
+    action: Action = "warn"
+    """With a probe set (collapse.probe_source): what the collapse guard does when probe pass@1 falls more than
+    collapse.drop below its best while reward/mean rose (rule: forge/guard.py): warn (one stderr line), rollback
+    (restore the best-probe checkpoint's weights, optimizer and reward state, go on with new prompts), stop (end with
+    the best-probe weights), off. stop and rollback also checkpoint at step 0 and at every probe step."""
+    drop: float = ranged(0.05, "in [0, 1)", "(a fall of probe pass@1, absolute)")
+    """How far (absolute) probe pass@1 may fall below its best before it counts as a collapse."""
+    max_rollbacks: int = ranged(2, ">= 0")
+    """rollback: rollbacks per run; the next firing stops the run (as collapse.action=stop)."""
+    probe_source: str = ""
+    """Labelled probe file (formats and prompt/answer columns as data.eval_source), prepared into data/probe.parquet:
+    greedy pass@1 on it (`probe/pass@1`) feeds only the collapse guard (collapse.action), never the reward;
+    empty = no probe."""
+    probe_every: int = ranged(0, ">= 0", "(0 = eval.every)")
+    """Probe every this many steps (and at step 0 and the last step); 0 = eval.every."""
+    probe_max_problems: int = ranged(200, ">= 1")
+    """Probe rows used (the first ones of data/probe.parquet)."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +85,7 @@ class GuardEvent:
     reward_before: float  # R_at_b: mean reward/mean of the probe interval that ended at the best probe step
     reward_after: float  # R_since: mean reward/mean over the steps since the best probe step
     rollbacks: int  # rollbacks done, this one included
-    max_rollbacks: int  # reward.max_rollbacks when it fired
+    max_rollbacks: int  # collapse.max_rollbacks when it fired
 
     def line(self) -> str:
         """The one stderr line the run prints."""
@@ -93,9 +115,9 @@ class CollapseGuard:
         self.events: list[dict] = []  # every firing, as guard.jsonl lines
 
     @classmethod
-    def for_run(cls, reward: RewardConfig) -> CollapseGuard:
-        """The guard reward.collapse_action / collapse_drop / max_rollbacks ask for."""
-        return cls(reward.collapse_action, reward.collapse_drop, reward.max_rollbacks)
+    def for_run(cls, cfg: CollapseConfig) -> CollapseGuard:
+        """The guard collapse.action / drop / max_rollbacks ask for."""
+        return cls(cfg.action, cfg.drop, cfg.max_rollbacks)
 
     def observe(self, step: int, reward_mean: float) -> None:
         """Record a training step's reward/mean (every step, in order)."""

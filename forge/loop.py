@@ -72,9 +72,10 @@ class Schedule:
 
     @classmethod
     def of(cls, cfg: RunConfig) -> Schedule:
-        probed = bool(cfg.eval.probe_source)
-        restores = probed and cfg.reward.collapse_action in ("stop", "rollback")
-        probe_every = (cfg.eval.probe_every or cfg.eval.every) if probed else 0
+        c = cfg.collapse
+        probed = bool(c.probe_source)
+        restores = probed and c.action in ("stop", "rollback")
+        probe_every = (c.probe_every or cfg.eval.every) if probed else 0
         return cls(cfg.steps, cfg.eval.every, cfg.checkpoint.every, probe_every, restores)
 
     def eval_due(self, step: int) -> bool:

@@ -17,14 +17,39 @@ adaptive-KL PPO (Schulman et al., 2017), applied to the LR instead of a KL coeff
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Literal
 
-from forge.config import UpdateConfig
+from forge.config_base import ranged
+
+if TYPE_CHECKING:
+    from forge.config import UpdateConfig
+
+
+@dataclass(kw_only=True)
+class AdaptiveConfig:
+    """`update.adaptive`: the controller's settings (the defaults are written here only)."""
+
+    enabled: bool = True
+    """Adaptive LR controller: shrink the LR when the training signal spikes past its target, recover slowly."""
+    signal: Literal["kl", "grad_norm"] = "grad_norm"
+    """Signal the controller watches: KL of the step (see forge/lr.py), or the pre-clip grad norm."""
+    target: float = ranged(2.0, "> 0")
+    """kl: absolute KL target; grad_norm: spike ratio over the norm's moving average. Above it the LR is cut."""
+    cut: float = ranged(0.5, "in (0, 1]")
+    """Multiply the LR scale by this when the signal exceeds target."""
+    recover: float = ranged(1.1, ">= 1")
+    """Multiply the LR scale by this (up to 1.0) on each step the signal is below target/2."""
+    min_scale: float = ranged(0.01, "in (0, 1]")
+    """The LR scale never falls below this."""
+    ema_beta: float = ranged(0.9, "in [0, 1)")
+    """grad_norm: weight of the old value in the norm's exponential moving average."""
 
 
 def scheduled_lr(cfg: UpdateConfig, step: int, total_steps: int) -> float:
     """LR for 0-based `step` before the adaptive scale.
 
+    >>> from forge.config import UpdateConfig
     >>> c = UpdateConfig(lr=1.0, warmup_steps=2, schedule="linear", min_lr_ratio=0.0)
     >>> [round(scheduled_lr(c, s, 6), 3) for s in range(6)]
     [0.5, 1.0, 1.0, 0.667, 0.333, 0.0]
@@ -43,53 +68,46 @@ def scheduled_lr(cfg: UpdateConfig, step: int, total_steps: int) -> float:
 
 @dataclass
 class AdaptiveLR:
-    signal: str = "grad_norm"
-    target: float = 2.0
-    cut: float = 0.5
-    recover: float = 1.1
-    min_scale: float = 0.01
-    ema_beta: float = 0.9
+    """The controller: its settings (`cfg`) and its running state (scale, moving average, cuts so far)."""
+
+    cfg: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     scale: float = 1.0
     ema: float | None = None
     cuts: int = 0
 
-    @classmethod
-    def from_config(cls, cfg: UpdateConfig) -> AdaptiveLR:
-        return cls(
-            signal=cfg.adaptive_signal, target=cfg.adaptive_target, cut=cfg.adaptive_cut, recover=cfg.adaptive_recover
-        )
-
     def observe(self, kl: float, grad_norm: float) -> float:
         """Feed this step's signals; returns the scale to use for the next step.
 
-        >>> a = AdaptiveLR(signal="grad_norm", target=2.0)
+        >>> a = AdaptiveLR(AdaptiveConfig(signal="grad_norm", target=2.0))
         >>> [a.observe(0, g) for g in (1.0, 1.0, 5.0)]
         [1.0, 1.0, 0.5]
-        >>> b = AdaptiveLR(signal="grad_norm", target=2.0)
+        >>> b = AdaptiveLR(AdaptiveConfig(signal="grad_norm", target=2.0))
         >>> [b.observe(0, g) for g in (0.0, 2.0, 0.0, 0.0, 2.5)]  # zero-gradient steps: no observation
         [1.0, 1.0, 1.0, 1.0, 1.0]
         """
-        if self.signal == "grad_norm" and grad_norm == 0.0:
+        c = self.cfg
+        if c.signal == "grad_norm" and grad_norm == 0.0:
             return self.scale  # no gradient, no signal: hold, and keep the average of real steps
         level = self._level(kl, grad_norm)
         if level > 1.0:
-            self.scale = max(self.min_scale, self.scale * self.cut)
+            self.scale = max(c.min_scale, self.scale * c.cut)
             self.cuts += 1
         elif level < 0.5:
-            self.scale = min(1.0, self.scale * self.recover)
+            self.scale = min(1.0, self.scale * c.recover)
         return self.scale
 
     def _level(self, kl: float, grad_norm: float) -> float:
         """Signal relative to its target (>1 = spike)."""
-        if self.signal == "kl":
-            return kl / self.target
+        c = self.cfg
+        if c.signal == "kl":
+            return kl / c.target
         if not math.isfinite(grad_norm):
             return math.inf
         if self.ema is None:
             self.ema = grad_norm
             return 0.5  # first observation: no baseline yet, hold
-        level = grad_norm / (self.target * max(self.ema, 1e-12))
-        self.ema = self.ema_beta * self.ema + (1 - self.ema_beta) * grad_norm
+        level = grad_norm / (c.target * max(self.ema, 1e-12))
+        self.ema = c.ema_beta * self.ema + (1 - c.ema_beta) * grad_norm
         return level
 
     def state_dict(self) -> dict:

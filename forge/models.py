@@ -54,7 +54,7 @@ def load_policy(
         tok = build_char_tokenizer()
         with contextlib.nullcontext() if weights else torch.device("meta"):
             model = build_tiny_model(
-                tok, hidden=cfg.tiny_hidden, layers=cfg.tiny_layers, seed=seed, head_dim=cfg.tiny_head_dim, **attn
+                tok, hidden=cfg.tiny.hidden, layers=cfg.tiny.layers, seed=seed, head_dim=cfg.tiny.head_dim, **attn
             )
     else:
         path = smollm2_dir() if cfg.path == SMOLLM2 else _resolve_path(cfg.path)

@@ -26,7 +26,7 @@ def tiny() -> RunConfig:
     r = cfg.rollout
     r.prompts_per_step, r.group_size, r.max_new_tokens, r.temperature = 16, 16, 3, 1.0
     cfg.reward.verifiers = ["math_answer"]
-    cfg.model.tiny_hidden = 128
+    cfg.model.tiny.hidden = 128
     cfg.update.lr = 1e-3
     cfg.update.micro_batch_size = 64
     cfg.eval.every, cfg.eval.k, cfg.eval.max_problems = 50, 4, 200
@@ -41,7 +41,7 @@ def tiny_unlabeled() -> RunConfig:
     result computed from the prompt (parity, residue mod 3, residue mod 5, digit count; forge/tasks/arith.py), which
     a wrong answer passes by chance. A latent class model (forge/rewards/latent_class.py) refit every step on the last
     8 steps learns without labels how the checks behave on right, wrong and malformed answers; declared necessary
-    (`reward.necessary_checks`), a failed check cannot pass for noise on a right answer, so answers that pass them
+    (`reward.ensemble.necessary_checks`), a failed check cannot pass for noise on a right answer, so answers that pass them
     all get ~1 and the rest ~0. Advantages are mean-centred, not divided by the group's std (Dr. GRPO): in a group
     with no right answer the rewards differ by a few thousandths, and dividing by their std turns that noise into
     full-size advantages. Measured (docs/verifier-ensemble.md): greedy pass@1 0.00 -> 0.42-0.58 at 200 steps over
@@ -51,8 +51,8 @@ def tiny_unlabeled() -> RunConfig:
     cfg.preset = "tiny-unlabeled"
     r = cfg.reward
     r.verifiers = ["parity_check", "residue3_check", "residue5_check", "magnitude_check"]
-    r.label_free, r.aggregate, r.ensemble_model, r.ensemble_classes = True, "ensemble", "latent_class", 4
-    r.necessary_checks = list(r.verifiers)  # each tests a necessary condition of the true result
+    r.label_free, r.aggregate, r.ensemble.model, r.ensemble.classes = True, "ensemble", "latent_class", 4
+    r.ensemble.necessary_checks = list(r.verifiers)  # each tests a necessary condition of the true result
     cfg.algo.advantage = "mean"
     return cfg
 
@@ -71,7 +71,7 @@ def tiny_code() -> RunConfig:
     cfg.data.source, cfg.data.eval_source = str(OP_TRAIN_FILE), str(OP_EVAL_FILE)
     cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens = 8, 32, 1
     cfg.reward.verifiers = ["code_exec"]
-    cfg.reward.code_timeout_s, cfg.reward.code_test_timeout_s = 2.0, 1.0
+    cfg.reward.code_exec.timeout_s, cfg.reward.code_exec.test_timeout_s = 2.0, 1.0
     cfg.eval.verifiers, cfg.eval.k, cfg.eval.every = ["code_exec"], 0, 50
     return cfg
 
@@ -130,11 +130,12 @@ def smollm2_arith_unlabeled() -> RunConfig:
     r = cfg.reward
     r.verifiers = ["group_agreement", "concise", "format_integer", "parity_check", "magnitude_check",
                    "llm_judge=smollm2-135m-instruct"]  # fmt: skip
-    r.label_free, r.aggregate, r.ensemble_model = True, "ensemble", "gaussian"
-    r.necessary_checks = ["parity_check", "magnitude_check"]  # true of every right sum: failing one means wrong
+    r.label_free, r.aggregate, r.ensemble.model = True, "ensemble", "gaussian"
+    # true of every right sum: failing one means wrong
+    r.ensemble.necessary_checks = ["parity_check", "magnitude_check"]
     r.score_timeout_s = 300.0  # the judge reads 64 questions a step: ~15 s on 2 cores in fp32, more when busy
-    r.collapse_action = "rollback"  # probe pass@1 down while the reward rose: back to the best-probe checkpoint
-    cfg.eval.verifiers, cfg.eval.probe_source = ["math_answer"], str(PROBE_FILE)
+    cfg.collapse.action = "rollback"  # probe pass@1 down while the reward rose: back to the best-probe checkpoint
+    cfg.eval.verifiers, cfg.collapse.probe_source = ["math_answer"], str(PROBE_FILE)
     return cfg
 
 
@@ -153,7 +154,7 @@ def smollm2_code() -> RunConfig:
     cfg.data.source, cfg.data.eval_source = str(TRAIN_FILE), str(EVAL_FILE)
     cfg.rollout.max_new_tokens = 12
     cfg.reward.verifiers = ["code_exec"]
-    cfg.reward.code_timeout_s, cfg.reward.code_test_timeout_s = 3.0, 1.0
+    cfg.reward.code_exec.timeout_s, cfg.reward.code_exec.test_timeout_s = 3.0, 1.0
     cfg.eval.verifiers, cfg.eval.max_problems, cfg.eval.max_new_tokens = ["code_exec"], 100, 12
     return cfg
 

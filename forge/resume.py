@@ -9,7 +9,7 @@ no checkpoint yet (it was stopped before its first one: the recipe starts it aga
 process on the run (`forge.rundir.RunLock`) is refused here too, before anything is written.
 
 A resume may change the config (`--resume --set update.lr=...`): `resume_changes` compares it with the run's
-config.yaml and refuses a change the checkpoint cannot honour (`forge.config.RESUME_FIXED`: seed, model.*, data.*,
+config.yaml and refuses a change the checkpoint cannot honour (`RESUME_FIXED`: seed, model.*, data.*,
 the reward ensemble's keys; also steps below the checkpoint's step), still before anything is written;
 `record_changes` then rewrites config.yaml (atomically) and appends `{step, time, changes: {key: [old, new]}}` to
 config_changes.jsonl, one line per resume that changed something.
@@ -23,11 +23,42 @@ import time
 from pathlib import Path
 
 from forge.checkpoint import STATE_TENSORS, damaged, latest_checkpoint, load_state
-from forge.config import RunConfig, check_resume_changes, config_diff, dump_yaml, load_yaml
+from forge.config import ConfigError, RunConfig, config_diff, dump_yaml, load_yaml, require
 from forge.data import check_data_hash, read_probe, read_split
 from forge.io import atomic_write_text
 from forge.rundir import CHANGES, note_stale, refuse_if_locked
 from forge.tracking import read_metrics
+
+# keys a resume may not change: the checkpoint's state means something only under them (key or section prefix
+# ending in '.' -> why); every other key (steps, update.lr, eval.*, checkpoint.*, tracking.*, ...) may change
+RESUME_FIXED: dict[str, str] = {
+    "seed": "it seeded the data split, the prompt order and the initial weights of the saved run",
+    "model.": "the checkpoint holds this model's weights, and data/ holds prompts formatted for it",
+    "data.": "data/*.parquet were prepared from these settings (and the checkpoint checks their hash)",
+    "reward.verifiers": "the saved reward state and the run's reward metrics are per verifier",
+    "reward.aggregate": "the saved reward state (the ensemble's window and fit) and the run's rewards belong to "
+    "this aggregation",
+    "reward.ensemble.model": "the saved ensemble fit is of this model",
+    "reward.ensemble.classes": "the saved ensemble fit has this many classes",
+    "reward.ensemble.necessary_checks": "the saved ensemble fit was made with these checks",
+    "reward.label_free": "the saved ensemble window holds scores made with (or without) the answers",
+    "collapse.probe_source": "data/probe.parquet was prepared from it (and the checkpoint checks its hash)",
+}
+# model keys that change how the update computes, not what the weights are
+RESUME_FREE = {"model.gradient_checkpointing", "model.attn_implementation"}
+
+
+def check_resume_changes(changes: dict[str, list], step: int, steps: int) -> None:
+    """Refuse (one-line ConfigError naming the key) a change a resume from checkpoint `step` cannot honour."""
+    for key in changes:
+        fixed = next((p for p in RESUME_FIXED if key == p or (p.endswith(".") and key.startswith(p))), None)
+        if fixed is not None and key not in RESUME_FREE:
+            old, new = changes[key]
+            raise ConfigError(
+                f"config key '{key}' cannot change on --resume ({old!r} -> {new!r}): {RESUME_FIXED[fixed]}; "
+                "start a new run with --config runs/NAME/config.yaml --set ... instead"
+            )
+    require(steps >= step, "steps", f"is {steps}, below the checkpoint's step {step}: set steps >= {step}")
 
 
 def check_resumable(run_dir: Path) -> Path | None:

@@ -207,7 +207,7 @@ class Trainer:
         assert cfg.algo.beta == 0 or ref_model is not None or is_peft(model), "algo.beta > 0 needs a reference model"
         self.ref_model = ref_model
         self.packing = PackingCost.of(self.unwrapped) if u.shared_prefix else None
-        self.adaptive = AdaptiveLR.from_config(u)
+        self.adaptive = AdaptiveLR(u.adaptive)
         self.step = 0
         self.policy_version = 0
 
@@ -217,7 +217,7 @@ class Trainer:
 
     def current_lr(self) -> float:
         base = scheduled_lr(self.cfg.update, self.step, self.total_steps)
-        return base * (self.adaptive.scale if self.cfg.update.adaptive else 1.0)
+        return base * (self.adaptive.scale if self.cfg.update.adaptive.enabled else 1.0)
 
     def update(self, rollouts: Rollouts, advantages: torch.Tensor) -> UpdateStats:
         """One update on this rank's share of the step's rows: `update.num_iterations` passes of the micro-batches
@@ -235,7 +235,7 @@ class Trainer:
         kl_ref, kl_old = passes[-1]["kl_ref"], passes[-1]["kl_old"]
         # the adaptive LR's kl signal: to the reference when there is one, else to pi_old (forge/lr.py)
         signal_kl = kl_ref if self.cfg.algo.beta > 0 else kl_old
-        observe = self.cfg.update.adaptive and not skipped  # a NaN would poison the controller's moving average
+        observe = self.cfg.update.adaptive.enabled and not skipped  # a NaN would poison the controller's average
         scale = self.adaptive.observe(signal_kl, mean("grad_norm")) if observe else self.adaptive.scale
         self.step += 1
         self.policy_version += 1

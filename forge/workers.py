@@ -167,11 +167,8 @@ class RewardWorker:
         if cfg.reward.aggregate == "ensemble":
             from forge.rewards.aggregate import EnsembleAggregator
 
-            r = cfg.reward
             names = [name for name, _ in self.verifiers]
-            self.aggregator = EnsembleAggregator(
-                names, r.window_steps, r.refit_every, cfg.seed, r.ensemble_model, r.ensemble_classes, r.necessary_checks
-            )
+            self.aggregator = EnsembleAggregator(names, cfg.reward.ensemble, cfg.seed)
 
     def score(self, rows: list[dict], rollouts: Rollouts, step: int) -> ScoredBatch:
         """Score step `step`'s completions; safe to repeat for the same step (the ensemble replaces its entry)."""

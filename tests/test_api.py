@@ -16,7 +16,7 @@ from forge.errors import UserError
 from forge.tracking import NullTracker
 
 TINY = ["threads=1", "checkpoint.every=1", "eval.every=0", "eval.k=0", "eval.max_problems=4", "rollout.group_size=2",
-        "rollout.prompts_per_step=2", "model.tiny_hidden=32", "model.tiny_layers=1", "data.eval_size=2"]  # fmt: skip
+        "rollout.prompts_per_step=2", "model.tiny.hidden=32", "model.tiny.layers=1", "data.eval_size=2"]  # fmt: skip
 
 
 def make_reward():

@@ -32,4 +32,4 @@ def test_unlabeled_preset_reads_no_answers_for_its_reward():
     assert r.label_free and r.aggregate == "ensemble" and cfg.data.source == str(TRAIN_FILE)
     assert not set(r.verifiers) & set(CORRECTNESS)  # no verifier that compares with a reference answer
     assert cfg.data.eval_source == str(EVAL_FILE) and cfg.eval.verifiers == ["math_answer"]
-    assert cfg.eval.probe_source == str(PROBE_FILE) and r.collapse_action == "rollback"
+    assert cfg.collapse.probe_source == str(PROBE_FILE) and cfg.collapse.action == "rollback"

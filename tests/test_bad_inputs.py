@@ -27,8 +27,8 @@ from flows.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["steps=2", "threads=1", "checkpoint.every=1", "eval.every=0", "eval.k=0", "eval.max_problems=8",
-        "rollout.prompts_per_step=2", "rollout.group_size=2", "tracking.mlflow=false", "model.tiny_hidden=32",
-        "model.tiny_layers=1"]  # fmt: skip
+        "rollout.prompts_per_step=2", "rollout.group_size=2", "tracking.mlflow=false", "model.tiny.hidden=32",
+        "model.tiny.layers=1"]  # fmt: skip
 
 
 def _sets(settings: list[str]) -> list[str]:
@@ -177,7 +177,7 @@ CASES = [
     ("weight-decay-nan", new_run("update.weight_decay=nan"), "update.weight_decay"),
     ("betas-one-value", new_run("update.adam_betas=[0.9]"), "update.adam_betas"),
     ("betas-out-of-range", new_run("update.adam_betas=[0.9, 1.5]"), "update.adam_betas[1]"),
-    ("adaptive-target-0", new_run("update.adaptive_target=0"), "update.adaptive_target"),
+    ("adaptive-target-0", new_run("update.adaptive.target=0"), "update.adaptive.target"),
     ("negative-seed", new_run("seed=-1"), "'seed'"),
     ("negative-size", new_run("rollout.prompts_per_step=-2"), "rollout.prompts_per_step"),
     ("negative-keep-last", new_run("checkpoint.keep_last=-1"), "checkpoint.keep_last"),

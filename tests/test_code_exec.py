@@ -15,6 +15,7 @@ import pytest
 from forge.config import RewardConfig
 from forge.errors import UserError
 from forge.rewards import code_exec as ce
+from forge.rewards.code_exec import CodeExecConfig
 from forge.rewards.registry import resolve_verifiers
 from forge.rewards.score import score_completions
 from forge.tasks.code import (
@@ -128,7 +129,7 @@ def test_hostile_code_scores_zero_and_leaves_nothing(name, clean_machine):
 
 @needs_sandbox
 def test_fork_is_capped_and_daemons_die_with_the_run(clean_machine):
-    """RLIMIT_NPROC of the fresh uid stops forking at code_max_procs; children that detach (setsid) and would
+    """RLIMIT_NPROC of the fresh uid stops forking at reward.code_exec.max_procs; children that detach (setsid) and would
     outlive the program are killed with its PID namespace when it exits."""
     program = (
         "import os, time\nforks = 0\ntry:\n    for _ in range(200):\n        if os.fork() == 0:\n"
@@ -225,7 +226,7 @@ def test_refuses_without_a_network_namespace_unless_allowed(monkeypatch):
     with pytest.raises(UserError, match="--allow-network-code") as e:
         resolve_verifiers(["code_exec"], RewardConfig())
     assert "\n" not in str(e.value)
-    [(name, fn)] = resolve_verifiers(["code_exec"], RewardConfig(allow_network_code=True))
+    [(name, fn)] = resolve_verifiers(["code_exec"], RewardConfig(code_exec=CodeExecConfig(allow_network=True)))
     assert name == "code_exec"
     scores = fn(prompts=["p"] * 2, completions=["def f(x): return x + 3", "def f(x): return x"], answer=[TESTS] * 2)
     assert scores == [1.0, 0.0]  # runs, with rlimits and a temp dir only
@@ -234,16 +235,16 @@ def test_refuses_without_a_network_namespace_unless_allowed(monkeypatch):
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("code_timeout_s", math.nan),
-        ("code_timeout_s", 0.0),
-        ("code_memory_mb", 8),
-        ("code_workers", 0),
-        ("code_workers", 65),
+        ("timeout_s", math.nan),
+        ("timeout_s", 0.0),
+        ("memory_mb", 8),
+        ("workers", 0),
+        ("workers", 65),
     ],
 )
 def test_bad_limits_are_one_line_errors(field, value):
-    with pytest.raises(UserError, match=f"reward.{field}"):
-        resolve_verifiers(["code_exec"], RewardConfig(**{field: value}))
+    with pytest.raises(UserError, match=f"reward.code_exec.{field}"):
+        resolve_verifiers(["code_exec"], RewardConfig(code_exec=CodeExecConfig(**{field: value})))
 
 
 def test_shipped_task_files_match_the_generator():

@@ -120,8 +120,8 @@ def test_int_field_rejects_float_and_bool(raw):
 
 
 def test_bool_field_rejects_other_text():
-    msg = one_line_error(apply_overrides, RunConfig(), ["update.adaptive=maybe"])
-    assert "'update.adaptive'" in msg and "bool" in msg
+    msg = one_line_error(apply_overrides, RunConfig(), ["update.adaptive.enabled=maybe"])
+    assert "'update.adaptive.enabled'" in msg and "bool" in msg
 
 
 def test_list_item_error_names_index():

@@ -12,10 +12,8 @@ import yaml
 from flows.cli import main
 from flows.runs import resolve_config, resolve_run
 from forge.config import (
-    RESUME_FIXED,
     ConfigError,
     RunConfig,
-    check_resume_changes,
     config_diff,
     describe_keys,
     dump_yaml,
@@ -24,6 +22,7 @@ from forge.config import (
 )
 from forge.errors import UserError
 from forge.presets import PRESETS, compose, get_preset
+from forge.resume import RESUME_FIXED, check_resume_changes
 
 # ---------------------------------------------------------------- config keys
 
@@ -230,11 +229,11 @@ def test_config_diff_lists_changed_leaves_only():
     [
         ("seed", 0, 1),
         ("model.path", "tiny-random", "other"),
-        ("model.tiny_hidden", 64, 128),
+        ("model.tiny.hidden", 64, 128),
         ("model.lora.rank", 8, 16),  # a nested key of a fixed section
         ("data.digits", 1, 2),
         ("reward.verifiers", ["math_answer"], ["format_integer"]),
-        ("reward.ensemble_classes", 3, 4),
+        ("reward.ensemble.classes", 3, 4),
     ],
 )
 def test_resume_refuses_keys_the_checkpoint_depends_on(key, old, new):

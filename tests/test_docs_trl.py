@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from forge.config import ConfigError, check_resume_changes, describe_keys
+from forge.config import ConfigError, describe_keys
+from forge.resume import check_resume_changes
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 

@@ -1,4 +1,4 @@
-"""eval.verifiers: which verifiers decide pass@1/pass@k, the all-score-1.0 rule, the eval.check alias."""
+"""eval.verifiers: which verifiers decide pass@1/pass@k, the all-score-1.0 rule, the old eval.check key."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from forge.config import ConfigError, EvalConfig, RewardConfig, RolloutConfig, RunConfig, apply_overrides
+from forge.config import ConfigError, EvalConfig, RewardConfig, RolloutConfig, RunConfig, apply_overrides, from_dict
 from forge.evaluate import eval_verifier_specs, evaluate
 from forge.presets import PRESETS
 from forge.records import Rollouts
@@ -37,16 +37,20 @@ def test_default_eval_verifiers_are_the_runs_correctness_verifiers(reward_verifi
     assert _specs(reward_verifiers) == expected
 
 
-def test_explicit_eval_verifiers_and_the_deprecated_check_alias():
+def test_explicit_eval_verifiers_and_the_old_check_key():
     assert _specs(["math_answer"], verifiers=["format_tags", "math_answer"]) == ["format_tags", "math_answer"]
-    assert _specs(["math_answer"], check="code_exec") == ["code_exec"]
+    assert apply_overrides(RunConfig(), ["eval.check=code_exec"]).eval.verifiers == ["code_exec"]
     # a config.yaml written before eval.verifiers holds check: math_answer (the old default): eval is unchanged
-    assert _specs(["code_exec"], check="math_answer") == ["math_answer"]
+    old = from_dict({"reward": {"verifiers": ["code_exec"]}, "eval": {"verifiers": [], "check": "math_answer"}})
+    assert eval_verifier_specs(old.eval, old.reward) == ["math_answer"]
+    assert from_dict({"eval": {"check": ""}}).eval.verifiers == []  # an empty check chose nothing
 
 
 def test_check_and_verifiers_together_or_a_duplicate_are_config_errors():
     with pytest.raises(ConfigError, match="eval.check.*old form of eval.verifiers.*set only one"):
-        apply_overrides(RunConfig(), ["eval.check=math_answer", "eval.verifiers=[code_exec]"]).validate()
+        apply_overrides(RunConfig(), ["eval.verifiers=[code_exec]", "eval.check=math_answer"])
+    with pytest.raises(ConfigError, match="eval.check.*old form of eval.verifiers.*set only one"):
+        from_dict({"eval": {"check": "math_answer", "verifiers": ["code_exec"]}})
     with pytest.raises(ConfigError, match="eval.verifiers.*twice"):
         apply_overrides(RunConfig(), ["eval.verifiers=[math_answer, math_answer]"]).validate()
 

@@ -28,7 +28,7 @@ from tests.servers import REPO
 torch.set_num_threads(1)
 
 SETTINGS = ["steps=3", "threads=1", "checkpoint.every=2", "checkpoint.keep_last=3", "eval.every=0", "eval.k=0",
-            "eval.max_problems=16", "rollout.prompts_per_step=4", "model.tiny_hidden=32", "model.tiny_layers=1",
+            "eval.max_problems=16", "rollout.prompts_per_step=4", "model.tiny.hidden=32", "model.tiny.layers=1",
             "tracking.mlflow=false"]  # fmt: skip
 
 

@@ -10,10 +10,11 @@ import json
 
 import pytest
 
-from forge.config import ConfigError, RunConfig, apply_overrides, check_resume_changes, config_diff, from_dict
+from forge.config import ConfigError, RunConfig, apply_overrides, config_diff, from_dict
 from forge.data import check_data_hash, content_hash, prepare, read_probe, read_split
 from forge.errors import UserError
 from forge.guard import CollapseGuard
+from forge.resume import check_resume_changes
 
 
 def feed(guard: CollapseGuard, rewards: dict[int, float]) -> None:
@@ -128,25 +129,25 @@ def test_state_dict_round_trips_through_json():
 
 
 def test_config_keys_and_checks():
-    cfg = apply_overrides(RunConfig(), ["reward.collapse_action=off", "eval.probe_every=5"])
-    assert cfg.reward.collapse_action == "off"  # YAML would read `off` as False
-    assert from_dict({"reward": {"collapse_action": False}}).reward.collapse_action == "off"  # `off` in a YAML file
-    with pytest.raises(ConfigError, match="'reward.collapse_drop' must be in"):
-        apply_overrides(RunConfig(), ["reward.collapse_drop=1.5"]).validate()
-    bad = apply_overrides(RunConfig(), ["eval.probe_source=p.jsonl", "reward.collapse_action=rollback"])
+    cfg = apply_overrides(RunConfig(), ["collapse.action=off", "collapse.probe_every=5"])
+    assert cfg.collapse.action == "off"  # YAML would read `off` as False
+    assert from_dict({"collapse": {"action": False}}).collapse.action == "off"  # `off` in a YAML file
+    with pytest.raises(ConfigError, match="'collapse.drop' must be in"):
+        apply_overrides(RunConfig(), ["collapse.drop=1.5"]).validate()
+    bad = apply_overrides(RunConfig(), ["collapse.probe_source=p.jsonl", "collapse.action=rollback"])
     bad.checkpoint.keep_best = 0
-    with pytest.raises(ConfigError, match="'checkpoint.keep_best' is 0, but reward.collapse_action=rollback needs"):
+    with pytest.raises(ConfigError, match="'checkpoint.keep_best' is 0, but collapse.action=rollback needs"):
         bad.validate()
-    bad.reward.collapse_action = "warn"
+    bad.collapse.action = "warn"
     bad.validate()  # warn restores nothing
 
 
 def test_probe_source_cannot_change_on_resume():
     old, new = RunConfig(), RunConfig()
-    new.eval.probe_source = "probe.jsonl"
-    with pytest.raises(ConfigError, match="'eval.probe_source' cannot change on --resume"):
+    new.collapse.probe_source = "probe.jsonl"
+    with pytest.raises(ConfigError, match="'collapse.probe_source' cannot change on --resume"):
         check_resume_changes(config_diff(old, new), 10, 30)
-    new.eval.probe_source, new.eval.probe_every, new.reward.collapse_action = "", 3, "stop"
+    new.collapse.probe_source, new.collapse.probe_every, new.collapse.action = "", 3, "stop"
     check_resume_changes(config_diff(old, new), 10, 30)  # the guard's other keys may change
 
 
@@ -164,7 +165,7 @@ def probe_cfg(tmp_path, rows=None) -> RunConfig:
     rows = (
         rows if rows is not None else [{"prompt": "2+3=", "answer": 5, "id": "p1"}, {"prompt": "1+1=", "answer": "2"}]
     )
-    cfg.eval.probe_source = str(write_jsonl(tmp_path / "probe.jsonl", rows))
+    cfg.collapse.probe_source = str(write_jsonl(tmp_path / "probe.jsonl", rows))
     return cfg
 
 
@@ -182,14 +183,14 @@ def test_prep_writes_the_probe_split_and_hashes_it(tmp_path):
         ("1+1=",) * 2 + ("2",),
     ]
     manifest = json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())
-    assert (manifest["probe_rows"], manifest["probe_source"]) == (2, cfg.eval.probe_source)
+    assert (manifest["probe_rows"], manifest["probe_source"]) == (2, cfg.collapse.probe_source)
     train, eval_ = read_split(tmp_path / "run", "train"), read_split(tmp_path / "run", "eval")
     assert manifest["content_hash"] == content_hash(train, eval_, probe) != content_hash(train, eval_)
     assert check_data_hash(tmp_path / "run", train, eval_, probe=probe) == manifest["content_hash"]
     with pytest.raises(UserError, match="the train/eval/probe splits changed since data/manifest.json"):
         check_data_hash(tmp_path / "run", train, eval_, probe=[{**probe[0], "answer": "6"}, probe[1]])
     # without a probe: no probe.parquet (a stale one is removed) and the hash is the old two-split one
-    cfg.eval.probe_source = ""
+    cfg.collapse.probe_source = ""
     prep(cfg, tmp_path / "run")
     assert read_probe(tmp_path / "run") is None
     manifest = json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())
@@ -198,8 +199,8 @@ def test_prep_writes_the_probe_split_and_hashes_it(tmp_path):
 
 def test_probe_mistakes_are_one_line(tmp_path):
     cfg = probe_cfg(tmp_path)
-    cfg.eval.probe_source = str(tmp_path / "nope.jsonl")
-    with pytest.raises(UserError, match=r"^eval.probe_source '.*nope.jsonl' does not exist; point it at a labelled"):
+    cfg.collapse.probe_source = str(tmp_path / "nope.jsonl")
+    with pytest.raises(UserError, match=r"^collapse.probe_source '.*nope.jsonl' does not exist; point it at a labelled"):
         prep(cfg, tmp_path / "run")
     cfg = probe_cfg(tmp_path, [{"prompt": "2+3=", "answer": "5"}, {"prompt": "1+1="}])
     with pytest.raises(UserError, match=r"probe.jsonl: 1 invalid row \(row 2: missing field 'answer'\)"):

@@ -19,6 +19,7 @@ import torch
 
 from forge.config import ConfigError, RunConfig, apply_overrides
 from forge.errors import UserError
+from forge.rewards.ensemble import RewardEnsembleConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
         ("update.adam_betas=[0.9, 1.0]", "update.adam_betas[1]"),
         ("update.adam_betas=[-0.1, 0.99]", "update.adam_betas[0]"),
         ("update.adam_betas=[0.9]", "update.adam_betas"),
-        ("update.adaptive_target=0", "update.adaptive_target"),
+        ("update.adaptive.target=0", "update.adaptive.target"),
         ("update.max_grad_norm=-1", "update.max_grad_norm"),
         ("rollout.temperature=inf", "rollout.temperature"),
         ("eval.temperature=0", "eval.temperature"),
@@ -335,7 +336,7 @@ def test_a_restored_aggregator_predicts_like_the_uninterrupted_one(model):
         return torch.tensor(scores, dtype=torch.float32)
 
     def agg():
-        return EnsembleAggregator(names, 8, 4, seed=0, model=model, classes=3)
+        return EnsembleAggregator(names, RewardEnsembleConfig(window_steps=8, refit_every=4, model=model, classes=3), seed=0)
 
     straight = agg()
     for step in (1, 2):

@@ -26,8 +26,8 @@ from forge.tracking import read_metrics
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 40  # room for 10 kills: packed updates made the tiny steps fast enough to finish 24 before the 10th
 SETTINGS = [f"steps={STEPS}", "threads=1", "checkpoint.every=1", "eval.every=8", "eval.k=0", "eval.max_problems=8",
-            "rollout.prompts_per_step=4", "rollout.group_size=4", "model.tiny_hidden=32",
-            "model.tiny_layers=1", "checkpoint.keep_last=2"]  # fmt: skip
+            "rollout.prompts_per_step=4", "rollout.group_size=4", "model.tiny.hidden=32",
+            "model.tiny.layers=1", "checkpoint.keep_last=2"]  # fmt: skip
 
 
 def _cli(runs: Path, *args: str) -> subprocess.Popen:

@@ -13,7 +13,7 @@ import torch
 from forge.config import ConfigError, RunConfig
 from forge.errors import UserError
 from forge.rewards.aggregate import EnsembleAggregator, report_metrics
-from forge.rewards.ensemble import WeakVerifierEnsemble
+from forge.rewards.ensemble import RewardEnsembleConfig, WeakVerifierEnsemble
 from forge.rewards.latent_class import LatentClassConfig, LatentClassEnsemble
 
 CHANCE = (0.5, 1 / 3, 0.2, 0.8)  # pass rate of a well-formed wrong answer per check
@@ -101,18 +101,18 @@ def test_errors_are_user_errors():
     with pytest.raises(UserError, match="classes"):
         LatentClassConfig(classes=1)
     with pytest.raises(UserError, match="necessary_checks.*'mod7'"):
-        EnsembleAggregator(["parity"], 4, 1, model="latent_class", necessary=["mod7"])
+        EnsembleAggregator(["parity"], RewardEnsembleConfig(window_steps=4, model="latent_class", necessary_checks=["mod7"]))
     with pytest.raises(UserError, match="necessary_checks.*'mod7'"):
-        EnsembleAggregator(["parity"], 4, 1, model="gaussian", necessary=["mod7"])
+        EnsembleAggregator(["parity"], RewardEnsembleConfig(window_steps=4, model="gaussian", necessary_checks=["mod7"]))
     cfg = RunConfig()
-    cfg.reward.ensemble_classes = 1
-    with pytest.raises(ConfigError, match="reward.ensemble_classes"):
+    cfg.reward.ensemble.classes = 1
+    with pytest.raises(ConfigError, match="reward.ensemble.classes"):
         cfg.validate()
 
 
 def test_aggregator_with_latent_classes_rewards_only_the_all_pass_candidates():
     scores, _, labels = make_checks(n=256, correct=0.1, malformed=0.3, seed=5)
-    agg = EnsembleAggregator(["parity", "mod3", "mod5", "digits"], 4, 1, model="latent_class", classes=3)
+    agg = EnsembleAggregator(["parity", "mod3", "mod5", "digits"], RewardEnsembleConfig(window_steps=4, model="latent_class", classes=3))
     rewards, report = agg(torch.tensor(scores, dtype=torch.float32), group_size=16, step=1)
     right = torch.tensor(labels == 1)
     assert rewards[right].min() > 0.5 and rewards[~right].mean() < 0.15

@@ -34,7 +34,7 @@ def tok():
 
 def lora_cfg(rank: int = 4, **update) -> RunConfig:
     cfg = make_cfg(**update)
-    cfg.model.tiny_hidden, cfg.model.tiny_layers = 32, 1
+    cfg.model.tiny.hidden, cfg.model.tiny.layers = 32, 1
     cfg.model.lora.rank = rank
     return cfg
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from forge.config import UpdateConfig
-from forge.lr import AdaptiveLR, scheduled_lr
+from forge.lr import AdaptiveConfig, AdaptiveLR, scheduled_lr
 
 
 def lrs(cfg: UpdateConfig, total: int, steps: range | None = None) -> list[float]:
@@ -73,12 +73,12 @@ def test_single_decay_step_does_not_divide_by_zero():
 
 
 def test_grad_norm_first_step_holds():
-    a = AdaptiveLR(signal="grad_norm", target=2.0)
+    a = AdaptiveLR(AdaptiveConfig(signal="grad_norm", target=2.0))
     assert a.observe(0.0, 100.0) == 1.0 and a.ema == 100.0 and a.cuts == 0
 
 
 def test_grad_norm_spike_cuts_then_recovers_slowly_to_exactly_one():
-    a = AdaptiveLR(signal="grad_norm", target=2.0, cut=0.5, recover=1.1)
+    a = AdaptiveLR(AdaptiveConfig(signal="grad_norm", target=2.0, cut=0.5, recover=1.1))
     # ema = 1; level = 1 / (2 * 1) = 0.5 is not < 0.5, so the scale holds.
     assert [a.observe(0.0, g) for g in (1.0, 1.0)] == [1.0, 1.0]
     # spike: level = 5 / (2 * 1) = 2.5 > 1 -> scale 0.5; ema becomes 0.9 * 1 + 0.1 * 5 = 1.4.
@@ -96,7 +96,7 @@ def test_grad_norm_spike_cuts_then_recovers_slowly_to_exactly_one():
 def test_grad_norm_zero_gradient_steps_are_not_observations():
     """GRPO batches whose groups all have equal rewards give a zero gradient. Measured on the speed task (4 prompts
     x 8): step 1 was such a batch, the average started at 0, and the controller cut the LR to its 1% floor by step 9."""
-    a = AdaptiveLR(signal="grad_norm", target=2.0)
+    a = AdaptiveLR(AdaptiveConfig(signal="grad_norm", target=2.0))
     norms = [0.0, 2.1, 2.0, 0.0, 2.4, 2.9, 2.2, 2.5, 2.9, 0.0, 1.9, 2.5]  # that run's first 12 pre-clip norms
     assert [a.observe(0.0, g) for g in norms] == [1.0] * len(norms)
     assert a.cuts == 0 and a.ema == pytest.approx(2.24, abs=0.05)
@@ -104,7 +104,7 @@ def test_grad_norm_zero_gradient_steps_are_not_observations():
 
 
 def test_grad_norm_hold_zone():
-    a = AdaptiveLR(signal="grad_norm", target=2.0)
+    a = AdaptiveLR(AdaptiveConfig(signal="grad_norm", target=2.0))
     a.observe(0.0, 1.0)
     a.observe(0.0, 5.0)  # cut to 0.5, ema 1.4
     # level = 2.0 / (2 * 1.4) = 0.714: between 0.5 and 1 -> neither cut nor recover.
@@ -113,13 +113,13 @@ def test_grad_norm_hold_zone():
 
 @pytest.mark.parametrize("bad", [math.inf, math.nan])
 def test_grad_norm_non_finite_cuts_and_keeps_ema(bad):
-    a = AdaptiveLR(signal="grad_norm", target=2.0)
+    a = AdaptiveLR(AdaptiveConfig(signal="grad_norm", target=2.0))
     a.observe(0.0, 1.0)
     assert a.observe(0.0, bad) == 0.5 and a.ema == 1.0
 
 
 def test_scale_floor():
-    a = AdaptiveLR(signal="kl", target=0.1, cut=0.5, min_scale=0.01)
+    a = AdaptiveLR(AdaptiveConfig(signal="kl", target=0.1, cut=0.5, min_scale=0.01))
     for _ in range(10):  # 0.5**10 = 0.001 would be below the floor
         a.observe(1.0, 0.0)
     assert a.scale == 0.01 and a.cuts == 10
@@ -129,7 +129,7 @@ def test_scale_floor():
 
 
 def test_kl_mode_cuts_above_target_and_recovers_below_half():
-    a = AdaptiveLR(signal="kl", target=0.1, cut=0.5, recover=1.1)
+    a = AdaptiveLR(AdaptiveConfig(signal="kl", target=0.1, cut=0.5, recover=1.1))
     assert a.observe(0.2, 1e9) == 0.5  # 0.2 / 0.1 = 2 > 1: cut (grad norm ignored in kl mode)
     assert a.observe(0.08, 0.0) == 0.5  # 0.8: hold
     assert a.observe(0.1, 0.0) == 0.5  # exactly at target (level 1.0): hold, not cut
@@ -138,16 +138,16 @@ def test_kl_mode_cuts_above_target_and_recovers_below_half():
 
 
 def test_from_config():
-    cfg = UpdateConfig(adaptive_signal="kl", adaptive_target=0.05, adaptive_cut=0.3, adaptive_recover=1.2)
-    a = AdaptiveLR.from_config(cfg)
-    assert (a.signal, a.target, a.cut, a.recover, a.scale) == ("kl", 0.05, 0.3, 1.2, 1.0)
+    cfg = UpdateConfig(adaptive=AdaptiveConfig(signal="kl", target=0.05, cut=0.3, recover=1.2))
+    a = AdaptiveLR(cfg.adaptive)
+    assert (a.cfg.signal, a.cfg.target, a.cfg.cut, a.cfg.recover, a.scale) == ("kl", 0.05, 0.3, 1.2, 1.0)
 
 
 # ---------------------------------------------------------------- state
 
 
 def test_state_dict_round_trip_continues_identically():
-    a = AdaptiveLR(signal="grad_norm", target=2.0)
+    a = AdaptiveLR(AdaptiveConfig(signal="grad_norm", target=2.0))
     for g in (1.0, 1.2, 6.0, 0.4):
         a.observe(0.0, g)
     state = json.loads(json.dumps(a.state_dict()))  # plain values only (it goes into trainer_state.json)
@@ -161,10 +161,10 @@ def test_state_dict_round_trip_continues_identically():
 
 def test_load_state_dict_keeps_this_runs_settings():
     """A resume may change the controller's settings: the saved running state is restored, not the saved settings."""
-    a = AdaptiveLR(signal="grad_norm", target=2.0, cut=0.5)
+    a = AdaptiveLR(AdaptiveConfig(signal="grad_norm", target=2.0, cut=0.5))
     for g in (1.0, 1.0, 5.0):
         a.observe(0.0, g)
-    b = AdaptiveLR(signal="grad_norm", target=3.0, cut=0.25, recover=1.2)
+    b = AdaptiveLR(AdaptiveConfig(signal="grad_norm", target=3.0, cut=0.25, recover=1.2))
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))
     assert (b.scale, b.ema, b.cuts) == (a.scale, a.ema, a.cuts) == (0.5, a.ema, 1)
-    assert (b.target, b.cut, b.recover) == (3.0, 0.25, 1.2)
+    assert (b.cfg.target, b.cfg.cut, b.cfg.recover) == (3.0, 0.25, 1.2)

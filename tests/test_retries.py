@@ -16,7 +16,7 @@ from forge.stages import LocalStages, Stage
 from forge.tracking import read_metrics
 
 SETTINGS = ["steps=3", "threads=1", "checkpoint.every=1", "eval.every=0", "eval.k=0", "eval.max_problems=8",
-            "rollout.prompts_per_step=2", "rollout.group_size=2", "model.tiny_hidden=32", "model.tiny_layers=1",
+            "rollout.prompts_per_step=2", "rollout.group_size=2", "model.tiny.hidden=32", "model.tiny.layers=1",
             "tracking.mlflow=false"]  # fmt: skip
 
 

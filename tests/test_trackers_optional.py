@@ -138,7 +138,7 @@ def test_trackers_for_run_builds_what_tracking_turns_on(tmp_path):
 
 RUN = [
     "steps=3", "threads=1", "checkpoint.every=2", "eval.every=0", "eval.k=0", "eval.max_problems=8",
-    "rollout.prompts_per_step=4", "rollout.group_size=4", "update.adaptive=false",
+    "rollout.prompts_per_step=4", "rollout.group_size=4", "update.adaptive.enabled=false",
     "tracking.mlflow=false", "tracking.tensorboard=true", "tracking.wandb=true",
 ]  # fmt: skip
 

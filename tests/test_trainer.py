@@ -82,10 +82,13 @@ def make_batch(tok) -> Batch:
 def make_cfg(**update) -> RunConfig:
     cfg = RunConfig()
     cfg.rollout.max_new_tokens = T
-    cfg.update.adaptive = False
+    cfg.update.adaptive.enabled = False
     cfg.update.max_grad_norm = 0.0
     for k, v in update.items():
-        setattr(cfg.update, k, v)
+        if k == "adaptive":  # the controller on or off: update.adaptive.enabled
+            cfg.update.adaptive.enabled = v
+        else:
+            setattr(cfg.update, k, v)
     return cfg
 
 

@@ -10,6 +10,7 @@ import forge.workers as workers
 from forge.config import RolloutConfig, RunConfig
 from forge.models import build_char_tokenizer, build_tiny_model
 from forge.rollout import SamplingParams
+from forge.rollout.config import VllmConfig
 from forge.rollout.vllm import VLLMBackend, engine_dtype, engine_kwargs, wants_sleep
 from forge.workers import RolloutWorker
 from tests.grpo_parts import TrainerWorker
@@ -18,8 +19,8 @@ torch.set_num_threads(1)
 
 
 def test_engine_kwargs_on_cuda_carry_dtype_and_memory_controls():
-    cfg = RolloutConfig(backend="vllm", vllm_gpu_memory_utilization=0.3, vllm_enforce_eager=True,
-                        vllm_max_model_len=2048, tensor_parallel_size=2)  # fmt: skip
+    vllm = VllmConfig(gpu_memory_utilization=0.3, enforce_eager=True, max_model_len=2048)
+    cfg = RolloutConfig(backend="vllm", vllm=vllm, tensor_parallel_size=2)
     dtype = engine_dtype(cfg, torch.float32, cuda=True)
     kw = engine_kwargs(cfg, "/m", dtype, seed=7, cuda=True, sleep=True)
     assert kw == {
@@ -34,15 +35,15 @@ def test_engine_kwargs_on_cpu_keep_the_policy_dtype_and_no_gpu_arguments():
     kw = engine_kwargs(cfg, "/m", engine_dtype(cfg, torch.float32, cuda=False), seed=0, cuda=False)
     assert kw["dtype"] == "float32" and "max_model_len" not in kw
     assert not {"gpu_memory_utilization", "enforce_eager", "enable_sleep_mode"} & set(kw)
-    assert engine_dtype(RolloutConfig(vllm_dtype="float16"), torch.float32, cuda=False) == torch.float16
-    assert engine_dtype(RolloutConfig(vllm_dtype="float32"), torch.float32, cuda=True) == torch.float32
+    assert engine_dtype(RolloutConfig(vllm=VllmConfig(dtype="float16")), torch.float32, cuda=False) == torch.float16
+    assert engine_dtype(RolloutConfig(vllm=VllmConfig(dtype="float32")), torch.float32, cuda=True) == torch.float32
 
 
-def _cfg(backend="vllm", **rollout) -> RunConfig:
+def _cfg(backend="vllm", **vllm) -> RunConfig:
     cfg = RunConfig()
     cfg.rollout.backend = backend
-    for k, v in rollout.items():
-        setattr(cfg.rollout, k, v)
+    for k, v in vllm.items():
+        setattr(cfg.rollout.vllm, k, v)
     return cfg
 
 
@@ -52,10 +53,10 @@ def test_sleep_only_for_a_colocated_on_policy_engine_on_cuda():
     asynchronous = _cfg()
     asynchronous.algo.max_staleness = 1
     assert not wants_sleep(asynchronous, True, "update")  # it samples during the update
-    assert wants_sleep(_cfg(vllm_sleep="on"), True, "")
-    assert not wants_sleep(_cfg(vllm_sleep="off"), True, "update")
-    assert not wants_sleep(_cfg(vllm_sleep="on"), False, "update")  # CPU engines have no sleep mode
-    assert not wants_sleep(_cfg("hf", vllm_sleep="on"), True, "update")
+    assert wants_sleep(_cfg(sleep="on"), True, "")
+    assert not wants_sleep(_cfg(sleep="off"), True, "update")
+    assert not wants_sleep(_cfg(sleep="on"), False, "update")  # CPU engines have no sleep mode
+    assert not wants_sleep(_cfg("hf", sleep="on"), True, "update")
 
 
 def _trainer_worker(cfg: RunConfig) -> TrainerWorker:
@@ -65,7 +66,7 @@ def _trainer_worker(cfg: RunConfig) -> TrainerWorker:
 
 
 def test_published_weights_are_in_the_engine_dtype():
-    w = _trainer_worker(_cfg(vllm_dtype="bfloat16"))
+    w = _trainer_worker(_cfg(dtype="bfloat16"))
     published = w.weights()
     assert {v.dtype for v in published.values()} == {torch.bfloat16}
     own = w.trainer.full_weights()

@@ -9,6 +9,7 @@ import torch
 from forge.errors import UserError
 from forge.models import build_char_tokenizer, build_tiny_model
 from forge.rewards.aggregate import EnsembleAggregator, report_metrics
+from forge.rewards.ensemble import RewardEnsembleConfig
 from forge.rewards.registry import resolve_verifier
 from forge.rewards.weak import group_agreement
 from forge.tasks.arith import magnitude_check, parity_check, residue3_check
@@ -109,13 +110,13 @@ def test_ensemble_aggregator_ranks_passing_candidates_first_and_round_trips():
     cols = [np.where(correct, 1.0, (rng.random(256) < q).astype(float)) for q in (0.5, 0.33, 0.6)]
     cols.append(np.where(correct, rng.normal(1, 1, 256), rng.normal(0, 1, 256)))
     scores = torch.tensor(np.stack(cols, 1), dtype=torch.float32)  # [N, V]
-    agg = EnsembleAggregator(["parity", "mod3", "digits", "judge"], window_steps=4, refit_every=1)
+    agg = EnsembleAggregator(["parity", "mod3", "digits", "judge"], RewardEnsembleConfig(window_steps=4, refit_every=1))
     rewards, report = agg(scores, group_size=16, step=1)
     assert rewards.shape == (256,) and report is not None
     assert rewards[torch.tensor(correct)].mean() > rewards[~torch.tensor(correct)].mean() + 0.3
     m = report_metrics(report)
     assert 0 < m["ensemble/class_balance"] < 1 and math.isfinite(m["ensemble/judge/weight"])
-    clone = EnsembleAggregator(agg.names, 4, 1)
+    clone = EnsembleAggregator(agg.names, RewardEnsembleConfig(window_steps=4, refit_every=1))
     clone.load_state_dict(agg.state_dict())
     again, _ = clone(scores, group_size=16, step=2)
     assert len(clone.window) == 2
@@ -129,8 +130,8 @@ def test_gaussian_ensemble_pays_nothing_for_a_failed_necessary_check():
     check = np.where(right, 1.0, (rng.random(320) < 0.5).astype(float))  # every right answer passes
     soft = right + rng.normal(0, 0.6, 320)  # a continuous signal that a wrong answer can score high on
     scores = torch.tensor(np.stack([check, soft], axis=1), dtype=torch.float32)
-    plain = EnsembleAggregator(["check", "soft"], window_steps=4, refit_every=1)
-    gated = EnsembleAggregator(["check", "soft"], window_steps=4, refit_every=1, necessary=["check"])
+    plain = EnsembleAggregator(["check", "soft"], RewardEnsembleConfig(window_steps=4, refit_every=1))
+    gated = EnsembleAggregator(["check", "soft"], RewardEnsembleConfig(window_steps=4, refit_every=1, necessary_checks=["check"]))
     p_plain, _ = plain(scores, group_size=8, step=1)
     p_gated, _ = gated(scores, group_size=8, step=1)
     failed = check == 0

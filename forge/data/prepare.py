@@ -37,7 +37,7 @@ class PreparedData:
     messages), model_input (str: prompt after format_prompt, what the model sees), answer (str; None in unlabeled
     training rows), then every other source column with its own type (sorted; None where a row lacks one). Rows
     are as `read_split` will return them (they went through Arrow once). `manifest` is what manifest.json holds.
-    `probe`: the probe rows (eval.probe_source; empty without one), with the same base columns and its own other
+    `probe`: the probe rows (collapse.probe_source; empty without one), with the same base columns and its own other
     columns."""
 
     train: list[dict]
@@ -125,7 +125,7 @@ def _manifest(
     cfg: RunConfig, train: list[dict], eval_: list[dict], rejected: list[dict], columns: list[str], probe: list[dict]
 ) -> dict:
     train_prompts = {_prompt_key(r["prompt"]) for r in train}
-    probe_keys = {"probe_source": cfg.eval.probe_source, "probe_rows": len(probe)} if probe else {}
+    probe_keys = {"probe_source": cfg.collapse.probe_source, "probe_rows": len(probe)} if probe else {}
     return {
         "source": cfg.data.source,
         "eval_source": cfg.data.eval_source,

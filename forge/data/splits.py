@@ -4,7 +4,7 @@ is written here).
 data.source 'arithmetic' generates both splits (forge.tasks.arith.generate_arithmetic); another source is split by
 holding out data.eval_size valid rows at random (seeded), unless data.eval_source names a separate eval source or
 data.eval_split a split of the DatasetDict, whose valid rows are all used. A labelled probe set
-(`eval.probe_source`, for the collapse guard) is read and checked like an eval source.
+(`collapse.probe_source`, for the collapse guard) is read and checked like an eval source.
 
 Unlabeled data: with `reward.label_free`, a training source without the answer column trains; its rows' answer
 is None. Eval needs reference answers, so such a source needs `data.eval_source` (or `data.eval_split`) naming
@@ -118,15 +118,15 @@ def _hold_out(rows: list[dict], n_eval: int, seed: int, source: str) -> tuple[li
 
 
 def probe_rows(cfg: RunConfig, count_tokens: CountTokens) -> tuple[Rows, Rows]:
-    """The labelled probe rows of eval.probe_source (none when it is empty) and the rejected ones, read and checked
+    """The labelled probe rows of collapse.probe_source (none when it is empty) and the rejected ones, read and checked
     as an eval source is (data.prompt_column / data.answer_column, data.on_bad_rows)."""
-    source, dc = cfg.eval.probe_source, cfg.data
+    source, dc = cfg.collapse.probe_source, cfg.data
     if not source:
         return [], []
     if not (Path(source).exists() or is_glob(source)):
         raise UserError(
-            f"eval.probe_source '{source}' does not exist; point it at a labelled file (prompt and answer columns, "
+            f"collapse.probe_source '{source}' does not exist; point it at a labelled file (prompt and answer columns, "
             "as for data.eval_source) or set it to '' for no probe"
         )
-    rows = load_rows(source, dc.prompt_column, dc.answer_column, split_key="eval.probe_source")
+    rows = load_rows(source, dc.prompt_column, dc.answer_column, split_key="collapse.probe_source")
     return validated(rows, source, dc.prompt_column, dc.answer_column, dc, count_tokens)

@@ -15,7 +15,8 @@ Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024), each a config ke
    (one sequence ratio) and cispo are the variants.
 4. log-probs are taken of logits / `rollout.temperature` (the distribution actually sampled), in fp32.
 5. the log-ratio is clamped to +-20 before exp (`forge.losses.MAX_LOG_RATIO`).
-6. an adaptive LR controller is on by default (`update.adaptive` = True): it cuts the LR on grad-norm spikes.
+6. an adaptive LR controller is on by default (`update.adaptive.enabled` = True): it cuts the LR when the grad
+   norm spikes (`update.adaptive.signal` = grad_norm).
 7. a step whose loss or gradient norm is not finite is skipped (`update.max_skipped_steps` = 3 in a row stop).
 8. each micro-batch is packed without padding, a group's prompt computed once (`update.shared_prefix` = True).
 9. asynchronous GRPO (`algo.max_staleness` = 0 by default): with k >= 1 the rollouts of steps t+1..t+k start
@@ -25,8 +26,8 @@ Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024), each a config ke
 
 Seeds are derived, not carried: each rollout is seeded from (seed, step) and each replica's chunk from its first
 row (`forge.seeds.derived_seed`), the update's dropout from (seed, step); a retried or resumed step samples the
-same batch. Collapse guard (`eval.probe_source`): greedy pass@1 on a probe set the reward never sees; when it falls
-while reward/mean rises the run warns, rolls back to the best-probe checkpoint or stops (`reward.collapse_action`).
+same batch. Collapse guard (`collapse.probe_source`): greedy pass@1 on a probe set the reward never sees; when it falls
+while reward/mean rises the run warns, rolls back to the best-probe checkpoint or stops (`collapse.action`).
 Faults: a `WorkerLost` rebuilds the stages and continues from the last checkpoint (`orchestration.max_restarts`).
 
 Run directory: config.yaml (+ config_changes.jsonl), plan.json, status.json, data/, metrics.jsonl, samples.jsonl,
@@ -134,7 +135,7 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False, tracker: Tracker | 
             runner(Stage.PREPARE, 0, prepare_data, cfg, run_dir)  # data/{train,eval,probe}.parquet, manifest
         data = Data.read(cfg, run_dir)
         sched = Schedule.of(cfg)
-        guard = CollapseGuard.for_run(cfg.reward) if sched.probe_every else None
+        guard = CollapseGuard.for_run(cfg.collapse) if sched.probe_every else None
         work, restarts, ahead = start(stages, cfg, run_dir, plan, record), 0, {}
         try:
             state = restore(latest_checkpoint(run_dir / "checkpoints"), work, data, record, guard) if resume else \
@@ -217,7 +218,7 @@ def next_request(step: int, cfg: RunConfig, work: Stages, data: Data, sched: Sch
 
 def probe(step, state, cfg, work, runner, data, record, guard) -> LoopState:
     """Greedy pass@1 on the probe rows; the guard decides; a firing is printed and logged, maybe restored from."""
-    report = runner(Stage.PROBE, step, work.evaluate, data.probe[: cfg.eval.probe_max_problems], step, True)
+    report = runner(Stage.PROBE, step, work.evaluate, data.probe[: cfg.collapse.probe_max_problems], step, True)
     record.eval_report(report, probe=True)
     event = guard.probe(step, report["pass@1"])
     record.probe(step, report, guard.metrics(event), guard.events)

@@ -11,7 +11,7 @@ Reads one JSON request on stdin, then (mode "root" or "userns"):
     user namespace), points fd 1/2 at a capped file, execs the program, then each test; one line per test
     ("<nonce> <i> <0|1>") goes to the results fd, written as soon as the test ends.
 
-Mode "none" (no namespaces; only with allow_network_code) skips the namespaces and mounts and runs W in a
+Mode "none" (no namespaces; only with reward.code_exec.allow_network) skips the namespaces and mounts and runs W in a
 temporary directory with the same rlimits. `{"probe": true}` sets everything up and reports "ok" without running code.
 """
 

@@ -13,9 +13,10 @@
 - ensemble: below.
 
 With `reward.aggregate: ensemble` the reward of a completion is P(correct | its verifier scores), from a
-`WeakVerifierEnsemble` (`reward.ensemble_model: gaussian`, any scores) or a `LatentClassEnsemble` (`latent_class`,
-discrete checks; `reward.necessary_checks` names the checks every correct answer passes), refit every
-`reward.refit_every` steps on the last `reward.window_steps` steps' score matrices (the current one included). The window and the fitted ensemble are part of the checkpoint, so a resumed run
+`WeakVerifierEnsemble` (`reward.ensemble.model: gaussian`, any scores) or a `LatentClassEnsemble` (`latent_class`,
+discrete checks; `reward.ensemble.necessary_checks` names the checks every correct answer passes), refit every
+`reward.ensemble.refit_every` steps on the last `reward.ensemble.window_steps` steps' score matrices (the current
+one included). The window and the fitted ensemble are part of the checkpoint, so a resumed run
 predicts with the same fit and refits on the same data. No reference answer is read here.
 
 A refit is accepted only if it still separates candidates and agrees in direction with the ensemble in use
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 from forge.errors import UserError
-from forge.rewards.ensemble import EnsembleConfig, WeakVerifierEnsemble
+from forge.rewards.ensemble import EnsembleConfig, RewardEnsembleConfig, WeakVerifierEnsemble
 from forge.rewards.latent_class import LatentClassConfig, LatentClassEnsemble
 from forge.rewards.math import answer_key
 
@@ -78,17 +79,15 @@ def majority_rewards(texts: list[str], group_size: int) -> torch.Tensor:
 
 
 class EnsembleAggregator:
-    def __init__(
-        self, names: list[str], window_steps: int, refit_every: int, seed: int = 0,
-        model: str = "gaussian", classes: int = 3, necessary: list[str] | tuple[str, ...] = (),
-    ):  # fmt: skip
+    def __init__(self, names: list[str], cfg: RewardEnsembleConfig, seed: int = 0):
+        """`names`: the verifiers, in score-column order; `cfg`: reward.ensemble; `seed`: the run's seed."""
         self.names = names
-        self.model, self.classes = model, classes
-        if unknown := [n for n in necessary if n not in names]:
-            raise UserError(f"reward.necessary_checks: {unknown} are not among the verifiers {names}")
-        self.necessary = tuple(names.index(n) for n in necessary)
-        self.window_steps = window_steps
-        self.refit_every = refit_every
+        self.model, self.classes = cfg.model, cfg.classes
+        if unknown := [n for n in cfg.necessary_checks if n not in names]:
+            raise UserError(f"reward.ensemble.necessary_checks: {unknown} are not among the verifiers {names}")
+        self.necessary = tuple(names.index(n) for n in cfg.necessary_checks)
+        self.window_steps = cfg.window_steps
+        self.refit_every = cfg.refit_every
         self.seed = seed
         self.window: list[tuple[np.ndarray, np.ndarray]] = []  # per step: scores [N, V], groups [N]
         self.ensemble: WeakVerifierEnsemble | LatentClassEnsemble | None = None

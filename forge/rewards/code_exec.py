@@ -24,7 +24,7 @@ directory; a fresh unprivileged uid (or a nested user namespace where we are not
 seconds, address space, file size, processes, open files; an empty environment; stdout/stderr to a capped file; a
 wall-clock timeout after which the whole process group is killed, and the PID namespace takes every process the
 program started with it. Where no namespace can be created the verifier refuses to start unless
-`reward.allow_network_code` is set (then only rlimits, a temp dir and the timeout apply).
+`reward.code_exec.allow_network` is set (then only rlimits, a temp dir and the timeout apply).
 """
 
 from __future__ import annotations
@@ -47,12 +47,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from forge.errors import UserError
-
-if TYPE_CHECKING:
-    from forge.config import RewardConfig
 
 Isolation = Literal["root", "userns", "none"]
 _RUNNER = Path(__file__).with_name("_sandbox_runner.py")
@@ -63,9 +60,27 @@ _MAX_TESTS = 1000
 _MEMO_SIZE = 100_000  # (program, tests) scores kept per verifier; cleared when full
 
 
+@dataclass(kw_only=True)
+class CodeExecConfig:
+    """`reward.code_exec`: the sandbox limits of the code_exec verifier (checked when it is built: `limits_from`)."""
+
+    timeout_s: float = 5.0
+    """Wall-clock seconds per completion (program + all its tests); then its processes are killed."""
+    test_timeout_s: float = 2.0
+    """Wall-clock seconds for loading the program and for each test."""
+    memory_mb: int = 256
+    """Address-space limit of each sandboxed process (RLIMIT_AS); a run holds at most max_procs."""
+    max_procs: int = 8
+    """Processes and threads the sandboxed code may have at once (RLIMIT_NPROC of its own uid)."""
+    workers: int = 2
+    """Completions run at once (one process each)."""
+    allow_network: bool = False
+    """Where no network namespace can be made, run code anyway (it could reach the network)."""
+
+
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Per-run limits (RewardConfig.code_* fields)."""
+    """Per-run limits (from `CodeExecConfig`)."""
 
     timeout_s: float = 5.0  # wall clock for the whole run; then the process group and PID namespace are killed
     per_test_s: float = 2.0  # wall clock per test (and for loading the program)
@@ -179,7 +194,7 @@ def require_isolation(allow_network: bool) -> Isolation:
         raise UserError(
             "code_exec: this machine cannot create a network namespace, so sandboxed code could reach the network; "
             "run where user or network namespaces are allowed, or pass --allow-network-code "
-            "(reward.allow_network_code=true) to accept that"
+            "(reward.code_exec.allow_network=true) to accept that"
         )
     return mode
 
@@ -192,23 +207,23 @@ def run_sandboxed(program: str, spec: CodeTests, limits: SandboxLimits, mode: Is
     return _run_request(mode, req, limits, slot)
 
 
-def limits_from(reward: RewardConfig) -> SandboxLimits:
-    """SandboxLimits from the reward.code_* fields (a UserError naming the field when one is out of range)."""
-    r = reward
-    for key, value in (("code_timeout_s", r.code_timeout_s), ("code_test_timeout_s", r.code_test_timeout_s)):
+def limits_from(cfg: CodeExecConfig) -> SandboxLimits:
+    """SandboxLimits from reward.code_exec (a UserError naming the key when one is out of range)."""
+    for key, value in (("timeout_s", cfg.timeout_s), ("test_timeout_s", cfg.test_timeout_s)):
         if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= 3600):
-            raise UserError(f"config key 'reward.{key}' must be a number of seconds in (0, 3600], got {value!r}")
-    for key, value, lo, hi in (("code_memory_mb", r.code_memory_mb, 64, 1 << 20),
-                               ("code_max_procs", r.code_max_procs, 1, 4096),
-                               ("code_workers", r.code_workers, 1, 64)):  # fmt: skip
+            why = f"must be a number of seconds in (0, 3600], got {value!r}"
+            raise UserError(f"config key 'reward.code_exec.{key}' {why}")
+    for key, value, lo, hi in (("memory_mb", cfg.memory_mb, 64, 1 << 20),
+                               ("max_procs", cfg.max_procs, 1, 4096),
+                               ("workers", cfg.workers, 1, 64)):  # fmt: skip
         if not (isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi):
-            raise UserError(f"config key 'reward.{key}' must be an integer in [{lo}, {hi}], got {value!r}")
+            raise UserError(f"config key 'reward.code_exec.{key}' must be an integer in [{lo}, {hi}], got {value!r}")
     return SandboxLimits(
-        timeout_s=float(r.code_timeout_s),
-        per_test_s=min(float(r.code_test_timeout_s), float(r.code_timeout_s)),
-        memory_mb=r.code_memory_mb,
-        max_procs=r.code_max_procs,
-        workers=r.code_workers,
+        timeout_s=float(cfg.timeout_s),
+        per_test_s=min(float(cfg.test_timeout_s), float(cfg.timeout_s)),
+        memory_mb=cfg.memory_mb,
+        max_procs=cfg.max_procs,
+        workers=cfg.workers,
     )
 
 

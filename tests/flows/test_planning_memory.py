@@ -99,7 +99,7 @@ def test_engine_memory_is_its_gpu_fraction_and_dtype_sizes_hf_copies():
 
     cfg = _cfg("qwen2.5-0.5b")
     cfg.rollout.backend = "vllm"
-    cfg.rollout.vllm_gpu_memory_utilization = 0.3
+    cfg.rollout.vllm.gpu_memory_utilization = 0.3
     assert rollout_bytes(cfg, gpu=True) == 2  # auto: bf16 on a GPU
     needs = {n.name: n for n in run_needs(cfg, POOLS)}
     assert needs["rollout"].memory_gib == needs["evaluate"].memory_gib == 24.0  # 0.3 * 80 GiB, whatever the model
@@ -108,8 +108,8 @@ def test_engine_memory_is_its_gpu_fraction_and_dtype_sizes_hf_copies():
     # 494,032,768 * 4 B * 2 / 2**30 + 1 = 4.68 GiB (was modelled as bf16: 2.84)
     assert {n.name: n for n in run_needs(hf, POOLS)}["rollout"].memory_gib == 4.68
     fp32 = _cfg("qwen2.5-7b", strategy="fsdp", num_processes=8)
-    fp32.rollout.backend, fp32.rollout.vllm_dtype, fp32.rollout.vllm_gpu_memory_utilization = "vllm", "float32", 0.3
-    with pytest.raises(UserError, match="rollout.vllm_gpu_memory_utilization=0.3"):  # 28.4 GiB > 24 GiB
+    fp32.rollout.backend, fp32.rollout.vllm.dtype, fp32.rollout.vllm.gpu_memory_utilization = "vllm", "float32", 0.3
+    with pytest.raises(UserError, match="rollout.vllm.gpu_memory_utilization=0.3"):  # 28.4 GiB > 24 GiB
         make_plan(fp32, POOLS)
 
 

@@ -136,7 +136,7 @@ def test_two_node_vllm_run_equals_a_one_rank_run(cluster, tmp_path):
     runs = {}
     for ranks in (2, 1):
         cfg = ray_cfg(ranks=ranks)
-        cfg.rollout.backend, cfg.model.tiny_head_dim = "vllm", 32
+        cfg.rollout.backend, cfg.model.tiny.head_dim = "vllm", 32
         runs[ranks] = tmp_path / f"vllm-{ranks}"
         assert run(cfg, runs[ranks])["execution"] == "ray"
     where = json.loads((runs[2] / "workers.json").read_text())

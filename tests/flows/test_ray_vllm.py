@@ -29,7 +29,7 @@ PROMPTS = ["1+2=", "33+4=", "5+5=", "hello world, "]  # different lengths: left 
 
 def _cfg() -> RunConfig:
     cfg = RunConfig()
-    cfg.model.path, cfg.model.tiny_hidden, cfg.model.tiny_layers, cfg.model.tiny_head_dim = "tiny-random", 64, 2, 32
+    cfg.model.path, cfg.model.tiny.hidden, cfg.model.tiny.layers, cfg.model.tiny.head_dim = "tiny-random", 64, 2, 32
     cfg.rollout.backend = "vllm"
     return cfg
 
@@ -204,5 +204,5 @@ def test_missing_vllm_env_is_a_user_error(tmp_path, monkeypatch):
 def test_unsupported_head_size_is_a_user_error(tmp_path):
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, hidden=64, layers=1, head_dim=16)
-    with pytest.raises(UserError, match="model.tiny_head_dim=32"):
+    with pytest.raises(UserError, match="model.tiny.head_dim=32"):
         VLLMBackend(copy.deepcopy(model), tok, RolloutConfig(backend="vllm"), tmp_path)

@@ -34,14 +34,14 @@ def guard_cfg(tmp_path, action: str, steps: int = 40):
     data.write_text("".join(json.dumps(r) + "\n" for r in SUMS))
     cfg = tiny()
     cfg.steps, cfg.threads, cfg.tracking.mlflow = steps, 1, False
-    cfg.data.source = cfg.data.eval_source = cfg.eval.probe_source = str(data)
+    cfg.data.source = cfg.data.eval_source = cfg.collapse.probe_source = str(data)
     r = cfg.reward
     r.verifiers, r.label_free = ["tests.adversarial_verifiers:flip"], True
-    r.collapse_action, r.collapse_drop, r.max_rollbacks = action, 0.05, 1
+    cfg.collapse.action, cfg.collapse.drop, cfg.collapse.max_rollbacks = action, 0.05, 1
     cfg.eval.verifiers, cfg.eval.every, cfg.eval.k = ["math_answer"], 5, 0  # the probe every 5 steps too
     cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens = 16, 16, 1
     u = cfg.update
-    u.lr, u.warmup_steps, u.adaptive = 1e-2, 30, False
+    u.lr, u.warmup_steps, u.adaptive.enabled = 1e-2, 30, False
     cfg.checkpoint.every, cfg.checkpoint.keep_last = 0, 100  # guard checkpoints only (every probe step); keep them all
     return cfg
 

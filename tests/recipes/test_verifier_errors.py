@@ -9,7 +9,7 @@ from flows.cli import main
 from forge.tracking import read_metrics
 
 TINY = ["threads=1", "checkpoint.every=0", "eval.every=0", "eval.k=0", "eval.max_problems=8", "tracking.mlflow=false",
-        "rollout.prompts_per_step=2", "rollout.group_size=4", "model.tiny_hidden=32", "model.tiny_layers=1"]  # fmt: skip
+        "rollout.prompts_per_step=2", "rollout.group_size=4", "model.tiny.hidden=32", "model.tiny.layers=1"]  # fmt: skip
 PICKY = "tests.recipes.failing_verifiers:picky"
 BROKEN = "tests.recipes.failing_verifiers:broken"
 
