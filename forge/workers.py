@@ -14,9 +14,11 @@ node Weaver planned for its stage. Nothing here knows which: no Ray, no Prefect.
   `save` starts a checkpoint (every rank snapshots and writes its own shard, in a background thread by default)
   and `wait_saved` waits for it.
 
-Randomness is derived, not carried (`forge.seeds`): every sampling call brings its seed (`SamplingParams.seed`,
-from the run seed and the step), the update seeds its dropout from (seed, step, rank); no RNG state is kept
-between calls or saved in checkpoints.
+Randomness: a rollout worker samples from an RNG stream of its own, which starts where the process's RNG is once
+the policy is built (seeded `cfg.seed`) and advances only with its own samples; it is swapped in for each call and
+out again, so other work in the same process (the trainer, in-process) never shifts it and it is the same stream
+whether the worker runs in-process or in an actor. Its state travels in checkpoints (`rng_state`/`set_rng_state`).
+The update seeds its own draws (a LoRA adapter's dropout) from (seed, step, rank) (`forge.seeds`).
 """
 
 from __future__ import annotations
@@ -105,18 +107,27 @@ class RolloutWorker:
                                     work_dir=Path(work_dir) if work_dir else None, sleep=self.sleeps)  # fmt: skip
         self.policy_version = 0
         self._verifiers = None
+        self._rng = _capture_rng()  # the sampling stream: where the process's RNG is once the policy is built
 
     def generate(self, prompts: list[str], params: SamplingParams, version: int) -> Rollouts:
-        """params.n completions per prompt from policy `version` (refused if this worker holds another one),
-        sampled with `params.seed`."""
+        """params.n completions per prompt from policy `version` (refused if this worker holds another one)."""
         if version != self.policy_version:
             raise RuntimeError(f"rollout worker holds policy version {self.policy_version}, asked for {version}")
         t0 = time.perf_counter()
-        rollouts = self.backend.generate(prompts, params)
+        with torch.random.fork_rng(devices=_cuda_devices()):
+            _restore_rng(self._rng)
+            rollouts = self.backend.generate(prompts, params)
+            self._rng = _capture_rng()
         seconds = time.perf_counter() - t0
         if self.sleeps:  # the update comes next: give it the engine's GPU memory until the weights arrive
             self.backend.sleep()
         return dataclasses.replace(rollouts, seconds=seconds)
+
+    def rng_state(self) -> dict:
+        return self._rng
+
+    def set_rng_state(self, state: dict) -> None:
+        self._rng = state
 
     def load_weights(self, weights: dict[str, torch.Tensor] | None, version: int) -> float:
         """Sample from `weights` (None: the shared module already holds them) labelled `version`; returns seconds."""
@@ -358,6 +369,20 @@ def rollout_sleeps(cfg: RunConfig) -> bool:
 
 def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper holds the torch optimizer
+
+
+def _cuda_devices() -> list[int]:
+    return [torch.cuda.current_device()] if torch.cuda.is_available() else []
+
+
+def _capture_rng() -> dict:
+    return {"cpu": torch.get_rng_state(), "cuda": [torch.cuda.get_rng_state(d) for d in _cuda_devices()]}
+
+
+def _restore_rng(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    for d, s in zip(_cuda_devices(), state["cuda"], strict=False):
+        torch.cuda.set_rng_state(s, d)
 
 
 def _check_group(accelerator, world: int) -> None:

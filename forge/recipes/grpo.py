@@ -24,9 +24,9 @@ Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024), each a config ke
    (`algo.is_correction` = auto). The schedule is fixed, not timing-dependent, and no rollout starts past the next
    checkpoint, so a run gives the same result however fast its actors are, and resumes exactly.
 
-Seeds are derived, not carried: each rollout is seeded from (seed, step) and each replica's chunk from its first
-row (`forge.seeds.derived_seed`), the update's dropout from (seed, step); a retried or resumed step samples the
-same batch. Collapse guard (`collapse.probe_source`): greedy pass@1 on a probe set the reward never sees; when it falls
+Randomness: each rollout worker samples from a stream of its own (`forge.workers.RolloutWorker`), saved in every
+checkpoint, so a resumed run samples what the uninterrupted one did; the update's dropout is seeded from (seed,
+step, rank) (`forge.seeds`). Collapse guard (`collapse.probe_source`): greedy pass@1 on a probe set the reward never sees; when it falls
 while reward/mean rises the run warns, rolls back to the best-probe checkpoint or stops (`collapse.action`).
 Faults: a `WorkerLost` rebuilds the stages and continues from the last checkpoint (`orchestration.max_restarts`).
 
@@ -72,7 +72,6 @@ from forge.metrics import (
 from forge.records import MicroBatch, MicroStats, RolloutRequest
 from forge.rollout import SamplingParams
 from forge.rundir import progress_bar, update_bar
-from forge.seeds import derived_seed
 from forge.stages import LocalStages, Stage, StageRunner, Stages, StagesFactory, WorkerLost, call_stage
 from forge.tracking import Tracker
 
@@ -209,8 +208,7 @@ def next_request(step: int, cfg: RunConfig, work: Stages, data: Data, sched: Sch
     for s in range(step, min(step + cfg.algo.max_staleness, sched.next_checkpoint(step)) + 1):
         if s not in ahead:
             rows = data.sampler.next_batch(r.prompts_per_step)
-            params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, n=r.group_size,
-                                    seed=derived_seed(cfg.seed, s))  # fmt: skip
+            params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, n=r.group_size)
             ahead[s] = RolloutRequest(s, rows, [row["model_input"] for row in rows], params, work.policy_version)
             work.prefetch(ahead[s])
     return ahead.pop(step)
@@ -229,7 +227,7 @@ def probe(step, state, cfg, work, runner, data, record, guard) -> LoopState:
     if event.action in ("rollback", "stop"):  # the best probe's weights, optimizer, reward state (and eval)
         state = collect_saved(state, work, record)  # it may still be in flight; retention keeps it
         saved = load_state(ckpt := record.run_dir / "checkpoints" / step_dir_name(guard.best_step))
-        work.restore(ckpt, saved.get("aggregator"))
+        work.restore(ckpt, saved.get("aggregator"), None)  # new prompts and rollout RNG go on
         if (saved.get("last_eval") or {}).get("step") == guard.best_step:
             state = dataclasses.replace(state, last_eval=saved["last_eval"])
     return dataclasses.replace(state, stopped=event.line().removeprefix("forgeweave: ") if event.action == "stop" else "")
@@ -243,8 +241,9 @@ def checkpoint(step, state, cfg, work, runner, data, record, guard) -> LoopState
     last = state.last_eval
     score = last["pass@1"] if last and last.get("step") == step else None
     score = guard.score_at(step) if guard else score  # retention: the best by probe pass@1 if probed
-    payload = {**state.payload(), "sampler": data.sampler.state_dict(), "aggregator": work.reward_state(),
-               "data_hash": data.hash, "guard": guard.state_dict() if guard else None}  # fmt: skip
+    payload = {**state.payload(), "sampler": data.sampler.state_dict(), "rollout_rng": work.rollout_rng(),
+               "aggregator": work.reward_state(), "data_hash": data.hash,
+               "guard": guard.state_dict() if guard else None}  # fmt: skip
     runner(Stage.CHECKPOINT, step, work.save, record.run_dir / "checkpoints", step, payload, score)
     state = dataclasses.replace(state, saving=(step, time.perf_counter() - start))
     state = state if cfg.checkpoint.async_save else collect_saved(state, work, record)

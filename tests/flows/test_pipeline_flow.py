@@ -27,7 +27,7 @@ def test_run_is_a_prefect_flow_with_a_task_run_per_stage_per_step(runs_dir):
     flow_run, tasks, artifacts = asyncio.run(_flow_and_task_runs(summary["prefect_flow_run_id"]))
     assert flow_run.state.is_completed() and flow_run.flow_id
     names = {t.name: t for t in tasks}
-    expected = {"prepare-000000"}
+    expected = {"prepare-000000", "evaluate-000000"}  # the initial evaluation is a stage of its own
     for step in range(1, 5):
         expected |= {f"rollout-{step:06d}", f"reward-{step:06d}", f"update-{step:06d}"}
     expected |= {"evaluate-000002", "evaluate-000004", "checkpoint-000002", "checkpoint-000004"}
