@@ -27,11 +27,12 @@ import torch
 from forge.advantages import group_advantages
 from forge.config import RunConfig, apply_overrides
 from forge.presets import get_preset
-from forge.records import Rollouts, ScoredBatch
+from forge.recipes.grpo import update_micro_batch
+from forge.records import Rollouts
 from forge.workers import TrainerWorker
 
 
-def synthetic_batch(cfg: RunConfig, vocab: int, prompts: int = 2, prompt_len: int = 24) -> ScoredBatch:
+def synthetic_batch(cfg: RunConfig, vocab: int, prompts: int = 2, prompt_len: int = 24) -> tuple[Rollouts, torch.Tensor]:
     """B prompts x G completions of random tokens (max_new_tokens long) with random rewards; seeded."""
     g, t = cfg.rollout.group_size, cfg.rollout.max_new_tokens
     n = prompts * g
@@ -50,7 +51,7 @@ def synthetic_batch(cfg: RunConfig, vocab: int, prompts: int = 2, prompt_len: in
     )
     rewards = torch.rand(n, generator=gen).round()
     adv = group_advantages(rewards, g, cfg.algo.advantage)
-    return ScoredBatch(rollouts, ["synthetic"], rewards.unsqueeze(1), rewards, adv, {})
+    return rollouts, adv  # what an update takes
 
 
 def timed(fn) -> float:
@@ -61,23 +62,23 @@ def timed(fn) -> float:
 
 def measure(preset: str, repeats: int, overrides: list[str]) -> dict[str, list[float]]:
     cfg = apply_overrides(get_preset(preset), ["rollout.prompts_per_step=2", *overrides])
-    w = TrainerWorker(cfg)
+    w = TrainerWorker(cfg, micro_update=update_micro_batch)
     batch = synthetic_batch(cfg, w.trainer.unwrapped.config.vocab_size)
     out: dict[str, list[float]] = {k: [] for k in ("sync", "stall", "write", "step_alone", "step_during", "bytes")}
     with tempfile.TemporaryDirectory(prefix="forgeweave-ckpt-bench-") as d:
         root = str(Path(d) / "checkpoints")
-        out["step_alone"].append(timed(lambda: w.step(batch, publish=False)))  # AdamW now holds its moments
+        out["step_alone"].append(timed(lambda: w.step(*batch, publish=False)))  # AdamW now holds its moments
         for i in range(repeats):
             cfg.checkpoint.async_save = False
             out["sync"].append(timed(lambda: (w.save(root, 2 * i + 1, {}, None), w.wait_saved())))  # noqa: B023
             cfg.checkpoint.async_save = True
             out["stall"].append(timed(lambda: w.save(root, 2 * i + 2, {}, None)))  # noqa: B023
-            out["step_during"].append(timed(lambda: w.step(batch, publish=False)))
+            out["step_during"].append(timed(lambda: w.step(*batch, publish=False)))
             report = w.wait_saved()
             out["stall"][-1] += report.stall_seconds  # the update's optimizer step waited for the host copy
             out["write"].append(report.seconds)
             out["bytes"].append(float(report.bytes))
-            out["step_alone"].append(timed(lambda: w.step(batch, publish=False)))
+            out["step_alone"].append(timed(lambda: w.step(*batch, publish=False)))
     out["step_alone"] = out["step_alone"][1:]  # the first step also allocated AdamW's state
     return out
 

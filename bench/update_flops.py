@@ -26,7 +26,8 @@ from forge.advantages import group_advantages
 from forge.config import apply_overrides
 from forge.models import format_prompt_fn, load_policy
 from forge.presets import get_preset
-from forge.records import ScoredBatch
+from forge.recipes.grpo import update_micro_batch
+from forge.records import Rollouts
 from forge.rewards.math import completion_matches
 from forge.rollout import HFBackend, SamplingParams
 from forge.shared_prefix import PackingCost
@@ -43,7 +44,7 @@ def matmul_tflops(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> flo
     return 2 * size**3 * repeats / (time.perf_counter() - t0) / 1e12
 
 
-def real_batch(cfg, model, tok) -> ScoredBatch:
+def real_batch(cfg, model, tok) -> tuple[Rollouts, torch.Tensor]:
     """The task's first prompts, 8 seeded samples each, rewarded 1 where the completion's answer is right."""
     train, _ = generate_arithmetic(cfg.data, seed=cfg.seed)
     rows = train[: cfg.rollout.prompts_per_step]
@@ -53,10 +54,10 @@ def real_batch(cfg, model, tok) -> ScoredBatch:
     answers = [row["answer"] for row in rows for _ in range(r.group_size)]
     rewards = torch.tensor([float(completion_matches(t, a)) for t, a in zip(ro.texts, answers, strict=True)])
     advantages = group_advantages(rewards, r.group_size, cfg.algo.advantage)
-    return ScoredBatch(ro, ["math_answer"], rewards[:, None], rewards, advantages, {})
+    return ro, advantages  # what an update takes
 
 
-def model_flops(model, batch: ScoredBatch) -> float:
+def model_flops(model, batch: tuple[Rollouts, torch.Tensor]) -> float:
     """6 x body parameters x distinct tokens + 6 x LM-head parameters x completion tokens (fwd + bwd)."""
     body = PackingCost.of(model).per_token / 2  # parameters outside the embedding and the LM head
     head = model.get_output_embeddings().weight
@@ -67,12 +68,12 @@ def model_flops(model, batch: ScoredBatch) -> float:
     return 6.0 * body * (prompt_tokens + completion_tokens) + 6.0 * head.numel() * completion_tokens
 
 
-def time_update(cfg, model, batch: ScoredBatch, shared: bool) -> float:
+def time_update(cfg, model, batch: tuple[Rollouts, torch.Tensor], shared: bool) -> float:
     cfg = copy.deepcopy(cfg)
     cfg.update.shared_prefix = shared
-    trainer = Trainer(copy.deepcopy(model), cfg, total_steps=2)
+    trainer = Trainer(copy.deepcopy(model), cfg, total_steps=2, micro_update=update_micro_batch)
     t0 = time.perf_counter()
-    trainer.update(batch)
+    trainer.update(*batch)
     return time.perf_counter() - t0
 
 

@@ -22,7 +22,8 @@ import torch
 
 from forge.config import RunConfig
 from forge.models import load_policy
-from forge.records import Rollouts, ScoredBatch
+from forge.recipes.grpo import update_micro_batch
+from forge.records import Rollouts
 from forge.trainer import Trainer
 
 
@@ -34,7 +35,7 @@ def make_cfg(args) -> RunConfig:
     return cfg
 
 
-def synthetic_batch(vocab: int, n: int, prompt_len: int, tokens: int, seed: int = 0) -> ScoredBatch:
+def synthetic_batch(vocab: int, n: int, prompt_len: int, tokens: int, seed: int = 0) -> tuple[Rollouts, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     completions = torch.randint(3, vocab, (n, tokens), generator=g)  # [N, T]
     rollouts = Rollouts(
@@ -49,19 +50,19 @@ def synthetic_batch(vocab: int, n: int, prompt_len: int, tokens: int, seed: int 
         policy_version=0,
     )
     advantages = torch.randn(n, generator=g)
-    return ScoredBatch(rollouts, ["bench"], advantages[:, None], advantages, advantages, {})
+    return rollouts, advantages  # what an update takes
 
 
-def measure(cfg: RunConfig, processes: int, batch: ScoredBatch, steps: int, threads: int) -> dict[str, float]:
+def measure(cfg: RunConfig, processes: int, batch: tuple[Rollouts, torch.Tensor], steps: int, threads: int) -> dict[str, float]:
     """`threads` CPU threads in all: the single process gets them all, each of N ranks threads // N."""
     cfg.threads = max(1, threads // processes)
     torch.set_num_threads(threads)
     if processes == 1:
         model, _ = load_policy(cfg.model, seed=0)
-        trainer = Trainer(model, cfg, total_steps=steps + 1)
-        trainer.update(batch)  # warm-up
+        trainer = Trainer(model, cfg, total_steps=steps + 1, micro_update=update_micro_batch)
+        trainer.update(*batch)  # warm-up
         t0 = time.perf_counter()
-        stats = [trainer.update(batch) for _ in range(steps)]
+        stats = [trainer.update(*batch) for _ in range(steps)]
         wall, handover = time.perf_counter() - t0, [0.0] * steps
     else:
         stats, wall, handover = _on_ray(cfg, processes, batch, steps)
@@ -74,7 +75,7 @@ def measure(cfg: RunConfig, processes: int, batch: ScoredBatch, steps: int, thre
     }
 
 
-def _on_ray(cfg: RunConfig, processes: int, batch: ScoredBatch, steps: int):
+def _on_ray(cfg: RunConfig, processes: int, batch: tuple[Rollouts, torch.Tensor], steps: int):
     import ray
 
     from flows.ray_actor import StageActor

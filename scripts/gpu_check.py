@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from forge.models import build_char_tokenizer, build_tiny_model  # noqa: E402
+from forge.recipes.grpo import update_micro_batch  # noqa: E402
 from forge.rollout import HFBackend, SamplingParams  # noqa: E402
 
 SHAPES = ("smollm2-135m", "qwen2.5-0.5b")
@@ -97,7 +98,7 @@ def learn(device: torch.device, dry: bool) -> None:
     if dry:
         cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.eval.max_problems, cfg.eval.k = 4, 4, 8, 0
     torch.manual_seed(cfg.seed)
-    trainer = TrainerWorker(cfg)
+    trainer = TrainerWorker(cfg, micro_update=update_micro_batch)
     model, tok = trainer.trainer.unwrapped, trainer.tokenizer
     rollout = RolloutWorker(cfg, model=model, tokenizer=tok)
     reward = RewardWorker(cfg)
@@ -108,7 +109,7 @@ def learn(device: torch.device, dry: bool) -> None:
     for step in range(cfg.steps):
         rows = rng.sample(data.train, r.prompts_per_step)
         ro = rollout.generate([row["model_input"] for row in rows], params, trainer.policy_version)
-        stats, _ = trainer.step(reward.score(rows, ro, step).batch, publish=False)
+        stats, _ = trainer.step(ro, reward.score(rows, ro, step).advantages, publish=False)
         rollout.load_weights(None, stats.policy_version)
     seconds = time.perf_counter() - t0
     after = rollout.evaluate(data.eval, cfg.steps, trainer.policy_version)["pass@1"]
@@ -138,7 +139,7 @@ def rollout_speed(device: torch.device, dry: bool) -> None:
 
 def random_batch(vocab: int, n: int, prompt_len: int, tokens: int):
     """A scored batch of random tokens (full-length completions, random advantages), seeded."""
-    from forge.records import Rollouts, ScoredBatch
+    from forge.records import Rollouts
 
     g = torch.Generator().manual_seed(0)
     ro = Rollouts(
@@ -150,7 +151,7 @@ def random_batch(vocab: int, n: int, prompt_len: int, tokens: int):
         texts=[""] * n, finish_reasons=["length"] * n, group_size=4, policy_version=0, prompts=[""] * n,
     )  # fmt: skip
     rewards = torch.randn(n, generator=g)
-    return ScoredBatch(ro, ["random"], rewards[:, None], rewards, rewards - rewards.mean(), {})
+    return ro, rewards - rewards.mean()  # what an update takes
 
 
 def update_speed(device: torch.device, dry: bool) -> None:
@@ -162,9 +163,9 @@ def update_speed(device: torch.device, dry: bool) -> None:
         model, tok = random_model(name, device, dry)
         cfg = RunConfig()
         cfg.rollout.max_new_tokens, cfg.update.micro_batch_size = tokens, 8 if dry else 16
-        trainer = Trainer(model, cfg, total_steps=4)
+        trainer = Trainer(model, cfg, total_steps=4, micro_update=update_micro_batch)
         batch = random_batch(model.config.vocab_size, n, prompt_len, tokens)
-        trainer.update(batch)  # warm-up (optimizer state allocated)
+        trainer.update(*batch)  # warm-up (optimizer state allocated)
         reset_peak(device)
         seconds, _ = timed(device, trainer.update, batch)
         print(f"update: {name}-shaped, {n} x ({prompt_len} + {tokens}) tokens, bf16 autocast {trainer.autocast_bf16}: "
@@ -238,14 +239,14 @@ def checkpoint_placement(device: torch.device, dry: bool) -> None:
     cfg = tiny()
     cfg.checkpoint.async_save = False
     cfg.rollout.max_new_tokens = 8
-    worker = TrainerWorker(cfg)
+    worker = TrainerWorker(cfg, micro_update=update_micro_batch)
     worker.step(random_batch(len(worker.tokenizer), 8, 8, 8), publish=False)
     with tempfile.TemporaryDirectory() as root:
         t0 = time.perf_counter()
         worker.save(root, 1, {"note": "gpu check"}, None)
         worker.wait_saved()
         saved = time.perf_counter() - t0
-        fresh = TrainerWorker(cfg)
+        fresh = TrainerWorker(cfg, micro_update=update_micro_batch)
         fresh.restore(str(Path(root) / "step-000001"))
     opt = getattr(fresh.trainer.optimizer, "optimizer", fresh.trainer.optimizer)
     places = sorted({str(v.device) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()})
