@@ -18,8 +18,8 @@ owns the devices, which lets stages share a GPU when the plan colocates them).
 
 Weights move once per step, actor to actor: each rank's `step` call returns (stats, weights), rank 0's weights
 stay in Ray's object store (`num_returns=2`: the driver never fetches them) and every rollout actor receives the
-same object (each unpickles its own copy). The rollouts and their advantages go the other way through `ray.put`;
-the reward actor receives the rollouts from the driver.
+same object (each unpickles its own copy). The rollouts stay where the rollout actor put them (several replicas' parts
+are merged and put once); the reward actor and the update ranks read that copy, and the advantages go by `ray.put`.
 
 Faults: an actor that dies surfaces as `forge.stages.WorkerLost`, on which the loop rebuilds these stages and
 resumes from the last checkpoint. Actors are owned by the driver (not detached) and killed by `close()`, so none
@@ -105,6 +105,7 @@ class RayStages:
         self.policy_version = 0
         self._loads: list = []  # weight loads an asynchronous update queued on the rollout actors
         self._started: dict[int, list[tuple[int, ray.ObjectRef]]] = {}  # step -> prefetched generate calls
+        self._stored: tuple[Rollouts, ray.ObjectRef] | None = None  # the last rollouts and their object-store copy
         self._load_seconds = 0.0
         self.pad_id = load_tokenizer(cfg.model).pad_token_id
         _check_pools(self.plan)
@@ -202,16 +203,25 @@ class RayStages:
         got = self._get([ref for _, ref in parts], "rollout")
         for (i, _), ro in zip(parts, got, strict=True):  # the replica's own sampling time
             self.balancer.observe(i, int(ro.completion_mask.sum()), max(ro.seconds, 1e-6))
-        return got[0] if len(got) == 1 else concat_rollouts(got, self.pad_id)
+        rollouts = got[0] if len(got) == 1 else concat_rollouts(got, self.pad_id)
+        self._stored = (rollouts, parts[0][1] if len(got) == 1 else ray.put(rollouts))
+        return rollouts
+
+    def _ref(self, rollouts: Rollouts) -> ray.ObjectRef:
+        """The rollouts in the object store: the replica's own result (or the one upload of the merged parts), so the
+        reward actor and the update ranks read them without the driver sending them again."""
+        if self._stored is None or self._stored[0] is not rollouts:
+            self._stored = (rollouts, ray.put(rollouts))
+        return self._stored[1]
 
     def reward(self, rows: list[dict], rollouts: Rollouts, step: int) -> ScoredBatch:
-        return self._get([self.reward_actor.call.remote("score", rows, rollouts, step)], "reward")[0]
+        return self._get([self.reward_actor.call.remote("score", rows, self._ref(rollouts), step)], "reward")[0]
 
     def update(self, rollouts: Rollouts, advantages: torch.Tensor) -> UpdateStats:
         """One step on every rank; rank 0's new weights go to the rollout actors. On-policy the loop waits for them
         to load; asynchronous (`algo.max_staleness` > 0) the loads queue behind the generate calls in flight and
         `sync_seconds` is the rollout actors' own load time of the previous version."""
-        ro_ref, adv_ref = ray.put(rollouts), ray.put(advantages)
+        ro_ref, adv_ref = self._ref(rollouts), ray.put(advantages)
         calls = [a.call.options(num_returns=2).remote("step", ro_ref, adv_ref, True) for a in self.actors["update"]]
         stats = self._get([c[0] for c in calls], "update")[0]  # every rank: a dead one is named, not a peer's error
         if self.cfg.algo.max_staleness > 0:

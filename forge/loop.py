@@ -3,8 +3,8 @@
 - `Schedule`: which steps evaluate, probe and checkpoint, written once from the config.
 - `LoopState`: what the loop carries from step to step and saves with a checkpoint (a frozen record: the loop
   replaces it, nothing mutates it behind the loop's back).
-- `Streaks` + `stop_reason`: the stop rules (a verifier failing on every item, non-finite updates), as pure
-  functions that return a reason instead of raising.
+- `verifier_streaks`, `update_streak` + `stop_reason`: the stop rules (a verifier failing on every item,
+  non-finite updates), as pure functions that return a new state or a reason instead of raising.
 - `Data`: the prepared splits and the prompt sampler; `prepare_data` is the prep stage's work.
 - `restore` / `recover`: the loop state back from a checkpoint (resume, a rollback, a worker lost).
 - `RunRecord`: everything the run writes (the run directory and the tracker): claimed and locked at open,
@@ -95,7 +95,7 @@ class Schedule:
 
 @dataclass(frozen=True)
 class LoopState:
-    """What the loop carries between steps; all but `skipped`/`failing` also travel in checkpoints."""
+    """What the loop carries between steps; `payload` is the part a checkpoint saves (with `step`)."""
 
     step: int = 0
     seconds: dict[str, float] = field(default_factory=dict)  # stage -> seconds over the run
@@ -122,13 +122,18 @@ class LoopState:
         return cls(saved["step"], saved["seconds"], saved["initial_eval"], saved["last_eval"])
 
 
-def streaks(state: LoopState, batch: ScoredBatch, stats: UpdateStats) -> LoopState:
-    """The stop rules' counts after a step: updates skipped in a row, and per verifier the steps in a row on which it
-    erred on every item (raised, or returned something that is not a score; None is not an error)."""
+def verifier_streaks(state: LoopState, batch: ScoredBatch) -> LoopState:
+    """Per verifier, the steps in a row on which it erred on every item (raised, or returned something that is not a
+    score; None is not an error), this step's scores counted."""
     n = batch.scores.shape[0]
     failing = {v: state.failing.get(v, 0) + 1 if n and batch.verifier_errored.get(v, 0) == n else 0
                for v in batch.verifier_names}  # fmt: skip
-    return dataclasses.replace(state, skipped=state.skipped + 1 if stats.skipped else 0, failing=failing)
+    return dataclasses.replace(state, failing=failing)
+
+
+def update_streak(state: LoopState, stats: UpdateStats) -> LoopState:
+    """Updates skipped in a row for a non-finite loss or gradient norm, this step's counted."""
+    return dataclasses.replace(state, skipped=state.skipped + 1 if stats.skipped else 0)
 
 
 def stop_reason(state: LoopState, batch: ScoredBatch, cfg: RunConfig) -> str:
@@ -170,9 +175,10 @@ class RunRecord:
         self.jsonl = JsonlTracker(run_dir)
         self.tracker: Tracker = MultiTracker(self.jsonl, tracker) if tracker else self.jsonl
         self.shown_errors: set[tuple[str, str]] = set()  # (verifier, error text) already printed
+        self.status_step = 0  # the step status.json names last
 
     @contextlib.contextmanager
-    def failed_on_error(self, step: int = 0):
+    def failed_on_error(self):
         """Mark the run failed (status.json, tracker) if anything below raises; never swallow the error; release
         the lock at the end whatever happens."""
         try:
@@ -185,8 +191,6 @@ class RunRecord:
             raise
         finally:
             self.lock.release()
-
-    status_step = 0  # the last step status.json named
 
     def status(self, state: str, step: int) -> None:
         self.status_step = step
@@ -209,7 +213,7 @@ class RunRecord:
         track_run_start(self.tracker, self.cfg, self.run_dir)
 
     def eval_report(self, report: dict, probe: bool = False) -> None:
-        """eval/step-NNNNNN.json (or eval/probe-step-NNNNNN.json) and its metrics."""
+        """eval/step-NNNNNN.json (or eval/probe-step-NNNNNN.json), logged as an artifact."""
         name = f"probe-{step_dir_name(report['step'])}" if probe else step_dir_name(report["step"])
         write_json(path := self.run_dir / "eval" / f"{name}.json", report)
         self.tracker.log_artifact(path, "eval")

@@ -44,7 +44,7 @@ class Stage(enum.Enum):
     """The stages the loop runs through the seam; `retry_safe`: a repeat gives the same result for its step."""
 
     PREPARE = "prepare"  # writes data/ atomically from the config: the same files again
-    ROLLOUT = "rollout"  # seeded by its request: the same samples again
+    ROLLOUT = "rollout"  # in-process from the stream state of its first attempt: the same samples again
     REWARD = "reward"  # pure scores; the ensemble replaces its entry for the step
     UPDATE = "update"  # never repeated: a second attempt would take a second optimizer step
     EVALUATE = "evaluate"  # measures only (seeded)

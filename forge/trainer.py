@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
@@ -57,7 +58,6 @@ from forge.lr import AdaptiveLR, scheduled_lr
 from forge.models import is_peft, merged_weights
 from forge.precision import update_bf16
 from forge.records import MicroBatch, MicroStats, Rollouts, UpdateStats
-from forge.seeds import derived_seed
 from forge.shared_prefix import (
     PackingCost,
     completion_lengths,
@@ -126,6 +126,16 @@ def token_logprobs(
         logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, **kwargs).logits
     logits = logits[:, -(T + 1) : -1]  # [n, T, vocab], position t predicts token t
     return chunked_logprobs(logits, completion_ids, temperature, chunk_elements)
+
+
+def update_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of update `step`'s draws on rank `rank` (a LoRA adapter's dropout), derived from the run seed: a
+    resumed or recovered run draws what the uninterrupted one did, with no RNG state to carry.
+
+    >>> update_seed(0, 1, 0) == update_seed(0, 1, 0) != update_seed(0, 2, 0)
+    True
+    """
+    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0]) & 0x7FFFFFFF
 
 
 def autocast_context(device_type: str, bf16: bool):
@@ -225,7 +235,7 @@ class Trainer:
         start, lr = time.perf_counter(), self.current_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        torch.manual_seed(derived_seed(self.cfg.seed, self.step + 1, "update", self.accelerator.process_index))
+        torch.manual_seed(update_seed(self.cfg.seed, self.step + 1, self.accelerator.process_index))
         micro = self._micro_batches(rollouts, advantages, self._my_rows(rollouts.num_completions))
         totals = StepTotals(sequences=rollouts.num_completions, tokens=int(rollouts.completion_mask.sum()),
                             max_len=self.cfg.rollout.max_new_tokens)  # fmt: skip

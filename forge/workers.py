@@ -18,7 +18,7 @@ Randomness: a rollout worker samples from an RNG stream of its own, which starts
 the policy is built (seeded `cfg.seed`) and advances only with its own samples; it is swapped in for each call and
 out again, so other work in the same process (the trainer, in-process) never shifts it and it is the same stream
 whether the worker runs in-process or in an actor. Its state travels in checkpoints (`rng_state`/`set_rng_state`).
-The update seeds its own draws (a LoRA adapter's dropout) from (seed, step, rank) (`forge.seeds`).
+The update seeds its own draws (a LoRA adapter's dropout) from (seed, step, rank) (`forge.trainer.update_seed`).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024), each a config ke
 
 Randomness: each rollout worker samples from a stream of its own (`forge.workers.RolloutWorker`), saved in every
 checkpoint, so a resumed run samples what the uninterrupted one did; the update's dropout is seeded from (seed,
-step, rank) (`forge.seeds`). Collapse guard (`collapse.probe_source`): greedy pass@1 on a probe set the reward never sees; when it falls
+step, rank) (`forge.trainer.update_seed`). Collapse guard (`collapse.probe_source`): greedy pass@1 on a probe set the reward never sees; when it falls
 while reward/mean rises the run warns, rolls back to the best-probe checkpoint or stops (`collapse.action`).
 Faults: a `WorkerLost` rebuilds the stages and continues from the last checkpoint (`orchestration.max_restarts`).
 
@@ -47,7 +47,19 @@ from forge.checkpoint import latest_checkpoint, load_state, step_dir_name
 from forge.config import AlgoConfig, RunConfig
 from forge.errors import UserError
 from forge.guard import CollapseGuard
-from forge.loop import Data, LoopState, RunRecord, Schedule, prepare_data, recover, restore, say, stop_reason, streaks
+from forge.loop import (
+    Data,
+    LoopState,
+    RunRecord,
+    Schedule,
+    prepare_data,
+    recover,
+    restore,
+    say,
+    stop_reason,
+    update_streak,
+    verifier_streaks,
+)
 from forge.losses import (
     MAX_LOG_RATIO,
     LossOutput,
@@ -62,13 +74,7 @@ from forge.losses import (
     sequence_mean,
     token_mean,
 )
-from forge.metrics import (
-    Stopwatch,
-    checked_staleness,
-    eval_metrics,
-    show_verifier_errors,
-    step_metrics,
-)
+from forge.metrics import Stopwatch, checked_staleness, eval_metrics, show_verifier_errors, step_metrics
 from forge.records import MicroBatch, MicroStats, RolloutRequest
 from forge.rollout import SamplingParams
 from forge.rundir import progress_bar, update_bar
@@ -177,10 +183,12 @@ def grpo_step(step: int, state: LoopState, cfg: RunConfig, work: Stages, runner:
     with clock("reward"):  # 2. verifiers -> reward -> group-relative advantages
         scores = runner(Stage.REWARD, step, work.reward, request.rows, rollouts, step)
     show_verifier_errors(scores, step, record.shown_errors)
+    state = verifier_streaks(dataclasses.replace(state, step=step), scores)
+    if reason := stop_reason(state, scores, cfg):  # a verifier failing on every item: never trained on
+        raise UserError(reason)
     with clock("update"):  # 3. log-probs -> ratio -> loss -> backward -> step (update_micro_batch); new weights out
         stats = runner(Stage.UPDATE, step, work.update, rollouts, scores.advantages)
-    state = streaks(dataclasses.replace(state, step=step), scores, stats)
-    if reason := stop_reason(state, scores, cfg):
+    if reason := stop_reason(state := update_streak(state, stats), scores, cfg):  # too many non-finite updates
         raise UserError(reason)
     report = None
     if sched.eval_due(step):  # 4. held-out pass@1 on schedule
