@@ -334,13 +334,13 @@ def test_retention_with_real_saves(tmp_path: Path, tok):
 def test_jsonl_tracker_logs_and_truncates(tmp_path: Path):
     t = JsonlTracker(tmp_path)
     for step in range(1, 6):
-        t.log_metrics({"reward/mean": step / 10, "train/kl": float("nan") if step == 2 else 0.0}, step)
+        t.log_metrics({"reward/mean": step / 10, "train/kl_ref": float("nan") if step == 2 else 0.0}, step)
     rows = read_metrics(t.path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
-    assert rows[1]["train/kl"] is None  # non-finite -> null, the file stays valid JSON
+    assert rows[1]["train/kl_ref"] is None  # non-finite -> null, the file stays valid JSON
     t.truncate_after(3)
     assert [r["step"] for r in read_metrics(t.path)] == [1, 2, 3]
-    assert read_metrics(t.path)[2] == {"step": 3, "reward/mean": 0.3, "train/kl": 0.0}
+    assert read_metrics(t.path)[2] == {"step": 3, "reward/mean": 0.3, "train/kl_ref": 0.0}
 
 
 def test_truncate_after_without_file_is_noop(tmp_path: Path):

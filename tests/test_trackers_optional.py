@@ -87,7 +87,7 @@ def test_tensorboard_scalars_texts_and_a_resumed_writer_purging_redone_steps(tmp
     first.set_tags({"forgeweave.preset": "tiny"})
     first.log_params({"update.lr": 0.001})
     for step in range(6):
-        first.log_metrics({"reward/mean": step / 10, "train/kl": None, "eval/pass@1": 0.5}, step)
+        first.log_metrics({"reward/mean": step / 10, "train/kl_ref": None, "eval/pass@1": 0.5}, step)
     first.log_metrics({"time/checkpoint_s": 1.5}, 2)  # a checkpoint's record arrives after later steps
     first.finish("KILLED")
     # a resumed process from checkpoint 2: steps 3.. again, with other values; what the first logged there goes

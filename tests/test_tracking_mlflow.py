@@ -229,7 +229,7 @@ def test_run_is_recorded_in_default_store(runs_dir, monkeypatch):
 
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    for key in ("reward/mean", "train/loss", "train/kl", "perf/rollout_tokens_per_s", "time/update_s"):
+    for key in ("reward/mean", "train/loss", "train/kl_old", "train/kl_ref", "perf/rollout_tokens_per_s", "time/update_s"):
         expected = [(r["step"], pytest.approx(r[key])) for r in rows if key in r]
         assert [s for s, _ in expected] == [1, 2, 3, 4, 5, 6]
         assert _history(client, run.info.run_id, key) == expected, key
