@@ -51,7 +51,9 @@ async def _create_run(api_url: str, checkpoint: str):
     from prefect.client.orchestration import PrefectClient
     from prefect.deployments import run_deployment
 
-    async with PrefectClient(api_url, api_key=os.environ.get("PREFECT_API_KEY") or None) as client:
+    # a server with API authentication (the `forgeweave up` stack's) asks for $PREFECT_API_AUTH_STRING
+    auth = os.environ.get("PREFECT_API_AUTH_STRING") or None
+    async with PrefectClient(api_url, api_key=os.environ.get("PREFECT_API_KEY") or None, auth_string=auth) as client:
         return await run_deployment(
             DEPLOYMENT, client=client, parameters={"checkpoint": checkpoint}, timeout=0, as_subflow=False
         )

@@ -213,10 +213,13 @@ def stack_commands() -> dict:
 def cmd_run(args) -> int:
     from flows.execute import train
     from flows.planning import plan_run
-    from flows.stack import use_stack
+    from flows.stack import state_path, use_stack
+    from flows.stack_auth import credentials_path
 
     if taken := use_stack(args.runs_dir):  # a `forgeweave up` stack for this runs dir: its Prefect and MLflow
-        print("using the stack of this runs dir: " + " ".join(f"{k}={v}" for k, v in taken.items()))
+        creds = credentials_path(state_path(args.runs_dir).parent)
+        print("using the stack of this runs dir: " + " ".join(f"{k}={v}" for k, v in taken.items())
+              + (f" (credentials: {creds})" if creds.is_file() else ""))  # fmt: skip
 
     cfg, run_dir = resolve_run(args.preset, args.config, args.overrides, args.name, args.runs_dir, args.resume)
     _, plan = plan_run(cfg)  # an impossible plan stops here, before anything is written

@@ -35,6 +35,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flows import stack_auth
 from flows.reaper import descendants, kill_recorded
 from forge.errors import UserError
 
@@ -90,6 +91,7 @@ class Service:
     health: str  # an http URL that answers 200 when healthy, or "tcp" (the port accepts connections)
     stop_signal: int = signal.SIGTERM
     user: str | None = None  # run as this OS user (PostgreSQL under root)
+    health_auth: str = ""  # "prefect": the health URL needs the Prefect API's credentials
 
 
 # ---------------------------------------------------------------- processes (Linux /proc)
@@ -165,14 +167,16 @@ def port_free(port: int) -> bool:
     return True
 
 
-def healthy(svc: dict) -> bool:
-    """Does the service answer: an HTTP 200 from its health URL, or a TCP connection to its port."""
+def healthy(svc: dict, creds: stack_auth.Credentials | None = None) -> bool:
+    """Does the service answer: an HTTP 200 from its health URL (with the stack's credentials where the record asks
+    for them), or a TCP connection to its port."""
     if svc["health"] == "tcp":
         with socket.socket() as s:
             s.settimeout(2)
             return s.connect_ex(("127.0.0.1", svc["port"])) == 0
+    headers = stack_auth.prefect_header(creds) if creds and svc.get("health_auth") == "prefect" else {}
     try:
-        with urllib.request.urlopen(svc["health"], timeout=3) as r:
+        with urllib.request.urlopen(urllib.request.Request(svc["health"], headers=headers), timeout=3) as r:
             return r.status == 200
     except OSError:
         return False
@@ -232,11 +236,19 @@ def store_uris(cfg: StackConfig, pg_password: str) -> tuple[str, str]:
     return f"sqlite+aiosqlite:///{cfg.state_dir / 'prefect.db'}", default_uri(cfg.runs_dir)
 
 
-def services(cfg: StackConfig, pg_password: str = "") -> dict[str, Service]:
-    """Every service of the stack, by name, in start order."""
+# credentials a user's environment may hold for other servers: no service inherits them, each gets the stack's
+AUTH_VARS = ("PREFECT_API_AUTH_STRING", "PREFECT_SERVER_API_AUTH_STRING", "PREFECT_API_KEY", "MLFLOW_TRACKING_USERNAME",
+             "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "MLFLOW_AUTH_CONFIG_PATH", "MLFLOW_AUTH_ADMIN_USERNAME",
+             "MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY")  # fmt: skip
+
+
+def services(
+    cfg: StackConfig, creds: stack_auth.Credentials, mlflow_auth: dict[str, str], pg_password: str = ""
+) -> dict[str, Service]:
+    """Every service of the stack, by name, in start order. Prefect's API and MLflow ask for `creds`; `serve` and
+    the dashboard (their clients) get them; `mlflow_auth` is the MLflow server's basic-auth setup."""
     p = cfg.ports
-    base = {**os.environ, **client_env(cfg)}
-    base.pop("RAY_ADDRESS", None)
+    base = {k: v for k, v in os.environ.items() if k not in AUTH_VARS and k != "RAY_ADDRESS"} | client_env(cfg)
     prefect_db, mlflow_db = store_uris(cfg, pg_password)
     prefect_env = {
         "PREFECT_HOME": str(cfg.state_dir / "prefect-home"),
@@ -255,6 +267,7 @@ def services(cfg: StackConfig, pg_password: str = "") -> dict[str, Service]:
             user=PG_OS_USER if os.geteuid() == 0 else None,
         )  # fmt: skip
     server_env = {**base, **prefect_env, "PREFECT_API_DATABASE_CONNECTION_URL": prefect_db}
+    server_env["PREFECT_SERVER_API_AUTH_STRING"] = creds.prefect_auth_string  # every API call but health: 401 without
     # the UI asks its API at this URL: without it, a server on another port serves a UI that calls 127.0.0.1:4200
     server_env |= {
         "PREFECT_UI_API_URL": api,
@@ -268,16 +281,17 @@ def services(cfg: StackConfig, pg_password: str = "") -> dict[str, Service]:
     mlflow_env = {**base, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
     out["mlflow"] = Service(
         "mlflow",
-        (_bin("mlflow"), "server", "--host", "127.0.0.1", "--port", str(p.mlflow), "--workers", "1",
+        (_bin("mlflow"), "server", "--app-name", "basic-auth", "--host", "127.0.0.1", "--port", str(p.mlflow),
+         "--workers", "1",
          "--backend-store-uri", mlflow_db, "--artifacts-destination", str(cfg.runs_dir / "mlartifacts")),
-        mlflow_env, p.mlflow, f"http://127.0.0.1:{p.mlflow}", f"http://127.0.0.1:{p.mlflow}/health",
+        mlflow_env | mlflow_auth, p.mlflow, f"http://127.0.0.1:{p.mlflow}", f"http://127.0.0.1:{p.mlflow}/health",
     )  # fmt: skip
     cli = (sys.executable, "-m", "flows.cli")
     repo = str(Path(__file__).resolve().parent.parent)
     path = os.pathsep.join(x for x in (repo, os.environ.get("PYTHONPATH", "")) if x)
     out["dashboard"] = Service(
         "dashboard", (*cli, "dashboard", "--runs-dir", str(cfg.runs_dir), "--port", str(p.dashboard)),
-        {**base, "PYTHONPATH": path}, p.dashboard, f"http://127.0.0.1:{p.dashboard}",
+        {**base, **creds.env(), "PYTHONPATH": path}, p.dashboard, f"http://127.0.0.1:{p.dashboard}",
         f"http://127.0.0.1:{p.dashboard}/_stcore/health",
     )  # fmt: skip
     # Ray takes the machine's address for the head unless told it is no cluster: then it is 127.0.0.1 throughout
@@ -285,9 +299,9 @@ def services(cfg: StackConfig, pg_password: str = "") -> dict[str, Service]:
     out["ray"] = Service("ray", ray_argv(cfg), ray_env, p.ray, f"127.0.0.1:{p.ray}", "tcp")
     # a flow run triggered in the UI is a subprocess of `serve`: it tracks into the stack's MLflow server
     out["serve"] = Service(
-        "serve", (*cli, "serve", "--runs-dir", str(cfg.runs_dir)), {**base, **prefect_env, "PYTHONPATH": path},
-        p.prefect, f"http://127.0.0.1:{p.prefect}/deployments",
-        f"http://127.0.0.1:{p.prefect}/api/deployments/name/forgeweave-grpo/pipeline",
+        "serve", (*cli, "serve", "--runs-dir", str(cfg.runs_dir)),
+        {**base, **prefect_env, **creds.env(), "PYTHONPATH": path}, p.prefect, f"http://127.0.0.1:{p.prefect}/deployments",
+        f"http://127.0.0.1:{p.prefect}/api/deployments/name/forgeweave-grpo/pipeline", health_auth="prefect",
     )  # fmt: skip
     return out
 
@@ -416,10 +430,11 @@ def _launch(cfg: StackConfig, svc: Service) -> dict:
                                 start_new_session=True, user=svc.user, cwd=cfg.runs_dir)  # fmt: skip
     started = start_time(proc.pid)
     return {"pid": proc.pid, "start": started, "port": svc.port, "url": svc.url, "health": svc.health,
-            "log": str(log), "stop_signal": int(svc.stop_signal)}  # fmt: skip
+            "health_auth": svc.health_auth, "log": str(log), "stop_signal": int(svc.stop_signal)}  # fmt: skip
 
 
 def _wait_healthy(cfg: StackConfig, state: dict, names: list[str], deadline: float) -> None:
+    creds = stack_auth.read_credentials(cfg.state_dir)
     pending = list(names)
     while pending:
         for name in list(pending):
@@ -427,7 +442,7 @@ def _wait_healthy(cfg: StackConfig, state: dict, names: list[str], deadline: flo
             if not alive(rec):
                 tail = "".join(Path(rec["log"]).read_text(errors="replace").splitlines(True)[-5:]).strip()
                 raise UserError(f"{name} exited while starting (log {rec['log']}): {tail[-600:]}")
-            if healthy(rec):
+            if healthy(rec, creds):
                 pending.remove(name)
         if pending and time.time() > deadline:
             raise UserError(
@@ -454,10 +469,12 @@ def up(cfg: StackConfig) -> dict:
     state = read_state(cfg.runs_dir) or {}
     state.setdefault("services", {})
     _check_settings(cfg, state)
+    creds, mlflow_auth = _credentials(cfg, state)
     password = pg_password(cfg) if cfg.db == "postgres" else ""
     state.update(db=cfg.db, ports=vars(cfg.ports), runs_dir=str(cfg.runs_dir), env=client_env(cfg))
     state["ray_env"] = ray_client_env(cfg)
-    wanted = services(cfg, password)
+    state["credentials"] = str(stack_auth.credentials_path(cfg.state_dir))
+    wanted = services(cfg, creds, mlflow_auth, password)
     state["services"] = {n: r for n, r in state["services"].items() if n in wanted and alive(r)}
     todo = [n for n in wanted if n not in state["services"]]
     _check_ports(cfg, wanted, todo)
@@ -488,6 +505,18 @@ def up(cfg: StackConfig) -> dict:
         raise
     state["started"] = started
     return state
+
+
+def _credentials(cfg: StackConfig, state: dict) -> tuple[stack_auth.Credentials, dict[str, str]]:
+    """The stack's credentials (made on the first `up`, then reused) and the MLflow server's auth setup."""
+    running = sorted(n for n, rec in state["services"].items() if alive(rec))
+    if running and stack_auth.read_credentials(cfg.state_dir) is None:
+        raise UserError(
+            f"{stack_auth.credentials_path(cfg.state_dir)} is missing while the stack runs ({', '.join(running)}): "
+            "`forgeweave down`, then `forgeweave up` makes new credentials"
+        )
+    creds, fresh = stack_auth.ensure_credentials(cfg.state_dir)
+    return creds, stack_auth.mlflow_server_env(cfg.state_dir, creds, fresh)
 
 
 def _start(cfg: StackConfig, state: dict, svc: Service, started: list[str]) -> None:
@@ -522,10 +551,12 @@ def _wait_pg_ready(cfg: StackConfig, password: str, deadline: float) -> None:
 def status(runs_dir: Path) -> dict[str, dict]:
     """name -> {running, healthy, pid, url} for each recorded service ({} when no stack was started here)."""
     state = read_state(runs_dir) or {"services": {}}
+    creds = stack_auth.read_credentials(state_path(runs_dir).parent)
     out = {}
     for name, rec in state["services"].items():
         running = alive(rec)
-        out[name] = {"running": running, "healthy": running and healthy(rec), "pid": rec["pid"], "url": rec["url"]}
+        out[name] = {"running": running, "healthy": running and healthy(rec, creds), "pid": rec["pid"],
+                     "url": rec["url"]}  # fmt: skip
     return out
 
 
@@ -548,7 +579,8 @@ def down(runs_dir: Path) -> list[str]:
 
 def use_stack(runs_dir: str) -> dict[str, str]:
     """For `forgeweave run`: when a stack is up for this runs dir, take its Prefect/MLflow URLs (unless the
-    environment already names others); returns what was set."""
+    environment already names others) and, for each server the environment then points at, its credentials (unless
+    set); returns the URLs that were set."""
     state = read_state(Path(runs_dir)) if Path(runs_dir).is_dir() else None
     if not state or not all(alive(state["services"][n]) for n in ("prefect", "mlflow") if n in state["services"]):
         return {}
@@ -556,7 +588,27 @@ def use_stack(runs_dir: str) -> dict[str, str]:
         return {}
     taken = {k: v for k, v in state["env"].items() if k != "FORGEWEAVE_RUNS_DIR" and not os.environ.get(k)}
     os.environ.update(taken)
+    for url in (os.environ.get("PREFECT_API_URL", ""), os.environ.get("MLFLOW_TRACKING_URI", "")):
+        for key, value in credentials_for(Path(runs_dir), url).items():
+            os.environ.setdefault(key, value)
     return taken
+
+
+def credentials_for(runs_dir: Path, url: str) -> dict[str, str]:
+    """The client variables of this runs dir's stack credentials when `url` is its Prefect API or MLflow server
+    ({} for any other URL, or when there is no stack state or no credentials file)."""
+    state_dir = Path(runs_dir).resolve() / STATE_DIR
+    if not url or not state_path(runs_dir).is_file():
+        return {}
+    creds = stack_auth.read_credentials(state_dir)
+    env = (read_state(runs_dir) or {}).get("env", {})
+    if creds is None:
+        return {}
+    if url.rstrip("/") == env.get("PREFECT_API_URL", "").rstrip("/"):
+        return creds.prefect_env()
+    if url.rstrip("/") == env.get("MLFLOW_TRACKING_URI", "").rstrip("/"):
+        return creds.mlflow_env()
+    return {}
 
 
 # ---------------------------------------------------------------- command line
@@ -586,6 +638,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     fresh = state["started"]
     print(f"stack up in {time.time() - t0:.1f} s ({', '.join(fresh) + ' started' if fresh else 'already running'});"
           f" state: {state_path(cfg.runs_dir)}")  # fmt: skip
+    print(f"credentials: {state['credentials']} (owner-only; the Prefect UI asks for its PREFECT_API_AUTH_STRING, "
+          "MLflow for MLFLOW_TRACKING_USERNAME/PASSWORD)")  # fmt: skip
     _print_table(status(cfg.runs_dir))
     _print_env(state)
     return 0
@@ -596,8 +650,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     if state is None:
         print(f"no stack started for {Path(args.runs_dir).resolve()} (`forgeweave up`)")
         return 3
-    if args.env:
-        print("\n".join(f"export {k}={v}" for k, v in state["env"].items()))
+    if args.env:  # with the credentials: `eval "$(forgeweave status --env)"` makes a client that gets in
+        creds = stack_auth.read_credentials(state_path(args.runs_dir).parent)
+        env = {**state["env"], **(creds.env() if creds else {})}
+        print("\n".join(f"export {k}={v}" for k, v in env.items()))
         return 0
     report = status(Path(args.runs_dir))
     _print_table(report)
@@ -617,7 +673,8 @@ def _print_table(report: dict[str, dict]) -> None:
 
 
 def _print_env(state: dict) -> None:
-    print("clients (`forgeweave run --runs-dir` this dir uses these by itself; `forgeweave status --env` prints them):")
+    print("clients (`forgeweave run --runs-dir` this dir uses these and the credentials by itself; "
+          "`forgeweave status --env` prints them all):")  # fmt: skip
     for k, v in state["env"].items():
         print(f"  export {k}={v}")
     ray_env = " ".join(f"{k}={v}" for k, v in state["ray_env"].items())

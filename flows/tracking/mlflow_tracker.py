@@ -11,7 +11,9 @@ listed in mlflow_state.json's "skipped" instead of blocking the queue.
 
 Layout in MLflow (the dashboard relies on it):
 - store: `tracking.uri`, else $MLFLOW_TRACKING_URI, else `sqlite:///<runs-dir>/mlflow.db` with the experiment's
-  artifacts in `<runs-dir>/mlartifacts` (never ./mlruns); experiment `tracking.experiment` ("forgeweave").
+  artifacts in `<runs-dir>/mlartifacts` (never ./mlruns); experiment `tracking.experiment` ("forgeweave"). When the
+  store is the MLflow server of the runs dir's `forgeweave up` stack, its credentials are used (flows/stack_auth.py)
+  unless MLFLOW_TRACKING_USERNAME/PASSWORD are set.
 - run name = run directory name; tags `forgeweave.run_dir` (absolute path), `forgeweave.run_name`,
   `forgeweave.preset`, `forgeweave.model`, `forgeweave.dataset_hash`, `forgeweave.git_commit` (and
   `mlflow.source.git.commit`), `forgeweave.prefect_flow_run_id` when run by Prefect.
@@ -82,6 +84,7 @@ def tracker_for_run(cfg, run_dir: Path, tags: dict[str, str] | None = None) -> M
     run_dir = Path(run_dir).resolve()
     _short_timeouts(t.timeout_s)  # the outbox retries; a dead server costs ~0 s
     target = Target(resolve_uri(t.uri, run_dir.parent), t.experiment, run_dir)
+    _stack_credentials(run_dir.parent, target.uri)
     return MlflowTracker(target, registered_model_name(cfg), t.log_checkpoints, t.finish_timeout_s, tags or {})
 
 
@@ -491,6 +494,7 @@ def sync_run(run_dir: Path, uri: str = "") -> dict:
         except (OSError, ValueError, KeyError):
             uri = resolve_uri("", run_dir.parent)
     experiment = _run_experiment(run_dir)
+    _stack_credentials(run_dir.parent, uri)
     sender = Sender(outbox, Target(uri, experiment, run_dir))
     before = len(outbox.pending(outbox.load_state(uri)))
     sender.drain()
@@ -515,6 +519,19 @@ def _short_timeouts(timeout_s) -> None:
     backoff: minutes); the outbox keeps what was not sent. Variables set by the user win."""
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(timeout_s) if str(timeout_s).isdigit() else 10))
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+
+
+def _stack_credentials(runs_dir: Path, uri: str) -> None:
+    """A `forgeweave up` stack's MLflow server asks for a user: when `uri` is the server of the runs dir's stack,
+    its credentials (MLFLOW_TRACKING_USERNAME/PASSWORD, which MlflowClient reads) are set, unless the user set them.
+    Never raises: without them the outbox keeps the records (`forgeweave sync` later)."""
+    try:
+        from flows.stack import credentials_for
+
+        for key, value in credentials_for(runs_dir, uri).items():
+            os.environ.setdefault(key, value)
+    except Exception as e:  # noqa: BLE001 - an unreadable stack state must not stop training
+        logging.getLogger(__name__).warning("stack credentials not read: %s", e)
 
 
 def _run_experiment(run_dir: Path) -> str:

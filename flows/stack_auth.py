@@ -1,0 +1,144 @@
+"""Who may use the local stack: the credentials `forgeweave up` turns Prefect's and MLflow's authentication on with.
+
+The first `up` of a runs dir makes them with `secrets` and writes `<runs>/.stack/auth/credentials.env` (directory
+0700, file 0600, created owner-only from the first byte); every later `up` reuses them. The file is what a client
+exports (KEY=value lines, also usable as `docker --env-file` or `set -a; . FILE`):
+
+    PREFECT_API_AUTH_STRING=forgeweave:<password>  Prefect clients; the server gets the same string as
+                                                   PREFECT_SERVER_API_AUTH_STRING and then refuses (401) any API
+                                                   call without it, except GET /api/health and /api/ready
+    MLFLOW_TRACKING_USERNAME=forgeweave            MLflow clients (HTTP basic auth); the server runs MLflow's
+    MLFLOW_TRACKING_PASSWORD=<password>            basic-auth app, whose admin user is this one
+
+MLflow's basic-auth app (`mlflow server --app-name basic-auth`) reads `auth/mlflow-auth.ini` (named by
+MLFLOW_AUTH_CONFIG_PATH): its own user database `auth/mlflow-auth.db` (SQLite), the admin's name and the
+permission other users get by default. MLflow 3.17 ships no default admin password: it creates the admin user on
+its first start with MLFLOW_AUTH_ADMIN_PASSWORD, which `up` sets to the generated password (the password that
+earlier versions shipped, `password1234`, is refused there). When credentials are made anew (the file was deleted)
+while the user database already exists, `up` sets the admin's password in it to the new one first, so the file
+always says what works. The Flask secret the app needs (MLFLOW_FLASK_SERVER_SECRET_KEY, for the CSRF token of its
+sign-up form) is made for each start and never stored.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+AUTH_DIR = "auth"
+CREDENTIALS_FILE = "credentials.env"
+MLFLOW_AUTH_INI = "mlflow-auth.ini"
+MLFLOW_AUTH_DB = "mlflow-auth.db"
+USER = "forgeweave"  # the user name of both servers (Prefect's basic auth takes any name: the string is the secret)
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """One stack's credentials, as the environment variables its clients read."""
+
+    prefect_auth_string: str  # "user:password": PREFECT_API_AUTH_STRING (clients), ..._SERVER_... (the server)
+    mlflow_username: str  # MLFLOW_TRACKING_USERNAME: MLflow's admin user
+    mlflow_password: str  # MLFLOW_TRACKING_PASSWORD
+
+    def prefect_env(self) -> dict[str, str]:
+        return {"PREFECT_API_AUTH_STRING": self.prefect_auth_string}
+
+    def mlflow_env(self) -> dict[str, str]:
+        return {"MLFLOW_TRACKING_USERNAME": self.mlflow_username, "MLFLOW_TRACKING_PASSWORD": self.mlflow_password}
+
+    def env(self) -> dict[str, str]:
+        return {**self.prefect_env(), **self.mlflow_env()}
+
+
+def auth_dir(state_dir: Path) -> Path:
+    return Path(state_dir) / AUTH_DIR
+
+
+def credentials_path(state_dir: Path) -> Path:
+    return auth_dir(state_dir) / CREDENTIALS_FILE
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a directory only its owner may enter (made 0700, or narrowed to it)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def ensure_credentials(state_dir: Path) -> tuple[Credentials, bool]:
+    """(the stack's credentials, whether they were made just now): read from the file, else made and written."""
+    path = credentials_path(state_dir)
+    private_dir(path.parent)
+    if (creds := read_credentials(state_dir)) is not None:
+        os.chmod(path, 0o600)  # a file copied in with wider rights is narrowed
+        return creds, False
+    creds = Credentials(f"{USER}:{secrets.token_urlsafe(24)}", USER, secrets.token_urlsafe(24))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("# the local stack's credentials (made by `forgeweave up`; keep this file owner-only)\n")
+        f.writelines(f"{k}={v}\n" for k, v in creds.env().items())
+    os.replace(tmp, path)
+    return creds, True
+
+
+def read_credentials(state_dir: Path) -> Credentials | None:
+    """The credentials in `<state_dir>/auth/credentials.env`; None when there is no such file (or it lacks a key)."""
+    try:
+        text = credentials_path(state_dir).read_text()
+    except OSError:
+        return None
+    env = dict(line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith("#"))
+    keys = ("PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+    if not all(env.get(k) for k in keys):
+        return None
+    return Credentials(*(env[k].strip() for k in keys))
+
+
+def mlflow_server_env(state_dir: Path, creds: Credentials, fresh: bool) -> dict[str, str]:
+    """What the MLflow server's process needs for its basic-auth app; writes its config file (0600)."""
+    db = auth_dir(state_dir) / MLFLOW_AUTH_DB
+    ini = auth_dir(state_dir) / MLFLOW_AUTH_INI
+    text = (
+        "[mlflow]\n"
+        "default_permission = READ\n"
+        f"database_uri = sqlite:///{db}\n"
+        f"admin_username = {creds.mlflow_username}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+    )
+    fd = os.open(ini, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    if fresh and db.exists():
+        _set_admin_password(f"sqlite:///{db}", creds)
+    return {
+        "MLFLOW_AUTH_CONFIG_PATH": str(ini),
+        "MLFLOW_AUTH_ADMIN_USERNAME": creds.mlflow_username,
+        "MLFLOW_AUTH_ADMIN_PASSWORD": creds.mlflow_password,
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(32),
+    }
+
+
+def _set_admin_password(db_uri: str, creds: Credentials) -> None:
+    """New credentials, old user database: the admin's password there becomes the new one (MLflow would keep the
+    old one, known to nobody, since it only reads MLFLOW_AUTH_ADMIN_PASSWORD when it creates the user)."""
+    from mlflow.server.auth.sqlalchemy_store import SqlAlchemyStore
+
+    store = SqlAlchemyStore()
+    store.init_db(db_uri)
+    if store.has_user(creds.mlflow_username):
+        store.update_user(creds.mlflow_username, password=creds.mlflow_password, is_admin=True)
+
+
+def basic_auth_header(user: str, password: str) -> dict[str, str]:
+    """The HTTP header of basic authentication (Prefect's auth string is "user:password" as one)."""
+    token = base64.b64encode(f"{user}:{password}".encode()).decode()
+    return {"Authorization": f"Basic {token}"}
+
+
+def prefect_header(creds: Credentials) -> dict[str, str]:
+    user, _, password = creds.prefect_auth_string.partition(":")
+    return basic_auth_header(user, password)
