@@ -13,21 +13,34 @@ import stat
 import subprocess
 import sys
 import tempfile
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from flows import stack
+from flows import stack, stack_auth
 from forge.errors import UserError
+from tests.servers import REPO
 from tests.stack_helpers import cli, port_args, process_trees, running_stack, stack_sockets
 
 SERVICES = {"prefect", "mlflow", "dashboard", "ray", "serve"}
 
 
-def _get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
+def _get_json(url: str, headers: dict | None = None) -> dict:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as r:
         return json.loads(r.read())
+
+
+def _status(url: str, headers: dict | None = None, body: dict | None = None) -> int:
+    """The HTTP status of a GET (or, with a body, a POST) to `url`."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 def _assert_all_gone(trees: dict[str, dict[int, int]], ports: set[int], runs: Path) -> None:
@@ -61,8 +74,14 @@ def test_up_status_down_sqlite(tmp_path):
         # the UI served on the non-default port asks its API on that port (not 127.0.0.1:4200)
         ui = _get_json(f"http://127.0.0.1:{ports['prefect']}/ui-settings")
         assert ui["api_url"] == f"http://127.0.0.1:{ports['prefect']}/api"
-        deployment = _get_json(f"{state['env']['PREFECT_API_URL']}/deployments/name/forgeweave-grpo/pipeline")
+        assert ui["auth"] == "BASIC"  # the UI asks for the auth string on its login page
+        creds = stack_auth.read_credentials(runs / ".stack")
+        deployment = _get_json(
+            f"{state['env']['PREFECT_API_URL']}/deployments/name/forgeweave-grpo/pipeline",
+            stack_auth.prefect_header(creds),
+        )
         assert deployment["parameters"]["runs_dir"] == str(runs.resolve())
+        _check_auth(runs, state, creds, deployment["id"])
 
         # every listening socket of every process of the stack is on 127.0.0.1, each service's port among them
         sockets = stack_sockets(state)
@@ -92,6 +111,69 @@ def test_up_status_down_sqlite(tmp_path):
     _assert_all_gone(trees, listened, runs)
 
 
+def _check_auth(runs: Path, state: dict, creds: stack_auth.Credentials, deployment_id: str) -> None:
+    """Acceptance: the stack's Prefect API and MLflow server refuse a caller without the credentials (401) and serve
+    one with them; `up` said where they are; the file is the owner's only, and `up` again keeps it."""
+    path = runs / ".stack" / "auth" / "credentials.env"
+    lines = [line for line in state["up_stdout"].splitlines() if str(path) in line]
+    assert len(lines) == 1 and lines[0].startswith(f"credentials: {path} "), state["up_stdout"]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert creds.mlflow_password not in state["up_stdout"] and creds.prefect_auth_string not in state["up_stdout"]
+    assert creds.mlflow_password not in (runs / ".stack" / "stack.json").read_text()
+
+    # Prefect: reading and, above all, starting a run of a served deployment need the auth string
+    api = state["env"]["PREFECT_API_URL"]
+    user, password = creds.prefect_auth_string.split(":", 1)
+    start_run = f"{api}/deployments/{deployment_id}/create_flow_run"
+    for headers in ({}, stack_auth.basic_auth_header(user, "wrong-password")):
+        assert _status(f"{api}/deployments/{deployment_id}", headers) == 401
+        assert _status(start_run, headers, body={"parameters": {}}) == 401
+        assert _status(f"{api}/flow_runs/filter", headers, body={}) == 401
+    good = stack_auth.prefect_header(creds)
+    assert _status(f"{api}/flow_runs/filter", good, body={}) == 200
+    assert _status(f"{api}/health") == 200  # health stays open (up's and compose's checks)
+
+    # MLflow: its REST API and its UI's pages need the user; the default password of old MLflow versions is refused
+    mlflow = state["env"]["MLFLOW_TRACKING_URI"]
+    search = f"{mlflow}/api/2.0/mlflow/experiments/search?max_results=5"
+    for headers in ({}, stack_auth.basic_auth_header("admin", "password1234"),
+                    stack_auth.basic_auth_header(creds.mlflow_username, "wrong-password")):  # fmt: skip
+        assert _status(search, headers) == 401
+        assert _status(f"{mlflow}/api/2.0/mlflow/experiments/create", headers, body={"name": "intruder"}) == 401
+        assert _status(f"{mlflow}/", headers) == 401
+    good = stack_auth.basic_auth_header(creds.mlflow_username, creds.mlflow_password)
+    assert _status(search, good) == 200 and _status(f"{mlflow}/", good) == 200
+    assert _status(f"{mlflow}/health") == 200
+
+    # clients: `status --env` gives a working client its credentials; the dashboard's MLflow reader gets in with
+    # them (the stack's dashboard process has them in its environment) and is refused without
+    env = cli(["status", "--env", "--runs-dir", str(runs)]).stdout
+    assert f"export MLFLOW_TRACKING_PASSWORD={creds.mlflow_password}" in env
+    assert f"export PREFECT_API_AUTH_STRING={creds.prefect_auth_string}" in env
+    dashboard_env = Path(f"/proc/{state['services']['dashboard']['pid']}/environ").read_bytes().split(b"\0")
+    assert f"MLFLOW_TRACKING_PASSWORD={creds.mlflow_password}".encode() in dashboard_env
+    probe = f"from dashboard.mlflow_store import read_index; print(repr(read_index({mlflow!r}).error))"
+    for extra, ok in ((creds.mlflow_env(), True), ({}, False)):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING_")} | extra
+        out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=REPO, capture_output=True, text=True,
+                             timeout=120)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert (out.stdout.strip() == "''") == ok, out.stdout
+
+    # `up` again keeps the credentials; credentials deleted while the stack runs: refused, not half-applied
+    before = path.read_text()
+    again = cli(["up", "--runs-dir", str(runs), *_same_ports(state)])
+    assert again.returncode == 0 and f"credentials: {path}" in again.stdout, again.stdout + again.stderr
+    assert path.read_text() == before
+    path.rename(path.with_name("moved"))
+    try:
+        refused = cli(["up", "--runs-dir", str(runs), *_same_ports(state)])
+        assert refused.returncode == 2 and "is missing while the stack runs" in refused.stderr, refused.stderr
+        assert not path.exists()
+    finally:
+        path.with_name("moved").rename(path)
+
+
 def _same_ports(state: dict) -> list[str]:
     return [a for name, port in state["ports"].items() for a in (f"--{name.replace('_', '-')}-port", str(port))]
 
@@ -105,7 +187,7 @@ def pg_runs():
     shutil.rmtree(root, ignore_errors=True)
 
 
-def test_up_postgres_backs_prefect_and_mlflow(pg_runs):
+def test_up_postgres_backs_prefect_and_mlflow(pg_runs, monkeypatch):
     """Acceptance: a run tracked by the Postgres-backed MLflow server records params, metrics and registered
     checkpoints; its Prefect flow run is a row of the Prefect database in the same cluster; `down` stops all."""
     import psycopg2
@@ -127,6 +209,9 @@ def test_up_postgres_backs_prefect_and_mlflow(pg_runs):
         assert "using the stack of this runs dir" in run.stdout
         summary = json.loads((runs / "pg-run" / "summary.json").read_text())
 
+        assert f"(credentials: {runs / '.stack' / 'auth' / 'credentials.env'})" in run.stdout
+        for key, value in stack_auth.read_credentials(runs / ".stack").mlflow_env().items():  # the server asks
+            monkeypatch.setenv(key, value)
         client = MlflowClient(state["env"]["MLFLOW_TRACKING_URI"])
         mlrun = client.get_run(summary["mlflow_run_id"])
         assert mlrun.data.params["steps"] == "2" and mlrun.data.params["preset"] == "tiny"
