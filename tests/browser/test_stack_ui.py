@@ -1,5 +1,7 @@
 """The three ways people use forgeweave, in headless Chromium (playwright driving /usr/bin/chromium) against one
-`forgeweave up` stack on non-default ports (started once for the module, stopped by PID in teardown):
+`forgeweave up` stack on non-default ports (started once for the module, stopped by PID in teardown). The stack asks
+who you are: the tests take the credentials from the file `up` names, log in to the Prefect UI on its login page
+with the auth string, and answer MLflow's HTTP basic-auth challenge with the user and password, as a person does:
 
 1. the Prefect UI: the `pipeline` deployment → Run → Custom run, preset `tiny` and short overrides, Submit; the
    flow run's page shows it Completed, and the run directory it made is a valid, finished run;
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from flows.stack_auth import read_credentials
 from tests.dashboard.browser import CHROMIUM, WAIT_MS, charts_drawn, chromium_page
 from tests.stack_helpers import cli, running_stack
 
@@ -47,6 +50,18 @@ def stack(tmp_path_factory):
         yield runs, state
 
 
+def _prefect_login(page, state: dict) -> None:
+    """Open the Prefect UI: it shows its login page; enter the auth string from the credentials file, as a person
+    does; then the deployments page. Reloaded once so the notices of the calls refused before the login go."""
+    creds = read_credentials(Path(state["credentials"]).parent.parent)
+    page.goto(state["services"]["prefect"]["url"] + "/deployments")
+    page.wait_for_url("**/login**", timeout=WAIT_MS)  # without the auth string the UI shows nothing else
+    page.get_by_placeholder("admin:pass").fill(creds.prefect_auth_string)
+    page.get_by_role("button", name="Login").click()
+    page.wait_for_url("**/deployments", timeout=WAIT_MS)
+    page.reload()
+
+
 def _field(page, label: str):
     """The input area of a parameter in Prefect's run form (its <label for> names no id of the textarea)."""
     return page.locator(".p-label", has=page.get_by_text(label, exact=True))
@@ -58,7 +73,7 @@ def ui_run(stack, tmp_path_factory):
     runs, state = stack
     shot = tmp_path_factory.mktemp("shots") / "stack-prefect-run.png"
     with chromium_page(1400, 1100) as page:
-        page.goto(state["services"]["prefect"]["url"] + "/deployments")
+        _prefect_login(page, state)
         page.get_by_text("pipeline", exact=True).first.click(timeout=WAIT_MS)
         page.wait_for_url("**/deployments/deployment/**", timeout=WAIT_MS)
         page.get_by_role("button", name="Run", exact=True).click()
@@ -126,7 +141,9 @@ def test_mlflow_compare_two_runs(ui_run, cli_run, stack, tmp_path):
     runs, state = stack
     assert f"MLFLOW_TRACKING_URI={state['env']['MLFLOW_TRACKING_URI']}" in cli_run  # it used the stack
     assert json.loads((runs / CLI_RUN / "summary.json").read_text())["mlflow_run_id"]
-    with chromium_page(1400, 1750) as page:  # tall enough for the chart, the run details and the parameters
+    creds = read_credentials(runs / ".stack")
+    login = {"username": creds.mlflow_username, "password": creds.mlflow_password}  # MLflow's basic-auth challenge
+    with chromium_page(1400, 1750, http_credentials=login) as page:  # tall: the chart, run details, parameters
         page.goto(state["services"]["mlflow"]["url"] + "/#/experiments/1/runs?workflowType=machine_learning")
         for name in (UI_RUN, CLI_RUN):
             row = page.locator("[role=row]", has=page.get_by_role("link", name=name, exact=True))

@@ -54,14 +54,15 @@ def served_dashboard(runs_dir: Path, log: Path) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def chromium_page(width: int = 1400, height: int = 1000):
-    """A page of headless /usr/bin/chromium driven by playwright."""
+def chromium_page(width: int = 1400, height: int = 1000, http_credentials: dict | None = None):
+    """A page of headless /usr/bin/chromium driven by playwright; `http_credentials` ({"username", "password"})
+    answer a server's HTTP basic-auth challenge as a person does in the browser's dialog."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=FLAGS, headless=True)
         try:
-            yield browser.new_page(viewport={"width": width, "height": height})
+            yield browser.new_page(viewport={"width": width, "height": height}, http_credentials=http_credentials)
         finally:
             browser.close()
 
