@@ -190,3 +190,26 @@ def test_database_urls_name_the_databases_the_init_script_creates():
 
 def _extra(name: str) -> list[str]:
     return _pyproject()["project"]["optional-dependencies"][name]
+
+
+def test_servers_ask_for_credentials_and_none_is_committed():
+    """As `forgeweave up` does: Prefect's API auth and MLflow's basic-auth app are on; every secret comes from the
+    environment compose is started with (`${VAR:?...}`: compose refuses to start without it), none from the file."""
+    services = compose()["services"]
+    assert "--app-name=basic-auth" in services["mlflow"]["command"]
+    secrets_of = {
+        "prefect": ["PREFECT_SERVER_API_AUTH_STRING"],
+        "mlflow": ["MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY"],
+        **{name: ["PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_PASSWORD"] for name in ("dashboard", "worker")},
+    }
+    for name, keys in secrets_of.items():
+        for key in keys:
+            assert re.fullmatch(r"\$\{FORGEWEAVE_\w+:\?[^}]+\}", services[name]["environment"][key]), (name, key)
+    # one string for server and clients, one password for MLflow's admin and its clients
+    env = {name: svc.get("environment", {}) for name, svc in services.items()}
+    assert env["prefect"]["PREFECT_SERVER_API_AUTH_STRING"] == env["worker"]["PREFECT_API_AUTH_STRING"]
+    assert env["mlflow"]["MLFLOW_AUTH_ADMIN_PASSWORD"] == env["worker"]["MLFLOW_TRACKING_PASSWORD"]
+    assert env["mlflow"]["MLFLOW_AUTH_ADMIN_USERNAME"] == env["worker"]["MLFLOW_TRACKING_USERNAME"]
+    ini = (DOCKER / "mlflow-auth.ini").read_text()
+    assert "admin_password" not in ini and "sqlite:////mlflow-auth/" in ini
+    assert "PREFECT_API_AUTH_STRING" in " ".join(services["worker"]["healthcheck"]["test"])  # the API asks for it
