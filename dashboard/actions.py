@@ -4,7 +4,8 @@
 and served by `forgeweave serve`, see flows/deployments.py) through `prefect.deployments.run_deployment` with
 `timeout=0`: it returns as soon as the run is scheduled; a worker of `forgeweave serve` executes it and writes
 eval.json beside the checkpoint, which the Checkpoints page then shows. An explicit client for $PREFECT_API_URL
-is used so the call never falls back to an ephemeral in-process server. prefect is imported only here.
+is used so the call never falls back to an ephemeral in-process server; it sends $PREFECT_API_AUTH_STRING when set (a
+`forgeweave up` stack's API asks for it and gives it to the dashboard it starts). prefect is imported only here.
 """
 
 from __future__ import annotations

@@ -13,7 +13,12 @@ first with the service's stop signal, then SIGKILL for whatever it left behind.
 Every port can be changed (`--prefect-port`, ...). The Prefect UI is told where its API is
 (PREFECT_UI_API_URL), so it works on any port; `forgeweave run` with the same runs directory uses the stack's
 Prefect and MLflow URLs from the state file (an explicit $PREFECT_API_URL / $MLFLOW_TRACKING_URI wins), and
-`forgeweave status --env` prints them as `export` lines for other clients. PostgreSQL refuses to run as root:
+`forgeweave status --env` prints them as `export` lines for other clients.
+
+Only the owner gets in: Prefect's API asks for an auth string (PREFECT_SERVER_API_AUTH_STRING) and MLflow runs its
+basic-auth app; the credentials are made on the first `up`, kept owner-only in `<runs>/.stack/auth/` and reused
+(flows/stack_auth.py); `serve` and the dashboard get them in their environment, `forgeweave run` and the MLflow
+tracker take them from there for this stack's servers, `up` prints where they are. PostgreSQL refuses to run as root:
 as root, its cluster directory is owned by, and the server runs as, the `postgres` user of the Debian package.
 Linux only (/proc).
 """
