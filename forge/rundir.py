@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from forge.errors import UserError
-from forge.io import atomic_write_text, write_json
+from forge.io import append_text, atomic_write_text, write_json
 from forge.records import Rollouts, ScoredBatch
 from forge.tracking import Tracker
 
@@ -65,8 +65,7 @@ def append_samples(run_dir: Path, step: int, rows: list[dict], ro: Rollouts, bat
                 **({"verifier_errors": errors} if errors else {}),  # the step's first error per verifier
             }
         )
-    with (run_dir / "samples.jsonl").open("a") as f:
-        f.write("".join(json.dumps(s) + "\n" for s in samples))
+    append_text(run_dir / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
     return samples
 
 

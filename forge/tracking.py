@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Protocol
 
-from forge.io import atomic_write_text
+from forge.io import append_text, atomic_write_text
 
 
 class Tracker(Protocol):
@@ -71,8 +71,7 @@ class JsonlTracker(NullTracker):
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         row = {"step": step, **{k: _finite(v) for k, v in metrics.items()}}
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_text(self.path, json.dumps(row) + "\n")  # a full disk: one line, no half row left
 
     def truncate_after(self, step: int) -> None:
         """Drop rows logged after `step` (they belong to work a resume will redo)."""
