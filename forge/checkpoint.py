@@ -622,24 +622,25 @@ def resume_checkpoint(root: Path) -> tuple[Path | None, str]:
         why = f"{pointer} names {repr(name[:60]) if name is not None else 'unreadable bytes'}, not a step directory"
     else:
         why = f"{pointer} names {name}, which {why}"
-    return newest_intact(root, why)
+    return newest_intact(root, why, told=name or "")
 
 
-def newest_intact(root: Path, why: str, upto: int | None = None) -> tuple[Path | None, str]:
+def newest_intact(root: Path, why: str, upto: int | None = None, told: str = "") -> tuple[Path | None, str]:
     """The newest intact checkpoint under `root` (at or before step `upto`, if given) and the line "`why`: using
     step-NNNNNN, the newest intact checkpoint"; (None, why) when there is no step directory; a UserError naming
-    every one when none is intact."""
+    every one (but `told`, the one `why` is about already) when none is intact."""
     dirs = [d for d in step_dirs(root) if upto is None or int(d.name.removeprefix("step-")) <= upto]
     problems = []
     for d in dirs:
         if not (problem := checkpoint_problem(d)):
             return d, f"{why}: using {d.name}, the newest intact checkpoint{'' if upto is None else ' before it'}"
-        problems.append(f"{d.name} {problem}")
+        problems += [f"{d.name} {problem}"] if d.name != told else []
     if not dirs:
         return None, why
+    listed = f" ({'; '.join(problems)})" if problems else ""
     raise UserError(
-        f"{why}, and no checkpoint{'' if upto is None else f' up to step {upto}'} is intact ({'; '.join(problems)}): "
-        f"copy an intact step-NNNNNN directory back into {root} from a backup, or start a new run"
+        f"{why}, and no checkpoint{'' if upto is None else f' up to step {upto}'} is intact{listed}: copy an intact "
+        f"step-NNNNNN directory back into {root} from a backup, or start a new run"
     )
 
 

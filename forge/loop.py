@@ -335,7 +335,7 @@ def rollback_target(step: int, record: RunRecord, guard: CollapseGuard) -> Path:
     if not (problem := checkpoint_problem(ckpt := root / step_dir_name(best))):
         return ckpt
     why = f"step {step}: collapse guard: the best probe's checkpoint {ckpt.name} {problem}"
-    ckpt, line = newest_intact(root, why, upto=best)
+    ckpt, line = newest_intact(root, why, upto=best - 1)
     if ckpt is None:
         raise UserError(f"{why}, and there is no checkpoint before it to roll back to: set collapse.action=warn, "
                         "then --resume")  # fmt: skip
