@@ -598,11 +598,11 @@ def checkpoint_problem(ckpt: Path) -> str:
     if not (ckpt / STATE_TENSORS).is_file():
         return f"has no {STATE_TENSORS}"
     files = sorted(ckpt.glob("*.safetensors")) + sorted((ckpt / SHARDS).glob("*.safetensors"))
-    if len(files) < 2:  # the state's tensors and some weights
-        return f"has no weights (no {WEIGHTS}, {ADAPTER} or {SHARDS}/ shards)"
     for f in files:
         if why := safetensors_problem(f):
             return f"has a damaged {f.relative_to(ckpt)} ({why})"
+    if not (has_weights(ckpt) or is_adapter(ckpt) or any(k.startswith("model.") for k in shard_keys(ckpt))):
+        return f"has no weights (no {WEIGHTS}, {ADAPTER}, or model tensors in {SHARDS}/)"
     return ""
 
 
