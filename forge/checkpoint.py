@@ -37,6 +37,7 @@ best-probe checkpoint stays).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -247,8 +248,16 @@ def write_checkpoint(snap: Snapshot, tmp: Path, rank: int, group=None) -> SaveRe
     writes the rest, makes it durable, renames `tmp` into place and moves `latest`. Returns rank 0's report.
     A full disk (or the file-size limit) on any rank: `tmp` is removed and a `DiskFull` names the directory, the
     space the checkpoint needs and the checkpoint `latest` still names (untouched)."""
-    try:
+    with room_for(snap, tmp):
         return _write_checkpoint(snap, tmp, rank, group)
+
+
+@contextlib.contextmanager
+def room_for(snap: Snapshot, tmp: Path):
+    """A full disk (or the file-size limit) met inside the block while checkpoint `snap.step` is written into
+    `tmp`: `tmp` is removed and the one-line `checkpoint_full` error raised instead."""
+    try:
+        yield
     except BaseException as e:  # DCP wraps a rank's OSError in CheckpointException (a BaseException)
         refused = disk_error_in(e)
         if refused is None:

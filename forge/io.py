@@ -86,19 +86,22 @@ def write_json(path: str | Path, obj: Any) -> None:
 
 
 def append_text(path: str | Path, text: str) -> None:
-    """Append `text` (UTF-8) to `path`; a write the disk refuses is cut back to the file's length before it (no
-    half line is left) and raised as `DiskFull`."""
-    data = text.encode("utf-8")
-    with Path(path).open("ab") as f:
-        start = f.tell()
+    """Append `text` (UTF-8) to `path` with unbuffered writes; a write the disk refuses is cut back to the file's
+    length before it (no half line is left) and raised as `DiskFull`."""
+    data = memoryview(text.encode("utf-8"))
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        start = os.fstat(fd).st_size
         try:
-            f.write(data)
-            f.flush()
+            while data:
+                data = data[os.write(fd, data) :]
         except OSError as e:
             if e.errno not in FULL:
                 raise
-            f.truncate(start)  # cutting a file shorter is allowed on a full disk and under the size limit
-            raise disk_full(path, e, len(data)) from None
+            os.ftruncate(fd, start)  # cutting a file shorter is allowed on a full disk and under the size limit
+            raise disk_full(path, e, len(text.encode("utf-8"))) from None
+    finally:
+        os.close(fd)
 
 
 def safetensors_problem(path: str | Path) -> str:

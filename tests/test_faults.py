@@ -303,42 +303,26 @@ def test_a_checkpoint_on_a_full_disk_is_one_line_and_resume_is_exact(tmp_path, c
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3, 4]  # every step once
 
 
-def test_a_metrics_append_on_a_full_disk_leaves_no_half_line(tmp_path, monkeypatch):
-    import errno
+APPEND = """
+import resource, signal, sys
+from forge.errors import DiskFull
+from forge.io import append_text
 
-    from forge.errors import DiskFull
-    from forge.io import append_text
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
+try:
+    append_text(sys.argv[1], '{"step": 2, "reward/mean": 0.25}\\n')
+except DiskFull as e:
+    print(e)
+"""
 
+
+def test_a_metrics_append_over_the_size_limit_leaves_no_half_line(tmp_path):
+    """The limit lets 10 bytes of the 33-byte row through: they are cut back, and the error names the file."""
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n')
-    real = Path.open
-
-    class Full:
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def tell(self):
-            return self.f.tell()
-
-        def truncate(self, n):
-            return self.f.truncate(n)
-
-        def write(self, data):
-            self.f.write(data[:5])
-            self.f.flush()
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        def flush(self):
-            pass
-
-    monkeypatch.setattr(Path, "open", lambda self, mode="r", *a, **k: Full(real(self, mode, *a, **k)))
-    with pytest.raises(DiskFull, match=rf"cannot write '{path}': No space left on device \(the write needed 12 B\)"):
-        append_text(path, '{"step": 2}\n')
-    monkeypatch.undo()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", APPEND, str(path), "22"], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == (f"cannot write '{path}': File too large (the write needed 33 B); free space (or "
+                                  "raise the quota / file-size limit), then --resume"), out.stderr  # fmt: skip
     assert path.read_text() == '{"step": 1}\n'
