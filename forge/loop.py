@@ -7,8 +7,9 @@
   non-finite updates), as pure functions that return a new state or a reason instead of raising.
 - `Data`: the prepared splits and the prompt sampler; `prepare_data` is the prep stage's work.
 - `restore` / `recover`: the loop state back from a checkpoint (resume, a rollback, a worker lost); a damaged or
-  missing checkpoint is never restored: `recover` and `rollback_target` fall back to the newest intact one before it
-  with one line saying so (`forge.checkpoint.resume_checkpoint` / `newest_intact`), or stop with one line.
+  missing checkpoint is never restored: `recover` falls back to the newest intact one and `rollback_target` to the
+  newest intact one before the best probe's, with one line saying so (`forge.checkpoint.resume_checkpoint` /
+  `newest_intact`), or the run stops with one line.
 - `RunRecord`: everything the run writes (the run directory and the tracker): claimed and locked at open,
   metrics/samples/eval/probe/ensemble reports per step, checkpoints once durable, status and summary.
 """

@@ -3,12 +3,12 @@
 `check_resumable(run_dir)` reads (never writes) every file a resume depends on: the checkpoint to continue from
 (`forge.checkpoint.resume_checkpoint`: the one `checkpoints/latest` names when it is intact, else the newest intact
 `step-NNNNNN`, with one stderr line saying which and why; none intact is a UserError), its trainer state (JSON +
-safetensors) and weight-file headers,
-`metrics.jsonl` (every line but a torn last one must be a metrics row), the data splits and the probe set, if any
-(readable parquet whose content hash matches data/manifest.json and the checkpoint). Any problem is a one-line UserError naming the file,
-raised while the directory is still exactly as it was. Returns the checkpoint directory, or None when the run has
-no step directory at all (it was stopped before its first checkpoint: the recipe starts it again from step 0). A second
-process on the run (`forge.rundir.RunLock`) is refused here too, before anything is written.
+safetensors) and weight-file headers, `metrics.jsonl` (every line but a torn last one must be a metrics row), the
+data splits and the probe set, if any (readable parquet whose content hash matches data/manifest.json and the
+checkpoint). Any problem is a one-line UserError naming the file, raised while the directory is still exactly as it
+was. Returns the checkpoint directory, or None when the run has no step directory at all (it was stopped before its
+first checkpoint: the recipe starts it again from step 0). A second process on the run (`forge.rundir.RunLock`) is
+refused here too, before anything is written.
 
 A resume may change the config (`--resume --set update.lr=...`): `resume_changes` compares it with the run's
 config.yaml and refuses a change the checkpoint cannot honour (`RESUME_FIXED`: seed, model.*, data.*,
