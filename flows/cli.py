@@ -195,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-# a full, read-only or forbidden disk: the user's to fix, not a bug (any other OSError keeps its traceback)
-DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+# a full, read-only or forbidden disk, or the file-size limit: the user's to fix, not a bug (any other OSError keeps
+# its traceback)
+DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 def one_line(text: str) -> str:

@@ -15,13 +15,14 @@ def evaluate_checkpoint_dir(ckpt: Path, preset: str | None, overrides: list[str]
     from forge.data import build, read_split
     from forge.evaluate import evaluate
     from forge.io import write_json
-    from forge.models import default_device, format_prompt_fn, load_policy
+    from forge.models import check_model_dir, default_device, format_prompt_fn, load_policy
     from forge.rollout import make_backend
 
     out = eval_output(out or ckpt / "eval.json")
     adapter = is_adapter(ckpt)  # a LoRA run's checkpoint: merged into its run's base model below
     if not adapter and not (ckpt / "config.json").is_file():
         raise UserError(f"'{ckpt}' is not a model directory (no config.json): pass a checkpoint directory")
+    check_model_dir(ckpt, "copy the checkpoint again from a good copy, or evaluate another step-NNNNNN directory")
     if not has_weights(ckpt) and (ckpt / SHARDS).is_dir():  # saved sharded by several ranks: assemble it once
         export_model(ckpt)
     run_dir = ckpt.resolve().parent.parent

@@ -87,6 +87,10 @@ def params_from_safetensors(d: Path, config: dict) -> int:
 
 
 def _header_params(path: Path) -> int:
+    from forge.io import check_safetensors
+    from forge.models import MODEL_FIX
+
+    check_safetensors(path, MODEL_FIX)  # a truncated file: one line naming it (not a JSONDecodeError)
     with path.open("rb") as f:
         size = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(size))

@@ -37,6 +37,7 @@ best-probe checkpoint stays).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -51,8 +52,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from forge.errors import UserError
-from forge.io import atomic_write_text
+from forge.errors import DiskFull, UserError
+from forge.io import FULL, atomic_write_text, check_safetensors, human_bytes, safetensors_problem
 
 STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
@@ -244,7 +245,55 @@ def load_adapter(model, ckpt: Path) -> None:
 
 def write_checkpoint(snap: Snapshot, tmp: Path, rank: int, group=None) -> SaveReport | None:
     """Collective over `group` (None: one process): every rank writes its shard into `tmp/state`; then rank 0
-    writes the rest, makes it durable, renames `tmp` into place and moves `latest`. Returns rank 0's report."""
+    writes the rest, makes it durable, renames `tmp` into place and moves `latest`. Returns rank 0's report.
+    A full disk (or the file-size limit) on any rank: `tmp` is removed and a `DiskFull` names the directory, the
+    space the checkpoint needs and the checkpoint `latest` still names (untouched)."""
+    with room_for(snap, tmp):
+        return _write_checkpoint(snap, tmp, rank, group)
+
+
+@contextlib.contextmanager
+def room_for(snap: Snapshot, tmp: Path):
+    """A full disk (or the file-size limit) met inside the block while checkpoint `snap.step` is written into
+    `tmp`: `tmp` is removed and the one-line `checkpoint_full` error raised instead."""
+    try:
+        yield
+    except BaseException as e:  # DCP wraps a rank's OSError in CheckpointException (a BaseException)
+        refused = disk_error_in(e)
+        if refused is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # give back what was written; nothing else was touched
+        raise checkpoint_full(snap, tmp.parent, refused) from None
+
+
+def disk_error_in(e: BaseException) -> OSError | None:
+    """The full-disk / file-size OSError behind `e` (itself, its causes, or a rank's failure DCP gathered)."""
+    seen: list[BaseException] = [e]
+    for exc in seen:
+        if isinstance(exc, OSError) and exc.errno in FULL:
+            return exc
+        failures = getattr(exc, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        more = [f[0] for f in failures.values()] if isinstance(failures, dict) else []
+        seen += [x for x in (*more, exc.__cause__, exc.__context__) if x is not None and x not in seen]
+    return None
+
+
+def checkpoint_full(snap: Snapshot, root: Path, e: OSError) -> DiskFull:
+    """The one line for checkpoint `snap.step` that did not fit under `root`: the space it needs (the state's
+    size, every rank's shard counted as this rank's) and what `latest` still names."""
+    tensors = [*snap.shards.values(), *(snap.weights or {}).values(), *snap.state_tensors.values()]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    need = sum(t.numel() * t.element_size() for t in local) * max(1, snap.world) + len(snap.state_json)
+    name = _pointer_name(root / "latest") if (root / "latest").is_file() else None
+    kept = f"{root / 'latest'} still names {name}, which is intact" if name and _STEP_DIR.fullmatch(name) and \
+        not checkpoint_problem(root / name) else "there is no earlier intact checkpoint"  # fmt: skip
+    return DiskFull(
+        f"checkpoint {step_dir_name(snap.step)} could not be written under '{root}': {e.strerror or e} (it needs "
+        f"about {human_bytes(need)}); {kept}: free space (or raise the file-size limit), then --resume"
+    )
+
+
+def _write_checkpoint(snap: Snapshot, tmp: Path, rank: int, group=None) -> SaveReport | None:
     from safetensors.torch import save_file
 
     t0 = time.perf_counter()
@@ -358,6 +407,8 @@ def export_model(ckpt: Path, out: Path | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     if is_adapter(ckpt):
         raise UserError(f"'{ckpt}' holds a LoRA adapter: export it with `forgeweave export RUN OUT` (merges it)")
+    if has_weights(ckpt):  # read or copied from here: whole, or one line naming it (never a silent bad copy)
+        check_safetensors(ckpt / WEIGHTS, "copy the checkpoint again from a good copy, or export another step")
     if out != ckpt:
         _copy_model_json(ckpt, out)
     if has_weights(ckpt):
@@ -498,14 +549,11 @@ class AsyncCheckpointer:
 
 def latest_checkpoint(root: Path) -> Path | None:
     """The complete checkpoint `latest` names, or None. `latest` must name a `step-NNNNNN` directory beside it
-    (never a path elsewhere): anything else is a UserError."""
+    (never a path elsewhere): anything else is a UserError. (A resume uses `resume_checkpoint`, which falls back.)"""
     pointer = root / "latest"
     if not pointer.is_file():
         return None
-    try:
-        name = pointer.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError):
-        name = None
+    name = _pointer_name(pointer)
     if name is None or not _STEP_DIR.fullmatch(name):
         shown = repr(name[:60]) if name is not None else "unreadable bytes"
         raise UserError(
@@ -519,9 +567,90 @@ def latest_checkpoint(root: Path) -> Path | None:
 _STEP_DIR = re.compile(r"step-\d{6,}")
 
 
+def _pointer_name(pointer: Path) -> str | None:
+    try:
+        return pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def _newest_name(root: Path) -> str:
-    found = sorted(p.name for p in root.glob("step-*") if _STEP_DIR.fullmatch(p.name))
-    return found[-1] if found else "step-000010"
+    found = step_dirs(root)
+    return found[0].name if found else "step-000010"
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """The `step-NNNNNN` directories under `root`, newest first (intact or not; never `.partial` ones)."""
+    found = [p for p in Path(root).glob("step-*") if _STEP_DIR.fullmatch(p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step-")), reverse=True)
+
+
+def checkpoint_problem(ckpt: Path) -> str:
+    """Why checkpoint directory `ckpt` cannot be restored, as a verb phrase ("" = intact), from what
+    `write_checkpoint` writes: checkpoint.json and trainer_state.json readable and of its step,
+    trainer_state.safetensors, some weights (model.safetensors, a LoRA adapter, or state/ shards), and every
+    safetensors file whole (headers and sizes only: cheap)."""
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        return "does not exist"
+    if not (ckpt / STATE_JSON).is_file():
+        legacy = f" (a pickled {LEGACY_STATE} from an older forgeweave is never loaded)"
+        return f"has no {STATE_JSON}" + (legacy if (ckpt / LEGACY_STATE).is_file() else "")
+    step = int(ckpt.name.removeprefix("step-")) if _STEP_DIR.fullmatch(ckpt.name) else None
+    for name, keys in (("checkpoint.json", {"step"}), (STATE_JSON, {"step", "trainer"})):
+        try:
+            info = json.loads((ckpt / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return f"has a damaged {name} (missing, or not JSON)"
+        if not isinstance(info, dict) or not keys <= info.keys() or step not in (None, info["step"]):
+            return f"has a {name} that is not the record of its step"
+    if not (ckpt / STATE_TENSORS).is_file():
+        return f"has no {STATE_TENSORS}"
+    files = sorted(ckpt.glob("*.safetensors")) + sorted((ckpt / SHARDS).glob("*.safetensors"))
+    for f in files:
+        if why := safetensors_problem(f):
+            return f"has a damaged {f.relative_to(ckpt)} ({why})"
+    if not (has_weights(ckpt) or is_adapter(ckpt) or any(k.startswith("model.") for k in shard_keys(ckpt))):
+        return f"has no weights (no {WEIGHTS}, {ADAPTER}, or model tensors in {SHARDS}/)"
+    return ""
+
+
+def resume_checkpoint(root: Path) -> tuple[Path | None, str]:
+    """The checkpoint a resume (or a recovery after a lost worker) continues from, and "" or one line saying why it
+    is not the one `latest` names: that one when it is intact, else the newest intact `step-NNNNNN` (`latest`
+    missing, unreadable, dangling or naming a damaged checkpoint). (None, why) when there is no step directory at
+    all (the run starts from step 0); a UserError naming each when step directories exist but none is intact."""
+    root = Path(root)
+    pointer = root / "latest"
+    name = _pointer_name(pointer) if pointer.is_file() else None
+    if name is not None and _STEP_DIR.fullmatch(name) and not (why := checkpoint_problem(root / name)):
+        return root / name, ""
+    if not pointer.is_file():
+        why = f"{pointer} is missing"
+    elif name is None or not _STEP_DIR.fullmatch(name):
+        why = f"{pointer} names {repr(name[:60]) if name is not None else 'unreadable bytes'}, not a step directory"
+    else:
+        why = f"{pointer} names {name}, which {why}"
+    return newest_intact(root, why, told=name or "")
+
+
+def newest_intact(root: Path, why: str, upto: int | None = None, told: str = "") -> tuple[Path | None, str]:
+    """The newest intact checkpoint under `root` (at or before step `upto`, if given) and the line "`why`: using
+    step-NNNNNN, the newest intact checkpoint"; (None, why) when there is no step directory; a UserError naming
+    every one (but `told`, the one `why` is about already) when none is intact."""
+    dirs = [d for d in step_dirs(root) if upto is None or int(d.name.removeprefix("step-")) <= upto]
+    problems = []
+    for d in dirs:
+        if not (problem := checkpoint_problem(d)):
+            return d, f"{why}: using {d.name}, the newest intact checkpoint{'' if upto is None else ' before it'}"
+        problems += [f"{d.name} {problem}"] if d.name != told else []
+    if not dirs:
+        return None, why
+    listed = f" ({'; '.join(problems)})" if problems else ""
+    raise UserError(
+        f"{why}, and no checkpoint{'' if upto is None else f' up to step {upto}'} is intact{listed}: copy an intact "
+        f"step-NNNNNN directory back into {root} from a backup, or start a new run"
+    )
 
 
 def load_state(ckpt: Path) -> dict:
@@ -588,7 +717,7 @@ def apply_retention(root: Path, keep_last: int, keep_best: int) -> list[Path]:
     """Delete checkpoints outside keep_last newest + keep_best best (never the one `latest` names)."""
     dirs = sorted(p for p in root.glob("step-*") if p.is_dir())
     keep = set(dirs[-keep_last:]) if keep_last > 0 else set()
-    scored = [(d, _score(d)) for d in dirs]
+    scored = [(d, score_of(d)) for d in dirs]
     scored = [(d, s) for d, s in scored if s is not None]
     scored.sort(key=lambda ds: (-ds[1], ds[0].name))
     keep |= {d for d, _ in scored[:keep_best]}
@@ -601,7 +730,8 @@ def apply_retention(root: Path, keep_last: int, keep_best: int) -> list[Path]:
     return removed
 
 
-def _score(ckpt: Path) -> float | None:
+def score_of(ckpt: Path) -> float | None:
+    """The retention score checkpoint.json records (eval or probe pass@1), or None."""
     try:
         return json.loads((ckpt / "checkpoint.json").read_text()).get("eval_pass@1")
     except (OSError, ValueError):

@@ -141,6 +141,11 @@ class CollapseGuard:
                 self.held, self.since = [step, self.best], [0.0, 0]
         return event
 
+    def holding(self, step: int, pass1: float | None) -> None:
+        """After a firing at `step`, the run restored other weights than the best probe's (its checkpoint was
+        damaged): their probe pass@1 `pass1` (None: unknown) is the score of the checkpoint written at `step`."""
+        self.held = [step, pass1]
+
     def metrics(self, event: GuardEvent | None) -> dict[str, float]:
         """`guard/fired` (0/1), `guard/rollbacks` and, for a rollback, `guard/rollback_to` of a probe step."""
         m = {"guard/fired": float(event is not None), "guard/rollbacks": float(self.rollbacks)}

@@ -1,19 +1,60 @@
-"""Atomic file writes for run artifacts.
+"""Atomic file writes for run artifacts, appends that never leave half a line, and the check of a weight file.
 
 Each writer puts the data in a temporary file in the destination's directory (same filesystem), flushes and
 fsyncs it, then `os.replace`s it over the destination: a reader sees the old file or the new one, never a
 half-written one. Parent directories are created. The directory itself is not fsynced, so after a power loss
 the rename may be lost (the old file remains); that is enough for crash-safe resume and concurrent readers.
+
+A full disk (ENOSPC), a quota (EDQUOT) or the file-size limit (EFBIG) met by any of these writes is a one-line
+`DiskFull` naming the file and the bytes the write needed; the destination is as it was (an append is cut back to
+the file's length before it).
+
+`safetensors_problem(path)` says why a file is not a whole safetensors file (the 8-byte header length, the JSON
+header and every tensor's byte range against the file's size; no tensor is read), and `check_safetensors` turns
+that into a one-line UserError naming the file: every weight file read from a path a user gave goes through it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from forge.errors import DiskFull, UserError
+
+# no space, over a quota, over the process's file-size limit (RLIMIT_FSIZE, with SIGXFSZ ignored)
+FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def human_bytes(n: int) -> str:
+    """`n` bytes for a person: 512 B, 12.3 kB, 4.5 MB, 1.2 GB."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def disk_full(path: str | Path, e: OSError, need: int) -> DiskFull:
+    """The one-line error for a write of `need` bytes to `path` that the disk (or a limit) refused."""
+    return DiskFull(
+        f"cannot write '{path}': {e.strerror or os.strerror(e.errno)} (the write needed {human_bytes(need)}); free "
+        "space (or raise the quota / file-size limit), then --resume"
+    )
+
+
+@contextlib.contextmanager
+def space_for(path: str | Path, need: int):
+    """Turn a full disk (or a file-size limit) met inside the block into `disk_full(path, ..., need)`."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in FULL:
+            raise
+        raise disk_full(path, e, need) from None
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
@@ -22,7 +63,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with space_for(path, len(data)), os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -42,3 +83,51 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 def write_json(path: str | Path, obj: Any) -> None:
     """Write `obj` as indented JSON (UTF-8, trailing newline) to `path` atomically."""
     atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def append_text(path: str | Path, text: str) -> None:
+    """Append `text` (UTF-8) to `path` with unbuffered writes; a write the disk refuses is cut back to the file's
+    length before it (no half line is left) and raised as `DiskFull`."""
+    data = memoryview(text.encode("utf-8"))
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        start = os.fstat(fd).st_size
+        try:
+            while data:
+                data = data[os.write(fd, data) :]
+        except OSError as e:
+            if e.errno not in FULL:
+                raise
+            os.ftruncate(fd, start)  # cutting a file shorter is allowed on a full disk and under the size limit
+            raise disk_full(path, e, len(text.encode("utf-8"))) from None
+    finally:
+        os.close(fd)
+
+
+def safetensors_problem(path: str | Path) -> str:
+    """Why `path` is not a whole safetensors file ("" when it is): its header length, JSON header and tensor byte
+    ranges are checked against the file's size; no tensor is read."""
+    try:
+        size = Path(path).stat().st_size
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if size < 8 or length > size - 8:
+                return f"truncated: {size} bytes, shorter than its header says"
+            header = json.loads(f.read(length).decode("utf-8"))
+    except OSError as e:
+        return f"cannot be read: {e.strerror}"
+    except ValueError:  # json and unicode errors
+        return "its header is not valid JSON (truncated or not a safetensors file)"
+    try:
+        ends = [int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"]
+    except (AttributeError, KeyError, TypeError, IndexError, ValueError):
+        return "its header does not describe tensors (not a safetensors file)"
+    have, need = size - 8 - length, max(ends, default=0)
+    cut = "truncated: " if have < need else ""
+    return "" if need == have else f"{cut}its tensors need {need} bytes of data and the file holds {have}"
+
+
+def check_safetensors(path: str | Path, fix: str) -> None:
+    """A UserError naming `path`, why it is damaged and `fix` (what to do), unless it is a whole safetensors file."""
+    if why := safetensors_problem(path):
+        raise UserError(f"weight file '{path}' is damaged ({why}): {fix}")

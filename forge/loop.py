@@ -6,7 +6,10 @@
 - `verifier_streaks`, `update_streak` + `stop_reason`: the stop rules (a verifier failing on every item,
   non-finite updates), as pure functions that return a new state or a reason instead of raising.
 - `Data`: the prepared splits and the prompt sampler; `prepare_data` is the prep stage's work.
-- `restore` / `recover`: the loop state back from a checkpoint (resume, a rollback, a worker lost).
+- `restore` / `recover`: the loop state back from a checkpoint (resume, a rollback, a worker lost); a damaged or
+  missing checkpoint is never restored: `recover` falls back to the newest intact one and `rollback_target` to the
+  newest intact one before the best probe's, with one line saying so (`forge.checkpoint.resume_checkpoint` /
+  `newest_intact`), or the run stops with one line.
 - `RunRecord`: everything the run writes (the run directory and the tracker): claimed and locked at open,
   metrics/samples/eval/probe/ensemble reports per step, checkpoints once durable, status and summary.
 """
@@ -24,16 +27,20 @@ from typing import TYPE_CHECKING
 from forge.checkpoint import (
     SaveReport,
     apply_retention,
+    checkpoint_problem,
     export_model,
     has_weights,
     is_adapter,
-    latest_checkpoint,
     load_state,
+    newest_intact,
     remove_partial,
+    resume_checkpoint,
+    score_of,
     step_dir_name,
 )
 from forge.config import RunConfig, dump_yaml
 from forge.data import PromptSampler, check_data_hash, prepare, read_probe, read_split
+from forge.errors import DiskFull, UserError
 from forge.guard import CollapseGuard
 from forge.io import atomic_write_text, write_json
 from forge.metrics import error_line, probe_metrics
@@ -184,7 +191,7 @@ class RunRecord:
         try:
             yield
         except BaseException as e:
-            with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped the run
+            with contextlib.suppress(OSError, DiskFull):  # a full disk must not hide the error that stopped the run
                 write_status(self.run_dir, "failed", step=self.status_step, error=f"{type(e).__name__}: {e}")
             with contextlib.suppress(Exception):
                 self.tracker.finish("FAILED")
@@ -305,10 +312,12 @@ def restore(ckpt: Path, work: Stages, data: Data, record: RunRecord, guard: Coll
 
 def recover(first: tuple[LoopState, dict | None], work: Stages, data: Data, record: RunRecord,
             guard: CollapseGuard | None) -> LoopState:  # fmt: skip
-    """After a worker died: the last checkpoint, or (none yet) step 0 again with the rebuilt workers' weights;
-    `first`: the loop state and the guard's state after step 0."""
-    ckpt = latest_checkpoint(record.run_dir / "checkpoints")
+    """After a worker died: the last intact checkpoint (as a resume picks it), or (no step directory yet) step 0
+    again with the rebuilt workers' weights; `first`: the loop state and the guard's state after step 0."""
+    ckpt, why = resume_checkpoint(record.run_dir / "checkpoints")
     if ckpt is not None:
+        if why:
+            say(f"forgeweave: {why}")
         return restore(ckpt, work, data, record, guard)
     data.sampler = PromptSampler(data.train, seed=record.cfg.seed)
     record.truncate(0)
@@ -317,6 +326,23 @@ def recover(first: tuple[LoopState, dict | None], work: Stages, data: Data, reco
         guard.load_state_dict(first_guard)
         record.probe_log(guard.events)
     return first_state
+
+
+def rollback_target(step: int, record: RunRecord, guard: CollapseGuard) -> Path:
+    """The checkpoint a collapse-guard rollback (or stop) at probe step `step` restores: the best probe's when it is
+    intact, else the newest intact one before it, said in one line (the guard then holds that one's weights and
+    probe score); none intact is a UserError, and the run stops."""
+    root, best = record.run_dir / "checkpoints", guard.best_step
+    if not (problem := checkpoint_problem(ckpt := root / step_dir_name(best))):
+        return ckpt
+    why = f"step {step}: collapse guard: the best probe's checkpoint {ckpt.name} {problem}"
+    ckpt, line = newest_intact(root, why, upto=best - 1)
+    if ckpt is None:
+        raise UserError(f"{why}, and there is no checkpoint before it to roll back to: set collapse.action=warn, "
+                        "then --resume")  # fmt: skip
+    say(f"forgeweave: {line}")
+    guard.holding(step, score_of(ckpt))
+    return ckpt
 
 
 def say(line: str) -> None:

@@ -2,7 +2,8 @@
 
 - `load_policy(cfg)` resolves `cfg.path`: a built-in name (`tiny-random`, `smollm2-135m-instruct`), a local HF
   directory, or a hub id `org/name` (fetched by transformers when online, or from the local HF cache; an id that
-  cannot be fetched is a one-line error saying how to point model.path at a local directory).
+  cannot be fetched is a one-line error saying how to point model.path at a local directory). A local directory's
+  weight files are checked first (`check_model_dir`: headers and sizes): a truncated one is a one-line error.
 - LoRA (`model.lora.rank` > 0): the update's copy is a peft model with the adapter alone trainable (`add_lora`);
   what the rollout copies receive is `merged_weights`: W + scale * B @ A under the base model's names.
 - `tiny-random` is a 2-layer Llama with a character-level tokenizer trained in-process with `tokenizers`;
@@ -31,10 +32,23 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from forge.config import LoraConfig, ModelConfig
 from forge.errors import UserError
+from forge.io import check_safetensors
 
 TINY = "tiny-random"
 SMOLLM2 = "smollm2-135m-instruct"
 BUILTINS = (TINY, SMOLLM2)
+
+
+MODEL_FIX = "replace it with a whole copy (download or export the model again), or set model.path to another directory"
+
+
+def check_model_dir(path: str | Path, fix: str = MODEL_FIX) -> None:
+    """Every safetensors file of local model directory `path` is whole (headers and sizes only, no tensor read);
+    else a one-line UserError naming the file and `fix`. A hub id or built-in name (no such directory) passes."""
+    d = Path(path).expanduser()
+    if d.is_dir():
+        for f in sorted(d.glob("*.safetensors")):
+            check_safetensors(f, fix)
 
 
 def cache_dir() -> Path:
@@ -60,6 +74,7 @@ def load_policy(
         path = smollm2_dir() if cfg.path == SMOLLM2 else _resolve_path(cfg.path)
         tok = _load(AutoTokenizer.from_pretrained, path)
         if weights:
+            check_model_dir(path)  # a truncated weight file: one line naming it, not a safetensors traceback
             model = _load(AutoModelForCausalLM.from_pretrained, path, dtype=torch.float32, **attn)
         else:
             with torch.device("meta"):

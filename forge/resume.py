@@ -1,12 +1,14 @@
 """What a `--resume` needs, checked before the resumed run writes anything into its directory.
 
-`check_resumable(run_dir)` reads (never writes) every file a resume depends on: `checkpoints/latest` (it must name
-a step directory beside it), the checkpoint's trainer state (JSON + safetensors) and weight-file headers,
-`metrics.jsonl` (every line but a torn last one must be a metrics row), the data splits and the probe set, if any
-(readable parquet whose content hash matches data/manifest.json and the checkpoint). Any problem is a one-line UserError naming the file,
-raised while the directory is still exactly as it was. Returns the checkpoint directory, or None when the run has
-no checkpoint yet (it was stopped before its first one: the recipe starts it again from step 0). A second
-process on the run (`forge.rundir.RunLock`) is refused here too, before anything is written.
+`check_resumable(run_dir)` reads (never writes) every file a resume depends on: the checkpoint to continue from
+(`forge.checkpoint.resume_checkpoint`: the one `checkpoints/latest` names when it is intact, else the newest intact
+`step-NNNNNN`, with one stderr line saying which and why; none intact is a UserError), its trainer state (JSON +
+safetensors) and weight-file headers, `metrics.jsonl` (every line but a torn last one must be a metrics row), the
+data splits and the probe set, if any (readable parquet whose content hash matches data/manifest.json and the
+checkpoint). Any problem is a one-line UserError naming the file, raised while the directory is still exactly as it
+was. Returns the checkpoint directory, or None when the run has no step directory at all (it was stopped before its
+first checkpoint: the recipe starts it again from step 0). A second process on the run (`forge.rundir.RunLock`) is
+refused here too, before anything is written.
 
 A resume may change the config (`--resume --set update.lr=...`): `resume_changes` compares it with the run's
 config.yaml and refuses a change the checkpoint cannot honour (`RESUME_FIXED`: seed, model.*, data.*,
@@ -22,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from forge.checkpoint import STATE_TENSORS, damaged, latest_checkpoint, load_state
+from forge.checkpoint import load_state, resume_checkpoint
 from forge.config import ConfigError, RunConfig, config_diff, dump_yaml, load_yaml, require
 from forge.data import check_data_hash, read_probe, read_split
 from forge.io import atomic_write_text
@@ -68,32 +70,18 @@ def check_resumable(run_dir: Path) -> Path | None:
     refuse_if_locked(run_dir)
     if (run_dir / "metrics.jsonl").is_file():
         read_metrics(run_dir / "metrics.jsonl", strict=True)
-    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    ckpt, why = resume_checkpoint(run_dir / "checkpoints")  # intact: files readable, weight headers whole
     if ckpt is not None:
         saved = load_state(ckpt)
-        check_weight_files(ckpt)
         train, eval_ = read_split(run_dir, "train"), read_split(run_dir, "eval")
         check_data_hash(run_dir, train, eval_, saved.get("data_hash"), read_probe(run_dir))
     note_stale(run_dir)
     if ckpt is None:
-        print(f"forgeweave: {run_dir.name} has no checkpoint yet: starting it from step 0", file=sys.stderr)
+        reason = f" ({why})" if (run_dir / "checkpoints" / "latest").is_file() else ""
+        print(f"forgeweave: {run_dir.name} has no checkpoint yet{reason}: starting it from step 0", file=sys.stderr)
+    elif why:
+        print(f"forgeweave: {run_dir.name}: {why}", file=sys.stderr)
     return ckpt
-
-
-def check_weight_files(ckpt: Path) -> None:
-    """Every safetensors file of the checkpoint has a valid header and is as long as it says (reads headers only)."""
-    from safetensors import safe_open
-
-    files = [f for f in Path(ckpt).glob("*.safetensors") if f.name != STATE_TENSORS]
-    files += list((Path(ckpt) / "state").glob("*.safetensors"))
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as handle:
-                keys = list(handle.keys())
-                if keys:
-                    handle.get_slice(keys[-1])  # the last tensor's bytes must be inside the file
-        except Exception as e:  # SafetensorError: truncated or edited
-            raise damaged(ckpt, e) from None
 
 
 def resume_changes(run_dir: Path, cfg: RunConfig, ckpt: Path | None) -> dict[str, list]:

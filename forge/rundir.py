@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from forge.errors import UserError
-from forge.io import atomic_write_text, write_json
+from forge.io import append_text, atomic_write_bytes, atomic_write_text, write_json
 from forge.records import Rollouts, ScoredBatch
 from forge.tracking import Tracker
 
@@ -65,8 +65,7 @@ def append_samples(run_dir: Path, step: int, rows: list[dict], ro: Rollouts, bat
                 **({"verifier_errors": errors} if errors else {}),  # the step's first error per verifier
             }
         )
-    with (run_dir / "samples.jsonl").open("a") as f:
-        f.write("".join(json.dumps(s) + "\n" for s in samples))
+    append_text(run_dir / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
     return samples
 
 
@@ -77,12 +76,14 @@ def _num(x: torch.Tensor) -> float | None:
 
 def truncate_samples(run_dir: Path, step: int) -> None:
     path = run_dir / "samples.jsonl"
-    if path.exists():
-        keep = [line for line in path.read_text(errors="replace").splitlines() if _line_step(line) <= step]
-        atomic_write_text(path, "".join(line + "\n" for line in keep))
+    if path.exists():  # the lines kept are byte for byte what was written; nothing to drop: not rewritten
+        data = path.read_bytes()
+        kept = b"".join(line + b"\n" for line in data.split(b"\n") if line and _line_step(line) <= step)
+        if kept != data:
+            atomic_write_bytes(path, kept)
 
 
-def _line_step(line: str) -> int:
+def _line_step(line: bytes) -> int:
     try:
         return int(json.loads(line)["step"])
     except (ValueError, KeyError, TypeError):

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Protocol
 
-from forge.io import atomic_write_text
+from forge.io import append_text, atomic_write_bytes
 
 
 class Tracker(Protocol):
@@ -71,15 +71,18 @@ class JsonlTracker(NullTracker):
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         row = {"step": step, **{k: _finite(v) for k, v in metrics.items()}}
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_text(self.path, json.dumps(row) + "\n")  # a full disk: one line, no half row left
 
     def truncate_after(self, step: int) -> None:
-        """Drop rows logged after `step` (they belong to work a resume will redo)."""
+        """Drop rows logged after `step` (they belong to work a resume will redo) and a torn last line; every line
+        kept is byte for byte what was written, and a file with nothing to drop is not rewritten."""
         if not self.path.exists():
             return
-        rows = read_metrics(self.path, strict=True)
-        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in rows if r.get("step", 0) <= step))
+        read_metrics(self.path, strict=True)  # a damaged line (but a torn last one) is a one-line error
+        data = self.path.read_bytes()
+        kept = b"".join(line + b"\n" for line in data.split(b"\n") if 0 <= _line_step(line) <= step)
+        if kept != data:
+            atomic_write_bytes(self.path, kept)
 
 
 def read_metrics(path: Path, strict: bool = False) -> list[dict]:
@@ -106,6 +109,15 @@ def read_metrics(path: Path, strict: bool = False) -> list[dict]:
             continue
         rows[row["step"]] = {**rows.get(row["step"], {}), **row}
     return list(rows.values())
+
+
+def _line_step(line: bytes) -> int:
+    """The step of a metrics.jsonl line, or -1 for a line that is not a metrics row (a torn last line)."""
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except ValueError:
+        return -1
+    return row["step"] if isinstance(row, dict) and isinstance(row.get("step"), int) else -1
 
 
 def _finite(v):

@@ -50,6 +50,7 @@ from forge.checkpoint import (
     encode_state,
     host_snapshot,
     load_state,
+    room_for,
     write_checkpoint,
     write_model_files,
 )
@@ -300,7 +301,8 @@ class TrainerWorker:
         check_finite(snap, Path(root), self.checkpoint_group)  # a NaN never reaches a checkpoint (nor `latest`)
         tmp = begin_checkpoint(Path(root), step, self.rank)
         if self.rank == 0:
-            write_model_files(tmp, self.trainer.unwrapped, self.tokenizer)
+            with room_for(snap, tmp):  # a full disk here too is one line and leaves no partial directory
+                write_model_files(tmp, self.trainer.unwrapped, self.tokenizer)
         write = functools.partial(write_checkpoint, tmp=tmp, rank=self.rank, group=self.checkpoint_group)
         if self.cfg.checkpoint.async_save:  # copy in the background too: see AsyncCheckpointer
             self.saver.submit(functools.partial(host_snapshot, snap), write)

@@ -76,9 +76,10 @@ def yaml_config(content: bytes) -> callable:
     return argv
 
 
-def resume(damage: callable = lambda run: None) -> callable:
+def resume(*damages: callable) -> callable:
     def argv(tmp: Path, run: Path) -> list[str]:
-        damage(run)
+        for damage in damages:
+            damage(run)
         return ["run", "--name", run.name, "--resume", "--runs-dir", str(run.parent), "--quiet", "--no-prefect"]
 
     return argv
@@ -98,6 +99,19 @@ def truncate(rel: str, keep: float = 0.5):
         p.write_bytes(data[: int(len(data) * keep)])
 
     return damage
+
+
+NONE_INTACT = "and no checkpoint is intact (step-000001 has"
+
+
+def every_checkpoint(damage: callable, name: str, *args) -> callable:
+    """`damage(f"checkpoints/step-N/{name}", *args)` applied to every checkpoint of the run."""
+
+    def each(run: Path) -> None:
+        for ckpt in sorted((run / "checkpoints").glob("step-*")):
+            damage(str(ckpt.relative_to(run) / name), *args)(run)
+
+    return each
 
 
 def write(rel: str, content: bytes):
@@ -150,10 +164,11 @@ class _Planted:
 
 
 def legacy_pickle(run: Path) -> None:
-    """Only a pickled trainer_state.pt (what forgeweave wrote before issue 19), planted: never unpickled."""
-    ckpt = run / "checkpoints" / "step-000002"
-    (ckpt / "trainer_state.json").unlink()
-    (ckpt / "trainer_state.pt").write_bytes(pickle.dumps(_Planted()))
+    """Only a pickled trainer_state.pt (what forgeweave wrote before issue 19) in every checkpoint, planted: never
+    unpickled."""
+    for ckpt in (run / "checkpoints").glob("step-*"):
+        (ckpt / "trainer_state.json").unlink()
+        (ckpt / "trainer_state.pt").write_bytes(pickle.dumps(_Planted()))
     (run / "batch.pt").write_bytes(pickle.dumps(_Planted()))
 
 
@@ -231,17 +246,17 @@ CASES = [
         with_file("m/config.json", b"{garbage", "model.path={tmp}/m"),
         "config.json': Expecting property name",
     ),
-    # resuming a damaged run (-> the file)
-    (
-        "latest-escapes",
-        resume(write("checkpoints/latest", b"../../../etc\n")),
-        "checkpoints/latest names '../../../etc'",
-    ),
-    ("latest-garbage", resume(write("checkpoints/latest", b"\xff\xfe\x00")), "unreadable bytes"),
+    # resuming a run whose every checkpoint is damaged (-> each one; one damaged checkpoint is resumed from the newest
+    # intact one: tests/test_faults.py)
     ("metrics-corrupt", resume(garbage_metrics_line), "metrics.jsonl: line 2 is not a metrics row"),
-    ("state-json-truncated", resume(truncate("checkpoints/step-000002/trainer_state.json")), "is damaged"),
-    ("state-tensors-truncated", resume(truncate("checkpoints/step-000002/trainer_state.safetensors")), "is damaged"),
-    ("weights-truncated", resume(truncate("checkpoints/step-000002/model.safetensors", 0.9)), "is damaged"),
+    ("state-json-truncated", resume(every_checkpoint(truncate, "trainer_state.json")), NONE_INTACT),
+    ("state-tensors-truncated", resume(every_checkpoint(truncate, "trainer_state.safetensors")), "damaged trainer_st"),
+    ("weights-truncated", resume(every_checkpoint(truncate, "model.safetensors", 0.9)), "damaged model.safetensors"),
+    (
+        "latest-garbage-none-intact",
+        resume(write("checkpoints/latest", b"\xff\xfe\x00"), every_checkpoint(truncate, "model.safetensors")),
+        "names unreadable bytes, not a step directory, and no checkpoint is intact",
+    ),
     ("split-corrupt", resume(truncate("data/train.parquet")), "train.parquet: not a readable parquet"),
     ("data-changed", resume(other_data), "splits changed since data/manifest.json"),
     ("planted-pickle", resume(legacy_pickle), "a pickled trainer_state.pt from an older forgeweave is never loaded"),

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from forge.checkpoint import latest_checkpoint, load_state, step_dir_name
+from forge.checkpoint import load_state
 from forge.config import AlgoConfig, RunConfig
 from forge.errors import UserError
 from forge.guard import CollapseGuard
@@ -55,6 +55,7 @@ from forge.loop import (
     prepare_data,
     recover,
     restore,
+    rollback_target,
     say,
     stop_reason,
     update_streak,
@@ -143,7 +144,7 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False, tracker: Tracker | 
         guard = CollapseGuard.for_run(cfg.collapse) if sched.probe_every else None
         work, restarts, ahead = start(stages, cfg, run_dir, plan, record), 0, {}
         try:
-            state = restore(latest_checkpoint(run_dir / "checkpoints"), work, data, record, guard) if resume else \
+            state = restore(record.resume_from, work, data, record, guard) if resume else \
                 first_eval(cfg, work, runner, data, record, guard, sched)  # fmt: skip
             first = (state, guard.state_dict() if guard else None)  # what a recovery before any checkpoint redoes
             bar = progress_bar(cfg.steps, state.step, progress)
@@ -154,8 +155,10 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool = False, tracker: Tracker | 
                 except WorkerLost as lost:  # rebuild the workers; continue from the last checkpoint
                     restarts += 1
                     if restarts > cfg.orchestration.max_restarts:
-                        raise UserError(f"{lost} (after {restarts - 1} restarts; orchestration.max_restarts="
-                                        f"{cfg.orchestration.max_restarts}); continue with --resume") from lost
+                        raise UserError(
+                            f"{lost} (after {restarts - 1} restarts; orchestration.max_restarts="
+                            f"{cfg.orchestration.max_restarts}); continue with --resume"
+                        ) from lost
                     say(f"forgeweave: {lost}; restarting the workers ({restarts}/{cfg.orchestration.max_restarts})")
                     work.close()
                     work, ahead = start(stages, cfg, run_dir, plan, record), {}
@@ -234,11 +237,14 @@ def probe(step, state, cfg, work, runner, data, record, guard) -> LoopState:
     say(event.line())
     if event.action in ("rollback", "stop"):  # the best probe's weights, optimizer, reward state (and eval)
         state = collect_saved(state, work, record)  # it may still be in flight; retention keeps it
-        saved = load_state(ckpt := record.run_dir / "checkpoints" / step_dir_name(guard.best_step))
+        ckpt = rollback_target(step, record, guard)  # the best probe's, or the newest intact one before it
+        saved = load_state(ckpt)
         work.restore(ckpt, saved.get("aggregator"), None)  # new prompts and rollout RNG go on
-        if (saved.get("last_eval") or {}).get("step") == guard.best_step:
+        if (saved.get("last_eval") or {}).get("step") == saved["step"]:
             state = dataclasses.replace(state, last_eval=saved["last_eval"])
-    return dataclasses.replace(state, stopped=event.line().removeprefix("forgeweave: ") if event.action == "stop" else "")
+    return dataclasses.replace(
+        state, stopped=event.line().removeprefix("forgeweave: ") if event.action == "stop" else ""
+    )
 
 
 def checkpoint(step, state, cfg, work, runner, data, record, guard) -> LoopState:
@@ -293,5 +299,3 @@ def first_eval(cfg, work, runner, data, record, guard, sched) -> LoopState:
             state = checkpoint(0, state, cfg, work, runner, data, record, guard)
     record.status("running", 0)
     return state
-
-

@@ -27,11 +27,12 @@ def _load_tokenizer(path: str, what: str):
     """(checked directory, tokenizer with a pad token) for a local model directory or a built-in model name."""
     from transformers import AutoTokenizer
 
-    from forge.models import SMOLLM2, smollm2_dir
+    from forge.models import SMOLLM2, check_model_dir, smollm2_dir
 
     p = smollm2_dir() if path == SMOLLM2 else Path(path).expanduser()
     if not (p / "config.json").is_file():
         raise UserError(f"{what} '{path}' is not a local Hugging Face model directory (no config.json)")
+    check_model_dir(p, f"replace it with a whole copy, or point the {what} verifier at another model directory")
     tok = AutoTokenizer.from_pretrained(p)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
