@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -40,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
 
 import forge
 from flows.ray_actor import StageActor
@@ -108,7 +109,7 @@ class RayStages:
         self._stored: tuple[Rollouts, ray.ObjectRef] | None = None  # the last rollouts and their object-store copy
         self._load_seconds = 0.0
         self.pad_id = load_tokenizer(cfg.model).pad_token_id
-        _check_pools(self.plan)
+        _check_pools(self.plan, self.run_dir)
         try:
             self._start_trainers(actor_specs(self.plan, "update", cores), micro_update)
             self._start_rollouts(cores)
@@ -296,6 +297,8 @@ class RayStages:
                 results.append(ray.get(ref, timeout=timeout))
             except RayActorError as e:
                 raise WorkerLost(f"{stage}: a Ray actor died ({_first_line(e)})") from None
+            except ObjectLostError as e:  # its only copy was on a node that died (e.g. the weights a rank returned)
+                raise WorkerLost(f"{stage}: a Ray object was lost with its node ({_first_line(e)})") from None
             except RayTaskError as e:
                 raised = raised or e
                 results.append(None)
@@ -307,16 +310,33 @@ class RayStages:
         return results
 
 
-def _check_pools(plan: Plan) -> None:
-    """Every pool the stages use must be offered by a node, else the actors would wait forever to be placed."""
+def _check_pools(plan: Plan, run_dir: Path) -> None:
+    """Every pool the stages use must be offered by a live node, else the actors would wait forever to be placed. A
+    pool whose node this run's workers ran on (workers.json) is dead now lost it mid-run: the line names the node
+    and says that the run continues with --resume once one is back."""
     offered = ray.cluster_resources()
     for stage in ("rollout", "reward", "update"):
         for pool in plan.for_stage(stage).pools:
-            if offered.get(pool_resource(pool), 0) <= 0:
+            resource = pool_resource(pool)
+            if offered.get(resource, 0) > 0:
+                continue
+            start = f"`ray start --address HEAD:PORT --resources '{{\"{resource}\": 1000}}'`"
+            if lost := _lost_nodes(run_dir, stage):
                 raise UserError(
-                    f"no Ray node offers pool {pool!r} (stage {stage}): start its nodes with "
-                    f"`ray start --address HEAD:PORT --resources '{{\"{pool_resource(pool)}\": 1000}}'`"
+                    f"pool {pool!r} (stage {stage}) lost its Ray node {', '.join(lost)} and no live node offers it: "
+                    f"start one with {start}, then continue with --resume"
                 )
+            raise UserError(f"no Ray node offers pool {pool!r} (stage {stage}): start its nodes with {start}")
+
+
+def _lost_nodes(run_dir: Path, stage: str) -> list[str]:
+    """The nodes (address and id prefix) this run's `stage` workers last ran on that Ray now lists as dead."""
+    try:
+        where = json.loads((run_dir / "workers.json").read_text()).get(stage, [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    dead = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in ray.nodes() if not n.get("Alive")}
+    return sorted({f"{dead[w['node_id']]} ({w['node_id'][:8]})" for w in where if w.get("node_id") in dead})
 
 
 def _first_line(e: BaseException) -> str:

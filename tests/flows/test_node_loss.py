@@ -1,0 +1,109 @@
+"""Losing a whole Ray node mid-run, on a simulated cluster (`ray.cluster_utils.Cluster`, every node on this machine).
+
+The head node offers pool `gen` (rollout, reward, evaluate) and runs the driver; a second node offers pool `train`
+(update, 2 ranks). `Cluster.remove_node(node, allow_graceful=False)` kills that node's raylet and every worker on it
+at once, as a power loss would. It is removed by the run itself, at the start of a given step's update (a
+`RayStages` whose `update` does it first), so where the loss lands does not depend on timing. The GCS is told to
+health-check nodes every 100 ms, so a dead node is noticed in about a second instead of Ray's default ~30 s.
+The reference is the same run on the same cluster, uninterrupted.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from flows.execute import train
+from flows.planning import plan_run
+from flows.ray_exec import RayStages
+from forge.errors import UserError
+from forge.presets import tiny
+from forge.recipes.grpo import run as grpo_run
+from tests.flows.test_ray_exec import POOLS, assert_close_runs, metrics
+
+pytestmark = pytest.mark.slow
+FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 100,
+                      "health_check_timeout_ms": 200, "health_check_failure_threshold": 3}  # fmt: skip
+TRAIN_NODE = {"num_cpus": 2, "resources": {"pool:train": 1000}, "node_ip_address": "127.0.0.1"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Head (pool gen, the driver) + one train node; the tests may remove and re-add the train node."""
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "resources": {"pool:gen": 1000}, "include_dashboard": False,
+                        "node_ip_address": "127.0.0.1", "_system_config": FAST_HEALTH_CHECKS},
+    )  # fmt: skip
+    c.add_node(**TRAIN_NODE)
+    ray.init(address=c.address, log_to_driver=False)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def node_cfg(steps: int = 4):
+    cfg = tiny()
+    cfg.steps, cfg.eval.every, cfg.checkpoint.every = steps, 2, 2
+    cfg.update.num_processes = 2
+    cfg.orchestration.execution = "ray"
+    cfg.tracking.mlflow = False
+    cfg.pools = copy.deepcopy(POOLS)
+    return cfg
+
+
+def run(cfg, run_dir, resume: bool = False) -> dict:
+    return train(cfg, run_dir, plan_run(cfg)[1], resume=resume, progress=False)
+
+
+def losing(cluster: Cluster, node, at_step: int):
+    """A `RayStages` factory whose workers remove `node` from `cluster` when step `at_step`'s update starts (once)."""
+    lost: list = []
+
+    class LosesANode(RayStages):
+        def update(self, rollouts, advantages):
+            if not lost and self.policy_version == at_step - 1:
+                lost.append(node)
+                cluster.remove_node(node, allow_graceful=False)
+            return super().update(rollouts, advantages)
+
+    return LosesANode
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, tmp_path_factory):
+    d = tmp_path_factory.mktemp("ref") / "uninterrupted"
+    assert run(node_cfg(), d)["restarts"] == 0
+    return d
+
+
+def test_a_pool_that_lost_its_only_node_stops_with_one_line_and_resumes_exactly_once_it_is_back(
+    cluster, reference, tmp_path
+):
+    """The train node goes at step 3's update (checkpoint at 2): the rebuilt workers would have nowhere to run the
+    update, so the run stops naming pool `train`, with what it recorded intact; with a train node back, `--resume`
+    redoes step 3 from the checkpoint and ends with the uninterrupted run's numbers."""
+    d = tmp_path / "lost"
+    (train_node,) = cluster.worker_nodes
+    cfg = node_cfg()
+    with pytest.raises(UserError) as stop:
+        grpo_run(cfg, d, progress=False, plan=plan_run(cfg)[1], stages=losing(cluster, train_node, 3), execution="ray")
+    line = str(stop.value)
+    assert "\n" not in line and "pool 'train'" in line and "lost its Ray node" in line and "--resume" in line, line
+    status = json.loads((d / "status.json").read_text())
+    assert status["state"] == "failed" and "pool 'train'" in status["error"]
+    assert [m["step"] for m in metrics(d)] == [0, 1, 2]
+    assert (d / "checkpoints" / "latest").read_text().strip() == "step-000002"
+
+    with pytest.raises(UserError, match="pool 'train'.*lost its Ray node"):  # still gone: the same line, nothing run
+        run(node_cfg(), d, resume=True)
+    assert [m["step"] for m in metrics(d)] == [0, 1, 2]
+
+    cluster.add_node(**TRAIN_NODE)
+    summary = run(node_cfg(), d, resume=True)
+    assert summary["steps"] == 4 and [m["step"] for m in metrics(d)] == [0, 1, 2, 3, 4]
+    assert_close_runs(d, reference, rel=1e-6)
