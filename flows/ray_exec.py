@@ -129,7 +129,11 @@ class RayStages:
         if python:  # another venv (vLLM's): its own packages plus this checkout of forgeweave
             runtime_env["py_executable"] = python
             env["PYTHONPATH"] = str(REPO)
-        actor = StageActor.options(resources=spec.resources, runtime_env=runtime_env).remote(env)
+        # rollout replicas spread over their pool's nodes: a node's loss leaves the others (the rebuilt ones go there)
+        strategy = "SPREAD" if stage == "rollout" else "DEFAULT"
+        actor = StageActor.options(
+            resources=spec.resources, runtime_env=runtime_env, scheduling_strategy=strategy
+        ).remote(env)
         self.actors.setdefault(stage, []).append(actor)
         return actor
 

@@ -1,7 +1,7 @@
 """Losing a whole Ray node mid-run, on a simulated cluster (`ray.cluster_utils.Cluster`, every node on this machine).
 
 The head node offers pool `gen` (rollout, reward, evaluate) and runs the driver; a second node offers pool `train`
-(update, 2 ranks). `Cluster.remove_node(node, allow_graceful=False)` kills that node's raylet and every worker on it
+(update, one rank). `Cluster.remove_node(node, allow_graceful=False)` kills that node's raylet and every worker on it
 at once, as a power loss would. It is removed by the run itself, at the start of a given step's update (a
 `RayStages` whose `update` does it first), so where the loss lands does not depend on timing. The GCS is told to
 health-check nodes every 100 ms, so a dead node is noticed in about a second instead of Ray's default ~30 s.
@@ -29,6 +29,7 @@ pytestmark = pytest.mark.slow
 FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 100,
                       "health_check_timeout_ms": 200, "health_check_failure_threshold": 3}  # fmt: skip
 TRAIN_NODE = {"num_cpus": 2, "resources": {"pool:train": 1000}, "node_ip_address": "127.0.0.1"}
+GEN_NODE = {"num_cpus": 1, "resources": {"pool:gen": 1000}, "node_ip_address": "127.0.0.1"}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def cluster():
 def node_cfg(steps: int = 4):
     cfg = tiny()
     cfg.steps, cfg.eval.every, cfg.checkpoint.every = steps, 2, 2
-    cfg.update.num_processes = 2
+    cfg.update.num_processes = 1  # one rank: every start is a process fewer (the kill tests cover 2 ranks)
     cfg.orchestration.execution = "ray"
     cfg.tracking.mlflow = False
     cfg.pools = copy.deepcopy(POOLS)
@@ -62,15 +63,16 @@ def run(cfg, run_dir, resume: bool = False) -> dict:
 
 def losing(cluster: Cluster, node, at_step: int):
     """A `RayStages` factory whose workers remove `node` from `cluster` when step `at_step`'s update starts (once)."""
-    lost: list = []
+    before: list[dict] = []  # where the workers were when the node went
 
     class LosesANode(RayStages):
         def update(self, rollouts, advantages):
-            if not lost and self.policy_version == at_step - 1:
-                lost.append(node)
+            if not before and self.policy_version == at_step - 1:
+                before.append(self.where())
                 cluster.remove_node(node, allow_graceful=False)
             return super().update(rollouts, advantages)
 
+    LosesANode.before = before
     return LosesANode
 
 
@@ -107,3 +109,21 @@ def test_a_pool_that_lost_its_only_node_stops_with_one_line_and_resumes_exactly_
     summary = run(node_cfg(), d, resume=True)
     assert summary["steps"] == 4 and [m["step"] for m in metrics(d)] == [0, 1, 2, 3, 4]
     assert_close_runs(d, reference, rel=1e-6)
+
+
+def test_a_pool_with_a_node_left_recovers_on_it_and_finishes(cluster, tmp_path):
+    """Two nodes offer pool gen and the 2 rollout replicas are spread over them; the second gen node goes at step 3's
+    update: the run rebuilds its workers, both replicas now on the head node (the plan is per pool, so it still
+    fits), and goes on from the checkpoint at step 2 by itself."""
+    gen_node = cluster.add_node(**GEN_NODE)
+    cfg = node_cfg()
+    cfg.rollout.replicas, cfg.pools[0]["cpu_cores"] = 2, 2
+    stages = losing(cluster, gen_node, 3)
+    d = tmp_path / "fewer-nodes"
+    summary = grpo_run(cfg, d, progress=False, plan=plan_run(cfg)[1], stages=stages, execution="ray")
+    head = ray.get_runtime_context().get_node_id()
+    assert {w["node_id"] for w in stages.before[0]["rollout"]} == {head, gen_node.node_id}  # one replica on each
+    assert summary["restarts"] == 1 and summary["steps"] == 4
+    assert [m["step"] for m in metrics(d)] == [0, 1, 2, 3, 4]
+    after = json.loads((d / "workers.json").read_text())
+    assert [w["node_id"] for w in after["rollout"]] == [head, head]
