@@ -14,7 +14,8 @@ run. Started once per run (and again after a recovery), each actor loads its mod
 Placement: each pool's nodes offer the custom resource `pool:<name>` (`ray start --resources '{"pool:gen": 1}'`)
 and every actor asks for a sliver of its pool's (`weaver.apply.actor_specs`); devices and thread counts are the
 plan's, set in the actor's environment before torch starts (Ray's own CPU/GPU accounting is not used: Weaver
-owns the devices, which lets stages share a GPU when the plan colocates them).
+owns the devices, which lets stages share a GPU when the plan colocates them). Rollout replicas are spread over the
+nodes that offer their pool (`SPREAD`).
 
 Weights move once per step, actor to actor: each rank's `step` call returns (stats, weights), rank 0's weights
 stay in Ray's object store (`num_returns=2`: the driver never fetches them) and every rollout actor receives the
@@ -22,7 +23,9 @@ same object (each unpickles its own copy). The rollouts stay where the rollout a
 are merged and put once); the reward actor and the update ranks read that copy, and the advantages go by `ray.put`.
 
 Faults: an actor that dies surfaces as `forge.stages.WorkerLost`, on which the loop rebuilds these stages and
-resumes from the last checkpoint. Actors are owned by the driver (not detached) and killed by `close()`, so none
+resumes from the last checkpoint. A lost node is that for every actor on it (and an object whose only copy was
+there); the rebuilt actors go to the pool's nodes left (rollout replicas are spread over a pool's nodes), and a pool
+with no live node left stops the run with one line naming it and its dead node, to be continued with --resume. Actors are owned by the driver (not detached) and killed by `close()`, so none
 outlives the run; the private Ray instance (`ray_session` without `orchestration.ray_address`) binds 127.0.0.1
 and is shut down at the end.
 """
