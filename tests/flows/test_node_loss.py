@@ -5,7 +5,7 @@ The head node offers pool `gen` (rollout, reward, evaluate) and runs the driver;
 at once, as a power loss would. It is removed by the run itself, at the start of a given step's update (a
 `RayStages` whose `update` does it first), so where the loss lands does not depend on timing. The GCS is told to
 health-check nodes every 100 ms, so a dead node is noticed in about a second instead of Ray's default ~30 s.
-The reference is the same run on the same cluster, uninterrupted.
+The reference is the same run uninterrupted, in this process.
 """
 
 from __future__ import annotations
@@ -62,12 +62,14 @@ def run(cfg, run_dir, resume: bool = False) -> dict:
 
 
 def losing(cluster: Cluster, node, at_step: int):
-    """A `RayStages` factory whose workers remove `node` from `cluster` when step `at_step`'s update starts (once)."""
+    """A `RayStages` factory whose workers remove `node` from `cluster` when step `at_step`'s update starts (once),
+    after the checkpoint saved in the background before it is durable."""
     before: list[dict] = []  # where the workers were when the node went
 
     class LosesANode(RayStages):
         def update(self, rollouts, advantages):
             if not before and self.policy_version == at_step - 1:
+                self.wait_saved()  # the checkpoint before is durable first: its background save is no race
                 before.append(self.where())
                 cluster.remove_node(node, allow_graceful=False)
             return super().update(rollouts, advantages)
@@ -77,9 +79,13 @@ def losing(cluster: Cluster, node, at_step: int):
 
 
 @pytest.fixture(scope="module")
-def reference(cluster, tmp_path_factory):
+def reference(tmp_path_factory):
+    """The same run uninterrupted, in this process (no actors to start): equal to one rank on Ray to float rounding
+    (tests/flows/test_ray_exec.py::test_two_node_run_equals_the_in_process_run)."""
+    cfg = node_cfg()
+    cfg.orchestration.execution = "embedded"
     d = tmp_path_factory.mktemp("ref") / "uninterrupted"
-    assert run(node_cfg(), d)["restarts"] == 0
+    assert run(cfg, d)["execution"] == "embedded"
     return d
 
 
@@ -108,7 +114,7 @@ def test_a_pool_that_lost_its_only_node_stops_with_one_line_and_resumes_exactly_
     cluster.add_node(**TRAIN_NODE)
     summary = run(node_cfg(), d, resume=True)
     assert summary["steps"] == 4 and [m["step"] for m in metrics(d)] == [0, 1, 2, 3, 4]
-    assert_close_runs(d, reference, rel=1e-6)
+    assert_close_runs(d, reference)
 
 
 def test_a_pool_with_a_node_left_recovers_on_it_and_finishes(cluster, tmp_path):
