@@ -25,9 +25,9 @@ are merged and put once); the reward actor and the update ranks read that copy, 
 Faults: an actor that dies surfaces as `forge.stages.WorkerLost`, on which the loop rebuilds these stages and
 resumes from the last checkpoint. A lost node is that for every actor on it (and an object whose only copy was
 there); the rebuilt actors go to the pool's nodes left (rollout replicas are spread over a pool's nodes), and a pool
-with no live node left stops the run with one line naming it and its dead node, to be continued with --resume. Actors are owned by the driver (not detached) and killed by `close()`, so none
-outlives the run; the private Ray instance (`ray_session` without `orchestration.ray_address`) binds 127.0.0.1
-and is shut down at the end.
+with no live node left stops the run with one line naming it and its dead node, to be continued with --resume.
+Actors are owned by the driver (not detached) and killed by `close()`, so none outlives the run; the private Ray
+instance (`ray_session` without `orchestration.ray_address`) binds 127.0.0.1 and is shut down at the end.
 """
 
 from __future__ import annotations
