@@ -52,14 +52,20 @@ def stack(tmp_path_factory):
 
 def _prefect_login(page, state: dict) -> None:
     """Open the Prefect UI: it shows its login page; enter the auth string from the credentials file, as a person
-    does; then the deployments page. Reloaded once so the notices of the calls refused before the login go."""
+    does; then the deployments page, opened afresh so the notices of the calls refused before the login go.
+
+    The UI keeps the accepted auth string in the browser's localStorage (`prefect-password`); the login page's URL
+    (`/login?redirect=/deployments`) already ends in /deployments, so waiting for the URL proves nothing: wait for
+    the stored credential instead (a CI run that reloaded before the UI had stored it saw the login page again)."""
     creds = read_credentials(Path(state["credentials"]).parent.parent)
-    page.goto(state["services"]["prefect"]["url"] + "/deployments")
+    deployments = state["services"]["prefect"]["url"] + "/deployments"
+    page.goto(deployments)
     page.wait_for_url("**/login**", timeout=WAIT_MS)  # without the auth string the UI shows nothing else
     page.get_by_placeholder("admin:pass").fill(creds.prefect_auth_string)
     page.get_by_role("button", name="Login").click()
-    page.wait_for_url("**/deployments", timeout=WAIT_MS)
-    page.reload()
+    page.wait_for_function("() => localStorage.getItem('prefect-password') !== null", timeout=WAIT_MS)
+    page.goto(deployments)
+    page.wait_for_url(deployments, timeout=WAIT_MS)
 
 
 def _field(page, label: str):
