@@ -10,6 +10,7 @@ commit, so a push that fails later leaves the hub repo as it was and the exporte
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from forge.errors import UserError
@@ -17,7 +18,7 @@ from forge.errors import UserError
 
 def resolve_checkpoint(source: str, step: int | None, runs_dir: str) -> Path:
     """The checkpoint directory `source` (run name, run directory or checkpoint directory) and `step` mean."""
-    from forge.checkpoint import latest_checkpoint, step_dir_name
+    from forge.checkpoint import resume_checkpoint, step_dir_name
 
     path = Path(source)
     if (path / "checkpoint.json").is_file():
@@ -31,10 +32,12 @@ def resolve_checkpoint(source: str, step: int | None, runs_dir: str) -> Path:
             f"export: '{source}' is not a forgeweave checkpoint (no checkpoint.json) nor a run (no {root}): pass a "
             "run name, a run directory or runs/NAME/checkpoints/step-N"
         )
-    if step is None:
-        ckpt = latest_checkpoint(root)
+    if step is None:  # a resume's rule: `latest` when intact, else the newest intact step (one line says so)
+        ckpt, why = resume_checkpoint(root)
         if ckpt is None:
-            raise UserError(f"export: run '{run}' has no complete checkpoint yet")
+            raise UserError(f"export: run '{run}' has no checkpoint yet")
+        if why:
+            print(f"forgeweave: export: {why}", file=sys.stderr)
         return ckpt
     ckpt = root / step_dir_name(step)
     if not (ckpt / "checkpoint.json").is_file():

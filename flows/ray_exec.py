@@ -14,7 +14,8 @@ run. Started once per run (and again after a recovery), each actor loads its mod
 Placement: each pool's nodes offer the custom resource `pool:<name>` (`ray start --resources '{"pool:gen": 1}'`)
 and every actor asks for a sliver of its pool's (`weaver.apply.actor_specs`); devices and thread counts are the
 plan's, set in the actor's environment before torch starts (Ray's own CPU/GPU accounting is not used: Weaver
-owns the devices, which lets stages share a GPU when the plan colocates them).
+owns the devices, which lets stages share a GPU when the plan colocates them). Rollout replicas are spread over the
+nodes that offer their pool (`SPREAD`).
 
 Weights move once per step, actor to actor: each rank's `step` call returns (stats, weights), rank 0's weights
 stay in Ray's object store (`num_returns=2`: the driver never fetches them) and every rollout actor receives the
@@ -22,15 +23,18 @@ same object (each unpickles its own copy). The rollouts stay where the rollout a
 are merged and put once); the reward actor and the update ranks read that copy, and the advantages go by `ray.put`.
 
 Faults: an actor that dies surfaces as `forge.stages.WorkerLost`, on which the loop rebuilds these stages and
-resumes from the last checkpoint. Actors are owned by the driver (not detached) and killed by `close()`, so none
-outlives the run; the private Ray instance (`ray_session` without `orchestration.ray_address`) binds 127.0.0.1
-and is shut down at the end.
+resumes from the last checkpoint. A lost node is that for every actor on it (and an object whose only copy was
+there); the rebuilt actors go to the pool's nodes left (rollout replicas are spread over a pool's nodes), and a pool
+with no live node left stops the run with one line naming it and its dead node, to be continued with --resume.
+Actors are owned by the driver (not detached) and killed by `close()`, so none outlives the run; the private Ray
+instance (`ray_session` without `orchestration.ray_address`) binds 127.0.0.1 and is shut down at the end.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -40,7 +44,7 @@ from typing import TYPE_CHECKING
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
 
 import forge
 from flows.ray_actor import StageActor
@@ -108,7 +112,7 @@ class RayStages:
         self._stored: tuple[Rollouts, ray.ObjectRef] | None = None  # the last rollouts and their object-store copy
         self._load_seconds = 0.0
         self.pad_id = load_tokenizer(cfg.model).pad_token_id
-        _check_pools(self.plan)
+        _check_pools(self.plan, self.run_dir)
         try:
             self._start_trainers(actor_specs(self.plan, "update", cores), micro_update)
             self._start_rollouts(cores)
@@ -128,7 +132,11 @@ class RayStages:
         if python:  # another venv (vLLM's): its own packages plus this checkout of forgeweave
             runtime_env["py_executable"] = python
             env["PYTHONPATH"] = str(REPO)
-        actor = StageActor.options(resources=spec.resources, runtime_env=runtime_env).remote(env)
+        # rollout replicas spread over their pool's nodes: a node's loss leaves the others (the rebuilt ones go there)
+        strategy = "SPREAD" if stage == "rollout" else "DEFAULT"
+        actor = StageActor.options(
+            resources=spec.resources, runtime_env=runtime_env, scheduling_strategy=strategy
+        ).remote(env)
         self.actors.setdefault(stage, []).append(actor)
         return actor
 
@@ -288,6 +296,8 @@ class RayStages:
                 results.append(ray.get(ref, timeout=timeout))
             except RayActorError as e:
                 raise WorkerLost(f"{stage}: a Ray actor died ({_first_line(e)})") from None
+            except ObjectLostError as e:  # its only copy was on a node that died (e.g. the weights a rank returned)
+                raise WorkerLost(f"{stage}: a Ray object was lost with its node ({_first_line(e)})") from None
             except RayTaskError as e:
                 raised = raised or e
                 results.append(None)
@@ -299,16 +309,33 @@ class RayStages:
         return results
 
 
-def _check_pools(plan: Plan) -> None:
-    """Every pool the stages use must be offered by a node, else the actors would wait forever to be placed."""
+def _check_pools(plan: Plan, run_dir: Path) -> None:
+    """Every pool the stages use must be offered by a live node, else the actors would wait forever to be placed. A
+    pool whose node this run's workers ran on (workers.json) is dead now lost it mid-run: the line names the node
+    and says that the run continues with --resume once one is back."""
     offered = ray.cluster_resources()
     for stage in ("rollout", "reward", "update"):
         for pool in plan.for_stage(stage).pools:
-            if offered.get(pool_resource(pool), 0) <= 0:
+            resource = pool_resource(pool)
+            if offered.get(resource, 0) > 0:
+                continue
+            start = f"`ray start --address HEAD:PORT --resources '{{\"{resource}\": 1000}}'`"
+            if lost := _lost_nodes(run_dir, stage):
                 raise UserError(
-                    f"no Ray node offers pool {pool!r} (stage {stage}): start its nodes with "
-                    f"`ray start --address HEAD:PORT --resources '{{\"{pool_resource(pool)}\": 1000}}'`"
+                    f"pool {pool!r} (stage {stage}) lost its Ray node {', '.join(lost)} and no live node offers it: "
+                    f"start one with {start}, then continue with --resume"
                 )
+            raise UserError(f"no Ray node offers pool {pool!r} (stage {stage}): start its nodes with {start}")
+
+
+def _lost_nodes(run_dir: Path, stage: str) -> list[str]:
+    """The nodes (address and id prefix) this run's `stage` workers last ran on that Ray now lists as dead."""
+    try:
+        where = json.loads((run_dir / "workers.json").read_text()).get(stage, [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    dead = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in ray.nodes() if not n.get("Alive")}
+    return sorted({f"{dead[w['node_id']]} ({w['node_id'][:8]})" for w in where if w.get("node_id") in dead})
 
 
 def _first_line(e: BaseException) -> str:

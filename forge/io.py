@@ -104,6 +104,26 @@ def append_text(path: str | Path, text: str) -> None:
         os.close(fd)
 
 
+def truncate_jsonl(path: str | Path, step: int) -> None:
+    """Keep the lines of JSONL file `path` whose `step` is at most `step`, byte for byte; drop the others and any
+    line that is not a JSON object with an integer step (a torn last line). Nothing to drop: not rewritten."""
+    path = Path(path)
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    kept = b"".join(line + b"\n" for line in data.split(b"\n") if 0 <= _line_step(line) <= step)
+    if kept != data:
+        atomic_write_bytes(path, kept)
+
+
+def _line_step(line: bytes) -> int:
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except ValueError:
+        return -1
+    return row["step"] if isinstance(row, dict) and isinstance(row.get("step"), int) else -1
+
+
 def safetensors_problem(path: str | Path) -> str:
     """Why `path` is not a whole safetensors file ("" when it is): its header length, JSON header and tensor byte
     ranges are checked against the file's size; no tensor is read."""

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from forge.errors import UserError
-from forge.io import append_text, atomic_write_bytes, atomic_write_text, write_json
+from forge.io import append_text, atomic_write_text, truncate_jsonl, write_json
 from forge.records import Rollouts, ScoredBatch
 from forge.tracking import Tracker
 
@@ -75,19 +75,7 @@ def _num(x: torch.Tensor) -> float | None:
 
 
 def truncate_samples(run_dir: Path, step: int) -> None:
-    path = run_dir / "samples.jsonl"
-    if path.exists():  # the lines kept are byte for byte what was written; nothing to drop: not rewritten
-        data = path.read_bytes()
-        kept = b"".join(line + b"\n" for line in data.split(b"\n") if line and _line_step(line) <= step)
-        if kept != data:
-            atomic_write_bytes(path, kept)
-
-
-def _line_step(line: bytes) -> int:
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return 1 << 30
+    truncate_jsonl(run_dir / "samples.jsonl", step)  # the lines kept are byte for byte what was written
 
 
 def check_run_name(name: str) -> str:

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Protocol
 
-from forge.io import append_text, atomic_write_bytes
+from forge.io import append_text, truncate_jsonl
 
 
 class Tracker(Protocol):
@@ -76,13 +76,9 @@ class JsonlTracker(NullTracker):
     def truncate_after(self, step: int) -> None:
         """Drop rows logged after `step` (they belong to work a resume will redo) and a torn last line; every line
         kept is byte for byte what was written, and a file with nothing to drop is not rewritten."""
-        if not self.path.exists():
-            return
-        read_metrics(self.path, strict=True)  # a damaged line (but a torn last one) is a one-line error
-        data = self.path.read_bytes()
-        kept = b"".join(line + b"\n" for line in data.split(b"\n") if 0 <= _line_step(line) <= step)
-        if kept != data:
-            atomic_write_bytes(self.path, kept)
+        if self.path.exists():
+            read_metrics(self.path, strict=True)  # a damaged line (but a torn last one) is a one-line error
+            truncate_jsonl(self.path, step)
 
 
 def read_metrics(path: Path, strict: bool = False) -> list[dict]:
@@ -109,15 +105,6 @@ def read_metrics(path: Path, strict: bool = False) -> list[dict]:
             continue
         rows[row["step"]] = {**rows.get(row["step"], {}), **row}
     return list(rows.values())
-
-
-def _line_step(line: bytes) -> int:
-    """The step of a metrics.jsonl line, or -1 for a line that is not a metrics row (a torn last line)."""
-    try:
-        row = json.loads(line.decode("utf-8"))
-    except ValueError:
-        return -1
-    return row["step"] if isinstance(row, dict) and isinstance(row.get("step"), int) else -1
 
 
 def _finite(v):

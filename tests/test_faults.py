@@ -165,6 +165,19 @@ def test_no_intact_checkpoint_stops_with_one_line_and_changes_nothing(finished, 
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
+def test_export_of_a_run_with_a_dangling_latest_exports_the_newest_intact_checkpoint(finished, tmp_path, capsys):
+    """`forgeweave export RUN` follows a resume's rule: step 3 is gone, so step 2 is exported, with one line."""
+    run = tmp_path / "runs" / "base"
+    shutil.copytree(finished, run)
+    _dangling(run / "checkpoints")
+    capsys.readouterr()
+    assert main(["export", str(run), str(tmp_path / "out")]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("forgeweave")]
+    assert len(err) == 1 and "names step-000003, which does not exist: using step-000002" in err[0], err
+    exported = (tmp_path / "out" / "model.safetensors").read_bytes()
+    assert exported == (run / "checkpoints" / "step-000002" / "model.safetensors").read_bytes()
+
+
 def test_a_rollback_to_a_damaged_checkpoint_uses_the_newest_intact_one_before_it(finished, tmp_path, capsys):
     """The collapse guard's target is checked like a resume's: damaged -> the newest intact one before it."""
     from forge.guard import CollapseGuard
