@@ -69,6 +69,14 @@ from forge.shared_prefix import (
 )
 
 
+def _loss_mask(ro: Rollouts, rows: slice, width: int, device) -> torch.Tensor | None:
+    """The micro-batch's loss mask [n, width], or None where it equals the completion mask (single-turn): the
+    single-turn update then runs exactly the code it ran before loss masks existed."""
+    if ro.loss_mask is ro.completion_mask:
+        return None
+    return ro.loss_mask[rows, :width].to(device)
+
+
 @dataclass(frozen=True)
 class TokenLogprobs:
     logp: torch.Tensor  # [n, T] log-prob of each completion token
@@ -237,7 +245,7 @@ class Trainer:
             group["lr"] = lr
         torch.manual_seed(update_seed(self.cfg.seed, self.step + 1, self.accelerator.process_index))
         micro = self._micro_batches(rollouts, advantages, self._my_rows(rollouts.num_completions))
-        totals = StepTotals(sequences=rollouts.num_completions, tokens=int(rollouts.completion_mask.sum()),
+        totals = StepTotals(sequences=rollouts.num_completions, tokens=int(rollouts.loss_mask.sum()),
                             max_len=self.cfg.rollout.max_new_tokens)  # fmt: skip
         passes = [self._one_pass(micro, totals) for _ in range(self.cfg.update.num_iterations)]
         mean = lambda k: sum(p[k] for p in passes) / len(passes)  # noqa: E731
@@ -275,13 +283,15 @@ class Trainer:
             width = max(1, int(ro.completion_mask[sl].sum(1).max()))  # right padding the whole micro-batch shares
             mb = MicroBatch(ro.prompt_ids[sl].to(device), ro.prompt_mask[sl].to(device),
                             ro.completion_ids[sl, :width].to(device), ro.completion_mask[sl, :width].to(device),
-                            advantages[sl].to(device), ro.sampling_logprobs[sl, :width].to(device))  # fmt: skip
+                            advantages[sl].to(device), ro.sampling_logprobs[sl, :width].to(device),
+                            loss_mask=_loss_mask(ro, sl, width, device))  # fmt: skip
             old = self._fixed_logprobs(mb, self.model) if self.cfg.update.num_iterations > 1 else None
             ref = self._reference_logprobs(mb) if self.cfg.algo.beta > 0 else None
             out.append(dataclasses.replace(mb, old_logp=old, ref_logp=ref))
         return out
 
     def _logprobs(self, model, mb: MicroBatch) -> TokenLogprobs:
+        # attention covers every real token (mb.completion_mask); the loss mask only selects what is trained
         return token_logprobs(
             model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
             temperature=self.cfg.rollout.temperature, autocast_bf16=self.autocast_bf16,

@@ -120,11 +120,13 @@ def grpo_loss(logp, old_logp, advantages, mask, algo: AlgoConfig, totals: StepTo
 
 def update_micro_batch(policy, mb: MicroBatch, algo: AlgoConfig, totals: StepTotals, backward) -> MicroStats:
     """The GRPO update of one micro-batch: log-probs -> ratio -> loss -> backward. `policy(mb)` gives the current
-    log-probs [n, T]; `backward(loss)` accumulates the gradient (the trainer steps once per pass)."""
+    log-probs [n, T] (every real token attended); the loss, its normalisers, the importance weights, entropy, KL
+    and the log-prob diff count only `mb.train_mask` (sampled tokens: environment and tool tokens carry no loss).
+    `backward(loss)` accumulates the gradient (the trainer steps once per pass)."""
     out = policy(mb)  # log pi_theta of the sampled tokens and the entropy, [n, T]
     old = out.logp.detach() if mb.old_logp is None else mb.old_logp  # pi_old: the ratio is exactly 1 on pass 1
     weight = importance_weights(old, mb.sampler_logp, algo.is_cap) if algo.tis else None  # sampled by mu != pi_old
-    res = grpo_loss(out.logp, old, mb.advantages, mb.completion_mask, algo, totals, mb.ref_logp, weight)
+    res = grpo_loss(out.logp, old, mb.advantages, mb.train_mask, algo, totals, mb.ref_logp, weight)
     backward(res.loss)
     return MicroStats.of(res, out.entropy, old, mb, weight, algo.is_cap)
 

@@ -8,7 +8,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from forge.records import Rollouts
+from forge.records import Episodes, Rollouts
 
 
 @dataclass(frozen=True)
@@ -77,4 +77,6 @@ def concat_rollouts(parts: list[Rollouts], pad_id: int) -> Rollouts:
         policy_version=first.policy_version,
         prompts=[t for p in parts for t in p.prompts],
         seconds=max(p.seconds for p in parts),  # the replicas sample side by side
+        loss_mask=cat_padded([p.loss_mask for p in parts], 0, left=False),
+        episodes=Episodes.concat([p.episodes for p in parts]),
     )
