@@ -60,7 +60,9 @@ class Episodes:
     seconds: list[float]  # seconds spent in the environment and tools
     policy_versions: list[list[int]]  # the policy version that sampled each turn
     transcripts: list[list[dict]]  # segments in order: {"role": "assistant" | "tool" | "user", "content": text}
-    masked: list[bool] = field(default_factory=list)  # truncated episodes taken out of the loss (env config)
+    masked: list[bool] = field(default_factory=list)  # truncated episodes taken out of the loss (env.mask_truncated)
+    environments: list = field(default_factory=list)  # the episodes' environment instances (reward functions read
+    # them as TRL's `environments=`); in-process only: not sent between processes
 
     @staticmethod
     def concat(parts: list[Episodes | None]) -> Episodes | None:

@@ -145,7 +145,7 @@ class LocalStages:
 
     def rollout(self, request: RolloutRequest) -> Rollouts:
         """Sampled with the request's seed: a retry samples the same batch again."""
-        return self.rollout_worker.generate(request.prompts, request.params, request.policy_version)
+        return self.rollout_worker.generate(request.prompts, request.params, request.policy_version, request.rows)
 
     def reward(self, rows: list[dict], rollouts: Rollouts, step: int) -> ScoredBatch:
         return self.reward_worker.score(rows, rollouts, step)

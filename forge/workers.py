@@ -107,17 +107,37 @@ class RolloutWorker:
                                     work_dir=Path(work_dir) if work_dir else None, sleep=self.sleeps)  # fmt: skip
         self.policy_version = 0
         self._verifiers = None
+        self._env = None  # multi-turn: (environment factory, tools, chat format), loaded on first use
+        if cfg.env.enabled:  # its mistakes (a class without reset, an undocumented tool) show at start
+            from forge.env.episode import load_environment
 
-    def generate(self, prompts: list[str], params: SamplingParams, version: int) -> Rollouts:
-        """params.n completions per prompt from policy `version` (refused if this worker holds another one)."""
+            self._env = load_environment(cfg, tokenizer)
+
+    def generate(self, prompts: list[str], params: SamplingParams, version: int, rows: list[dict] | None = None) \
+            -> Rollouts:  # fmt: skip
+        """params.n completions per prompt from policy `version` (refused if this worker holds another one); with
+        `env.*` set, params.n multi-turn episodes per data row of `rows` (`forge.env.episode`)."""
         if version != self.policy_version:
             raise RuntimeError(f"rollout worker holds policy version {self.policy_version}, asked for {version}")
         t0 = time.perf_counter()
-        rollouts = self.backend.generate(prompts, params)
+        if self.cfg.env.enabled:
+            rollouts = self._episodes(rows, params)
+        else:
+            rollouts = self.backend.generate(prompts, params)
         seconds = time.perf_counter() - t0
         if self.sleeps:  # the update comes next: give it the engine's GPU memory until the weights arrive
             self.backend.sleep()
         return dataclasses.replace(rollouts, seconds=seconds)
+
+    def _episodes(self, rows: list[dict] | None, params: SamplingParams) -> Rollouts:
+        from forge.env.episode import load_environment, run_episodes
+
+        assert rows is not None, "multi-turn episodes need the data rows (environment reset(**row))"
+        if self._env is None:
+            self._env = load_environment(self.cfg, self.tokenizer)
+        factory, functions, fmt = self._env
+        return run_episodes(self.backend.generate_ids, self.tokenizer, rows, params, self.cfg.env, fmt, factory,
+                            functions, self.policy_version)  # fmt: skip
 
     def load_weights(self, weights: dict[str, torch.Tensor] | None, version: int) -> float:
         """Sample from `weights` (None: the shared module already holds them) labelled `version`; returns seconds."""
@@ -184,6 +204,7 @@ class RewardWorker:
             raw_prompts=[r["prompt"] for r in rows for _ in range(g)],
             completion_ids=completion_id_lists(rollouts),
             trainer_state=self.trainer_state(step),
+            environments=rollouts.episodes.environments if rollouts.episodes is not None else None,
         )
         rewards, report, extra = result.rewards, None, {}  # [N]: weighted
         aggregate = self.cfg.reward.aggregate

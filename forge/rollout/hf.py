@@ -85,6 +85,26 @@ class HFBackend:
             ]
         return self._merge(chunks, expanded, params.n)
 
+    @torch.no_grad()
+    def generate_ids(self, contexts: list[list[int]], params: SamplingParams) -> list[tuple[list[int], list[float]]]:
+        """One turn of multi-turn episodes (`forge.env`): for each token context (the episode so far, never
+        re-tokenised), the sampled tokens up to and including eos (at most params.max_new_tokens) and their log-probs.
+        Greedy when temperature is 0; the caller seeds the RNG."""
+        tok, model, out = self.tokenizer, self.model, []
+        size = params.batch_size or self.batch_size
+        warpers = [] if params.temperature == 0 else _warpers(params)
+        was_training = model.training
+        model.eval()
+        for i in range(0, len(contexts), size):
+            enc = tok.pad({"input_ids": contexts[i : i + size]}, padding=True, return_tensors="pt").to(model.device)
+            with torch.autocast(model.device.type, dtype=torch.bfloat16) if self.autocast_bf16 else \
+                    contextlib.nullcontext():  # fmt: skip
+                tokens, logprobs = self._decode(dict(enc), {}, params, warpers)  # [n, T]
+            mask = completion_mask(tokens, tok.eos_token_id).bool()
+            out += [(t[m].tolist(), lp[m].tolist()) for t, lp, m in zip(tokens, logprobs, mask, strict=True)]
+        model.train(was_training)
+        return out
+
     def _generate_chunk(self, prompts: list[str], repeats: int, params: SamplingParams) -> dict:
         """`repeats` completions of each prompt ([len(prompts) * repeats] rows); repeats > 1 prefills each prompt once."""
         tok, model = self.tokenizer, self.model
