@@ -1,0 +1,52 @@
+"""Acceptance 3 of issue 30: a TRL-style environment class, written as TRL's documentation shows one, runs unchanged
+through `forge.train(environment_factory=...)` and its reward (read by a TRL reward function from `environments=`)
+rises on the tiny random model."""
+
+from __future__ import annotations
+
+import pytest
+
+import forge
+from forge.tracking import read_metrics
+
+
+class GuessEnv:
+    def __init__(self):
+        self.answer = ""
+        self.reward = 0.0
+
+    def reset(self, **kwargs):
+        self.answer = str(kwargs["answer"])
+        self.reward = 0.0
+        return None
+
+    def guess(self, value: int) -> str:
+        """Guess the sum.
+
+        Args:
+            value: the guessed sum
+        """
+        self.reward = float(str(value) == self.answer)
+        return "right" if self.reward else "wrong"
+
+
+def reward_func(completions, environments, **kwargs):
+    """The environment's reward if the policy called its tool, else graded on the final reply."""
+    out = []
+    for text, env in zip(completions, environments, strict=True):
+        final = text.strip()
+        out.append(max(env.reward, 1.0 if final == env.answer else 0.5 if len(final) == 1 and final.isdigit() else 0))
+    return out
+
+
+@pytest.mark.slow
+def test_a_trl_environment_class_learns_on_the_tiny_model(tmp_path):
+    sets = ["steps=30", "threads=1", "tracking.mlflow=false", "checkpoint.every=0", "eval.every=0",
+            "rollout.max_new_tokens=3", "update.lr=2e-3"]  # fmt: skip
+    forge.train(preset="tiny-multiturn", environment_factory=GuessEnv, reward_funcs=[reward_func], overrides=sets,
+                run_dir=tmp_path / "run", progress=False)  # fmt: skip
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] > 0 and "reward/mean" in r]
+    assert all("env/turns" in r and r["env/turns"] >= 1 and "env/tool_calls" in r for r in rows)
+    first, last = rows[:5], rows[-5:]
+    rise = sum(r["reward/mean"] for r in last) / 5 - sum(r["reward/mean"] for r in first) / 5
+    assert rise > 0.1, rise  # measured: see the commit message
