@@ -12,6 +12,9 @@ returns the same summary. What it adds is the hand-over of Python objects:
   and resolved to the object given (`forge.rewards.registry.provided`). Callables cannot go in YAML, so a CLI
   `--resume` of such a run works only when those names can be imported; otherwise it says to resume through
   `forge.train(..., resume=True)` with the same functions.
+- `environment_factory` / `tools`: a TRL-style environment class and stateless tool functions make every rollout a
+  multi-turn episode (`forge.env`); recorded as 'module:qualname' in `env.environment_factory` / `env.tools` and
+  resolved to the objects given, like reward callables.
 - `tracker`: forge itself writes only metrics.jsonl (and the rest of the run directory); `tracking.*` (MLflow,
   TensorBoard, W&B) is applied by whoever builds the trackers, and forge imports no tracking package. Pass
   `tracker=flows.tracking.trackers_for_run` to record to what `tracking.*` turns on, exactly as `forgeweave run`
@@ -65,7 +68,8 @@ def train(
     continue run_dir from its last checkpoint with its own config.yaml (plus overrides) and data; pass the same
     reward_funcs again. tracker: a Tracker, or a factory `(cfg, run_dir)` such as `flows.tracking.trackers_for_run`
     (None: metrics.jsonl only). environment_factory / tools: multi-turn episodes as TRL's GRPOTrainer takes them (a
-    TRL-style environment class, stateless tool functions; recorded as 'module:qualname' in env.*; docs/environments.md).
+    TRL-style environment class, stateless tool functions), recorded as 'module:qualname' in env.*
+    (docs/environments.md).
     Other keyword arguments go to `forge.recipes.grpo.run` (e.g. `progress=False`).
     Raises UserError for anything a user can fix.
     """

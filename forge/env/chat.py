@@ -7,8 +7,8 @@
   (a prefix-preserving template) and its remaining tokens are the turn. The tokens the template closes the assistant
   turn with after the sampled ones (e.g. a newline after `<|im_end|>`, which the model does not sample) come first.
   The sampled tokens themselves are never re-tokenised: only the template's own text is.
-- A tokenizer without a chat template (the tiny test model): the prompt is the row's model input, and a tool turn is
-  the text `TOOL_RESPONSE` tokenised.
+- A tokenizer without a chat template (the tiny test model): the prompt is one compact line of the tools'
+  signatures (`TOOLS_LINE`) and the row's model input, and a tool turn is the text `TOOL_RESPONSE` tokenised.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ TOOLS_SYSTEM = (
     "<tool_response></tool_response>."
 )
 TOOL_RESPONSE = "<tool_response>{}</tool_response>"
+TOOLS_LINE = "<tools>{}</tools>"  # no chat template: `name(arg: type, ...)` per tool, `; ` between them
 
 
 class ChatFormat:
@@ -32,12 +33,13 @@ class ChatFormat:
         self.tok = tokenizer
         self.template = use_template and bool(getattr(tokenizer, "chat_template", None))
         self.system = system_prompt
+        self.schemas: list[dict] = []  # what the template's tools= renders (empty: in the system message, or none)
 
     def prompt(self, row: dict, schemas: list[dict], observation: str | None) -> tuple[str, list[dict]]:
         """(the prompt text, the conversation so far) for a data row, its tools' schemas and reset's observation."""
         if not self.template:
             text = row["model_input"] + (observation or "")
-            return (_tools_text(schemas) + "\n" + text if schemas else text), []
+            return (_tools_line(schemas) + text if schemas else text), []
         raw = row["prompt"]
         messages = list(raw) if isinstance(raw, list) else [{"role": "user", "content": raw}]
         if self.system and not any(m.get("role") == "system" for m in messages):
@@ -75,13 +77,27 @@ class ChatFormat:
         return self.tok(close + after[len(before) :], add_special_tokens=False)["input_ids"]
 
     def _render(self, messages: list[dict], generation: bool) -> str:
-        tools = getattr(self, "schemas", None) or None
+        tools = self.schemas or None
         return self.tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation)
 
     def _renders_tools(self, messages: list[dict], schemas: list[dict]) -> bool:
         plain = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         with_tools = self.tok.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True)
         return plain != with_tools
+
+
+def _tools_line(schemas: list[dict]) -> str:
+    """The tools' signatures in one line (no chat template: a small model's prompt stays short).
+
+    >>> _tools_line([{"function": {"name": "check", "parameters": {"properties": {"guess": {"type": "integer"}}}}}])
+    '<tools>check(guess: integer)</tools>'
+    """
+    sigs = []
+    for s in schemas:
+        props = s["function"].get("parameters", {}).get("properties", {})
+        args = ", ".join(f"{name}: {spec.get('type', 'any')}" for name, spec in props.items())
+        sigs.append(f"{s['function']['name']}({args})")
+    return TOOLS_LINE.format("; ".join(sigs))
 
 
 def _tools_text(schemas: list[dict]) -> str:

@@ -23,6 +23,9 @@ Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024), each a config ke
    before the update of step t, at most k versions behind, corrected with truncated importance weights
    (`algo.is_correction` = auto). The schedule is fixed, not timing-dependent, and no rollout starts past the next
    checkpoint, so a run gives the same result however fast its actors are, and resumes exactly.
+10. multi-turn episodes (`env.environment_factory`, `env.tools`; forge/env): one token sequence per episode; the loss
+   counts only the tokens the policy sampled (`Rollouts.loss_mask`), environment and tool tokens are attended to
+   only, and an episode cut by a limit is left out of the loss (`env.mask_truncated` = True).
 
 Randomness is derived, never carried: step t's rollout is seeded from (seed, t) (`forge.rollout.base.rollout_seed`)
 and the update's dropout from (seed, t, rank) (`forge.trainer.update_seed`), so a retried, resumed or recovered step

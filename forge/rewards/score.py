@@ -71,8 +71,8 @@ def score_completions(
 ) -> RewardResult:
     """Score N completions with V verifiers. prompts (the model's input text), raw_prompts (the data's prompts,
     strings or message lists; None = `prompts`), completion_ids and every column hold one entry per completion;
-    completion_ids, trainer_state and environments (one per completion) are passed on only when given. Each verifier gets `timeout_s` seconds for the
-    batch (0 = no limit), else VerifierTimeout."""
+    completion_ids, trainer_state and environments (one per completion) are passed on only when given. Each
+    verifier gets `timeout_s` seconds for the batch (0 = no limit), else VerifierTimeout."""
     n = len(completions)
     names = [name for name, _ in verifiers]
     _check_inputs(names, weights, prompts, completions, columns)

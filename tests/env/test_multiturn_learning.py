@@ -4,6 +4,8 @@ rises on the tiny random model."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import forge
@@ -31,11 +33,13 @@ class GuessEnv:
 
 
 def reward_func(completions, environments, **kwargs):
-    """The environment's reward if the policy called its tool, else graded on the final reply."""
+    """The environment's reward if the policy guessed right with its tool; else 1 for the environment's answer as
+    the reply's last number, 0.25 for a reply with a digit in it, 0 otherwise."""
     out = []
     for text, env in zip(completions, environments, strict=True):
-        final = text.strip()
-        out.append(max(env.reward, 1.0 if final == env.answer else 0.5 if len(final) == 1 and final.isdigit() else 0))
+        numbers = re.findall(r"\d+", text.rsplit("</tool_response>", 1)[-1])
+        graded = 1.0 if numbers and numbers[-1] == env.answer else 0.25 if numbers else 0.0
+        out.append(max(env.reward, graded))
     return out
 
 
