@@ -31,14 +31,16 @@ class SumEnv:
         return "right" if right else "wrong"
 
 
-def sum_reward(completions: list, environments: list, **kwargs) -> list[float]:
+def sum_reward(completions: list, environments: list | None = None, **kwargs) -> list[float | None]:
     """TRL-style reward function reading the episodes' environments: 1 for the environment's answer as the final
-    reply, 0.5 for another single digit, else 0.
+    reply, 0.5 for another single digit, else 0; None without environments (evaluation is single-turn for now).
 
     >>> env = SumEnv(); _ = env.reset(answer="7")
     >>> sum_reward(["7", "5", "x"], [env, env, env])
     [1.0, 0.5, 0.0]
     """
+    if environments is None:
+        return [None] * len(completions)
     out = []
     for text, env in zip(completions, environments, strict=True):
         final = text.strip().rsplit("</tool_response>", 1)[-1].strip()

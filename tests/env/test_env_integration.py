@@ -76,3 +76,33 @@ def test_env_reward_is_a_builtin_verifier():
     env = CounterEnv()
     env.reward = 1.0
     assert name == "env_reward" and fn(prompts=["q"], completions=["a"], environments=[env]) == [1.0]
+
+
+class NoReset:
+    def check(self, guess: int) -> str:
+        """Check.
+
+        Args:
+            guess: a guess
+        """
+        return "wrong"
+
+
+def undocumented_tool(x: int) -> int:
+    return x
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"environment_factory": NoReset}, "environment .*NoReset has no reset method"),
+        ({"tools": [undocumented_tool]}, "tool .*undocumented_tool.*docstring"),
+    ],  # fmt: skip
+)
+def test_forge_train_refuses_a_bad_environment_or_tool_in_one_line(tmp_path, kwargs, message):
+    import forge
+
+    sets = ["steps=1", "tracking.mlflow=false", "data.train_size=50", "data.eval_size=5"]
+    with pytest.raises(UserError, match=message) as err:
+        forge.train(preset="tiny-multiturn", overrides=sets, run_dir=tmp_path / "run", progress=False, **kwargs)
+    assert "\n" not in str(err.value)
