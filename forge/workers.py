@@ -113,8 +113,9 @@ class RolloutWorker:
 
             self._env = load_environment(cfg, tokenizer)
 
-    def generate(self, prompts: list[str], params: SamplingParams, version: int, rows: list[dict] | None = None) \
-            -> Rollouts:  # fmt: skip
+    def generate(
+        self, prompts: list[str], params: SamplingParams, version: int, rows: list[dict] | None = None
+    ) -> Rollouts:
         """params.n completions per prompt from policy `version` (refused if this worker holds another one); with
         `env.*` set, params.n multi-turn episodes per data row of `rows` (`forge.env.episode`)."""
         if version != self.policy_version:

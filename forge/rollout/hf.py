@@ -18,6 +18,9 @@ batch_size is a multiple of n or every sequence fits in one chunk). Where `gener
 (prompt-learning adapters, a `cache_implementation`, `use_cache=False`, cache-less models) or the prefill yields
 no `DynamicCache` of attention layers, or every prompt of a chunk is one token, that chunk runs the plain way.
 
+Multi-turn episodes (`forge.env.episode`) sample each turn with `generate_ids`: the episode's tokens so far, never
+re-tokenised, left-padded, decoded the same way (no shared prefill: every context is its own).
+
 Colocated with the trainer, weight sync is free: the backend holds the trainer's module.
 """
 
@@ -97,8 +100,7 @@ class HFBackend:
         model.eval()
         for i in range(0, len(contexts), size):
             enc = tok.pad({"input_ids": contexts[i : i + size]}, padding=True, return_tensors="pt").to(model.device)
-            with torch.autocast(model.device.type, dtype=torch.bfloat16) if self.autocast_bf16 else \
-                    contextlib.nullcontext():  # fmt: skip
+            with autocast_context(model.device.type, self.autocast_bf16):
                 tokens, logprobs = self._decode(dict(enc), {}, params, warpers)  # [n, T]
             mask = completion_mask(tokens, tok.eos_token_id).bool()
             out += [(t[m].tolist(), lp[m].tolist()) for t, lp, m in zip(tokens, logprobs, mask, strict=True)]
@@ -197,6 +199,10 @@ class HFBackend:
             policy_version=self.policy_version,
             prompts=prompts,
         )
+
+
+def autocast_context(device_type: str, bf16: bool):
+    return torch.autocast(device_type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
 def _takes_outside_cache(model) -> bool:
