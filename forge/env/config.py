@@ -22,6 +22,8 @@ class EnvConfig:
     an episode that reaches it is cut (truncated)."""
     tool_timeout_s: float = ranged(10.0, ">= 0", "seconds (0 = no limit)")
     """Seconds one tool call may take; past it the model gets an error message as the tool's answer."""
+    episode_timeout_s: float = ranged(0.0, ">= 0", "seconds (0 = no limit)")
+    """Wall-clock seconds an episode may run (sampling and tools); one past it is cut after its current turn."""
     mask_truncated: bool = True
     """Take episodes cut by a limit out of the loss (their loss mask is 0); they are still counted (env/truncated)."""
 

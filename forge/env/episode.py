@@ -5,9 +5,9 @@ Per turn: the policy samples from each live episode's tokens so far (`sample(con
 `generate_ids`); the text of the new segment is read for tool calls (`forge.env.parse`); no call ends the episode,
 otherwise each call is answered (`forge.env.tools.call_tool`: errors become the answer) and the answers are appended
 as the chat template's tokens (`forge.env.chat`) with loss mask 0 and sampling log-prob 0. Limits: `env.max_turns`
-policy turns, `env.max_tokens` tokens after the prompt; an episode cut by one is truncated, and with
-`env.mask_truncated` its loss mask is all 0. A turn cut by `rollout.max_new_tokens` ends the episode as in
-single-turn (finish reason "length", trained). Departure from TRL: TRL ends an episode that runs out of its
+policy turns, `env.max_tokens` tokens after the prompt, `env.episode_timeout_s` seconds (checked after each turn);
+an episode cut by one is truncated, and with `env.mask_truncated` its loss mask is all 0. A turn cut by
+`rollout.max_new_tokens` ends the episode as in single-turn (finish reason "length", trained). Departure from TRL: TRL ends an episode that runs out of its
 completion budget without marking it; here it is counted (`env/truncated`) and masked by default.
 """
 
@@ -52,6 +52,7 @@ class Episode:
     truncated: bool = False
     finish: str = "stop"
     done: bool = False
+    started: float = field(default_factory=time.perf_counter)
 
 
 def start_episode(row: dict, factory: Callable | None, functions: list[Tool], fmt: ChatFormat, tok) -> Episode:
@@ -86,7 +87,8 @@ def play_turn(ep: Episode, new: list[int], logprobs: list[float], cfg: EnvConfig
     if ep.truncated or not calls or not ended:
         ep.done, ep.finish = True, "length" if (ep.truncated or not ended) else "stop"
         return
-    if ep.turns >= cfg.max_turns:  # it asked for more, the turn limit says no
+    late = cfg.episode_timeout_s and time.perf_counter() - ep.started > cfg.episode_timeout_s
+    if ep.turns >= cfg.max_turns or late:  # it asked for more, a limit says no
         ep.done, ep.truncated, ep.finish = True, True, "length"
         return
     answers = _answer(ep, calls, cfg)

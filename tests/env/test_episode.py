@@ -122,6 +122,12 @@ def test_the_turn_limit_truncates_and_masks(tok):
     assert int(kept.loss_mask.sum()) > 0 and kept.episodes.truncated == [True, True]
 
 
+def test_the_episode_wall_limit_truncates(tok):
+    slow = '<tool_call>{"name": "slow"}</tool_call>'  # 2 s, past the episode's 1 s (the call's 10 s are fine)
+    ro = play(tok, [slow, slow, "3"], EnvConfig(max_turns=3, max_tokens=400, episode_timeout_s=1.0), n=1)
+    assert ro.episodes.truncated == [True] and ro.episodes.turns == [2] and int(ro.loss_mask.sum()) == 0
+
+
 def test_the_token_budget_truncates(tok):
     ro = play(tok, [CALL, "3"], EnvConfig(max_turns=4, max_tokens=30))
     assert ro.episodes.truncated == [True, True] and ro.completion_mask.sum(1).max() <= 30
@@ -175,3 +181,18 @@ def test_bad_environment_classes_and_tools_get_one_line(tok):
     with pytest.raises(UserError, match=r"IntObservation.reset returned a int"):
         run_episodes(scripted(tok, ["3"]), tok, [{"prompt": "q", "model_input": "q"}], SamplingParams(n=1),
                      EnvConfig(), ChatFormat(tok, False), IntObservation, [], 0)  # fmt: skip
+
+
+def test_smollm2s_template_gets_the_tools_in_a_system_message_and_a_newline_before_the_tool_turn():
+    """SmolLM2's template ignores tools= and closes a turn with `<|im_end|>` + newline; the model samples the first."""
+    from forge.config import ModelConfig
+    from forge.models import load_tokenizer
+
+    smol = load_tokenizer(ModelConfig(path="smollm2-135m-instruct"))
+    fmt = ChatFormat(smol, use_template=True)
+    schema = tool_of(CounterEnv().add, "CounterEnv").schema
+    prompt, messages = fmt.prompt({"prompt": "2+1?", "model_input": ""}, [schema], None)
+    assert prompt.startswith("<|im_start|>system\nYou can call these tools:\n<tools>\n") and '"name": "add"' in prompt
+    assert prompt.endswith("<|im_start|>user\n2+1?<|im_end|>\n<|im_start|>assistant\n")
+    ids = fmt.tool_turn(messages, CALL, [("add", "3")], ended=True)
+    assert smol.decode(ids) == "\n<|im_start|>tool\n3<|im_end|>\n<|im_start|>assistant\n"
