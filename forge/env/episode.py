@@ -62,7 +62,11 @@ def start_episode(row: dict, factory: Callable | None, functions: list[Tool], fm
     if factory is not None:
         env = factory()
         columns = {k: v for k, v in row.items() if k != "model_input"}
-        observation = env.reset(**columns)
+        try:
+            observation = env.reset(**columns)
+        except Exception as e:  # the user's environment: one line naming it, not a traceback from the loop
+            why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+            raise UserError(f"{type(env).__name__}.reset(**row) raised {why}; row columns: {sorted(columns)}") from None
         if observation is not None and not isinstance(observation, str):
             raise UserError(f"{type(env).__name__}.reset returned a {type(observation).__name__}: return a str or None")
         tools += environment_tools(env)

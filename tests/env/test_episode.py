@@ -178,6 +178,13 @@ def test_bad_environment_classes_and_tools_get_one_line(tok):
         def reset(self, **kwargs):
             return 3
 
+    class NeedsColumn(CounterEnv):
+        def reset(self, **kwargs):
+            return kwargs["missing"]
+
+    with pytest.raises(UserError, match=r"NeedsColumn.reset\(\*\*row\) raised KeyError: 'missing'"):
+        run_episodes(scripted(tok, ["3"]), tok, [{"prompt": "q", "model_input": "q"}], SamplingParams(n=1),
+                     EnvConfig(), ChatFormat(tok, False), NeedsColumn, [], 0)  # fmt: skip
     with pytest.raises(UserError, match=r"IntObservation.reset returned a int"):
         run_episodes(scripted(tok, ["3"]), tok, [{"prompt": "q", "model_input": "q"}], SamplingParams(n=1),
                      EnvConfig(), ChatFormat(tok, False), IntObservation, [], 0)  # fmt: skip
