@@ -135,3 +135,15 @@ def test_trainer_counts_and_trains_only_sampled_tokens(tok, model):
 def test_single_turn_loss_mask_is_the_completion_mask(tok):
     ro = dataclasses.replace(episode(tok), loss_mask=None)
     assert ro.loss_mask is ro.completion_mask
+
+
+def test_replicas_records_concatenate_their_loss_masks(tok):
+    from forge.rollout.base import concat_rollouts
+
+    a, b = episode(tok), episode(tok, "<t=77>")  # b's tool segment is one token longer
+    both = concat_rollouts([a, b], tok.pad_token_id)
+    assert both.loss_mask.shape == both.completion_mask.shape == (4, b.completion_ids.shape[1])
+    assert both.loss_mask[:2, : a.loss_mask.shape[1]].tolist() == a.loss_mask.tolist()
+    assert both.loss_mask[:2, a.loss_mask.shape[1] :].sum() == 0 and both.episodes is None
+    single = concat_rollouts([dataclasses.replace(a, loss_mask=None)] * 2, tok.pad_token_id)
+    assert torch.equal(single.loss_mask, single.completion_mask)
