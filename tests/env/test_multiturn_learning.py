@@ -56,3 +56,18 @@ def test_a_trl_environment_class_learns_on_the_tiny_model(tmp_path):
     # measured (seed 0, threads=1): reward/mean 0.135 over steps 1-5 -> 0.268 over steps 26-30 (the digit format
     # first; the tiny model never calls the tool in 30 steps: the tool path is tests/env/test_episode.py's)
     assert rise > 0.08, rise
+
+
+def test_the_tiny_multiturn_preset_runs_from_the_cli(runs_dir):
+    """Smoke: `forgeweave run --preset tiny-multiturn` (environment and reward function by import path)."""
+    import json
+
+    from flows.cli import main
+
+    argv = ["run", "--preset", "tiny-multiturn", "--name", "mt", "--runs-dir", str(runs_dir), "--quiet", "--no-prefect"]
+    sets = ["steps=2", "threads=1", "tracking.mlflow=false", "data.train_size=100", "eval.max_problems=5"]
+    assert main(argv + [a for s in sets for a in ("--set", s)]) == 0
+    rows = [r for r in read_metrics(runs_dir / "mt" / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 2 and all(r["env/turns"] >= 1 and "reward/sum_reward/mean" in r for r in rows)
+    sample = json.loads((runs_dir / "mt" / "samples.jsonl").read_text().splitlines()[0])
+    assert sample["transcript"][0]["role"] == "assistant" and sample["transcript"][0]["policy_version"] == 0
