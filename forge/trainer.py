@@ -28,6 +28,11 @@ autocast. With one PPO pass the "old" log-probs are the current ones detached, s
 The sampler's own log-probs (`Rollouts.sampling_logprobs`) are compared with them on every step
 (`train/logprob_diff`) and, with `algo.is_correction=tis`, weight the loss (`forge.losses.importance_weights`).
 Dropout (a LoRA adapter's) draws from a seed derived from (seed, step, rank), so a resumed run draws the same.
+
+Multi-turn episodes (`Rollouts.loss_mask` differs from `completion_mask`): the forward, its padding and the
+shared-prefix packing follow `completion_mask` (every real token, one contiguous run per row, so packing needs no
+fallback), and only the loss, its token counts and the reported figures follow the loss mask (`MicroBatch.loss_mask`).
+Single-turn micro-batches carry no loss mask and run exactly the code they ran before.
 """
 
 from __future__ import annotations
