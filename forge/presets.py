@@ -87,7 +87,7 @@ def tiny_multiturn() -> RunConfig:
     cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens = 8, 8, 8
     cfg.reward.verifiers = ["forge.tasks.multiturn:sum_reward"]
     cfg.eval.every, cfg.eval.k, cfg.eval.max_problems = 0, 0, 20
-    cfg.eval.verifiers = ["math_answer"]  # evaluation is single-turn: scored against the answers
+    cfg.eval.verifiers = ["math_answer"]  # eval episodes are correct when their final number is the answer
     return cfg
 
 

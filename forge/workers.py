@@ -163,7 +163,12 @@ class RolloutWorker:
         if self._verifiers is None and c.reward.aggregate == "weighted":
             self._verifiers = resolve_verifiers(c.reward.verifiers, c.reward)
         ev = dataclasses.replace(c.eval, k=0, max_problems=len(rows)) if probe else c.eval
-        report = evaluate(self.backend, rows, ev, c.rollout, self._verifiers, c.reward.weights, seed=c.seed + step,
+        backend = self.backend
+        if c.env.enabled:  # episodes, as in training
+            from forge.env.episode import EpisodeBackend
+
+            backend = EpisodeBackend(self.backend, self.tokenizer, rows, c.env, self._env)
+        report = evaluate(backend, rows, ev, c.rollout, self._verifiers, c.reward.weights, seed=c.seed + step,
                           timeout_s=c.reward.score_timeout_s, reward=c.reward, hidden=hidden_columns(c))  # fmt: skip
         if self.sleeps:
             self.backend.sleep()

@@ -182,3 +182,19 @@ def load_environment(cfg, tok) -> tuple[Callable | None, list[Tool], ChatFormat]
     functions = [tool_of(load_object(spec, "env.tools")) for spec in e.tools]
     use_template = cfg.model.chat_template if cfg.model.chat_template is not None else True
     return factory, functions, ChatFormat(tok, use_template, cfg.model.system_prompt)
+
+
+class EpisodeBackend:
+    """Evaluation's backend in a multi-turn run: `generate(prompts, params)` plays params.n episodes per prompt
+    (each prompt a row's model input, as `forge.evaluate` passes them) on the hf backend."""
+
+    def __init__(self, backend, tok, rows: list[dict], cfg: EnvConfig, env: tuple):
+        self.backend, self.tok, self.cfg, self.env = backend, tok, cfg, env
+        self.rows = {r["model_input"]: r for r in rows}
+        self.policy_version = backend.policy_version
+
+    def generate(self, prompts: list[str], params: SamplingParams) -> Rollouts:
+        factory, functions, fmt = self.env
+        rows = [self.rows[p] for p in prompts]
+        return run_episodes(self.backend.generate_ids, self.tok, rows, params, self.cfg, fmt, factory, functions,
+                            self.policy_version)  # fmt: skip

@@ -33,7 +33,7 @@ class SumEnv:
 
 def sum_reward(completions: list, environments: list | None = None, **kwargs) -> list[float | None]:
     """TRL-style reward function reading the episodes' environments: 1 for the environment's answer as the final
-    reply, 0.5 for another single digit, else 0; None without environments (evaluation is single-turn for now).
+    reply, 0.5 for another single digit, else 0; None without environments (a single-turn caller).
 
     >>> env = SumEnv(); _ = env.reset(answer="7")
     >>> sum_reward(["7", "5", "x"], [env, env, env])

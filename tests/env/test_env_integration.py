@@ -106,3 +106,25 @@ def test_forge_train_refuses_a_bad_environment_or_tool_in_one_line(tmp_path, kwa
     with pytest.raises(UserError, match=message) as err:
         forge.train(preset="tiny-multiturn", overrides=sets, run_dir=tmp_path / "run", progress=False, **kwargs)
     assert "\n" not in str(err.value)
+
+
+def test_evaluation_plays_episodes_and_hands_verifiers_their_environments(tok):
+    from forge.env.episode import EpisodeBackend
+    from forge.evaluate import evaluate
+
+    model = build_tiny_model(tok, hidden=32, layers=1, seed=0)
+    cfg = RunConfig()
+    cfg.env.environment_factory = "tests.env.test_episode:CounterEnv"
+    rows = [{"prompt": f"{a}+1=", "model_input": f"{a}+1=", "answer": str(a + 1)} for a in range(3)]
+    backend = EpisodeBackend(HFBackend(model, tok), tok, rows, cfg.env, load_environment(cfg, tok))
+    seen = []
+
+    def env_check(prompts, completions, environments=None, **kwargs):
+        seen.append([type(e).__name__ for e in environments])
+        return [1.0] * len(completions)
+
+    cfg.eval.k, cfg.rollout.max_new_tokens = 2, 3
+    report = evaluate(backend, rows, cfg.eval, cfg.rollout, [("env_check", env_check)], seed=1)
+    assert report["verifiers"] == ["math_answer"]  # pass@1 by the default judge, on the whole episode's text
+    assert report["mean_reward"] == 1.0 and seen == [["CounterEnv"] * 3]
+    assert report["pass@2"] >= 0 and report["problems"] == 3
