@@ -203,3 +203,23 @@ def test_smollm2s_template_gets_the_tools_in_a_system_message_and_a_newline_befo
     assert prompt.endswith("<|im_start|>user\n2+1?<|im_end|>\n<|im_start|>assistant\n")
     ids = fmt.tool_turn(messages, CALL, [("add", "3")], ended=True)
     assert smol.decode(ids) == "\n<|im_start|>tool\n3<|im_end|>\n<|im_start|>assistant\n"
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
+def test_stateless_tools_without_an_environment(tok):
+    call = '<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>'
+    rows = [{"prompt": "6*7?", "model_input": "6*7?", "answer": "42"}]
+    ro = run_episodes(scripted(tok, [call, "42"]), tok, rows, SamplingParams(max_new_tokens=64, n=2),
+                      EnvConfig(max_turns=3, max_tokens=400), ChatFormat(tok, False), None, [tool_of(multiply)], 0)  # fmt: skip
+    assert ro.prompts[0] == "<tools>multiply(a: integer, b: integer)</tools>6*7?"
+    assert ro.episodes.transcripts[0][1]["content"] == "42" and ro.episodes.environments == [None, None]
+    assert ro.texts[0].endswith("<tool_response>42</tool_response>42")
