@@ -7,8 +7,9 @@ otherwise each call is answered (`forge.env.tools.call_tool`: errors become the 
 as the chat template's tokens (`forge.env.chat`) with loss mask 0 and sampling log-prob 0. Limits: `env.max_turns`
 policy turns, `env.max_tokens` tokens after the prompt, `env.episode_timeout_s` seconds (checked after each turn);
 an episode cut by one is truncated, and with `env.mask_truncated` its loss mask is all 0. A turn cut by
-`rollout.max_new_tokens` ends the episode as in single-turn (finish reason "length", trained). Departure from TRL: TRL ends an episode that runs out of its
-completion budget without marking it; here it is counted (`env/truncated`) and masked by default.
+`rollout.max_new_tokens` ends the episode as in single-turn (finish reason "length", trained). Departure from TRL:
+TRL ends an episode that runs out of its completion budget without marking it; here it is counted
+(`env/truncated`) and masked by default.
 """
 
 from __future__ import annotations

@@ -218,8 +218,9 @@ def multiply(a: int, b: int) -> int:
 def test_stateless_tools_without_an_environment(tok):
     call = '<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>'
     rows = [{"prompt": "6*7?", "model_input": "6*7?", "answer": "42"}]
-    ro = run_episodes(scripted(tok, [call, "42"]), tok, rows, SamplingParams(max_new_tokens=64, n=2),
-                      EnvConfig(max_turns=3, max_tokens=400), ChatFormat(tok, False), None, [tool_of(multiply)], 0)  # fmt: skip
+    cfg, tools = EnvConfig(max_turns=3, max_tokens=400), [tool_of(multiply)]
+    params = SamplingParams(max_new_tokens=64, n=2)
+    ro = run_episodes(scripted(tok, [call, "42"]), tok, rows, params, cfg, ChatFormat(tok, False), None, tools, 0)
     assert ro.prompts[0] == "<tools>multiply(a: integer, b: integer)</tools>6*7?"
     assert ro.episodes.transcripts[0][1]["content"] == "42" and ro.episodes.environments == [None, None]
     assert ro.texts[0].endswith("<tool_response>42</tool_response>42")
