@@ -12,6 +12,9 @@ returns the same summary. What it adds is the hand-over of Python objects:
   and resolved to the object given (`forge.rewards.registry.provided`). Callables cannot go in YAML, so a CLI
   `--resume` of such a run works only when those names can be imported; otherwise it says to resume through
   `forge.train(..., resume=True)` with the same functions.
+- `environment_factory` / `tools`: a TRL-style environment class and stateless tool functions make every rollout a
+  multi-turn episode (`forge.env`); recorded as 'module:qualname' in `env.environment_factory` / `env.tools` and
+  resolved to the objects given, like reward callables.
 - `tracker`: forge itself writes only metrics.jsonl (and the rest of the run directory); `tracking.*` (MLflow,
   TensorBoard, W&B) is applied by whoever builds the trackers, and forge imports no tracking package. Pass
   `tracker=flows.tracking.trackers_for_run` to record to what `tracking.*` turns on, exactly as `forgeweave run`
@@ -53,6 +56,8 @@ def train(
     overrides: Sequence[str] = (),
     resume: bool = False,
     tracker: Tracker | TrackerFactory | None = None,
+    environment_factory: Callable | None = None,
+    tools: Sequence[Callable] | None = None,
     **kw: Any,
 ) -> dict:
     """Train with GRPO and return summary.json's content.
@@ -62,19 +67,27 @@ def train(
     run_dir: the run directory (default `$FORGEWEAVE_RUNS_DIR` or ./runs, then `<preset>-<time>`). resume:
     continue run_dir from its last checkpoint with its own config.yaml (plus overrides) and data; pass the same
     reward_funcs again. tracker: a Tracker, or a factory `(cfg, run_dir)` such as `flows.tracking.trackers_for_run`
-    (None: metrics.jsonl only). Other keyword arguments go to `forge.recipes.grpo.run` (e.g. `progress=False`).
+    (None: metrics.jsonl only). environment_factory / tools: multi-turn episodes as TRL's GRPOTrainer takes them (a
+    TRL-style environment class, stateless tool functions), recorded as 'module:qualname' in env.*
+    (docs/environments.md).
+    Other keyword arguments go to `forge.recipes.grpo.run` (e.g. `progress=False`).
     Raises UserError for anything a user can fix.
     """
     from forge.recipes.grpo import run
     from forge.rewards.registry import check_callables, provided
 
     specs, functions = _reward_specs(reward_funcs)
+    env_specs = _env_specs(environment_factory, tools, functions)
     if resume:
         cfg, run_dir = _resumed(run_dir, config, dataset, eval_dataset, overrides, specs)
     else:
         cfg = apply_overrides(_base_config(config, preset), list(overrides))
         if reward_funcs is not None:
-            cfg.reward.verifiers, cfg.reward.callables = specs, list(functions)
+            cfg.reward.verifiers, cfg.reward.callables = specs, [k for k in functions if k in specs]
+        if environment_factory is not None:
+            cfg.env.environment_factory = env_specs[0]
+        if tools is not None:
+            cfg.env.tools = env_specs[1:]
         run_dir = Path(run_dir) if run_dir else _default_run_dir(cfg)
     cfg.validate()
     _check_in_process(cfg)
@@ -135,6 +148,23 @@ def _reward_specs(reward_funcs: Sequence[Callable | str] | None) -> tuple[list[s
         specs.append(spec)
         functions[spec] = fn
     return specs, functions
+
+
+def _env_specs(factory: Callable | None, tools: Sequence[Callable] | None, functions: dict) -> list[str]:
+    """['module:qualname' of the environment class (or ''), then of each tool]; each is added to `functions`."""
+    from forge.rewards.registry import callable_spec
+
+    out = []
+    for what, obj in [("environment_factory", factory), *(("tools", t) for t in (tools or []))]:
+        if obj is None:
+            out.append("")
+            continue
+        if not callable(obj):
+            raise UserError(f"forge.train: {what} must be a class or a function, not a {type(obj).__name__}")
+        spec = callable_spec(obj)
+        functions[spec] = obj
+        out.append(spec)
+    return out
 
 
 def _resumed(run_dir, config, dataset, eval_dataset, overrides, specs) -> tuple[RunConfig, Path]:

@@ -30,6 +30,7 @@ from forge.config_base import (  # noqa: F401  (re-exported: the config API impo
     to_dict,
     type_text,
 )
+from forge.env.config import EnvConfig
 from forge.guard import CollapseConfig
 from forge.lr import AdaptiveConfig
 from forge.rewards.code_exec import CodeExecConfig
@@ -361,6 +362,8 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn episodes: the environment class, tools and limits (forge/env; empty = single-turn)."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -384,6 +387,13 @@ class RunConfig:
         require(not restores or self.checkpoint.keep_best > 0, "checkpoint.keep_best", why)
         why = "> 0 cannot be combined with update.strategy=fsdp: use ddp (the adapter is small) or full fine-tuning"
         require(not (lora.rank and u.strategy == "fsdp" and u.num_processes > 1), "model.lora.rank", why)
+        why = "runs with rollout.backend=hf in one process for now: set rollout.backend=hf, rollout.replicas=1"
+        single = r.backend == "hf" and r.replicas == 1 and self.orchestration.execution != "ray"
+        require(
+            not self.env.enabled or single,
+            "env.environment_factory" if self.env.environment_factory else "env.tools",
+            why,
+        )
         return self
 
 

@@ -15,6 +15,8 @@ them (`"verifiers"`) and keeps each one's first error (`"verifier_errors"`). pas
 with at least one correct completion among k samples (n = k, so the unbiased estimator of Chen et al. 2021
 reduces to this). Sampling for pass@k uses its own seed (`SamplingParams.seed`) and leaves the training RNG untouched, so
 evaluating does not change the training trajectory. The hf backend generates `eval.batch_size` sequences per call.
+In a multi-turn run (`env.*`) the backend plays episodes (`forge.env.episode.EpisodeBackend`) and the verifiers get
+their environments (`environments=`); a completion is then the whole episode after the prompt.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def evaluate(
     columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "model_input")} if rows else {}
     errors: dict[str, str] = {}
     raw = [r["prompt"] for r in rows]  # strings or chat messages: what TRL-style verifiers get as `prompts`
-    correct = _correct(judges, prompts, raw, greedy.texts, columns, timeout_s, errors)
+    correct = _correct(judges, prompts, raw, greedy.texts, columns, timeout_s, errors, _envs(greedy))
     report = {
         "problems": len(rows),
         "pass@1": _mean(correct),
@@ -72,7 +74,8 @@ def evaluate(
     }
     if verifiers:
         seen = {k: v for k, v in columns.items() if k not in hidden}
-        res = score_completions(verifiers, weights, prompts, greedy.texts, seen, timeout_s=timeout_s, raw_prompts=raw)
+        res = score_completions(verifiers, weights, prompts, greedy.texts, seen, timeout_s=timeout_s, raw_prompts=raw,
+                                environments=_envs(greedy))  # fmt: skip
         report["mean_reward"] = float(res.rewards.mean()) if len(rows) else 0.0
     if cfg.k > 0 and rows:
         report[f"pass@{cfg.k}"] = _pass_at_k(
@@ -121,9 +124,15 @@ def _attr(spec: str) -> str:
     return spec.rpartition(":")[2]
 
 
+def _envs(ro) -> list | None:
+    """Multi-turn: the episodes' environments, for reward functions that read them (`environments=`)."""
+    return ro.episodes.environments if ro.episodes is not None else None
+
+
 def _correct(
-    judges, prompts: list[str], raw: list, texts: list[str], columns: dict, timeout_s: float, errors: dict
-) -> list[bool]:
+    judges, prompts: list[str], raw: list, texts: list[str], columns: dict, timeout_s: float, errors: dict,
+    environments: list | None = None,
+) -> list[bool]:  # fmt: skip
     """Whether every judge scores each completion >= 1.0 (NaN: it failed on it). First errors go into `errors`.
     `raw`: the data's prompts (strings or message lists), so chat-style verifiers get message completions."""
     res = score_completions(
@@ -134,6 +143,7 @@ def _correct(
         columns=columns,
         timeout_s=timeout_s,
         raw_prompts=raw,
+        environments=environments,
     )
     for name, err in res.errors.items():
         errors.setdefault(name, err)
@@ -154,7 +164,7 @@ def _pass_at_k(
     sampled = backend.generate(prompts, params)
     repeated = {key: [v for v in col for _ in range(cfg.k)] for key, col in columns.items()}
     raw_k = [p for p in raw for _ in range(cfg.k)]
-    hits = _correct(judges, sampled.prompts, raw_k, sampled.texts, repeated, timeout_s, errors)
+    hits = _correct(judges, sampled.prompts, raw_k, sampled.texts, repeated, timeout_s, errors, _envs(sampled))
     per_problem = torch.tensor(hits, dtype=torch.float32).view(len(prompts), cfg.k)
     return float((per_problem.max(dim=1).values > 0).float().mean())
 

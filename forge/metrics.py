@@ -64,11 +64,27 @@ def step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: di
     m.update({f"time/{k}_s": v for k, v in times.items()})
     m["perf/weight_sync_s"] = stats.sync_seconds  # new weights -> rollout workers; part of time/update_s
     m.update(overlap_metrics(ro, stats, wall, staleness))
+    if ro.episodes is not None:
+        m.update(episode_metrics(ro))
     if batch.ensemble_report is not None:
         from forge.rewards.aggregate import report_metrics
 
         m.update(report_metrics(batch.ensemble_report))
     return m
+
+
+def episode_metrics(ro: Rollouts) -> dict[str, float]:
+    """Multi-turn figures, means per episode: policy turns, tool calls, tool errors, share truncated by a limit,
+    seconds in the environment and tools; and the share of episode tokens the loss counts."""
+    e, n = ro.episodes, max(ro.num_completions, 1)
+    return {
+        "env/turns": sum(e.turns) / n,
+        "env/tool_calls": sum(e.tool_calls) / n,
+        "env/tool_errors": sum(e.tool_errors) / n,
+        "env/truncated": sum(e.truncated) / n,
+        "env/seconds": sum(e.seconds) / n,
+        "env/sampled_frac": float(ro.loss_mask.sum()) / max(float(ro.completion_mask.sum()), 1.0),
+    }
 
 
 def overlap_metrics(ro: Rollouts, stats: UpdateStats, wall: float, staleness: int) -> dict[str, float]:

@@ -76,6 +76,21 @@ def tiny_code() -> RunConfig:
     return cfg
 
 
+def tiny_multiturn() -> RunConfig:
+    """The tiny task as multi-turn episodes with a TRL-style environment (forge/tasks/multiturn.py: `SumEnv`, its
+    `check` tool, the `sum_reward` reward function reading `environments=`), for tests of the episode path: prompts
+    carry the tools' schemas, an episode ends when the policy answers without a call or after env.max_turns."""
+    cfg = tiny()
+    cfg.preset, cfg.steps = "tiny-multiturn", 60
+    cfg.env.environment_factory = "forge.tasks.multiturn:SumEnv"
+    cfg.env.max_turns, cfg.env.max_tokens = 2, 24
+    cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens = 8, 8, 8
+    cfg.reward.verifiers = ["forge.tasks.multiturn:sum_reward"]
+    cfg.eval.every, cfg.eval.k, cfg.eval.max_problems = 0, 0, 20
+    cfg.eval.verifiers = ["math_answer"]  # eval episodes are correct when their final number is the answer
+    return cfg
+
+
 def smollm2_arith() -> RunConfig:
     """SmolLM2-135M-Instruct on 2-digit addition (the `make demo` job): bf16 autocast, short completions."""
     cfg = RunConfig(preset="smollm2-arith", seed=0, steps=20, threads=0)
@@ -163,6 +178,7 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
     "tiny": tiny,
     "tiny-unlabeled": tiny_unlabeled,
     "tiny-code": tiny_code,
+    "tiny-multiturn": tiny_multiturn,
     "smollm2-arith": smollm2_arith,
     "smollm2-arith-lora": smollm2_arith_lora,
     "smollm2-arith-unlabeled": smollm2_arith_unlabeled,

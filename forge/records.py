@@ -2,10 +2,16 @@
 
 Legend used in shape comments everywhere: B prompts, G samples per prompt, N = B*G completions,
 T completion tokens (right-padded), P prompt tokens (left-padded), V verifiers.
+
+An episode is one token sequence: the prompt, then its completion region, which holds every token after the prompt:
+the segments the policy sampled and, in a multi-turn episode, the environment's and tools' segments between them
+(`forge.env`). `completion_mask` covers all of them (attention); `loss_mask` only the sampled ones (the loss). In a
+single-turn rollout the two are equal.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -22,19 +28,50 @@ class Rollouts:
 
     prompt_ids: torch.Tensor  # [N, P] left-padded prompt token ids
     prompt_mask: torch.Tensor  # [N, P] 1 on real prompt tokens
-    completion_ids: torch.Tensor  # [N, T] right-padded sampled tokens (eos included when sampled)
-    completion_mask: torch.Tensor  # [N, T] 1 on sampled tokens up to and including eos
-    sampling_logprobs: torch.Tensor  # [N, T] log-prob of each sampled token under the sampler (0 on padding)
-    texts: list[str]  # [N] decoded completions (special tokens stripped)
-    finish_reasons: list[str]  # [N] "stop" (eos sampled) or "length" (hit max_new_tokens)
+    completion_ids: torch.Tensor  # [N, T] right-padded episode tokens after the prompt (eos included when sampled)
+    completion_mask: torch.Tensor  # [N, T] 1 on every real token after the prompt (sampled and environment/tool)
+    sampling_logprobs: torch.Tensor  # [N, T] log-prob of each sampled token under the sampler (0 elsewhere)
+    texts: list[str]  # [N] decoded completions, special tokens stripped (multi-turn: the episode after the prompt)
+    finish_reasons: list[str]  # [N] "stop" (eos sampled) or "length" (hit max_new_tokens or an episode limit)
     group_size: int  # G
     policy_version: int  # version of the weights that sampled these
     prompts: list[str] = field(default_factory=list)  # [N] prompt text as given to the model (template applied)
     seconds: float = 0.0  # the sampler's own time for this batch (its busy time, not the caller's wait)
+    loss_mask: torch.Tensor | None = None  # [N, T] 1 only on tokens the policy sampled; None given = completion_mask
+    episodes: Episodes | None = None  # multi-turn: per-episode counts and transcripts; None = single-turn
+
+    def __post_init__(self):
+        if self.loss_mask is None:  # single-turn: every real completion token was sampled
+            object.__setattr__(self, "loss_mask", self.completion_mask)
 
     @property
     def num_completions(self) -> int:
         return self.completion_ids.shape[0]
+
+
+@dataclass(frozen=True)
+class Episodes:
+    """Per-episode figures of a multi-turn rollout, one entry per row of its `Rollouts` ([N] each)."""
+
+    turns: list[int]  # sampled segments (policy turns)
+    tool_calls: list[int]  # tool calls the policy made
+    tool_errors: list[int]  # calls answered with an error (malformed, unknown tool, raised, timed out)
+    truncated: list[bool]  # cut by a limit (max_turns, the token budget, the wall limit), not ended by the policy
+    seconds: list[float]  # seconds spent in the environment and tools
+    policy_versions: list[list[int]]  # the policy version that sampled each turn
+    transcripts: list[list[dict]]  # segments in order: {"role": "assistant" | "tool" | "user", "content": text}
+    masked: list[bool] = field(default_factory=list)  # truncated episodes taken out of the loss (env.mask_truncated)
+    environments: list = field(default_factory=list)  # the episodes' environment instances (reward functions read
+    # them as TRL's `environments=`); in-process only: not sent between processes
+
+    @staticmethod
+    def concat(parts: list[Episodes | None]) -> Episodes | None:
+        """One record from several replicas' (all multi-turn, or all None)."""
+        if all(p is None for p in parts):
+            return None
+        assert all(p is not None for p in parts), "multi-turn and single-turn rollouts cannot be concatenated"
+        names = [f.name for f in dataclasses.fields(Episodes)]
+        return Episodes(**{k: [x for p in parts for x in getattr(p, k)] for k in names})
 
 
 @dataclass(frozen=True)
@@ -93,11 +130,17 @@ class MicroBatch:
     prompt_ids: torch.Tensor  # [n, P] left-padded
     prompt_mask: torch.Tensor  # [n, P]
     completion_ids: torch.Tensor  # [n, T]
-    completion_mask: torch.Tensor  # [n, T] 1 on the tokens the loss counts
+    completion_mask: torch.Tensor  # [n, T] 1 on every real token after the prompt (attended)
     advantages: torch.Tensor  # [n]
     sampler_logp: torch.Tensor  # [n, T] log-probs under the policy that sampled (mu)
     old_logp: torch.Tensor | None = None  # [n, T] pi_old, fixed before the first of several PPO passes
     ref_logp: torch.Tensor | None = None  # [n, T] the reference policy's (algo.beta > 0)
+    loss_mask: torch.Tensor | None = None  # [n, T] 1 on the tokens the loss counts (sampled); None = completion_mask
+
+    @property
+    def train_mask(self) -> torch.Tensor:
+        """[n, T] the tokens the loss, the importance weights, entropy, KL and log-prob diff count."""
+        return self.completion_mask if self.loss_mask is None else self.loss_mask
 
 
 @dataclass(frozen=True)
@@ -115,7 +158,7 @@ class MicroStats:
 
     @classmethod
     def of(cls, res: LossOutput, entropy, old, mb: MicroBatch, weight, cap: float) -> MicroStats:
-        m = mb.completion_mask.bool()
+        m = mb.train_mask.bool()
         return cls(
             loss=float(res.loss.detach()),
             kl_old=float(res.kl_old[m].sum()),

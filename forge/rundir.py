@@ -63,6 +63,7 @@ def append_samples(run_dir: Path, step: int, rows: list[dict], ro: Rollouts, bat
                 "reward": _num(batch.rewards[i]),
                 "advantage": _num(batch.advantages[i]),
                 **({"verifier_errors": errors} if errors else {}),  # the step's first error per verifier
+                **({"transcript": ro.episodes.transcripts[i]} if ro.episodes is not None else {}),  # multi-turn
             }
         )
     append_text(run_dir / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))

@@ -28,6 +28,11 @@ autocast. With one PPO pass the "old" log-probs are the current ones detached, s
 The sampler's own log-probs (`Rollouts.sampling_logprobs`) are compared with them on every step
 (`train/logprob_diff`) and, with `algo.is_correction=tis`, weight the loss (`forge.losses.importance_weights`).
 Dropout (a LoRA adapter's) draws from a seed derived from (seed, step, rank), so a resumed run draws the same.
+
+Multi-turn episodes (`Rollouts.loss_mask` differs from `completion_mask`): the forward, its padding and the
+shared-prefix packing follow `completion_mask` (every real token, one contiguous run per row, so packing needs no
+fallback), and only the loss, its token counts and the reported figures follow the loss mask (`MicroBatch.loss_mask`).
+Single-turn micro-batches carry no loss mask and run exactly the code they ran before.
 """
 
 from __future__ import annotations
@@ -67,6 +72,14 @@ from forge.shared_prefix import (
     packed_length,
     packed_logits,
 )
+
+
+def _loss_mask(ro: Rollouts, rows: slice, width: int, device) -> torch.Tensor | None:
+    """The micro-batch's loss mask [n, width], or None where it equals the completion mask (single-turn): the
+    single-turn update then runs exactly the code it ran before loss masks existed."""
+    if ro.loss_mask is ro.completion_mask:
+        return None
+    return ro.loss_mask[rows, :width].to(device)
 
 
 @dataclass(frozen=True)
@@ -237,7 +250,7 @@ class Trainer:
             group["lr"] = lr
         torch.manual_seed(update_seed(self.cfg.seed, self.step + 1, self.accelerator.process_index))
         micro = self._micro_batches(rollouts, advantages, self._my_rows(rollouts.num_completions))
-        totals = StepTotals(sequences=rollouts.num_completions, tokens=int(rollouts.completion_mask.sum()),
+        totals = StepTotals(sequences=rollouts.num_completions, tokens=int(rollouts.loss_mask.sum()),
                             max_len=self.cfg.rollout.max_new_tokens)  # fmt: skip
         passes = [self._one_pass(micro, totals) for _ in range(self.cfg.update.num_iterations)]
         mean = lambda k: sum(p[k] for p in passes) / len(passes)  # noqa: E731
@@ -246,7 +259,8 @@ class Trainer:
         # the adaptive LR's kl signal: to the reference when there is one, else to pi_old (forge/lr.py)
         signal_kl = kl_ref if self.cfg.algo.beta > 0 else kl_old
         observe = self.cfg.update.adaptive.enabled and not skipped  # a NaN would poison the controller's average
-        scale = self.adaptive.observe(signal_kl, mean("grad_norm")) if observe else self.adaptive.scale
+        mass = float(advantages.abs().mean())  # the whole step's, the same on every rank
+        scale = self.adaptive.observe(signal_kl, mean("grad_norm"), mass) if observe else self.adaptive.scale
         self.step += 1
         self.policy_version += 1
         return UpdateStats(
@@ -274,13 +288,15 @@ class Trainer:
             width = max(1, int(ro.completion_mask[sl].sum(1).max()))  # right padding the whole micro-batch shares
             mb = MicroBatch(ro.prompt_ids[sl].to(device), ro.prompt_mask[sl].to(device),
                             ro.completion_ids[sl, :width].to(device), ro.completion_mask[sl, :width].to(device),
-                            advantages[sl].to(device), ro.sampling_logprobs[sl, :width].to(device))  # fmt: skip
+                            advantages[sl].to(device), ro.sampling_logprobs[sl, :width].to(device),
+                            loss_mask=_loss_mask(ro, sl, width, device))  # fmt: skip
             old = self._fixed_logprobs(mb, self.model) if self.cfg.update.num_iterations > 1 else None
             ref = self._reference_logprobs(mb) if self.cfg.algo.beta > 0 else None
             out.append(dataclasses.replace(mb, old_logp=old, ref_logp=ref))
         return out
 
     def _logprobs(self, model, mb: MicroBatch) -> TokenLogprobs:
+        # attention covers every real token (mb.completion_mask); the loss mask only selects what is trained
         return token_logprobs(
             model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
             temperature=self.cfg.rollout.temperature, autocast_bf16=self.autocast_bf16,
@@ -390,4 +406,3 @@ class Trainer:
         correction and shrink the first real update. The saved tensors stay valid (the snapshot holds them)."""
         if self.step == 0:
             self.optimizer.state.clear()
-

@@ -61,6 +61,7 @@ def test_presets_keep_their_eval_verifiers():
         "tiny": ["math_answer"],
         "tiny-unlabeled": ["math_answer"],  # scored against the answers the reward never saw
         "tiny-code": ["code_exec"],
+        "tiny-multiturn": ["math_answer"],  # the episode's final number against the answer
         "smollm2-arith": ["math_answer"],
         "smollm2-arith-lora": ["math_answer"],
         "smollm2-arith-unlabeled": ["math_answer"],

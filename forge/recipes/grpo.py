@@ -16,18 +16,23 @@ Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024), each a config ke
 4. log-probs are taken of logits / `rollout.temperature` (the distribution actually sampled), in fp32.
 5. the log-ratio is clamped to +-20 before exp (`forge.losses.MAX_LOG_RATIO`).
 6. an adaptive LR controller is on by default (`update.adaptive.enabled` = True): it cuts the LR when the grad
-   norm spikes (`update.adaptive.signal` = grad_norm).
+   norm per unit of mean |advantage| spikes (`update.adaptive.signal` = grad_norm).
 7. a step whose loss or gradient norm is not finite is skipped (`update.max_skipped_steps` = 3 in a row stop).
 8. each micro-batch is packed without padding, a group's prompt computed once (`update.shared_prefix` = True).
 9. asynchronous GRPO (`algo.max_staleness` = 0 by default): with k >= 1 the rollouts of steps t+1..t+k start
    before the update of step t, at most k versions behind, corrected with truncated importance weights
    (`algo.is_correction` = auto). The schedule is fixed, not timing-dependent, and no rollout starts past the next
    checkpoint, so a run gives the same result however fast its actors are, and resumes exactly.
+10. multi-turn episodes (`env.environment_factory`, `env.tools`; forge/env): one token sequence per episode; the loss
+   counts only the tokens the policy sampled (`Rollouts.loss_mask`), environment and tool tokens are attended to
+   only, and an episode cut by a limit is left out of the loss (`env.mask_truncated` = True).
 
-Randomness: each rollout worker samples from a stream of its own (`forge.workers.RolloutWorker`), saved in every
-checkpoint, so a resumed run samples what the uninterrupted one did; the update's dropout is seeded from (seed,
-step, rank) (`forge.trainer.update_seed`). Collapse guard (`collapse.probe_source`): greedy pass@1 on a probe set the reward never sees; when it falls
-while reward/mean rises the run warns, rolls back to the best-probe checkpoint or stops (`collapse.action`).
+Randomness is derived, never carried: step t's rollout is seeded from (seed, t) (`forge.rollout.base.rollout_seed`)
+and the update's dropout from (seed, t, rank) (`forge.trainer.update_seed`), so a retried, resumed or recovered step
+samples and trains what the uninterrupted one did and no RNG state is saved.
+
+Collapse guard (`collapse.probe_source`): greedy pass@1 on a probe set the reward never sees; when it falls while
+reward/mean rises the run warns, rolls back to the best-probe checkpoint or stops (`collapse.action`).
 Faults: a `WorkerLost` rebuilds the stages and continues from the last checkpoint (`orchestration.max_restarts`).
 
 Run directory: config.yaml (+ config_changes.jsonl), plan.json, status.json, data/, metrics.jsonl, samples.jsonl,
@@ -77,7 +82,7 @@ from forge.losses import (
 )
 from forge.metrics import Stopwatch, checked_staleness, eval_metrics, show_verifier_errors, step_metrics
 from forge.records import MicroBatch, MicroStats, RolloutRequest
-from forge.rollout import SamplingParams
+from forge.rollout.base import SamplingParams, rollout_seed
 from forge.rundir import progress_bar, update_bar
 from forge.stages import LocalStages, Stage, StageRunner, Stages, StagesFactory, WorkerLost, call_stage
 from forge.tracking import Tracker
@@ -118,11 +123,13 @@ def grpo_loss(logp, old_logp, advantages, mask, algo: AlgoConfig, totals: StepTo
 
 def update_micro_batch(policy, mb: MicroBatch, algo: AlgoConfig, totals: StepTotals, backward) -> MicroStats:
     """The GRPO update of one micro-batch: log-probs -> ratio -> loss -> backward. `policy(mb)` gives the current
-    log-probs [n, T]; `backward(loss)` accumulates the gradient (the trainer steps once per pass)."""
+    log-probs [n, T] (every real token attended); the loss, its normalisers, the importance weights, entropy, KL
+    and the log-prob diff count only `mb.train_mask` (sampled tokens: environment and tool tokens carry no loss).
+    `backward(loss)` accumulates the gradient (the trainer steps once per pass)."""
     out = policy(mb)  # log pi_theta of the sampled tokens and the entropy, [n, T]
     old = out.logp.detach() if mb.old_logp is None else mb.old_logp  # pi_old: the ratio is exactly 1 on pass 1
     weight = importance_weights(old, mb.sampler_logp, algo.is_cap) if algo.tis else None  # sampled by mu != pi_old
-    res = grpo_loss(out.logp, old, mb.advantages, mb.completion_mask, algo, totals, mb.ref_logp, weight)
+    res = grpo_loss(out.logp, old, mb.advantages, mb.train_mask, algo, totals, mb.ref_logp, weight)
     backward(res.loss)
     return MicroStats.of(res, out.entropy, old, mb, weight, algo.is_cap)
 
@@ -219,7 +226,9 @@ def next_request(step: int, cfg: RunConfig, work: Stages, data: Data, sched: Sch
     for s in range(step, min(step + cfg.algo.max_staleness, sched.next_checkpoint(step)) + 1):
         if s not in ahead:
             rows = data.sampler.next_batch(r.prompts_per_step)
-            params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, n=r.group_size)
+            params = SamplingParams(
+                r.max_new_tokens, r.temperature, r.top_p, n=r.group_size, seed=rollout_seed(cfg.seed, s)
+            )
             ahead[s] = RolloutRequest(s, rows, [row["model_input"] for row in rows], params, work.policy_version)
             work.prefetch(ahead[s])
     return ahead.pop(step)
@@ -239,7 +248,7 @@ def probe(step, state, cfg, work, runner, data, record, guard) -> LoopState:
         state = collect_saved(state, work, record)  # it may still be in flight; retention keeps it
         ckpt = rollback_target(step, record, guard)  # the best probe's, or the newest intact one before it
         saved = load_state(ckpt)
-        work.restore(ckpt, saved.get("aggregator"), None)  # new prompts and rollout RNG go on
+        work.restore(ckpt, saved.get("aggregator"))  # new prompts and rollout seeds go on
         if (saved.get("last_eval") or {}).get("step") == saved["step"]:
             state = dataclasses.replace(state, last_eval=saved["last_eval"])
     return dataclasses.replace(
@@ -255,9 +264,8 @@ def checkpoint(step, state, cfg, work, runner, data, record, guard) -> LoopState
     last = state.last_eval
     score = last["pass@1"] if last and last.get("step") == step else None
     score = guard.score_at(step) if guard else score  # retention: the best by probe pass@1 if probed
-    payload = {**state.payload(), "sampler": data.sampler.state_dict(), "rollout_rng": work.rollout_rng(),
-               "aggregator": work.reward_state(), "data_hash": data.hash,
-               "guard": guard.state_dict() if guard else None}  # fmt: skip
+    payload = {**state.payload(), "sampler": data.sampler.state_dict(), "aggregator": work.reward_state(),
+               "data_hash": data.hash, "guard": guard.state_dict() if guard else None}  # fmt: skip
     runner(Stage.CHECKPOINT, step, work.save, record.run_dir / "checkpoints", step, payload, score)
     state = dataclasses.replace(state, saving=(step, time.perf_counter() - start))
     state = state if cfg.checkpoint.async_save else collect_saved(state, work, record)

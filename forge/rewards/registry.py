@@ -61,6 +61,12 @@ def provided(functions: dict[str, Verifier]):
         _PROVIDED.update(before)
 
 
+def provided_object(spec: str) -> object | None:
+    """The object forge.train was given under 'module:qualname' (a reward function, an environment class, a tool),
+    or None."""
+    return _PROVIDED.get(spec)
+
+
 def check_callables(reward: RewardConfig, resume: bool = False) -> None:
     """Every Python callable a run was given (reward.callables) is provided here or importable by its name;
     else a UserError saying to go through forge.train with the same functions."""
@@ -152,9 +158,13 @@ def _builtin(name: str) -> Verifier:
     weak = {**WEAK, **ARITH_CHECKS}  # generic label-free verifiers, then the tasks' own checks
     if name in BUILTIN:
         return BUILTIN[name]
+    if name == "env_reward":
+        from forge.env.rewards import env_reward
+
+        return env_reward
     if name in weak:
         return weak[name]
-    names = [*BUILTIN, *CONFIGURED, *weak]
+    names = [*BUILTIN, *CONFIGURED, "env_reward", *weak]
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'? " if close else ""
     valid = ", ".join(names)

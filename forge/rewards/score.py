@@ -67,17 +67,20 @@ def score_completions(
     raw_prompts: list | None = None,
     completion_ids: list[list[int]] | None = None,
     trainer_state: Any = None,
+    environments: list | None = None,
 ) -> RewardResult:
     """Score N completions with V verifiers. prompts (the model's input text), raw_prompts (the data's prompts,
     strings or message lists; None = `prompts`), completion_ids and every column hold one entry per completion;
-    completion_ids and trainer_state are passed on only when given. Each verifier gets `timeout_s` seconds for the
-    batch (0 = no limit), else VerifierTimeout."""
+    completion_ids, trainer_state and environments (one per completion) are passed on only when given. Each
+    verifier gets `timeout_s` seconds for the batch (0 = no limit), else VerifierTimeout."""
     n = len(completions)
     names = [name for name, _ in verifiers]
     _check_inputs(names, weights, prompts, completions, columns)
     trl_prompts = prompts if raw_prompts is None else raw_prompts
     assert len(trl_prompts) == n, f"{len(trl_prompts)} raw prompts for {n} completions"
     lists = dict(columns) if completion_ids is None else {**columns, "completion_ids": completion_ids}
+    if environments is not None:  # multi-turn: each episode's environment, as TRL passes `environments=`
+        lists["environments"] = environments
     fixed = {} if trainer_state is None else {"trainer_state": trainer_state}
     w = torch.tensor(list(weights) if weights else [1.0] * len(verifiers), dtype=torch.float32)  # [V]
     scores = torch.full((n, len(verifiers)), math.nan, dtype=torch.float32)  # [N, V]

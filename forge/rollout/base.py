@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
-from forge.records import Rollouts
+from forge.records import Episodes, Rollouts
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,20 @@ class SamplingParams:
     n: int = 1  # completions per prompt (G)
     seed: int | None = None  # sampling seed chosen by the caller (None: the process's RNG); greedy ignores it
     batch_size: int | None = None  # sequences per generate() call (hf); None: the backend's own (rollout.batch_size)
+
+
+def rollout_seed(seed: int, step: int) -> int:
+    """The sampling seed of step `step`'s rollout, derived from the run seed: a retried, resumed or recovered step
+    samples what the uninterrupted one did, with no RNG state to carry. Backends offset it per row or per chunk
+    (vLLM: `seed + i` for row i), so it leaves room below 2**31.
+
+    >>> rollout_seed(0, 1) == rollout_seed(0, 1) != rollout_seed(0, 2)
+    True
+    """
+    return int(np.random.SeedSequence([seed, step, ROLLOUT_STREAM]).generate_state(1)[0]) & 0x3FFFFFFF
+
+
+ROLLOUT_STREAM = 1 << 20  # keeps the rollout seeds apart from the update's (seed, step, rank) ones
 
 
 class RolloutBackend(Protocol):
@@ -62,4 +77,6 @@ def concat_rollouts(parts: list[Rollouts], pad_id: int) -> Rollouts:
         policy_version=first.policy_version,
         prompts=[t for p in parts for t in p.prompts],
         seconds=max(p.seconds for p in parts),  # the replicas sample side by side
+        loss_mask=cat_padded([p.loss_mask for p in parts], 0, left=False),
+        episodes=Episodes.concat([p.episodes for p in parts]),
     )

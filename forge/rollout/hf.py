@@ -18,6 +18,9 @@ batch_size is a multiple of n or every sequence fits in one chunk). Where `gener
 (prompt-learning adapters, a `cache_implementation`, `use_cache=False`, cache-less models) or the prefill yields
 no `DynamicCache` of attention layers, or every prompt of a chunk is one token, that chunk runs the plain way.
 
+Multi-turn episodes (`forge.env.episode`) sample each turn with `generate_ids`: the episode's tokens so far, never
+re-tokenised, left-padded, decoded the same way (no shared prefill: every context is its own).
+
 Colocated with the trainer, weight sync is free: the backend holds the trainer's module.
 """
 
@@ -84,6 +87,25 @@ class HFBackend:
                 self._generate_chunk(rows[i : i + per_chunk], repeats, params) for i in range(0, len(rows), per_chunk)
             ]
         return self._merge(chunks, expanded, params.n)
+
+    @torch.no_grad()
+    def generate_ids(self, contexts: list[list[int]], params: SamplingParams) -> list[tuple[list[int], list[float]]]:
+        """One turn of multi-turn episodes (`forge.env`): for each token context (the episode so far, never
+        re-tokenised), the sampled tokens up to and including eos (at most params.max_new_tokens) and their log-probs.
+        Greedy when temperature is 0; the caller seeds the RNG."""
+        tok, model, out = self.tokenizer, self.model, []
+        size = params.batch_size or self.batch_size
+        warpers = [] if params.temperature == 0 else _warpers(params)
+        was_training = model.training
+        model.eval()
+        for i in range(0, len(contexts), size):
+            enc = tok.pad({"input_ids": contexts[i : i + size]}, padding=True, return_tensors="pt").to(model.device)
+            with autocast_context(model.device.type, self.autocast_bf16):
+                tokens, logprobs = self._decode(dict(enc), {}, params, warpers)  # [n, T]
+            mask = completion_mask(tokens, tok.eos_token_id).bool()
+            out += [(t[m].tolist(), lp[m].tolist()) for t, lp, m in zip(tokens, logprobs, mask, strict=True)]
+        model.train(was_training)
+        return out
 
     def _generate_chunk(self, prompts: list[str], repeats: int, params: SamplingParams) -> dict:
         """`repeats` completions of each prompt ([len(prompts) * repeats] rows); repeats > 1 prefills each prompt once."""
@@ -177,6 +199,10 @@ class HFBackend:
             policy_version=self.policy_version,
             prompts=prompts,
         )
+
+
+def autocast_context(device_type: str, bf16: bool):
+    return torch.autocast(device_type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
 def _takes_outside_cache(model) -> bool:

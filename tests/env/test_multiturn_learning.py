@@ -1,0 +1,73 @@
+"""Acceptance 3 of issue 30: a TRL-style environment class, written as TRL's documentation shows one, runs unchanged
+through `forge.train(environment_factory=...)` and its reward (read by a TRL reward function from `environments=`)
+rises on the tiny random model."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import forge
+from forge.tracking import read_metrics
+
+
+class GuessEnv:
+    def __init__(self):
+        self.answer = ""
+        self.reward = 0.0
+
+    def reset(self, **kwargs):
+        self.answer = str(kwargs["answer"])
+        self.reward = 0.0
+        return None
+
+    def guess(self, value: int) -> str:
+        """Guess the sum.
+
+        Args:
+            value: the guessed sum
+        """
+        self.reward = float(str(value) == self.answer)
+        return "right" if self.reward else "wrong"
+
+
+def reward_func(completions, environments, **kwargs):
+    """The environment's reward if the policy guessed right with its tool; else 1 for the environment's answer as
+    the reply's last number, 0.25 for a reply with a digit in it, 0 otherwise."""
+    out = []
+    for text, env in zip(completions, environments, strict=True):
+        numbers = re.findall(r"\d+", text.rsplit("</tool_response>", 1)[-1])
+        graded = 1.0 if numbers and numbers[-1] == env.answer else 0.25 if numbers else 0.0
+        out.append(max(env.reward, graded))
+    return out
+
+
+@pytest.mark.slow
+def test_a_trl_environment_class_learns_on_the_tiny_model(tmp_path):
+    sets = ["steps=30", "threads=1", "tracking.mlflow=false", "checkpoint.every=0", "eval.every=0",
+            "rollout.max_new_tokens=3", "update.lr=2e-3"]  # fmt: skip
+    forge.train(preset="tiny-multiturn", environment_factory=GuessEnv, reward_funcs=[reward_func], overrides=sets,
+                run_dir=tmp_path / "run", progress=False)  # fmt: skip
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] > 0 and "reward/mean" in r]
+    assert all("env/turns" in r and r["env/turns"] >= 1 and "env/tool_calls" in r for r in rows)
+    first, last = rows[:5], rows[-5:]
+    rise = sum(r["reward/mean"] for r in last) / 5 - sum(r["reward/mean"] for r in first) / 5
+    # measured (seed 0, threads=1): reward/mean 0.135 over steps 1-5 -> 0.268 over steps 26-30 (the digit format
+    # first; the tiny model never calls the tool in 30 steps: the tool path is tests/env/test_episode.py's)
+    assert rise > 0.08, rise
+
+
+def test_the_tiny_multiturn_preset_runs_from_the_cli(runs_dir):
+    """Smoke: `forgeweave run --preset tiny-multiturn` (environment and reward function by import path)."""
+    import json
+
+    from flows.cli import main
+
+    argv = ["run", "--preset", "tiny-multiturn", "--name", "mt", "--runs-dir", str(runs_dir), "--quiet", "--no-prefect"]
+    sets = ["steps=2", "threads=1", "tracking.mlflow=false", "data.train_size=100", "eval.max_problems=5"]
+    assert main(argv + [a for s in sets for a in ("--set", s)]) == 0
+    rows = [r for r in read_metrics(runs_dir / "mt" / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 2 and all(r["env/turns"] >= 1 and "reward/sum_reward/mean" in r for r in rows)
+    sample = json.loads((runs_dir / "mt" / "samples.jsonl").read_text().splitlines()[0])
+    assert sample["transcript"][0]["role"] == "assistant" and sample["transcript"][0]["policy_version"] == 0
