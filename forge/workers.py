@@ -62,6 +62,7 @@ from forge.rewards.aggregate import majority_rewards, mean_scores
 from forge.rewards.registry import resolve_verifiers
 from forge.rewards.score import score_completions
 from forge.rollout import SamplingParams, make_backend
+from forge.weight_group import WeightGroup, WeightPlan, copy_into, make_plan
 
 if TYPE_CHECKING:
     from forge.trainer import MicroUpdate
@@ -107,6 +108,7 @@ class RolloutWorker:
                                     work_dir=Path(work_dir) if work_dir else None, sleep=self.sleeps)  # fmt: skip
         self.policy_version = 0
         self._verifiers = None
+        self.weight_group: WeightGroup | None = None  # joined in Ray mode (`join_weight_group`)
 
     def generate(self, prompts: list[str], params: SamplingParams, version: int) -> Rollouts:
         """params.n completions per prompt from policy `version` (refused if this worker holds another one)."""
@@ -128,6 +130,24 @@ class RolloutWorker:
             self.backend.sync_weights(self.model, version)
         else:  # a vLLM engine loads the tensors into its own model
             self.backend.sync_weights(weights, version)
+        self.policy_version = version
+        return time.perf_counter() - t0
+
+    def join_weight_group(self, rank: int, world: int, address: str, port: int, plan: WeightPlan,
+                          local_address: str = "") -> None:  # fmt: skip
+        """Join the weight group hosted by update rank 0 at `address:port` as `rank` (blocks until all have joined);
+        `plan`: the layout of every sync (`TrainerWorker.host_weight_group`). hf backend: the model receives in place."""
+        if self.cfg.rollout.backend != "hf":
+            raise NotImplementedError("the weight group serves hf rollout workers here (vLLM: the object-store path)")
+        self.weight_group, self.weight_plan = WeightGroup(rank, world), plan
+        self.weight_group.connect(address, port, local_address=local_address)
+        self._load_into = copy_into(self.model)
+
+    def receive_weights(self, version: int) -> float:
+        """Receive one sync from the weight group into the model, labelled `version`; returns seconds."""
+        t0 = time.perf_counter()
+        self.weight_group.receive(self.weight_plan, self._load_into)
+        self.backend.sync_weights(self.model, version)
         self.policy_version = version
         return time.perf_counter() - t0
 
@@ -153,6 +173,8 @@ class RolloutWorker:
         return {**where(), "stage": "rollout", "backend": self.cfg.rollout.backend}
 
     def close(self) -> None:
+        if self.weight_group is not None:
+            self.weight_group.close()
         self.backend.close()
 
 
@@ -260,6 +282,7 @@ class TrainerWorker:
         # the checkpoint writer's DCP collectives run on a gloo group of their own, so they never interleave with
         # training's on the default group; made now, while every rank is here (None with one process)
         self.checkpoint_group = torch.distributed.new_group(backend="gloo") if world > 1 else None
+        self.weight_group: WeightGroup | None = None  # rank 0 in Ray mode hosts it (`host_weight_group`)
 
     @property
     def policy_version(self) -> int:
@@ -280,6 +303,29 @@ class TrainerWorker:
             return None
         dtype = publish_dtype(self.cfg, next(iter(full.values())).dtype)
         return {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
+
+    def host_weight_group(self, address: str, world: int) -> tuple[WeightPlan, int]:
+        """Rank 0: open the weight group's store on `address` for `world` members (this rank and the rollout
+        engines' workers); returns (the plan of what each sync sends, the port). `connect_weight_group` next."""
+        assert self.rank == 0, "the weight group is hosted by update rank 0"
+        self.weight_group = WeightGroup(0, world)
+        shapes = self.trainer.publish_shapes()
+        self.weight_plan = make_plan(shapes, publish_dtype(self.cfg, shapes[0][1]))
+        return self.weight_plan, self.weight_group.host(address)
+
+    def connect_weight_group(self, address: str, port: int) -> None:
+        """Rank 0: wait for every member of the weight group (`RolloutWorker.join_weight_group`) to join."""
+        self.weight_group.connect(address, port, local_address=address)
+
+    def send_weights(self) -> int:
+        """Broadcast the current weights to the weight group (rank 0; FSDP: every rank gathers each parameter in turn
+        with it; DDP ranks other than 0 do nothing: no host copy). Returns the bytes rank 0 sent (0 elsewhere)."""
+        if self.rank == 0:
+            return self.weight_group.send(self.weight_plan, self.trainer.publish_tensors())
+        if self.trainer.fsdp:
+            for _ in self.trainer.publish_tensors():
+                pass
+        return 0
 
     def save(self, root: str, step: int, payload: dict, eval_score: float | None) -> None:
         """Start checkpoint `step` under `root` with the loop's `payload` (sampler, evals, ...) beside the trainer
@@ -328,6 +374,8 @@ class TrainerWorker:
         return {**where(), "stage": "update", "rank": self.rank, "world": self.world}
 
     def close(self) -> None:
+        if self.weight_group is not None:
+            self.weight_group.close()
         if self.world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
