@@ -17,13 +17,15 @@ plan's, set in the actor's environment before torch starts (Ray's own CPU/GPU ac
 owns the devices, which lets stages share a GPU when the plan colocates them). Rollout replicas are spread over the
 nodes that offer their pool (`SPREAD`).
 
-Weights move once per step, actor to actor: each rank's `step` call returns (stats, weights), rank 0's weights
-stay in Ray's object store (`num_returns=2`: the driver never fetches them) and every rollout actor receives the
-same object (each unpickles its own copy). The rollouts stay where the rollout actor put them (several replicas' parts
-are merged and put once); the reward actor and the update ranks read that copy, and the advantages go by `ray.put`.
+Weights move once per step through the weight group (`forge.weight_group`, started with the actors): update rank 0
+hosts it, rollout actor i joins as rank 1 + i*TP; the driver submits the receives, then the send, and only the plan
+(names, shapes, bucket layout) crosses Ray — the object store carries no weights (`group = False` keeps the old
+object-store path, as a control for tests and bench/weight_sync.py). The rollouts stay where the rollout actor put
+them (several replicas' parts are merged and put once); the reward actor and the update ranks read that copy, and
+the advantages go by `ray.put`.
 
-Faults: an actor that dies surfaces as `forge.stages.WorkerLost`, on which the loop rebuilds these stages and
-resumes from the last checkpoint. A lost node is that for every actor on it (and an object whose only copy was
+Faults: an actor that dies surfaces as `forge.stages.WorkerLost`, on which the loop rebuilds these stages (and so
+the weight group) and resumes from the last checkpoint. A lost node is that for every actor on it (and an object whose only copy was
 there); the rebuilt actors go to the pool's nodes left (rollout replicas are spread over a pool's nodes), and a pool
 with no live node left stops the run with one line naming it and its dead node, to be continued with --resume.
 Actors are owned by the driver (not detached) and killed by `close()`, so none outlives the run; the private Ray
@@ -97,6 +99,8 @@ def ray_session(cfg: RunConfig, plan: dict, run_name: str):
 class RayStages:
     """`forge.stages.Stages` over Ray actors placed by Weaver's plan. Needs `ray_session` (or ray.init) first."""
 
+    group = True  # weights by the weight group (`forge.weight_group`); False: through the object store (the old path)
+
     def __init__(self, cfg: RunConfig, run_dir: Path, plan: dict | None, micro_update: MicroUpdate):
         """`micro_update`: the recipe's update math (`forge.recipes.grpo.update_micro_batch`), which each update rank
         actor receives by reference (its module is importable there)."""
@@ -113,7 +117,6 @@ class RayStages:
         self._stored: tuple[Rollouts, ray.ObjectRef] | None = None  # the last rollouts and their object-store copy
         self._load_seconds = 0.0
         self.places: dict[str, list[dict]] = {}  # stage -> each actor's `where` at start (its node's address)
-        self.group = cfg.rollout.backend == "hf"  # weights by the weight group (vLLM engines: the object store)
         self.pad_id = load_tokenizer(cfg.model).pad_token_id
         _check_pools(self.plan, self.run_dir)
         try:
@@ -179,10 +182,11 @@ class RayStages:
         """Update rank 0 hosts the weight group (`forge.weight_group`) on its node; rollout actor i joins as rank
         i + 1. Only the plan (names, shapes, bucket layout) crosses Ray. Rebuilt with the actors on a recovery."""
         rank0, rollouts = self.actors["update"][0], self.actors["rollout"]
-        addr, world = self.places["update"][0]["node_ip"], 1 + len(rollouts)
+        tp = self.cfg.rollout.tensor_parallel_size if self.cfg.rollout.backend == "vllm" else 1  # ranks per engine
+        addr, world = self.places["update"][0]["node_ip"], 1 + tp * len(rollouts)
         plan, port = self._get([rank0.call.remote("host_weight_group", addr, world)], "update")[0]
-        joins = [a.call.remote("join_weight_group", i + 1, world, addr, port, plan, self.places["rollout"][i]["node_ip"])
-                 for i, a in enumerate(rollouts)]  # fmt: skip
+        joins = [a.call.remote("join_weight_group", 1 + i * tp, world, addr, port, plan,
+                               self.places["rollout"][i]["node_ip"]) for i, a in enumerate(rollouts)]  # fmt: skip
         self._get([rank0.call.remote("connect_weight_group", addr, port), *joins], "update")
 
     def _publish(self, version: int) -> float:

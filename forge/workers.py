@@ -6,11 +6,13 @@ they are plain objects in the driver; in Ray mode (`flows/ray_exec.py`) each one
 node Weaver planned for its stage. Nothing here knows which: no Ray, no Prefect.
 
 - `RolloutWorker`: samples (`generate`) and evaluates (`evaluate`) with the hf backend or a vLLM engine in its own
-  process; receives new weights with `load_weights(weights, version)` and refuses to sample for another version.
+  process; receives new weights over the weight group (`join_weight_group`, `receive_weights(version)`;
+  `forge.weight_group`) or as a dict (`load_weights(weights, version)`) and refuses to sample for another version.
 - `RewardWorker`: verifiers -> the reward (`reward.aggregate`: weighted, mean, majority vote or the label-free
   ensemble; forge/rewards/aggregate.py) -> group advantages (`score`).
 - `TrainerWorker`: one update rank (rank r of a world of N: a torch.distributed group, gloo on CPU, NCCL on GPU,
-  with Accelerate inside); `step` trains on the rank's share of a batch and returns the new weights on rank 0;
+  with Accelerate inside); `step` trains on the rank's share of a batch (and returns the new weights on rank 0 if
+  asked); rank 0 hosts the weight group and `send_weights` broadcasts them to the rollout workers;
   `save` starts a checkpoint (every rank snapshots and writes its own shard, in a background thread by default)
   and `wait_saved` waits for it.
 
@@ -106,6 +108,8 @@ class RolloutWorker:
         self.sleeps = rollout_sleeps(cfg)
         self.backend = make_backend(r.backend, model, tokenizer, autocast_bf16=r.autocast_bf16, rollout=r,
                                     work_dir=Path(work_dir) if work_dir else None, sleep=self.sleeps)  # fmt: skip
+        if r.backend == "vllm":  # the engine holds its own copy (received by sync): keep no fp32 policy here
+            self.model = None
         self.policy_version = 0
         self._verifiers = None
         self.weight_group: WeightGroup | None = None  # joined in Ray mode (`join_weight_group`)
@@ -135,19 +139,25 @@ class RolloutWorker:
 
     def join_weight_group(self, rank: int, world: int, address: str, port: int, plan: WeightPlan,
                           local_address: str = "") -> None:  # fmt: skip
-        """Join the weight group hosted by update rank 0 at `address:port` as `rank` (blocks until all have joined);
-        `plan`: the layout of every sync (`TrainerWorker.host_weight_group`). hf backend: the model receives in place."""
+        """Join the weight group hosted by update rank 0 at `address:port` as `rank` (a vLLM engine: its workers as
+        `rank`, `rank + 1`, ...); blocks until all have joined. `plan`: the layout of every sync
+        (`TrainerWorker.host_weight_group`)."""
         if self.cfg.rollout.backend != "hf":
-            raise NotImplementedError("the weight group serves hf rollout workers here (vLLM: the object-store path)")
+            self.backend.join_weight_group(rank, world, address, port, plan, local_address)
+            return
         self.weight_group, self.weight_plan = WeightGroup(rank, world), plan
         self.weight_group.connect(address, port, local_address=local_address)
         self._load_into = copy_into(self.model)
 
     def receive_weights(self, version: int) -> float:
-        """Receive one sync from the weight group into the model, labelled `version`; returns seconds."""
+        """Receive one sync from the weight group, labelled `version` (hf: into the model, in place; vLLM: through
+        each worker's `reload_weights`); returns seconds."""
         t0 = time.perf_counter()
-        self.weight_group.receive(self.weight_plan, self._load_into)
-        self.backend.sync_weights(self.model, version)
+        if self.cfg.rollout.backend == "hf":
+            self.weight_group.receive(self.weight_plan, self._load_into)
+            self.backend.sync_weights(self.model, version)
+        else:
+            self.backend.receive_weights(version)
         self.policy_version = version
         return time.perf_counter() - t0
 
