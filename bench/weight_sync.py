@@ -143,13 +143,9 @@ def measure(path: str, shape: str, syncs: int) -> dict:
 
 
 def _object_bytes(ref) -> int:
-    from ray.util.state import list_objects
+    from flows.ray_exec import object_sizes
 
-    hex_id = ref.hex()
-    sizes = [
-        o.object_size or 0 for o in list_objects(filters=[("object_id", "=", hex_id)], raise_on_missing_output=False)
-    ]
-    return max(sizes, default=0)
+    return object_sizes().get(ref.hex(), 0)
 
 
 def cpu_model() -> str:
@@ -166,9 +162,8 @@ def main() -> None:
     import torch
 
     threads = max(1, min(2, os.cpu_count() or 1))
-    ray.init(address="local", num_cpus=threads, include_dashboard=True, dashboard_host="127.0.0.1",
-             _node_ip_address="127.0.0.1", log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})  # fmt: skip
+    ray.init(address="local", num_cpus=threads, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})  # fmt: skip
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); torch {torch.__version__}; ray {ray.__version__}")
     print(f"{'model':<14}{'path':<14}{'s/sync':>9}{'MB/sync':>10}{'peak extra MB':>15}{'bf16 model MB':>15}")
     for shape in args.models:

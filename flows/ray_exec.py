@@ -359,6 +359,23 @@ class RayStages:
         return results
 
 
+def object_sizes() -> dict[str, int]:
+    """Size in bytes of every object any Ray worker holds a reference to, by object id: each live raylet's node stats
+    with memory info (what `ray memory` and `ray.util.state.list_objects` read; the latter needs the dashboard, which
+    this venv's Ray does not have)."""
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc
+
+    sizes: dict[str, int] = {}
+    for node in (n for n in ray.nodes() if n["Alive"]):
+        channel = init_grpc_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}")
+        request = node_manager_pb2.GetNodeStatsRequest(include_memory_info=True)
+        reply = node_manager_pb2_grpc.NodeManagerServiceStub(channel).GetNodeStats(request, timeout=30)
+        for worker in reply.core_workers_stats:
+            sizes.update({r.object_id.hex(): max(r.object_size, 0) for r in worker.object_refs})
+    return sizes
+
+
 def _done(refs: list, wait: bool) -> list:
     """`refs`, or (not `wait`) those of them finished already."""
     if not refs or wait:
