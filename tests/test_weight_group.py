@@ -132,3 +132,25 @@ def test_plan_is_metadata_and_bad_input_is_one_line():
         WeightGroup(0, 1)
     with pytest.raises(ValueError, match="backend must be gloo or nccl"):
         WeightGroup(0, 2, backend="mpi")
+
+
+def test_trainer_publishes_each_weight_once_and_a_copy_matches_it():
+    """What update rank 0 sends (`Trainer.publish_tensors`): its live tensors, tied copies once, in the order and
+    shapes of `publish_shapes` (the plan is made from those without touching the tensors). Loaded with
+    `copy_into` into another copy of the policy, the copy's whole state equals the trainer's."""
+    from forge.models import load_policy
+    from forge.presets import tiny
+    from forge.recipes.grpo import update_micro_batch
+    from forge.workers import TrainerWorker
+
+    cfg = tiny()
+    trainer = TrainerWorker(cfg, micro_update=update_micro_batch).trainer
+    sent = list(trainer.publish_tensors())
+    assert [(n, t.dtype, tuple(t.shape)) for n, t in sent] == trainer.publish_shapes()
+    every = trainer.unwrapped.state_dict()
+    tied = len(every) - len(sent)
+    assert tied == int(trainer.unwrapped.config.tie_word_embeddings)  # the LM head, when tied to the embedding
+    assert all(t.data_ptr() == every[n].data_ptr() for n, t in sent)  # no host copy
+    copy, _ = load_policy(cfg.model, seed=cfg.seed + 1)
+    copy_into(copy)(sent)
+    assert all(torch.equal(v, every[k]) for k, v in copy.state_dict().items())
