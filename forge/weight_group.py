@@ -9,8 +9,9 @@ the training group's is 30).
 Per sync: rank 0 casts each tensor on its own device to the publish dtype and copies it into a flat buffer (a
 bucket, one dtype, at most `bucket_bytes` unless one tensor alone is larger), broadcasts the bucket, and goes on to
 the next; each receiver receives into a buffer of the same size and hands views of it, as (name, tensor) pairs, to
-a load function (hf: copy into the live parameters; vLLM: the model's own `load_weights`). Peak extra memory is one
-or two buckets on each side, never a second copy of the model. Only the `WeightPlan` (names, dtypes, shapes, bucket
+a load function (hf: copy into the live parameters, bucket by bucket; a vLLM worker keeps the sync's buckets and runs
+the model's own `reload_weights` over them at the end). Peak extra memory on the sender is one bucket, never a second
+copy of the model; on an hf receiver one bucket, on a vLLM worker one copy in the publish dtype. Only the `WeightPlan` (names, dtypes, shapes, bucket
 layout: a few kB) travels by other means (Ray), once per group.
 
 Departures from peers: OpenRLHF and TRL broadcast parameter by parameter (one collective per tensor; buckets here,
