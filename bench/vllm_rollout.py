@@ -79,6 +79,7 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.tokens, temperature=args.temperature, n=args.group)
     start = time.perf_counter()
     vllm = EngineActor(args.model)
+    vllm.sync_weights(model, 0)  # the engine starts from dummy weights: version 0 first
     startup = time.perf_counter() - start
     print(f"  engine serving after {startup:.1f} s", file=sys.stderr, flush=True)
     try:

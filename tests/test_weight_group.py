@@ -1,0 +1,156 @@
+"""forge.weight_group with real processes over gloo on 127.0.0.1: this test process is rank 0 (the trainer),
+receivers are spawned processes that save what they receive. Bit-identical tensors after the cast, several syncs
+over one group, a group rebuilt after a receiver was SIGKILLed, and the metadata-only plan."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from forge.weight_group import WeightGroup, copy_into, make_plan, plan_for
+
+HOST = "127.0.0.1"
+
+
+def weights(step: int) -> dict[str, torch.Tensor]:
+    """A model-like state in send order: fp32 matrices, a bf16 vector, an int64 buffer (not cast)."""
+    g = torch.Generator().manual_seed(step)
+    return {
+        "embed.weight": torch.randn(50, 16, generator=g),
+        "layer.0.w": torch.randn(16, 16, generator=g),
+        "layer.0.b": torch.randn(16, generator=g).to(torch.bfloat16),
+        "position_ids": torch.arange(8) + step,
+        "layer.1.w": torch.randn(16, 33, generator=g),
+    }
+
+
+def expected(step: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights(step).items()}
+
+
+def _receiver(rank: int, world: int, port: int, plan, steps: int, out: str) -> None:
+    torch.set_num_threads(1)
+    group = WeightGroup(rank, world, "gloo", timeout=timedelta(seconds=60))
+    group.connect(HOST, port, local_address=HOST)
+    for step in range(steps):
+        got: dict[str, torch.Tensor] = {}
+        group.receive(plan, lambda pairs, got=got: got.update({n: t.clone() for n, t in pairs}))
+        torch.save(got, Path(out) / f"rank{rank}-step{step}.pt")
+    group.close()
+
+
+def _start(world: int, port: int, plan, steps: int, out: Path) -> list[mp.Process]:
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_receiver, args=(r, world, port, plan, steps, str(out)), daemon=True)
+             for r in range(1, world)]  # fmt: skip
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _host(world: int, timeout_s: float = 60) -> tuple[WeightGroup, int]:
+    group = WeightGroup(0, world, "gloo", timeout=timedelta(seconds=timeout_s))
+    return group, group.host(HOST)
+
+
+def test_receivers_get_bit_identical_tensors_over_several_syncs(tmp_path):
+    dtype = torch.bfloat16
+    plan = plan_for(weights(0).items(), dtype, bucket_bytes=1024)  # several buckets: 800 bf16 elements > 1 kB
+    assert len(plan.buckets) > 2 and plan.buckets[-1][0] == "bfloat16"
+    group, port = _host(3)
+    procs = _start(3, port, plan, 3, tmp_path)
+    group.connect(HOST, port, local_address=HOST)
+    for step in range(3):
+        assert group.send(plan, weights(step).items()) == plan.nbytes
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    group.close()
+    for rank in (1, 2):
+        for step in range(3):
+            got, want = torch.load(tmp_path / f"rank{rank}-step{step}.pt"), expected(step, dtype)
+            assert list(got) == list(want)
+            for k in want:
+                assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (rank, step, k)
+
+
+def test_a_group_is_rebuilt_after_a_receiver_is_killed(tmp_path):
+    plan = plan_for(weights(0).items(), torch.float32)
+    group, port = _host(3, timeout_s=20)
+    (tmp_path / "old").mkdir()
+    procs = _start(3, port, plan, 10, tmp_path / "old")
+    group.connect(HOST, port, local_address=HOST)
+    group.send(plan, weights(0).items())
+    os.kill(procs[1].pid, signal.SIGKILL)
+    procs[1].join(timeout=10)
+    with pytest.raises(RuntimeError):  # the dead peer breaks the collective (within the group's own timeout)
+        for step in range(1, 10):
+            group.send(plan, weights(step).items())
+    group.close()
+    procs[0].join(timeout=30)
+    assert procs[0].exitcode != 0  # the surviving receiver's collective failed too
+    (tmp_path / "new").mkdir()
+    group, port = _host(3)
+    procs = _start(3, port, plan, 1, tmp_path / "new")
+    group.connect(HOST, port, local_address=HOST)
+    group.send(plan, weights(7).items())
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    group.close()
+    for rank in (1, 2):
+        got = torch.load(tmp_path / "new" / f"rank{rank}-step0.pt")
+        assert all(torch.equal(got[k], v) for k, v in expected(7, torch.float32).items())
+
+
+def test_copy_into_loads_in_place_and_a_tied_head_follows():
+    from torch import nn
+
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight  # tied
+    ptr = model[0].weight.data_ptr()
+    new = torch.randn(10, 4)
+    copy_into(model)([("0.weight", new)])
+    assert torch.equal(model[1].weight, new) and model[0].weight.data_ptr() == ptr
+    with pytest.raises(KeyError, match="no tensor 'lm_head.weight'"):
+        copy_into(model)([("lm_head.weight", new)])
+
+
+def test_plan_is_metadata_and_bad_input_is_one_line():
+    plan = make_plan([("w", torch.float32, (1000, 1000))], torch.bfloat16, bucket_bytes=1 << 20)
+    assert plan.buckets == (("bfloat16", 1_000_000),)  # one tensor larger than a bucket travels alone
+    assert plan.nbytes == 2_000_000
+    with pytest.raises(ValueError, match="bucket_bytes must be positive"):
+        make_plan([], torch.float32, bucket_bytes=0)
+    with pytest.raises(ValueError, match="needs world >= 2"):
+        WeightGroup(0, 1)
+    with pytest.raises(ValueError, match="backend must be gloo or nccl"):
+        WeightGroup(0, 2, backend="mpi")
+
+
+def test_trainer_publishes_each_weight_once_and_a_copy_matches_it():
+    """What update rank 0 sends (`Trainer.publish_tensors`): its live tensors, tied copies once, in the order and
+    shapes of `publish_shapes` (the plan is made from those without touching the tensors). Loaded with
+    `copy_into` into another copy of the policy, the copy's whole state equals the trainer's."""
+    from forge.models import load_policy
+    from forge.presets import tiny
+    from forge.recipes.grpo import update_micro_batch
+    from forge.workers import TrainerWorker
+
+    cfg = tiny()
+    trainer = TrainerWorker(cfg, micro_update=update_micro_batch).trainer
+    sent = list(trainer.publish_tensors())
+    assert [(n, t.dtype, tuple(t.shape)) for n, t in sent] == trainer.publish_shapes()
+    every = trainer.unwrapped.state_dict()
+    tied = len(every) - len(sent)
+    assert tied == int(trainer.unwrapped.config.tie_word_embeddings)  # the LM head, when tied to the embedding
+    assert all(t.data_ptr() == every[n].data_ptr() for n, t in sent)  # no host copy
+    copy, _ = load_policy(cfg.model, seed=cfg.seed + 1)
+    copy_into(copy)(sent)
+    assert all(torch.equal(v, every[k]) for k, v in copy.state_dict().items())
