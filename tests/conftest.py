@@ -48,3 +48,14 @@ def runs_dir(tmp_path, monkeypatch):
     d = tmp_path / "runs"
     monkeypatch.setenv("FORGEWEAVE_RUNS_DIR", str(d))
     return d
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The character tokenizer of the tiny models (forge.models.build_char_tokenizer), left-padded as the rollout
+    backends pad prompts; a module may define its own `tok` where it needs another."""
+    from forge.models import build_char_tokenizer
+
+    t = build_char_tokenizer()
+    t.padding_side = "left"
+    return t

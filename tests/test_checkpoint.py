@@ -32,19 +32,12 @@ from forge.checkpoint import (
 )
 from forge.errors import UserError
 from forge.io import atomic_write_text, write_json
-from forge.models import build_char_tokenizer, build_tiny_model
+from forge.models import build_tiny_model
 from forge.tracking import JsonlTracker, read_metrics
 from tests.grpo_parts import TrainerWorker
 from tests.test_trainer import make_batch, make_cfg
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    t = build_char_tokenizer()
-    t.padding_side = "left"
-    return t
 
 
 def worker(tok, async_save: bool = False, **update) -> TrainerWorker:

@@ -145,15 +145,6 @@ def test_verifier_errors_inside_the_budget_are_still_per_item_failures():
 # ---------------------------------------------------------------- non-finite steps and checkpoints
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from forge.models import build_char_tokenizer
-
-    t = build_char_tokenizer()
-    t.padding_side = "left"
-    return t
-
-
 def _trainer(tok, **update):
     from forge.models import build_tiny_model
     from tests.grpo_parts import Trainer

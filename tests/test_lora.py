@@ -25,13 +25,6 @@ from tests.test_trainer import make_batch, make_cfg
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def tok():
-    t = build_char_tokenizer()
-    t.padding_side = "left"
-    return t
-
-
 def lora_cfg(rank: int = 4, **update) -> RunConfig:
     cfg = make_cfg(**update)
     cfg.model.tiny.hidden, cfg.model.tiny.layers = 32, 1

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 
 import forge.precision as precision
@@ -28,15 +27,6 @@ def test_update_runs_bf16_on_a_cuda_gpu_with_bf16_whatever_the_cpu_flag(monkeypa
 def test_accelerator_leaves_precision_to_the_trainer():
     acc = make_accelerator()
     assert acc.mixed_precision == "no"
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from forge.models import build_char_tokenizer
-
-    t = build_char_tokenizer()
-    t.padding_side = "left"
-    return t
 
 
 def test_reference_kl_is_exactly_zero_at_identical_weights_under_bf16(tok, monkeypatch):

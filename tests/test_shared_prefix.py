@@ -15,7 +15,7 @@ import torch
 
 import forge.trainer as trainer_mod
 from forge.config import RunConfig
-from forge.models import build_char_tokenizer, build_tiny_model
+from forge.models import build_tiny_model
 from forge.records import Rollouts
 from forge.shared_prefix import PackingCost, completion_lengths, group_spans, pack, pack_saves_compute, packed_length
 from forge.trainer import token_logprobs
@@ -26,13 +26,6 @@ torch.set_num_threads(1)
 T = 5
 GROUPS = [("12+34=", ["46", "4", "460"]), ("7*8=", ["56"]), ("100-1=", ["99", "9999"])]
 EOS = [True, False, True, False, True, False]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    t = build_char_tokenizer()
-    t.padding_side = "left"
-    return t
 
 
 def tiny(tok, attn="sdpa"):

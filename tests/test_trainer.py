@@ -17,7 +17,7 @@ import torch
 from forge.advantages import group_advantages
 from forge.config import RunConfig
 from forge.losses import StepTotals
-from forge.models import build_char_tokenizer, build_tiny_model
+from forge.models import build_tiny_model
 from forge.recipes import grpo
 from forge.recipes.grpo import grpo_loss
 from forge.records import Rollouts
@@ -29,13 +29,6 @@ torch.set_num_threads(1)
 PROMPTS = ["1+2=", "10+20=", "7*8="]
 COMPLETIONS = [("3", True), ("4", False), ("30", True), ("3000", False), ("56", False), ("5", True)]  # (text, eos)
 T = 4
-
-
-@pytest.fixture(scope="module")
-def tok():
-    t = build_char_tokenizer()
-    t.padding_side = "left"
-    return t
 
 
 @pytest.fixture()

@@ -10,7 +10,7 @@ from forge.config import ConfigError, EnvConfig, RunConfig
 from forge.env.chat import ChatFormat
 from forge.env.episode import load_environment, run_episodes
 from forge.errors import UserError
-from forge.models import build_char_tokenizer, build_tiny_model
+from forge.models import build_tiny_model
 from forge.rewards.registry import resolve_verifier
 from forge.rollout.base import SamplingParams
 from forge.rollout.hf import HFBackend
@@ -18,13 +18,6 @@ from forge.trainer import token_logprobs
 from tests.env.test_episode import CALL, CounterEnv
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    t = build_char_tokenizer()
-    t.padding_side = "left"
-    return t
 
 
 def test_the_trainer_sees_the_log_probs_the_sampler_recorded_after_a_tool_turn(tok):

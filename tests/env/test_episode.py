@@ -13,7 +13,6 @@ from forge.env.chat import TOOL_RESPONSE, ChatFormat
 from forge.env.episode import run_episodes
 from forge.env.tools import check_environment, tool_of
 from forge.errors import UserError
-from forge.models import build_char_tokenizer
 from forge.rollout.base import SamplingParams
 
 CALL = '<tool_call>{"name": "add", "arguments": {"n": 3}}</tool_call>'
@@ -48,13 +47,6 @@ class CounterEnv:
         """Takes too long."""
         time.sleep(2)
         return "late"
-
-
-@pytest.fixture(scope="module")
-def tok():
-    t = build_char_tokenizer()
-    t.padding_side = "left"
-    return t
 
 
 def scripted(tok, turns: list[str]):
