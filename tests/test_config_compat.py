@@ -168,6 +168,7 @@ def old_layout(new: dict) -> dict:
     for section, name in [("model", "tiny"), ("rollout", "vllm"), ("reward", "ensemble"), ("reward", "code_exec")]:
         assert data[section].pop(name) == {}
     assert data.pop("collapse") == {}
+    assert data.pop("env") == to_dict(RunConfig())["env"]  # the section came after that release: its defaults only
     return data
 
 
