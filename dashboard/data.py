@@ -16,11 +16,14 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from dashboard import transcripts
+
 STAGES = ("rollout", "reward", "update", "evaluate")
 # files whose presence makes a directory under the runs dir a run (mlflow.db and artifact folders are not)
 RUN_MARKERS = ("config.yaml", "status.json", "metrics.jsonl")
 CHECKPOINT_TOTAL, CHECKPOINT_STALL = "time/checkpoint_s", "time/checkpoint_stall_s"
 CHECKPOINT_NAMES = {CHECKPOINT_STALL: "checkpoint stall", CHECKPOINT_TOTAL: "checkpoint background"}
+EPISODE_COLUMNS = ("turns", "tool calls", "tool errors", "truncated")  # a multi-turn sample's figures
 
 
 def read_json(path: Path) -> dict | None:
@@ -176,18 +179,34 @@ def verifier_names(frame: pd.DataFrame) -> list[str]:
 
 
 def samples_frame(rows: list[dict]) -> pd.DataFrame:
-    """samples.jsonl rows with one `score/<verifier>` column per verifier (None = the verifier gave no score)."""
+    """samples.jsonl rows with one `score/<verifier>` column per verifier (None = the verifier gave no score).
+    A multi-turn run's rows also get the episode's figures (`EPISODE_COLUMNS`) and its `transcript` (the segments)."""
     base = ["step", "prompt", "answer", "completion", "reward", "advantage"]
     if not rows:
         return pd.DataFrame(columns=base)
+    multiturn = any(transcripts.is_multiturn(r) for r in rows)
     flat = []
     for r in rows:
         scores = r.get("scores") or {}
         flat.append({**{k: r.get(k) for k in base}, **{f"score/{v}": s for v, s in scores.items()}})
+        if multiturn:
+            flat[-1].update(episode_columns(r))
     frame = pd.DataFrame(flat)
     for col in ["reward", "advantage", *(c for c in frame.columns if c.startswith("score/"))]:
         frame[col] = pd.to_numeric(frame[col], errors="coerce")
+    if multiturn:  # nullable dtypes: a count stays an integer and a flag a flag beside rows that lack them
+        frame[list(EPISODE_COLUMNS[:3])] = frame[list(EPISODE_COLUMNS[:3])].astype("Int64")
+        frame["truncated"] = frame["truncated"].astype("boolean")
     return frame
+
+
+def episode_columns(sample: dict) -> dict:
+    """The multi-turn columns of one sample (None figures for a row without a transcript)."""
+    if not transcripts.is_multiturn(sample):
+        return {**dict.fromkeys(EPISODE_COLUMNS), "transcript": None}
+    f = transcripts.figures(sample)
+    figures = (f.turns, f.tool_calls, f.tool_errors, f.truncated)
+    return {**dict(zip(EPISODE_COLUMNS, figures, strict=True)), "transcript": sample["transcript"]}
 
 
 def filter_samples(

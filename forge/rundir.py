@@ -9,7 +9,8 @@ by several hosts it may not exclude a process on another host (see docs/hardenin
 status.json says running / failed (with the error) / finished, with the pid and host of the process and a
 heartbeat (rewritten every HEARTBEAT_S seconds while the run holds its lock); `run_status` reads it and reports a
 "running" run whose lock nobody holds as stale (its process died without finishing). summary.json is written only
-on completion, so a half-written run never looks complete. samples.jsonl keeps a few completions per step for inspection.
+on completion, so a half-written run never looks complete. samples.jsonl keeps a few completions per step for inspection
+(multi-turn: with each episode's transcript, and its turns, tool calls, tool errors and whether a limit cut it).
 `track_run_start` hands a tracker what identifies a run: tags (preset, model, dataset hash, git commit), the
 flattened config as params, and config.yaml / plan.json / data/manifest.json as artifacts. Params are the config
 the run started with (MLflow's are immutable); what a resume changed is in config_changes.jsonl and a tag per
@@ -35,7 +36,7 @@ import torch
 
 from forge.errors import UserError
 from forge.io import append_text, atomic_write_text, truncate_jsonl, write_json
-from forge.records import Rollouts, ScoredBatch
+from forge.records import Episodes, Rollouts, ScoredBatch
 from forge.tracking import Tracker
 
 SAMPLES_PER_STEP = 8
@@ -63,11 +64,18 @@ def append_samples(run_dir: Path, step: int, rows: list[dict], ro: Rollouts, bat
                 "reward": _num(batch.rewards[i]),
                 "advantage": _num(batch.advantages[i]),
                 **({"verifier_errors": errors} if errors else {}),  # the step's first error per verifier
-                **({"transcript": ro.episodes.transcripts[i]} if ro.episodes is not None else {}),  # multi-turn
+                **(_episode_sample(ro.episodes, i) if ro.episodes is not None else {}),  # multi-turn
             }
         )
     append_text(run_dir / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
     return samples
+
+
+def _episode_sample(e: Episodes, i: int) -> dict:
+    """Episode i's transcript (segments in order) and its figures: policy turns, tool calls, tool errors, and
+    whether a limit cut it (the dashboard and the MLflow sample table show them beside the transcript)."""
+    figures = {"turns": e.turns[i], "tool_calls": e.tool_calls[i], "tool_errors": e.tool_errors[i]}
+    return {"transcript": e.transcripts[i], "episode": {**figures, "truncated": e.truncated[i]}}
 
 
 def _num(x: torch.Tensor) -> float | None:

@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import mlflow
+import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
@@ -23,6 +24,7 @@ from flows.cli import main
 from flows.tracking.mlflow_tracker import default_uri, tracker_for_run
 from forge.config import RunConfig
 from forge.rundir import git_commit
+from tests.episode_samples import TURNS, UNKNOWN_TOOL, write_tool_episodes
 from tests.servers import stop
 
 REPO = Path(__file__).resolve().parents[1]
@@ -164,6 +166,43 @@ def test_resend_and_resume_leave_no_duplicates(store):
     )
     assert table["columns"] == ["prompt", "completion", "scores.math_answer"]
     assert table["data"] == [["1+1=", "2", 1.0]]
+
+
+def _table(run_id: str, uri: str, path: str) -> dict:
+    local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=path, tracking_uri=uri)
+    return json.loads(Path(local).read_text())
+
+
+def test_a_multiturn_sample_table_carries_the_transcript(store, tmp_path):
+    """Rows forge writes for tool-calling episodes (tests.episode_samples): the transcript as text, one block per
+    segment headed by role, tool name and error, and as JSON; the episode's figures as columns. A single-turn
+    step's table keeps its columns."""
+    tracker, uri = _tracker(store)
+    rows = write_tool_episodes(tmp_path, step=3)
+    tracker.log_table("samples", 3, rows)
+    tracker.log_table("samples", 4, [{"step": 4, "prompt": "1+1=", "completion": "2", "scores": {"math_answer": 1.0}}])
+    tracker.finish("FINISHED")
+    run_id = tracker.info()["mlflow_run_id"]
+
+    table = _table(run_id, uri, "samples/step-000003.json")
+    figures = ["episode.turns", "episode.tool_calls", "episode.tool_errors", "episode.truncated"]
+    base = ["step", "prompt", "answer", "completion", "scores.sum_reward", "reward", "advantage"]
+    assert table["columns"] == [*base, "transcript", *figures, "transcript_json"]
+    row = dict(zip(table["columns"], table["data"][0], strict=True))
+    assert [row[f] for f in figures] == [3, 2, 1, False]
+    assert json.loads(row["transcript_json"]) == rows[0]["transcript"]
+    assert row["transcript"].split("\n\n") == [
+        f"[assistant · policy v2]\n{TURNS[0]}",
+        "[tool check]\nwrong",
+        f"[assistant · policy v2]\n{TURNS[1]}",
+        f"[tool peek · error]\n{UNKNOWN_TOOL}",
+        "[assistant · policy v2]\n9",
+    ]
+    frame = pd.DataFrame(table["data"], columns=table["columns"])  # orient="split": one scalar per cell
+    assert frame["episode.tool_errors"].tolist() == [1, 1] and frame["transcript"].map(type).tolist() == [str, str]
+    single = _table(run_id, uri, "samples/step-000004.json")
+    assert single["columns"] == ["step", "prompt", "completion", "scores.math_answer"]
+    assert single["data"] == [[4, "1+1=", "2", 1.0]]
 
 
 def test_a_rejected_record_is_skipped_alone(store):

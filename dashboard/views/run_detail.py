@@ -1,11 +1,14 @@
 """Run detail page: key numbers, training curves, stage times, samples, the Weaver plan and the config of one run;
-with a probe set, probe pass@1 beside eval pass@1 and the reward, and the collapse guard's firings."""
+with a probe set, probe pass@1 beside eval pass@1 and the reward, and the collapse guard's firings. A multi-turn run
+adds its episode curves (env/*) and shows a picked sample as a chat transcript: the prompt, the policy's turns with
+their tool calls set apart, each tool's answer as its own message (errors in red), and the episode's figures."""
 
 import time
 
+import pandas as pd
 import streamlit as st
 
-from dashboard import charts, data, loaders
+from dashboard import charts, data, loaders, transcripts
 from dashboard.widgets import empty_state, fmt, live, pick_run
 
 PROBE_TITLE = "probe pass@1 (labelled probe) vs eval pass@1 and reward/mean"
@@ -25,6 +28,13 @@ CURVES = [
     ("trainer vs sampler log-prob gap", ["train/logprob_diff"], False),
     ("idle share of the step", ["perf/rollout_idle_frac", "perf/trainer_idle_frac"], False),
 ]
+# a multi-turn run's episode figures, means per episode of each step's rollouts (forge.metrics.episode_metrics)
+ENV_CURVES = [
+    ("turns, tool calls and tool errors per episode", ["env/turns", "env/tool_calls", "env/tool_errors"], False),
+    ("share of episodes truncated; share of episode tokens trained", ["env/truncated", "env/sampled_frac"], False),
+    ("seconds in the environment and tools per episode", ["env/seconds"], False),
+]
+TOOL_AVATAR = ":material/build:"
 
 
 def header(name: str) -> None:
@@ -70,6 +80,17 @@ def curves(name: str) -> None:
     if "probe/pass@1" in frame.columns:  # the collapse guard's view: labelled probe vs held-out eval vs the reward
         probe = charts.lines(frame, ["probe/pass@1", "eval/pass@1", "reward/mean"], PROBE_TITLE, points=True)
         specs.insert(2, ("probe", probe))
+    _grid(specs)
+    bars = charts.stage_bars(data.stage_times(frame))
+    if bars is not None:
+        st.altair_chart(bars, width="stretch")
+    if any(c.startswith("env/") for c in frame.columns):
+        st.subheader("Episodes (multi-turn)")
+        _grid([(title, charts.lines(frame, cols, title, points)) for title, cols, points in ENV_CURVES])
+
+
+def _grid(specs: list[tuple]) -> None:
+    """(title, chart or None) pairs, two per row; a missing chart says "no data yet"."""
     for i, (title, chart) in enumerate(specs):
         if i % 2 == 0:
             row = st.columns(2)  # one row per pair keeps the charts of a row aligned
@@ -78,9 +99,6 @@ def curves(name: str) -> None:
                 st.caption(f"{title}: no data yet")
             else:
                 st.altair_chart(chart, width="stretch")
-    bars = charts.stage_bars(data.stage_times(frame))
-    if bars is not None:
-        st.altair_chart(bars, width="stretch")
 
 
 def guard(name: str) -> None:
@@ -117,7 +135,56 @@ def samples(name: str) -> None:
     text = st.text_input("prompt or completion contains")
     shown = data.filter_samples(frame, steps, rewards, text)
     st.caption(f"{len(shown)} of {len(frame)} samples")
-    st.dataframe(shown, hide_index=True, column_config={"completion": st.column_config.TextColumn(width="large")})
+    table = shown.drop(columns="transcript", errors="ignore")  # multi-turn: shown as a chat below
+    st.dataframe(table, hide_index=True, column_config={"completion": st.column_config.TextColumn(width="large")})
+    if "transcript" in shown.columns:
+        episode(shown[shown["transcript"].notna()])
+
+
+def episode(shown: pd.DataFrame) -> None:
+    """One of the shown multi-turn samples, picked by a selectbox: its figures, then its chat transcript."""
+    if shown.empty:
+        return
+    st.subheader("Episode")
+    pick = st.selectbox("episode", shown.index.tolist(), format_func=lambda i: _episode_label(i, shown.loc[i]))
+    row = shown.loc[pick]
+    for col, label in zip(st.columns(len(data.EPISODE_COLUMNS)), data.EPISODE_COLUMNS, strict=True):
+        col.metric(label, _figure(row[label]))
+    for message in transcripts.messages(row["prompt"], row["transcript"]):
+        chat_message(message)
+
+
+def _episode_label(i: int, row: pd.Series) -> str:
+    """`#i` (the sample's place in samples.jsonl: labels must differ, the selectbox tells options apart by them),
+    step, reward and figures."""
+    reward = "-" if pd.isna(row["reward"]) else f"{row['reward']:.3f}"
+    figures = f"{_figure(row['turns'])} turns · {_figure(row['tool calls'])} tool calls"
+    return f"#{i} · step {row['step']} · reward {reward} · {figures}"
+
+
+def _figure(value) -> str:
+    """A figure as the metric shows it: "-" when not recorded, yes/no for a flag, else the count."""
+    if pd.isna(value):
+        return "-"
+    return ("yes" if value else "no") if pd.api.types.is_bool(value) else str(int(value))
+
+
+def chat_message(m: transcripts.Message) -> None:
+    """A message as a chat bubble: a policy turn's prose and tool calls (as JSON) apart, a tool's answer under its
+    name, an error answer in red."""
+    with st.chat_message(m.role, avatar=TOOL_AVATAR if m.role == "tool" else None):
+        if m.role == "assistant":
+            st.caption("policy" + ("" if m.policy_version is None else f" v{m.policy_version}"))
+        if m.role == "tool":
+            st.caption(f"tool `{m.name or '(unreadable call)'}`" + (" · error" if m.error else ""))
+        for part in m.parts:
+            if part.kind == "call":
+                st.caption(f"tool call `{part.name or '(unreadable call)'}`")
+                st.code(part.text, language="json")
+            elif m.error:
+                st.error(part.text)
+            else:
+                st.text(part.text)
 
 
 def _range_slider(label: str, values, kind) -> tuple:

@@ -20,8 +20,9 @@ Layout in MLflow (the dashboard relies on it):
 - params: the resolved config flattened (`update.lr`, ...); metrics: the step's namespaced metrics with its
   step number; MLflow allows only `[/\\w.\\- :]` in names, so `@` becomes `_at_` (`eval/pass@1` -> `eval/pass_at_1`).
 - artifacts: config.yaml, plan.json, data/manifest.json, eval/step-NNNNNN.json, samples/step-NNNNNN.json (a
-  table: {"columns": [...], "data": [[...], ...]}), checkpoints/step-NNNNNN/ (HF files; not trainer_state.* or the state/ shards),
-  summary.json.
+  table: {"columns": [...], "data": [[...], ...]}; a multi-turn run's rows add the transcript as text and JSON and
+  the episode's figures, see flows/tracking/tables.py), checkpoints/step-NNNNNN/ (HF files; not trainer_state.* or
+  the state/ shards), summary.json.
 - registry: each checkpoint is a version of `tracking.registered_model` (default `forgeweave-<preset>`), source
   `runs:/<run_id>/checkpoints/step-NNNNNN`, tags `forgeweave.run_name`, `forgeweave.run_dir`, `forgeweave.run_id`,
   `forgeweave.step`, `forgeweave.dataset_hash`, `forgeweave.eval_pass_at_1` ("" when not evaluated at that step).
@@ -42,8 +43,8 @@ import threading
 from pathlib import Path
 
 from flows.tracking.outbox import Outbox, fresh_state, sending_lock
+from flows.tracking.tables import table_row
 from forge.io import write_json
-from forge.rundir import flatten
 from forge.tracking import NullTracker
 
 CHECKPOINT_SKIP = {"trainer_state.json", "trainer_state.safetensors", "trainer_state.pt"}  # resume state, not the model
@@ -166,7 +167,7 @@ class MlflowTracker(NullTracker):
     def log_table(self, name: str, step: int, rows: list[dict]) -> None:
         if not rows or self._redone(step):
             return
-        rows = [flatten(r) for r in rows]  # {"scores": {"math_answer": 1.0}} -> {"scores.math_answer": 1.0}
+        rows = [table_row(r) for r in rows]  # flat ({"scores": {"v": 1.0}} -> "scores.v"), a transcript as text
         columns = list(dict.fromkeys(c for r in rows for c in r))
         self._put("table", name=name, step=step, columns=columns, data=[[r.get(c) for c in columns] for r in rows])
 

@@ -20,18 +20,37 @@ RUN = "dash-demo"
 TINY_RUN = ["steps=12", "eval.every=4", "checkpoint.every=4", "threads=1"]
 
 
+MT_RUN = "mt-demo"
+# the tiny-multiturn preset, 2 steps on a few rows, without MLflow: a real multi-turn run's files (its random model
+# makes no tool calls; tests.episode_samples adds episodes that do)
+MT_SETS = ["steps=2", "threads=1", "data.train_size=100", "eval.max_problems=5", "tracking.mlflow=false"]
+
+
+def cli_run(runs: Path, preset: str, name: str, sets: list[str]) -> Path:
+    """`forgeweave run --no-prefect` of `preset` with `--set`s into runs/name; returns the run directory."""
+    cmd = [sys.executable, "-m", "flows.cli", "run", "--preset", preset, *(a for s in sets for a in ("--set", s))]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [*cmd, "--name", name, "--runs-dir", str(runs), "--no-prefect", "--quiet"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return runs / name
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> Path:
     """A finished tiny run made by `forgeweave run --no-prefect` (about 15 s); returns its run directory."""
-    runs = tmp_path_factory.mktemp("dash") / "runs"
-    sets = [a for s in TINY_RUN for a in ("--set", s)]
-    cmd = [sys.executable, "-m", "flows.cli", "run", "--preset", "tiny", *sets, "--name", RUN]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [*cmd, "--runs-dir", str(runs), "--no-prefect", "--quiet"], cwd=REPO, env=env, capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr
-    return runs / RUN
+    return cli_run(tmp_path_factory.mktemp("dash") / "runs", "tiny", RUN, TINY_RUN)
+
+
+@pytest.fixture(scope="session")
+def multiturn_run(tmp_path_factory) -> Path:
+    """A finished tiny-multiturn run (about 10 s); returns its run directory."""
+    return cli_run(tmp_path_factory.mktemp("dash-mt") / "runs", "tiny-multiturn", MT_RUN, MT_SETS)
 
 
 @pytest.fixture

@@ -1,0 +1,54 @@
+"""samples.jsonl rows of multi-turn episodes that call tools, written by forge itself: the episode loop
+(`forge.env.episode.run_episodes`) plays the tiny-multiturn preset's `SumEnv` with a scripted policy, and
+`forge.rundir.append_samples` writes the rows as a training step does. The tiny random model of a real run never
+emits a tool call, so the dashboard and tracking tests that need one get it here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+PROMPT, ANSWER = "4+5=", "9"
+# the policy's turns: a wrong guess through the `check` tool, a call of a tool that does not exist, the answer
+TURNS = [
+    'Let me check. <tool_call>{"name": "check", "arguments": {"guess": 8}}</tool_call>',
+    '<tool_call>{"name": "peek", "arguments": {}}</tool_call>',
+    ANSWER,
+]
+UNKNOWN_TOOL = "Error: unknown tool 'peek'; available: check"  # forge.env.tools.call_tool's answer to `peek`
+
+
+def write_tool_episodes(run_dir: Path, step: int, version: int = 2) -> list[dict]:
+    """Append two identical scripted episodes as step `step`'s samples (reward 1 each); returns the rows written."""
+    from forge.config import EnvConfig
+    from forge.env.chat import ChatFormat
+    from forge.env.episode import run_episodes
+    from forge.models import build_char_tokenizer
+    from forge.records import ScoredBatch
+    from forge.rollout.base import SamplingParams
+    from forge.rundir import append_samples
+    from forge.tasks.multiturn import SumEnv
+
+    tok = build_char_tokenizer()
+    rows = [{"prompt": PROMPT, "model_input": PROMPT, "answer": ANSWER}]
+    params = SamplingParams(max_new_tokens=128, n=2, seed=0)
+    cfg = EnvConfig(max_turns=4, max_tokens=1000)
+    fmt = ChatFormat(tok, use_template=False)
+    ro = run_episodes(_scripted(tok), tok, rows, params, cfg, fmt, SumEnv, [], version=version)
+    batch = ScoredBatch(["sum_reward"], torch.ones(2, 1), torch.ones(2), torch.zeros(2), verifier_failures={})
+    return append_samples(run_dir, step, rows, ro, batch)
+
+
+def _scripted(tok):
+    """A sampler answering each episode with TURNS[k] (+ eos) at its k-th turn, k = tool answers in its context."""
+
+    def sample(contexts: list[list[int]], params) -> list[tuple[list[int], list[float]]]:
+        out = []
+        for ctx in contexts:
+            k = tok.decode(ctx).count("<tool_response>")
+            ids = tok(TURNS[k], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            out.append((ids, [-0.5] * len(ids)))
+        return out
+
+    return sample
