@@ -172,8 +172,9 @@ def to_rollouts(episodes: list[Episode], tok, group_size: int, version: int, mas
 
 
 def load_environment(cfg, tok) -> tuple[Callable | None, list[Tool], ChatFormat]:
-    """(the environment factory, the stateless tools, the chat format) of a run config (`RunConfig`), checked once
-    at start: a class without reset or a tool without a docstring is a one-line UserError naming it."""
+    """(the environment factory, the stateless and built-in tools, the chat format) of a run config (`RunConfig`),
+    checked once at start: a class without reset or a tool without a docstring is a one-line UserError naming it."""
+    from forge.env.builtin import builtin_tools
     from forge.env.tools import check_environment, load_object, tool_of
 
     e = cfg.env
@@ -181,6 +182,7 @@ def load_environment(cfg, tok) -> tuple[Callable | None, list[Tool], ChatFormat]
     if factory is not None:
         check_environment(factory)
     functions = [tool_of(load_object(spec, "env.tools")) for spec in e.tools]
+    functions += builtin_tools(e.builtin_tools, cfg.reward.code_exec)
     use_template = cfg.model.chat_template if cfg.model.chat_template is not None else True
     return factory, functions, ChatFormat(tok, use_template, cfg.model.system_prompt)
 
