@@ -222,6 +222,10 @@ class RolloutWorker:
     def close(self) -> None:
         if self.weight_group is not None:
             self.weight_group.close()
+        if self._env is not None:  # an OpenEnv server forgeweave started stops here
+            from forge.env.episode import close_environment
+
+            close_environment(self._env)
         self.backend.close()
 
 
