@@ -64,10 +64,16 @@ def append_samples(run_dir: Path, step: int, rows: list[dict], ro: Rollouts, bat
                 "advantage": _num(batch.advantages[i]),
                 **({"verifier_errors": errors} if errors else {}),  # the step's first error per verifier
                 **({"transcript": ro.episodes.transcripts[i]} if ro.episodes is not None else {}),  # multi-turn
+                **({"env_failure": failure} if (failure := _failure(ro, i)) else {}),  # its environment failed
             }
         )
     append_text(run_dir / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
     return samples
+
+
+def _failure(ro: Rollouts, i: int) -> str:
+    """Why episode i's environment failed ('' = it did not, or single-turn)."""
+    return ro.episodes.failures[i] if ro.episodes is not None and ro.episodes.failures else ""
 
 
 def _num(x: torch.Tensor) -> float | None:
