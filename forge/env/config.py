@@ -67,6 +67,8 @@ class EnvConfig:
     def check(self, prefix: str) -> None:
         twice = len(set(self.tools)) != len(self.tools)
         require(not twice, f"{prefix}tools", "lists a tool twice: list it once")
+        unknown = [n for n in self.builtin_tools if n not in BUILTIN_TOOLS]
+        require(not unknown, f"{prefix}builtin_tools", f"has {unknown}: the built-in tools are {list(BUILTIN_TOOLS)}")
         require(len(set(self.builtin_tools)) == len(self.builtin_tools), f"{prefix}builtin_tools",
                 "lists a tool twice: list it once")  # fmt: skip
         servers = [f"{prefix}{k}" for k in ("openenv_url", "openenv_app", "openenv_command") if getattr(self, k)]
