@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 import weakref
 from pathlib import Path
@@ -77,8 +78,10 @@ class Session:
     def __init__(self, ws_url: str, timeout_s: float):
         from websockets.sync.client import connect
 
+        proxy = None if _loopback(ws_url) else True  # a proxy from the environment never reaches this machine's server
         try:
-            self.ws = connect(ws_url, open_timeout=timeout_s, close_timeout=timeout_s, max_size=_MAX_MESSAGE)
+            self.ws = connect(ws_url, open_timeout=timeout_s, close_timeout=timeout_s, max_size=_MAX_MESSAGE,
+                              proxy=proxy)  # fmt: skip
         except Exception as e:  # refused, unreachable, a handshake the server rejected, a timeout
             raise SessionLost(f"cannot open a session at {ws_url}: {_why(e)}") from None
         self.timeout_s, self.owed = timeout_s, 0
@@ -243,7 +246,7 @@ def connect(cfg: EnvConfig, episodes: int) -> OpenEnvClient:
     try:
         import websockets.sync.client  # noqa: F401
     except ImportError:
-        raise UserError(f"{cfg.openenv}: talking to an OpenEnv server needs the `websockets` package (>= 13; "
+        raise UserError(f"{cfg.openenv}: talking to an OpenEnv server needs the `websockets` package (>= 15; "
                         "Prefect brings it): pip install websockets") from None  # fmt: skip
     server = LocalServer.start(cfg) if cfg.openenv_app or cfg.openenv_command else None
     try:
@@ -456,8 +459,18 @@ def _healthy(url: str, timeout_s: float) -> bool:
 
 
 def _get_json(url: str, timeout_s: float):
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 (http(s) only: checked in config)
+    handlers = [urllib.request.ProxyHandler({})] if _loopback(url) else []  # as for the WebSocket: no proxy here
+    with urllib.request.build_opener(*handlers).open(url, timeout=timeout_s) as response:
         return json.loads(response.read())
+
+
+def _loopback(url: str) -> bool:
+    """Whether `url` names this machine.
+
+    >>> _loopback("ws://127.0.0.1:8000/ws"), _loopback("http://localhost:1"), _loopback("https://env.example")
+    (True, True, False)
+    """
+    return urllib.parse.urlsplit(url).hostname in ("127.0.0.1", "localhost", "::1")
 
 
 def _ws(url: str) -> str:
