@@ -31,7 +31,7 @@ import torch
 
 from forge.env.chat import ChatFormat
 from forge.env.config import EnvConfig
-from forge.env.openenv import OpenEnvClient, OpenEnvEpisode
+from forge.env.openenv import OpenEnvClient, OpenEnvEpisode, connect
 from forge.env.parse import parse_tool_calls
 from forge.env.tools import Tool, call_tool, environment_tools
 from forge.errors import UserError
@@ -230,7 +230,6 @@ def load_environment(cfg, tok) -> tuple[Callable | None, list[Tool], ChatFormat]
     answer is a one-line UserError naming it. An OpenEnv server named by env.openenv_app / env.openenv_command is
     started here; `close_environment` stops it."""
     from forge.env.builtin import builtin_tools
-    from forge.env.openenv import connect
     from forge.env.tools import check_environment, load_object, tool_of
 
     e = cfg.env
