@@ -151,6 +151,10 @@ def test_an_unreachable_server_a_command_that_dies_and_bad_keys_are_one_line_nam
             setattr(cfg.env, k, v)
         with pytest.raises(ConfigError, match=f"config key '{key}'"):
             cfg.validate()
+    cfg = RunConfig()
+    cfg.env.openenv_url, cfg.rollout.backend = url, "vllm"  # episodes run on the hf backend in process only
+    with pytest.raises(ConfigError, match="config key 'env.openenv_url' runs with rollout.backend=hf"):
+        cfg.validate()
 
 
 def _children(marker: str) -> list[int]:
@@ -180,12 +184,14 @@ def test_the_cli_and_a_config_file_point_at_a_server(server, runs_dir):
     from flows.cli import main
 
     config = runs_dir.parent / "run.yaml"
-    config.write_text(f"preset: tiny-multiturn\nenv:\n  environment_factory: ''\n  openenv_url: {server.url}\n")
+    config.write_text("preset: tiny-multiturn\nenv:\n  environment_factory: ''\n  openenv_max_sessions: 4\n")
     argv = ["run", "--config", str(config), "--name", "oe", "--runs-dir", str(runs_dir), "--quiet", "--no-prefect"]
-    sets = [s for s in _sets(server.url, 2) if not s.startswith("env.")]
+    sets = [s for s in _sets(server.url, 2) if s != "env.environment_factory="]  # env.openenv_url by --set
     assert main(argv + [a for s in sets for a in ("--set", s)]) == 0
     rows = [r for r in read_metrics(runs_dir / "oe" / "metrics.jsonl") if "reward/mean" in r]
     assert len(rows) == 2 and all(r["env/failed"] == 0 for r in rows)
+    saved = (runs_dir / "oe" / "config.yaml").read_text()
+    assert f"openenv_url: {server.url}" in saved and "openenv_max_sessions: 4" in saved
 
 
 def _comparable(row: dict) -> dict:
