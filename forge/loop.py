@@ -110,6 +110,8 @@ class LoopState:
     last_eval: dict | None = None
     skipped: int = 0  # updates skipped in a row (non-finite loss or gradient)
     failing: dict[str, int] = field(default_factory=dict)  # verifier -> steps in a row it erred on every item
+    env_failing: int = 0  # steps in a row on which the environment failed every episode
+    env_error: str = ""  # the environment's failure on the last such step
     stopped: str = ""  # why the collapse guard ended the run early
     last_reward: float | None = None  # the last step's reward/mean (the progress bar)
     saving: tuple[int, float] | None = None  # the checkpoint in flight: (step, seconds the loop waited to start it)
@@ -138,6 +140,14 @@ def verifier_streaks(state: LoopState, batch: ScoredBatch) -> LoopState:
     return dataclasses.replace(state, failing=failing)
 
 
+def environment_streak(state: LoopState, rollouts: Rollouts) -> LoopState:
+    """Steps in a row on which the environment failed every episode (an OpenEnv server gone), this step counted."""
+    failures = rollouts.episodes.failures if rollouts.episodes is not None else []
+    if failures and all(failures):
+        return dataclasses.replace(state, env_failing=state.env_failing + 1, env_error=failures[0])
+    return dataclasses.replace(state, env_failing=0, env_error="")
+
+
 def update_streak(state: LoopState, stats: UpdateStats) -> LoopState:
     """Updates skipped in a row for a non-finite loss or gradient norm, this step's counted."""
     return dataclasses.replace(state, skipped=state.skipped + 1 if stats.skipped else 0)
@@ -145,9 +155,14 @@ def update_streak(state: LoopState, stats: UpdateStats) -> LoopState:
 
 def stop_reason(state: LoopState, batch: ScoredBatch, cfg: RunConfig) -> str:
     """Why the run must stop after this step ("" = it goes on): a verifier that failed on every item for
-    reward.max_failing_steps steps (training on the zeros it leaves would teach nothing), or update.max_skipped_steps
-    non-finite updates in a row (the weights are still the last finite ones, as is every checkpoint)."""
+    reward.max_failing_steps steps (training on the zeros it leaves would teach nothing), an environment that failed
+    every episode for as many, or update.max_skipped_steps non-finite updates in a row (the weights are still the
+    last finite ones, as is every checkpoint)."""
     limit = cfg.reward.max_failing_steps
+    if limit and state.env_failing >= limit:
+        return (f"step {state.step}: the environment failed every episode for {state.env_failing} steps in a row "
+                f"(reward.max_failing_steps={limit}): {error_line(state.env_error)}; bring the environment server "
+                "back, then --resume")  # fmt: skip
     for name, count in state.failing.items():
         if limit and count >= limit:
             return (f"step {state.step}: verifier '{name}' failed on every item for {count} steps in a row "

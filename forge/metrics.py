@@ -75,9 +75,11 @@ def step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: di
 
 def episode_metrics(ro: Rollouts) -> dict[str, float]:
     """Multi-turn figures, means per episode: policy turns, tool calls, tool errors, share truncated by a limit,
-    seconds in the environment and tools; and the share of episode tokens the loss counts."""
+    seconds in the environment and tools; the share of episode tokens the loss counts; and `env/failed`, the number
+    of episodes whose environment failed (an OpenEnv server gone)."""
     e, n = ro.episodes, max(ro.num_completions, 1)
     return {
+        "env/failed": float(sum(bool(f) for f in e.failures)),
         "env/turns": sum(e.turns) / n,
         "env/tool_calls": sum(e.tool_calls) / n,
         "env/tool_errors": sum(e.tool_errors) / n,

@@ -32,7 +32,8 @@ class Rollouts:
     completion_mask: torch.Tensor  # [N, T] 1 on every real token after the prompt (sampled and environment/tool)
     sampling_logprobs: torch.Tensor  # [N, T] log-prob of each sampled token under the sampler (0 elsewhere)
     texts: list[str]  # [N] decoded completions, special tokens stripped (multi-turn: the episode after the prompt)
-    finish_reasons: list[str]  # [N] "stop" (eos sampled) or "length" (hit max_new_tokens or an episode limit)
+    finish_reasons: list[str]  # [N] "stop" (eos sampled), "length" (hit max_new_tokens or an episode limit) or
+    # "error" (the episode's environment failed: an OpenEnv server gone)
     group_size: int  # G
     policy_version: int  # version of the weights that sampled these
     prompts: list[str] = field(default_factory=list)  # [N] prompt text as given to the model (template applied)
@@ -60,9 +61,11 @@ class Episodes:
     seconds: list[float]  # seconds spent in the environment and tools
     policy_versions: list[list[int]]  # the policy version that sampled each turn
     transcripts: list[list[dict]]  # segments in order: {"role": "assistant" | "tool" | "user", "content": text}
-    masked: list[bool] = field(default_factory=list)  # truncated episodes taken out of the loss (env.mask_truncated)
+    masked: list[bool] = field(default_factory=list)  # taken out of the loss: truncated (env.mask_truncated) or failed
     environments: list = field(default_factory=list)  # the episodes' environment instances (reward functions read
     # them as TRL's `environments=`); in-process only: not sent between processes
+    failures: list[str] = field(default_factory=list)  # why the environment failed each episode ('' = it did not):
+    # a failed episode is out of the loss (masked) and unscored by the reward stage
 
     @staticmethod
     def concat(parts: list[Episodes | None]) -> Episodes | None:

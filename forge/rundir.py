@@ -65,6 +65,7 @@ def append_samples(run_dir: Path, step: int, rows: list[dict], ro: Rollouts, bat
                 "advantage": _num(batch.advantages[i]),
                 **({"verifier_errors": errors} if errors else {}),  # the step's first error per verifier
                 **(_episode_sample(ro.episodes, i) if ro.episodes is not None else {}),  # multi-turn
+                **({"env_failure": failure} if (failure := _failure(ro, i)) else {}),  # its environment failed
             }
         )
     append_text(run_dir / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
@@ -76,6 +77,11 @@ def _episode_sample(e: Episodes, i: int) -> dict:
     whether a limit cut it (the dashboard and the MLflow sample table show them beside the transcript)."""
     figures = {"turns": e.turns[i], "tool_calls": e.tool_calls[i], "tool_errors": e.tool_errors[i]}
     return {"transcript": e.transcripts[i], "episode": {**figures, "truncated": e.truncated[i]}}
+
+
+def _failure(ro: Rollouts, i: int) -> str:
+    """Why episode i's environment failed ('' = it did not, or single-turn)."""
+    return ro.episodes.failures[i] if ro.episodes is not None and ro.episodes.failures else ""
 
 
 def _num(x: torch.Tensor) -> float | None:

@@ -63,7 +63,7 @@ from forge.models import default_device, is_peft, load_policy
 from forge.records import Rollouts, ScoredBatch, UpdateStats
 from forge.rewards.aggregate import majority_rewards, mean_scores
 from forge.rewards.registry import resolve_verifiers
-from forge.rewards.score import score_completions
+from forge.rewards.score import score_completions, unscored
 from forge.rollout import SamplingParams, make_backend
 from forge.weight_group import WeightGroup, WeightPlan, copy_into, make_plan
 
@@ -222,6 +222,10 @@ class RolloutWorker:
     def close(self) -> None:
         if self.weight_group is not None:
             self.weight_group.close()
+        if self._env is not None:  # an OpenEnv server forgeweave started stops here
+            from forge.env.episode import close_environment
+
+            close_environment(self._env)
         self.backend.close()
 
 
@@ -255,6 +259,9 @@ class RewardWorker:
             trainer_state=self.trainer_state(step),
             environments=rollouts.episodes.environments if rollouts.episodes is not None else None,
         )
+        failed = failed_episodes(rollouts)  # [N]: their environment failed: no verifier's score, reward 0
+        if failed.any():
+            result = unscored(result, failed)
         rewards, report, extra = result.rewards, None, {}  # [N]: weighted
         aggregate = self.cfg.reward.aggregate
         if self.aggregator is not None:  # label-free: P(correct | the V scores), refit on recent steps
@@ -264,6 +271,8 @@ class RewardWorker:
             extra = {"reward/majority_share": float(rewards.mean())}
         elif aggregate == "mean":
             rewards = mean_scores(result.scores)
+        if failed.any():
+            rewards = rewards.masked_fill(failed, 0.0)
         advantages = group_advantages(rewards, g, self.cfg.algo.advantage)  # [N]
         return ScoredBatch(result.names, result.scores, rewards, advantages, result.failures,
                            verifier_errors=result.errors, verifier_errored=result.errored, reward_metrics=extra,
@@ -492,6 +501,12 @@ def completion_id_lists(rollouts: Rollouts) -> list[list[int]]:
     """Each completion's sampled token ids (eos included when sampled), padding dropped: TRL's `completion_ids`."""
     mask = rollouts.completion_mask.bool()  # [N, T]
     return [ids[m].tolist() for ids, m in zip(rollouts.completion_ids.cpu(), mask.cpu(), strict=True)]
+
+
+def failed_episodes(rollouts: Rollouts) -> torch.Tensor:
+    """[N] bool: the episodes whose environment failed (all False for single-turn rollouts)."""
+    failures = rollouts.episodes.failures if rollouts.episodes is not None else []
+    return torch.tensor([bool(f) for f in failures] or [False] * rollouts.num_completions, dtype=torch.bool)
 
 
 def _columns(rows: list[dict], group_size: int, hidden: tuple[str, ...] = ()) -> dict[str, list]:

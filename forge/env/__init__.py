@@ -6,6 +6,8 @@
 - `chat`: prompt and tool-turn tokens from the chat template (its token diff, checked prefix-preserving).
 - `episode`: the rollout loop, one token sequence per episode with its loss mask.
 - `rewards.env_reward`: the environment's own reward as a verifier.
+- `openenv`: OpenEnv servers as environments, one WebSocket session per episode (started on 127.0.0.1 or at a URL).
+- `builtin`: built-in tools (`python`: code in the code_exec sandbox).
 
-Only the hf backend in this process runs episodes for now (no OpenEnv servers, vLLM or Ray yet).
+Only the hf backend in this process runs episodes for now (no vLLM or Ray yet).
 """

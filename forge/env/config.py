@@ -4,8 +4,11 @@ imports it without torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from forge.config_base import ranged, require
+
+BUILTIN_TOOLS = ("python",)
 
 
 @dataclass(kw_only=True)
@@ -15,6 +18,22 @@ class EnvConfig:
     public method a tool; docs/environments.md); empty = none."""
     tools: list[str] = field(default_factory=list)
     """Import paths 'pkg.mod:fn' of stateless tool functions (typed arguments and a docstring with an Args section)."""
+    builtin_tools: list[Literal["python"]] = field(default_factory=list)
+    """Built-in tools: `python` runs the model's code in the code_exec sandbox (reward.code_exec's limits)."""
+    openenv_url: str = ""
+    """URL 'http://host:port' of a running OpenEnv server: one WebSocket session (its /ws) per episode."""
+    openenv_app: str = ""
+    """Import path 'pkg.mod:app' of an OpenEnv server's ASGI app that forgeweave serves (uvicorn) on 127.0.0.1 for
+    the run, on a free port, and stops at its end."""
+    openenv_command: str = ""
+    """Command line that starts an OpenEnv server on 127.0.0.1 port {port} (forgeweave picks a free one and fills it
+    in); started for the run and stopped by its PID at the end."""
+    openenv_max_sessions: int = ranged(0, ">= 0", "(0 = as many as the server accepts, found at start)")
+    """OpenEnv sessions (episodes) open at once; keep it <= the server's max_concurrent_envs."""
+    openenv_timeout_s: float = ranged(30.0, "> 0", "seconds")
+    """Seconds to connect to the OpenEnv server and for each reset / close answer (tool calls: tool_timeout_s)."""
+    openenv_start_timeout_s: float = ranged(60.0, "> 0", "seconds")
+    """Seconds a server forgeweave starts (openenv_app, openenv_command) may take to answer /health."""
     max_turns: int = ranged(4, ">= 1")
     """Policy turns per episode; an episode still calling tools after this many is cut (truncated)."""
     max_tokens: int = ranged(0, ">= 0", "(0 = 4 x rollout.max_new_tokens)")
@@ -28,10 +47,42 @@ class EnvConfig:
     """Take episodes cut by a limit out of the loss (their loss mask is 0); they are still counted (env/truncated)."""
 
     @property
+    def openenv(self) -> str:
+        """The key that names this run's OpenEnv server ('' = none)."""
+        keys = ("openenv_url", "openenv_app", "openenv_command")
+        return next((f"env.{k}" for k in keys if getattr(self, k)), "")
+
+    @property
     def enabled(self) -> bool:
-        """Whether rollouts are multi-turn episodes (an environment or tools are configured)."""
-        return bool(self.environment_factory or self.tools)
+        """Whether rollouts are multi-turn episodes (an environment, an OpenEnv server or tools are configured)."""
+        return bool(self.environment_factory or self.tools or self.builtin_tools or self.openenv)
+
+    @property
+    def source_key(self) -> str:
+        """The key that makes the rollouts episodes (for errors about where they can run)."""
+        if self.environment_factory:
+            return "env.environment_factory"
+        return self.openenv or ("env.tools" if self.tools else "env.builtin_tools")
 
     def check(self, prefix: str) -> None:
         twice = len(set(self.tools)) != len(self.tools)
         require(not twice, f"{prefix}tools", "lists a tool twice: list it once")
+        unknown = [n for n in self.builtin_tools if n not in BUILTIN_TOOLS]
+        require(not unknown, f"{prefix}builtin_tools", f"has {unknown}: the built-in tools are {list(BUILTIN_TOOLS)}")
+        require(len(set(self.builtin_tools)) == len(self.builtin_tools), f"{prefix}builtin_tools",
+                "lists a tool twice: list it once")  # fmt: skip
+        servers = [f"{prefix}{k}" for k in ("openenv_url", "openenv_app", "openenv_command") if getattr(self, k)]
+        if len(servers) > 1:
+            require(False, servers[1], f"and {servers[0]} both name an OpenEnv server: keep one")
+        if servers and self.environment_factory:
+            why = f"and {servers[0]} both give the environment: keep one (an empty value clears a preset's)"
+            require(False, f"{prefix}environment_factory", why)
+        url = self.openenv_url
+        require(not url or url.startswith(("http://", "https://")), f"{prefix}openenv_url",
+                f"must start with http:// or https://, got {url!r}")  # fmt: skip
+        app = self.openenv_app
+        require(not app or (":" in app and all(app.partition(":")[::2])), f"{prefix}openenv_app",
+                f"must look like 'pkg.module:app', got {app!r}")  # fmt: skip
+        cmd = self.openenv_command
+        why = "must contain {port} (where the server's port goes): forgeweave picks a free port on 127.0.0.1"
+        require(not cmd or "{port}" in cmd, f"{prefix}openenv_command", why)

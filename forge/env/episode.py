@@ -10,6 +10,13 @@ an episode cut by one is truncated, and with `env.mask_truncated` its loss mask 
 `rollout.max_new_tokens` ends the episode as in single-turn (finish reason "length", trained). Departure from TRL:
 TRL ends an episode that runs out of its completion budget without marking it; here it is counted
 (`env/truncated`) and masked by default.
+
+An OpenEnv server (`forge.env.openenv`): each episode's environment is a WebSocket session, opened at reset and
+closed when the episode ends. At most the server's session cap (`OpenEnvClient.max_sessions`) of episodes are open at
+once: the first ones start before sampling, the next one as soon as an episode ends (its slot is free). The server's
+done ends an episode after its tool turn. An episode whose session fails (the server is gone) ends there with
+finish reason "error" and `failure` set; its loss mask is all 0 and the reward stage unscores it
+(`forge.workers.RewardWorker`). With a TRL environment class or tools only, every episode starts before sampling.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 
 from forge.env.chat import ChatFormat
 from forge.env.config import EnvConfig
+from forge.env.openenv import OpenEnvClient, OpenEnvEpisode, connect
 from forge.env.parse import parse_tool_calls
 from forge.env.tools import Tool, call_tool, environment_tools
 from forge.errors import UserError
@@ -53,7 +61,11 @@ class Episode:
     truncated: bool = False
     finish: str = "stop"
     done: bool = False
+    failure: str = ""  # why the environment failed the episode ('' = it did not)
     started: float = field(default_factory=time.perf_counter)
+
+    def fail(self, why: str) -> None:
+        self.done, self.failure, self.finish = True, why, "error"
 
 
 def start_episode(row: dict, factory: Callable | None, functions: list[Tool], fmt: ChatFormat, tok) -> Episode:
@@ -70,12 +82,22 @@ def start_episode(row: dict, factory: Callable | None, functions: list[Tool], fm
             raise UserError(f"{type(env).__name__}.reset(**row) raised {why}; row columns: {sorted(columns)}") from None
         if observation is not None and not isinstance(observation, str):
             raise UserError(f"{type(env).__name__}.reset returned a {type(observation).__name__}: return a str or None")
-        tools += environment_tools(env)
+        tools += env.tools() if isinstance(env, OpenEnvEpisode) else environment_tools(env)
     prompt, messages = fmt.prompt(row, [t.schema for t in tools], observation)
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     ep = Episode(env, {t.name: t for t in tools}, prompt, ids, messages)
+    if isinstance(env, OpenEnvEpisode) and env.failure:
+        ep.fail(env.failure)
     ep.seconds = time.perf_counter() - t0
     return ep
+
+
+def end_episode(ep: Episode) -> None:
+    """Close the episode's OpenEnv session (nothing to do for other environments); idempotent."""
+    if isinstance(ep.env, OpenEnvEpisode):
+        t0 = time.perf_counter()
+        ep.env.close()
+        ep.seconds += time.perf_counter() - t0
 
 
 def play_turn(ep: Episode, new: list[int], logprobs: list[float], cfg: EnvConfig, budget: int, fmt: ChatFormat,
@@ -97,11 +119,17 @@ def play_turn(ep: Episode, new: list[int], logprobs: list[float], cfg: EnvConfig
         ep.done, ep.truncated, ep.finish = True, True, "length"
         return
     answers = _answer(ep, calls, cfg)
+    remote = ep.env if isinstance(ep.env, OpenEnvEpisode) else None
+    if remote is not None and remote.failure:
+        ep.fail(remote.failure)
+        return
     env_ids = fmt.tool_turn(ep.messages, text, answers, ended)
-    if len(ep.ids) + len(env_ids) >= budget:  # no room for the answer and a next turn
+    over = remote is not None and remote.done  # the server ended the episode: its answer needs no next turn after it
+    if len(ep.ids) + len(env_ids) >= budget + over:  # no room for the answer (and a next turn)
         ep.done, ep.truncated, ep.finish = True, True, "length"
         return
     ep.ids, ep.loss, ep.logprobs = ep.ids + env_ids, ep.loss + [0] * len(env_ids), ep.logprobs + [0.0] * len(env_ids)
+    ep.done = over
 
 
 def _answer(ep: Episode, calls, cfg: EnvConfig) -> list[tuple[str, str]]:
@@ -121,42 +149,61 @@ def _answer(ep: Episode, calls, cfg: EnvConfig) -> list[tuple[str, str]]:
 
 def run_episodes(sample: Sampler, tok, rows: list[dict], params: SamplingParams, cfg: EnvConfig, fmt: ChatFormat,
                  factory: Callable | None, functions: list[Tool], version: int) -> Rollouts:  # fmt: skip
-    """params.n episodes per row, grouped (row i -> prompt i // n); every environment is a fresh factory()."""
-    episodes = [start_episode(r, factory, functions, fmt, tok) for r in rows for _ in range(params.n)]
+    """params.n episodes per row, grouped (row i -> prompt i // n); every environment is a fresh factory(). With an
+    OpenEnv server at most its session cap are open at once: the next episode starts when one ends."""
+    todo = [r for r in rows for _ in range(params.n)]
+    cap = factory.max_sessions if isinstance(factory, OpenEnvClient) else len(todo)
+    episodes: list[Episode] = []
     budget = cfg.max_tokens or 4 * params.max_new_tokens
     seeded = params.seed is not None and params.temperature > 0
-    with torch.random.fork_rng() if seeded else contextlib.nullcontext():
-        if seeded:
-            torch.manual_seed(params.seed)
-        while live := [e for e in episodes if not e.done]:
-            turn = dataclasses.replace(params, n=1)
-            for ep, (new, lp) in zip(live, sample([e.prompt_ids + e.ids for e in live], turn), strict=True):
-                play_turn(ep, new, lp, cfg, budget, fmt, tok, version)
+    try:
+        live = _start_more(episodes, [], todo, cap, factory, functions, fmt, tok)
+        with torch.random.fork_rng() if seeded else contextlib.nullcontext():
+            if seeded:
+                torch.manual_seed(params.seed)
+            while live:
+                turn = dataclasses.replace(params, n=1)
+                for ep, (new, lp) in zip(live, sample([e.prompt_ids + e.ids for e in live], turn), strict=True):
+                    play_turn(ep, new, lp, cfg, budget, fmt, tok, version)
+                    if ep.done:
+                        end_episode(ep)
+                live = _start_more(episodes, [e for e in live if not e.done], todo, cap, factory, functions, fmt, tok)
+    finally:
+        for ep in episodes:
+            end_episode(ep)
     return to_rollouts(episodes, tok, params.n, version, cfg.mask_truncated)
+
+
+def _start_more(episodes: list[Episode], live: list[Episode], todo: list[dict], cap: int, factory: Callable | None,
+                functions: list[Tool], fmt: ChatFormat, tok) -> list[Episode]:  # fmt: skip
+    """Start the next episodes of `todo` (appended to `episodes`) until `cap` are live or none is left; the live."""
+    while len(live) < cap and len(episodes) < len(todo):
+        ep = start_episode(todo[len(episodes)], factory, functions, fmt, tok)
+        episodes.append(ep)
+        if ep.done:  # its environment failed at reset
+            end_episode(ep)
+        else:
+            live.append(ep)
+    return live
 
 
 def to_rollouts(episodes: list[Episode], tok, group_size: int, version: int, mask_truncated: bool) -> Rollouts:
     """The episodes as one record: prompts left-padded [N, P], episodes right-padded [N, T]."""
     pad = tok.pad_token_id
-    row = lambda xs, dtype: torch.tensor([xs], dtype=dtype)  # noqa: E731  [1, len]
-    ids = [row(e.ids or [pad], torch.long) for e in episodes]
-    masked = [mask_truncated and e.truncated for e in episodes]
+    masked = [(mask_truncated and e.truncated) or bool(e.failure) for e in episodes]
+    loss = [[0] * len(e.loss) if m else e.loss for e, m in zip(episodes, masked, strict=True)]
     return Rollouts(
-        prompt_ids=cat_padded([row(e.prompt_ids, torch.long) for e in episodes], pad, left=True),
-        prompt_mask=cat_padded([row([1] * len(e.prompt_ids), torch.long) for e in episodes], 0, left=True),
-        completion_ids=cat_padded(ids, pad, left=False),
-        completion_mask=cat_padded([row([1] * len(e.ids), torch.long) for e in episodes], 0, left=False),
-        sampling_logprobs=cat_padded([row(e.logprobs, torch.float32) for e in episodes], 0.0, left=False),
+        prompt_ids=cat_padded([_row(e.prompt_ids, pad, torch.long) for e in episodes], pad, left=True),
+        prompt_mask=cat_padded([_row([1] * len(e.prompt_ids), 0, torch.long) for e in episodes], 0, left=True),
+        completion_ids=cat_padded([_row(e.ids, pad, torch.long) for e in episodes], pad, left=False),
+        completion_mask=cat_padded([_row([1] * len(e.ids), 0, torch.long) for e in episodes], 0, left=False),
+        sampling_logprobs=cat_padded([_row(e.logprobs, 0.0, torch.float32) for e in episodes], 0.0, left=False),
         texts=[tok.decode(e.ids, skip_special_tokens=True) for e in episodes],
         finish_reasons=[e.finish for e in episodes],
         group_size=group_size,
         policy_version=version,
         prompts=[e.prompt for e in episodes],
-        loss_mask=cat_padded(
-            [row([0] * len(e.loss) if m else e.loss, torch.long) for e, m in zip(episodes, masked, strict=True)],
-            0,
-            left=False,
-        ),  # fmt: skip
+        loss_mask=cat_padded([_row(x, 0, torch.long) for x in loss], 0, left=False),
         episodes=Episodes(
             turns=[e.turns for e in episodes],
             tool_calls=[e.calls for e in episodes],
@@ -167,13 +214,22 @@ def to_rollouts(episodes: list[Episode], tok, group_size: int, version: int, mas
             transcripts=[e.transcript for e in episodes],
             masked=masked,
             environments=[e.env for e in episodes],
+            failures=[e.failure for e in episodes],
         ),  # fmt: skip
     )
 
 
+def _row(xs: list, fill, dtype: torch.dtype) -> torch.Tensor:
+    """[1, max(len(xs), 1)]: an episode without a token (its environment failed at reset) gets one `fill`, masked."""
+    return torch.tensor([list(xs) or [fill]], dtype=dtype)
+
+
 def load_environment(cfg, tok) -> tuple[Callable | None, list[Tool], ChatFormat]:
-    """(the environment factory, the stateless tools, the chat format) of a run config (`RunConfig`), checked once
-    at start: a class without reset or a tool without a docstring is a one-line UserError naming it."""
+    """(the environment factory, the stateless and built-in tools, the chat format) of a run config (`RunConfig`),
+    checked once at start: a class without reset, a tool without a docstring, an OpenEnv server that does not
+    answer is a one-line UserError naming it. An OpenEnv server named by env.openenv_app / env.openenv_command is
+    started here; `close_environment` stops it."""
+    from forge.env.builtin import builtin_tools
     from forge.env.tools import check_environment, load_object, tool_of
 
     e = cfg.env
@@ -181,8 +237,18 @@ def load_environment(cfg, tok) -> tuple[Callable | None, list[Tool], ChatFormat]
     if factory is not None:
         check_environment(factory)
     functions = [tool_of(load_object(spec, "env.tools")) for spec in e.tools]
+    functions += builtin_tools(e.builtin_tools, cfg.reward.code_exec)
+    if e.openenv:
+        factory = connect(e, cfg.rollout.prompts_per_step * cfg.rollout.group_size)
     use_template = cfg.model.chat_template if cfg.model.chat_template is not None else True
     return factory, functions, ChatFormat(tok, use_template, cfg.model.system_prompt)
+
+
+def close_environment(env: tuple) -> None:
+    """Release what `load_environment` started (an OpenEnv server forgeweave runs); idempotent."""
+    factory = env[0]
+    if isinstance(factory, OpenEnvClient):
+        factory.close()
 
 
 class EpisodeBackend:

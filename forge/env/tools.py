@@ -23,11 +23,16 @@ NOT_TOOLS = ("reset", "reward")
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="forge-tool")
 
 
+class ToolError(Exception):
+    """A tool's own error answer (e.g. a remote server's): its text goes to the model as is and counts as an error."""
+
+
 @dataclass(frozen=True)
 class Tool:
     name: str
     fn: Callable  # a function, or a bound method of the episode's environment
     schema: dict  # {"type": "function", "function": {"name", "description", "parameters"}}
+    times_itself: bool = False  # fn enforces env.tool_timeout_s itself (a remote call): called in the caller's thread
 
 
 def tool_of(fn: Callable, owner: str = "") -> Tool:
@@ -67,14 +72,19 @@ def check_environment(factory: Callable) -> None:
 
 def call_tool(tools: dict[str, Tool], name: str, arguments: dict, timeout_s: float) -> tuple[str, bool]:
     """(the tool's answer as text, whether it is an error). Unknown tool, bad arguments, a raise or a timeout: an
-    error text the model reads, never an exception."""
+    error text the model reads, never an exception (a `ToolError`'s text as it is)."""
     if name not in tools:
         return f"Error: unknown tool '{name}'; available: {', '.join(tools) or 'none'}", True
-    future = _POOL.submit(tools[name].fn, **arguments)
+    tool = tools[name]
     try:
-        result = future.result(timeout=timeout_s or None)
+        if tool.times_itself:
+            result = tool.fn(**arguments)
+        else:
+            result = _POOL.submit(tool.fn, **arguments).result(timeout=timeout_s or None)
     except concurrent.futures.TimeoutError:
         return f"Error: tool '{name}' timed out after {timeout_s:g} s", True  # its thread runs on, unread
+    except ToolError as e:
+        return str(e), True
     except Exception as e:  # the tool raised (or got arguments it does not take)
         return f"Error: tool '{name}' raised {type(e).__name__}: {e}", True
     return (result if isinstance(result, str) else json.dumps(result, default=str)), False

@@ -55,6 +55,7 @@ from forge.loop import (
     LoopState,
     RunRecord,
     Schedule,
+    environment_streak,
     prepare_data,
     recover,
     restore,
@@ -191,8 +192,8 @@ def grpo_step(step: int, state: LoopState, cfg: RunConfig, work: Stages, runner:
     with clock("reward"):  # 2. verifiers -> reward -> group-relative advantages
         scores = runner(Stage.REWARD, step, work.reward, request.rows, rollouts, step)
     show_verifier_errors(scores, step, record.shown_errors)
-    state = verifier_streaks(dataclasses.replace(state, step=step), scores)
-    if reason := stop_reason(state, scores, cfg):  # a verifier failing on every item: never trained on
+    state = verifier_streaks(environment_streak(dataclasses.replace(state, step=step), rollouts), scores)
+    if reason := stop_reason(state, scores, cfg):  # a verifier or the environment failing on every item
         raise UserError(reason)
     with clock("update"):  # 3. log-probs -> ratio -> loss -> backward -> step (update_micro_batch); new weights out
         stats = runner(Stage.UPDATE, step, work.update, rollouts, scores.advantages)

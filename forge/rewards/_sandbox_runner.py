@@ -9,7 +9,8 @@ Reads one JSON request on stdin, then (mode "root" or "userns"):
     a fresh /proc; forks W and exits when W does, which makes the kernel kill everything left in the namespace.
   W: rlimits, no_new_privs, drops to an unprivileged uid (root mode: a fresh uid per slot; userns mode: a nested
     user namespace), points fd 1/2 at a capped file, execs the program, then each test; one line per test
-    ("<nonce> <i> <0|1>") goes to the results fd, written as soon as the test ends.
+    ("<nonce> <i> <0|1>") goes to the results fd, written as soon as the test ends; with `output_kb` in the request
+    (the `python` tool), then what the program printed, as "<nonce> output <hex>".
 
 Mode "none" (no namespaces; only with reward.code_exec.allow_network) skips the namespaces and mounts and runs W in a
 temporary directory with the same rlimits. `{"probe": true}` sets everything up and reports "ok" without running code.
@@ -186,6 +187,31 @@ def _report(results: int, nonce: str, what: str) -> None:
 
 
 def _run_tests(req: dict, results: int) -> None:
+    if req.get("output_kb"):  # printed lines in the order they were printed, stdout and stderr interleaved
+        sys.stdout.reconfigure(line_buffering=True)
+    try:
+        _run_program(req, results)
+    finally:
+        if req.get("output_kb"):
+            _report_output(req, results)
+
+
+def _report_output(req: dict, results: int) -> None:
+    """What the program printed (stdout and stderr, its first output_kb KiB) as one hex line: "<nonce> output <hex>"."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001 - the program may have closed or replaced it
+            pass
+    try:
+        with open(os.path.join(req.get("workdir") or "/tmp/work", ".output"), "rb") as f:
+            printed = f.read(int(req["output_kb"]) * 1024)
+    except OSError:
+        printed = b""
+    _report(results, req["nonce"], "output " + printed.hex())
+
+
+def _run_program(req: dict, results: int) -> None:
     nonce, per_test = req["nonce"], float(req["per_test_s"])
     sys.setrecursionlimit(10_000)
 

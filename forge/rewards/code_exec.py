@@ -108,6 +108,7 @@ class RunResult:
     total: int
     status: Literal["ok", "load_error", "timeout", "crashed", "setup_failed"]
     detail: str = ""  # load error type, or the runner's stderr when setup failed
+    output: str = ""  # what the program printed (stdout and stderr), when the request asked for it (`run_program`)
 
     @property
     def score(self) -> float:
@@ -205,6 +206,14 @@ def run_sandboxed(program: str, spec: CodeTests, limits: SandboxLimits, mode: Is
     nonce = secrets.token_hex(16)
     req = {"nonce": nonce, "program": program, "tests": list(spec.tests), "per_test_s": limits.per_test_s}
     return _run_request(mode, req, limits, slot)
+
+
+def run_program(program: str, limits: SandboxLimits, mode: Isolation, output_kb: int = 8) -> RunResult:
+    """Run `program` alone (no tests) in a fresh sandboxed process and read back its first `output_kb` KiB of
+    printed output (the `python` tool, forge/env/builtin.py). Never raises for bad code."""
+    req = {"nonce": secrets.token_hex(16), "program": program, "tests": [], "per_test_s": limits.per_test_s,
+           "output_kb": output_kb}  # fmt: skip
+    return _run_request(mode, req, limits, slot=limits.workers)  # a slot (uid) of its own beside code_exec's
 
 
 def limits_from(cfg: CodeExecConfig) -> SandboxLimits:
@@ -364,13 +373,15 @@ def _parse(req: dict, out: bytes, err: bytes, timed_out: bool, returncode: int) 
     if req.get("probe"):
         ok = out.startswith(b"ok\n") and returncode == 0
         return RunResult(0, 0, "ok" if ok else "setup_failed", err.decode(errors="replace").strip())
-    total, passed, status, detail = len(req["tests"]), set(), "crashed", ""
+    total, passed, status, detail, output = len(req["tests"]), set(), "crashed", "", ""
     prefix = req["nonce"] + " "
     for line in out.decode(errors="replace").splitlines():
         if not line.startswith(prefix):
             continue
         what = line[len(prefix) :].split()
-        if what[:1] == ["load"]:
+        if what[:1] == ["output"]:
+            output = _hex_text(what[1] if len(what) > 1 else "")
+        elif what[:1] == ["load"]:
             status, detail = "load_error", " ".join(what[1:])
         elif what == ["done"]:
             status = "ok"
@@ -380,4 +391,11 @@ def _parse(req: dict, out: bytes, err: bytes, timed_out: bool, returncode: int) 
         status = "timeout"
     if returncode == 3 or (status == "crashed" and b"sandbox setup failed" in err):
         status, detail = "setup_failed", err.decode(errors="replace").strip()[-500:]
-    return RunResult(len(passed), total, status, detail)
+    return RunResult(len(passed), total, status, detail, output)
+
+
+def _hex_text(hex_text: str) -> str:
+    try:
+        return bytes.fromhex(hex_text).decode(errors="replace")
+    except ValueError:
+        return ""

@@ -27,6 +27,7 @@ verifier would keep running (and holding the GIL) beside the training it was mea
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from dataclasses import dataclass, field
@@ -99,6 +100,21 @@ def score_completions(
     rewards = (scores.double().nan_to_num(nan=0.0) * w.double()).sum(dim=1)  # [N]; float64: no overflow here
     rewards = torch.where(rewards.abs() <= FLOAT32_MAX, rewards, 0.0).float()  # a sum past float32's range: 0
     return RewardResult(names, scores, rewards, failures, errors, errored)
+
+
+def unscored(result: RewardResult, failed: torch.Tensor) -> RewardResult:
+    """`result` without the scores of the items `failed` [N] marks (episodes whose environment failed): NaN scores,
+    counted as failures of every verifier, reward 0.
+
+    >>> r = RewardResult(["v"], torch.tensor([[1.0], [0.5]]), torch.tensor([1.0, 0.5]), {"v": 0}, {})
+    >>> u = unscored(r, torch.tensor([False, True]))
+    >>> u.scores[:, 0].tolist(), u.rewards.tolist(), u.failures
+    ([1.0, nan], [1.0, 0.0], {'v': 1})
+    """
+    scores = result.scores.masked_fill(failed.unsqueeze(1), math.nan)  # [N, V]
+    failures = {name: int(scores[:, v].isnan().sum()) for v, name in enumerate(result.names)}
+    return dataclasses.replace(result, scores=scores, rewards=result.rewards.masked_fill(failed, 0.0),
+                               failures=failures)  # fmt: skip
 
 
 def trl_completions(prompts: list, completions: list[str]) -> list:

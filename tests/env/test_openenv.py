@@ -1,0 +1,249 @@
+"""OpenEnv environment servers (forge/env/openenv.py) against real openenv-core servers on 127.0.0.1, never a
+stand-in: tests/env/openenv_server.py (the sum task's MCP environment, its typed-action twin, a 2-session cap, a slow
+tool) and forge/tasks/openenv_sum.py. Acceptance 4 of issue 30: a tiny model trains against a server over WebSocket;
+killing the server mid-run fails its episodes (counted), stops the run after reward.max_failing_steps steps with a
+one-line error and keeps what was recorded; after a restart `--resume` continues exactly as an uninterrupted run.
+
+The episode tests drive the episode loop with a scripted sampler (tests/env/test_episode.py's `scripted`): the tiny
+random model rarely calls a tool, and these tests are about the server's side of a turn."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import forge
+from forge.config import ConfigError, EnvConfig, RunConfig
+from forge.env.chat import ChatFormat
+from forge.env.episode import run_episodes
+from forge.env.openenv import LocalServer, _free_port, connect
+from forge.env.rewards import env_reward
+from forge.errors import UserError
+from forge.rollout.base import SamplingParams
+from forge.tracking import read_metrics
+from tests.env.test_episode import scripted
+
+TEST_APP = "tests.env.openenv_server:app"
+SUM_APP = "forge.tasks.openenv_sum:app"
+torch.set_num_threads(1)
+
+
+def call(name: str, **arguments) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = LocalServer.start(EnvConfig(openenv_app=TEST_APP))
+    yield s
+    s.stop()
+
+
+def play(tok, client, turns, rows=None, n=2, **limits):
+    """params.n episodes per row (default: one row, answer 3) with the scripted turns, against `client`."""
+    rows = rows or [{"prompt": "1+2=", "model_input": "1+2=", "answer": "3"}]
+    cfg = EnvConfig(max_turns=limits.get("max_turns", 3), max_tokens=2000, tool_timeout_s=limits.get("timeout", 10.0))
+    params = SamplingParams(max_new_tokens=64, n=n, seed=0)
+    return run_episodes(scripted(tok, turns), tok, rows, params, cfg, ChatFormat(tok, use_template=False), client, [],
+                        version=0)  # fmt: skip
+
+
+def test_an_mcp_servers_tools_answer_the_calls_and_its_reward_and_done_end_the_episode(server, tok):
+    client = connect(EnvConfig(openenv_url=server.url), episodes=4)
+    assert client.mcp and client.max_sessions == 4 and [s["function"]["name"] for s in client.schemas] == ["check"]
+    # turn 1 a wrong guess, turn 2 an argument the tool refuses (an MCP tool error), turn 3 the right guess: done
+    ro = play(tok, client, [call("check", guess=2), call("check", guess="x"), call("check", guess=3), "3"],
+              max_turns=4)  # fmt: skip
+    assert ro.prompts[0].startswith("<tools>check(guess: integer)</tools>")
+    assert ro.episodes.turns == [3, 3] and ro.episodes.tool_calls == [3, 3] and ro.episodes.tool_errors == [1, 1]
+    answers = [t["content"] for t in ro.episodes.transcripts[0] if t["role"] == "tool"]
+    assert answers[0] == "wrong" and answers[1].startswith("Error: tool 'check':") and answers[2] == "right"
+    envs = ro.episodes.environments
+    assert [e.reward for e in envs] == [1.0, 1.0] and envs[0].rewards == [0.0, 1.0] and all(e.done for e in envs)
+    assert ro.finish_reasons == ["stop", "stop"] and ro.episodes.failures == ["", ""]
+    assert env_reward(["q"] * 2, ro.texts, environments=envs) == [1.0, 1.0]
+    assert all(e.session is None for e in envs)  # closed at the episode's end
+
+
+def test_an_environment_with_its_own_action_gets_one_step_tool_with_the_action_schema(server, tok):
+    client = connect(EnvConfig(openenv_url=server.url + "/guess"), episodes=2)
+    assert not client.mcp
+    (schema,) = client.schemas
+    assert schema["function"]["name"] == "step" and list(schema["function"]["parameters"]["properties"]) == ["guess"]
+    ro = play(tok, client, [call("step", guess=2), call("step", guess=3), "3"])
+    assert [t["content"] for t in ro.episodes.transcripts[0] if t["role"] == "tool"] == ["wrong", "right"]
+    assert [e.reward for e in ro.episodes.environments] == [1.0, 1.0] and ro.episodes.turns == [2, 2]
+
+
+def test_the_servers_session_cap_is_found_at_start_and_kept(server, tok):
+    client = connect(EnvConfig(openenv_url=server.url + "/capped"), episodes=8)
+    assert client.max_sessions == 2  # the server refused the third session it was asked for
+    rows = [{"prompt": f"{a}+0=", "model_input": f"{a}+0=", "answer": str(a)} for a in range(4)]
+    ro = play(tok, client, [call("check", guess=9), "9"], rows=rows, n=2)
+    # 8 episodes of two turns, each a session the server would refuse beyond 2 at once: none failed
+    assert ro.episodes.failures == [""] * 8 and ro.episodes.turns == [2] * 8
+    with pytest.raises(UserError, match="env.openenv_max_sessions=3, but .* accepts only 2 sessions") as err:
+        connect(EnvConfig(openenv_url=server.url + "/capped", openenv_max_sessions=3), episodes=8)
+    assert "\n" not in str(err.value)
+
+
+def test_a_tool_call_past_the_timeout_is_an_error_answer_and_the_session_goes_on(server, tok):
+    client = connect(EnvConfig(openenv_url=server.url + "/slow", tool_timeout_s=0.3), episodes=1)
+    ro = play(tok, client, [call("wait", seconds=1.0), call("wait", seconds=0), "done"], n=1, timeout=0.3)
+    answers = [t["content"] for t in ro.episodes.transcripts[0] if t["role"] == "tool"]
+    # the late answer to the first call is read and dropped: the second call gets its own
+    assert answers == ["Error: tool 'wait' timed out after 0.3 s", "slept 0"]
+    assert ro.episodes.tool_errors == [1] and ro.episodes.failures == [""]
+
+
+def test_a_server_dying_mid_episode_fails_the_episodes_in_flight(tok):
+    own = LocalServer.start(EnvConfig(openenv_app=SUM_APP))
+    client = connect(EnvConfig(openenv_url=own.url), episodes=2)
+    turns = scripted(tok, [call("check", guess=2), call("check", guess=3)])
+
+    def sample(contexts, params):  # the second turn: the server is killed before the policy's call reaches it
+        if any(tok.eos_token_id in c for c in contexts):
+            os.kill(own.pid, signal.SIGKILL)
+            own.proc.wait()
+        return turns(contexts, params)
+
+    cfg = EnvConfig(max_turns=3, max_tokens=400)
+    rows = [{"prompt": "1+2=", "model_input": "1+2=", "answer": "3"}]
+    ro = run_episodes(sample, tok, rows, SamplingParams(max_new_tokens=64, n=2, seed=0), cfg, ChatFormat(tok, False),
+                      client, [], version=0)  # fmt: skip
+    own.stop()
+    assert ro.finish_reasons == ["error", "error"] and ro.episodes.turns == [2, 2]
+    assert all(f.startswith(f"OpenEnv server {own.url}: step: ") for f in ro.episodes.failures)
+    assert ro.loss_mask.sum() == 0 and ro.episodes.masked == [True, True]  # not trained on
+
+
+def _sets(url: str, steps: int) -> list[str]:
+    return [f"steps={steps}", "threads=1", "tracking.mlflow=false", "env.environment_factory=", f"env.openenv_url={url}",
+            "reward.verifiers=[env_reward,math_answer]", "rollout.prompts_per_step=4", "rollout.group_size=4",
+            "data.train_size=64", "eval.every=0", "eval.max_problems=4"]  # fmt: skip
+
+
+def test_an_unreachable_server_a_command_that_dies_and_bad_keys_are_one_line_naming_them(tmp_path):
+    url = f"http://127.0.0.1:{_free_port()}"
+    with pytest.raises(UserError, match=f"env.openenv_url='{url}': no OpenEnv server answers {url}/health") as err:
+        forge.train(preset="tiny-multiturn", overrides=_sets(url, 1), run_dir=tmp_path / "a", progress=False)
+    assert "\n" not in str(err.value)
+    command = f"{sys.executable} -c 'import sys; sys.exit(3)' {{port}}"
+    with pytest.raises(UserError, match="env.openenv_command=.*exited with code 3") as err:
+        connect(EnvConfig(openenv_command=command), episodes=1)
+    assert "\n" not in str(err.value)
+    for sets, key in [
+        ({"openenv_url": url, "openenv_app": SUM_APP}, "env.openenv_app"),
+        ({"openenv_command": "serve --port 8000"}, "env.openenv_command"),
+        ({"openenv_url": "127.0.0.1:8000"}, "env.openenv_url"),
+        ({"openenv_app": SUM_APP, "environment_factory": "forge.tasks.multiturn:SumEnv"}, "env.environment_factory"),
+    ]:
+        cfg = RunConfig()
+        for k, v in sets.items():
+            setattr(cfg.env, k, v)
+        with pytest.raises(ConfigError, match=f"config key '{key}'"):
+            cfg.validate()
+    cfg = RunConfig()
+    cfg.env.openenv_url, cfg.rollout.backend = url, "vllm"  # episodes run on the hf backend in process only
+    with pytest.raises(ConfigError, match="config key 'env.openenv_url' runs with rollout.backend=hf"):
+        cfg.validate()
+
+
+def _children(marker: str) -> list[int]:
+    """PIDs of this process's children whose command line holds `marker`."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and marker in cmdline:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def test_a_tiny_model_trains_against_a_server_forgeweave_starts_and_stops(tmp_path):
+    sets = [s for s in _sets("", 3) if not s.startswith("env.openenv_url")] + [f"env.openenv_app={SUM_APP}"]
+    forge.train(preset="tiny-multiturn", overrides=sets, run_dir=tmp_path / "run", progress=False)
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 3 and all(r["env/turns"] >= 1 and r["env/failed"] == 0 for r in rows)
+    assert all("reward/env_reward/mean" in r and "train/loss" in r for r in rows)
+    assert not _children(SUM_APP)  # the server forgeweave started was stopped with the run
+
+
+def test_the_cli_and_a_config_file_point_at_a_server(server, runs_dir):
+    from flows.cli import main
+
+    config = runs_dir.parent / "run.yaml"
+    config.write_text("preset: tiny-multiturn\nenv:\n  environment_factory: ''\n  openenv_max_sessions: 4\n")
+    argv = ["run", "--config", str(config), "--name", "oe", "--runs-dir", str(runs_dir), "--quiet", "--no-prefect"]
+    sets = [s for s in _sets(server.url, 2) if s != "env.environment_factory="]  # env.openenv_url by --set
+    assert main(argv + [a for s in sets for a in ("--set", s)]) == 0
+    rows = [r for r in read_metrics(runs_dir / "oe" / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 2 and all(r["env/failed"] == 0 for r in rows)
+    saved = (runs_dir / "oe" / "config.yaml").read_text()
+    assert f"openenv_url: {server.url}" in saved and "openenv_max_sessions: 4" in saved
+
+
+def _comparable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "perf/", "checkpoint/")) and k != "env/seconds"}
+
+
+def _kill_after_checkpoint(run: Path, step: int, server: LocalServer, done: threading.Event) -> None:
+    """Kill `server` (SIGKILL, by its PID) as soon as checkpoint `step` is recorded in run's metrics.jsonl."""
+    while not done.is_set():
+        rows = read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
+        if any(r["step"] == step and "checkpoint/bytes" in r for r in rows):
+            os.kill(server.pid, signal.SIGKILL)
+            return
+        time.sleep(0.005)
+
+
+@pytest.mark.slow
+def test_killing_the_server_mid_run_stops_it_after_the_failing_steps_and_resume_continues_exactly(tmp_path):
+    port = _free_port()
+    server = LocalServer.start(EnvConfig(openenv_app=SUM_APP), port=port)
+    # checkpoints every 4 steps, stop after 2 all-failed steps: the kill right after checkpoint 4 stops the run before
+    # checkpoint 8, so the resume starts from 4 (no checkpoint holds an update made with failed episodes)
+    sets = _sets(server.url, 10) + ["checkpoint.every=4", "checkpoint.async_save=false", "reward.max_failing_steps=2"]
+    try:
+        forge.train(preset="tiny-multiturn", overrides=sets, run_dir=tmp_path / "straight", progress=False)
+        run, done = tmp_path / "killed", threading.Event()
+        killer = threading.Thread(target=_kill_after_checkpoint, args=(run, 4, server, done), daemon=True)
+        killer.start()
+        with pytest.raises(UserError) as err:
+            forge.train(preset="tiny-multiturn", overrides=sets, run_dir=run, progress=False)
+        done.set()
+        message = str(err.value)
+        assert "the environment failed every episode for 2 steps in a row (reward.max_failing_steps=2)" in message
+        assert f"OpenEnv server {server.url}" in message and "--resume" in message and "\n" not in message
+        assert json.loads((run / "status.json").read_text())["state"] == "failed"
+        kept = [r for r in read_metrics(run / "metrics.jsonl") if "reward/mean" in r]
+        assert [r["step"] for r in kept[:4]] == [1, 2, 3, 4] and all(r["env/failed"] == 0 for r in kept[:4])
+        failed = [r for r in kept if r["env/failed"] > 0]
+        assert failed and failed[-1]["env/failed"] == 16 and failed[-1]["reward/mean"] == 0.0
+        assert failed[-1]["reward/env_reward/failures"] == 16
+        assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-000004"]
+
+        server.stop()
+        server = LocalServer.start(EnvConfig(openenv_app=SUM_APP), port=port)  # back at the same address
+        forge.train(run_dir=run, resume=True, progress=False)
+    finally:
+        server.stop()
+    straight = {r["step"]: _comparable(r) for r in read_metrics(tmp_path / "straight" / "metrics.jsonl")}
+    resumed = {r["step"]: _comparable(r) for r in read_metrics(run / "metrics.jsonl")}
+    assert sorted(resumed) == list(range(11)) and all(resumed[s]["env/failed"] == 0 for s in range(1, 11))
+    for step in range(5, 11):
+        a, b = straight[step], resumed[step]
+        assert a.keys() == b.keys(), step
+        for k in a:  # None: a mean over nothing (env_reward scores None where the policy never called check)
+            assert a[k] == b[k] if a[k] is None else a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (step, k)
