@@ -4,12 +4,11 @@ rises on the tiny random model."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 import forge
 from forge.tracking import read_metrics
+from tests.env.graded import reward_func
 
 
 class GuessEnv:
@@ -30,17 +29,6 @@ class GuessEnv:
         """
         self.reward = float(str(value) == self.answer)
         return "right" if self.reward else "wrong"
-
-
-def reward_func(completions, environments, **kwargs):
-    """The environment's reward if the policy guessed right with its tool; else 1 for the environment's answer as
-    the reply's last number, 0.25 for a reply with a digit in it, 0 otherwise."""
-    out = []
-    for text, env in zip(completions, environments, strict=True):
-        numbers = re.findall(r"\d+", text.rsplit("</tool_response>", 1)[-1])
-        graded = 1.0 if numbers and numbers[-1] == env.answer else 0.25 if numbers else 0.0
-        out.append(max(env.reward, graded))
-    return out
 
 
 @pytest.mark.slow
