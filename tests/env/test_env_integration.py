@@ -157,3 +157,38 @@ def test_evaluation_plays_episodes_and_hands_verifiers_their_environments(tok):
     assert report["verifiers"] == ["math_answer"]  # pass@1 by the default judge, on the whole episode's text
     assert report["mean_reward"] == 1.0 and seen == [["CounterEnv"] * 3]
     assert report["pass@2"] >= 0 and report["problems"] == 3
+
+
+def test_lora_with_episodes_trains_the_adapter_only(tmp_path):
+    """model.lora.rank > 0 with the tiny-multiturn preset in-process: the episodes are sampled by the peft module
+    itself (adapter on), the update moves the adapter (B starts at 0) and no base weight, and the checkpoint holds
+    the adapter alone."""
+    from forge.checkpoint import ADAPTER, WEIGHTS, shard_keys
+    from forge.presets import tiny_multiturn
+    from forge.recipes.grpo import run
+    from forge.stages import LocalStages
+    from forge.tracking import read_metrics
+
+    cfg = tiny_multiturn()
+    cfg.steps, cfg.eval.every, cfg.checkpoint.every, cfg.tracking.mlflow = 2, 0, 2, False
+    cfg.data.train_size, cfg.eval.max_problems, cfg.rollout.max_new_tokens = 100, 5, 3
+    cfg.reward.verifiers = ["tests.env.graded:reward_func"]  # a signal from step 1 (0.25 for a digit)
+    cfg.model.lora.rank, cfg.update.lr = 4, 1e-2
+    made, frozen = [], {}
+
+    def stages(*args):
+        made.append(LocalStages(*args))
+        model = made[-1].trainer.trainer.unwrapped
+        frozen.update({n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad})
+        return made[-1]
+
+    run(cfg, tmp_path / "run", progress=False, stages=stages)
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] > 0]
+    assert len(rows) == 2 and all(r["env/turns"] >= 1 and r["train/grad_norm"] > 0 for r in rows)
+    params = dict(made[0].trainer.trainer.unwrapped.named_parameters())
+    assert frozen and all(torch.equal(params[n], p) for n, p in frozen.items())
+    assert {n for n, p in params.items() if p.requires_grad} == {n for n in params if ".lora_" in n}
+    assert any(float(p.abs().sum()) > 0 for n, p in params.items() if "lora_B" in n)
+    ckpt = tmp_path / "run" / "checkpoints" / "step-000002"
+    assert (ckpt / ADAPTER).is_file() and not (ckpt / WEIGHTS).exists()
+    assert all(".lora_" in k for k in shard_keys(ckpt))
