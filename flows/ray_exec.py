@@ -8,7 +8,9 @@ run. Started once per run (and again after a recovery), each actor loads its mod
   one torch.distributed group (gloo on CPU, NCCL on GPU) at an address and free port on rank 0's node;
 - rollout: `rollout.replicas` actors (`RolloutWorker`: hf, or a vLLM engine run by `.venv-vllm`'s python through
   the actor's `runtime_env.py_executable`); a step's prompts are split between them in whole groups by measured
-  tokens/s (weaver's `ThroughputBalancer`); evaluation runs on replica 0 (Weaver: evaluate runs in rollout);
+  tokens/s (weaver's `ThroughputBalancer`), each share with its data rows and its first row in the step, so
+  multi-turn episodes run in the actors (environments and tools there) and sample what one call would;
+  evaluation runs on replica 0 (Weaver: evaluate runs in rollout);
 - reward: one actor (`RewardWorker`) on reward's pool.
 
 Placement: each pool's nodes offer the custom resource `pool:<name>` (`ray start --resources '{"pool:gen": 1}'`)

@@ -62,7 +62,7 @@ class Episodes:
     transcripts: list[list[dict]]  # segments in order: {"role": "assistant" | "tool" | "user", "content": text}
     masked: list[bool] = field(default_factory=list)  # truncated episodes taken out of the loss (env.mask_truncated)
     environments: list = field(default_factory=list)  # the episodes' environment instances (reward functions read
-    # them as TRL's `environments=`); in-process only: not sent between processes
+    # them as TRL's `environments=`); in Ray mode they travel pickled with the record to the reward actor
 
     @staticmethod
     def concat(parts: list[Episodes | None]) -> Episodes | None:

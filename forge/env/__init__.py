@@ -7,5 +7,6 @@
 - `episode`: the rollout loop, one token sequence per episode with its loss mask.
 - `rewards.env_reward`: the environment's own reward as a verifier.
 
-Only the hf backend in this process runs episodes for now (no OpenEnv servers, vLLM or Ray yet).
+Episodes run on the hf or the vLLM backend, in this process or in Ray's rollout actors (`forge.workers.RolloutWorker`
+plays them where it samples); OpenEnv servers are not built yet.
 """
