@@ -8,7 +8,9 @@ run. Started once per run (and again after a recovery), each actor loads its mod
   one torch.distributed group (gloo on CPU, NCCL on GPU) at an address and free port on rank 0's node;
 - rollout: `rollout.replicas` actors (`RolloutWorker`: hf, or a vLLM engine run by `.venv-vllm`'s python through
   the actor's `runtime_env.py_executable`); a step's prompts are split between them in whole groups by measured
-  tokens/s (weaver's `ThroughputBalancer`); evaluation runs on replica 0 (Weaver: evaluate runs in rollout);
+  tokens/s (weaver's `ThroughputBalancer`), each share with its data rows and its first row in the step, so
+  multi-turn episodes run in the actors (environments and tools there) and sample what one call would;
+  evaluation runs on replica 0 (Weaver: evaluate runs in rollout);
 - reward: one actor (`RewardWorker`) on reward's pool.
 
 Placement: each pool's nodes offer the custom resource `pool:<name>` (`ray start --resources '{"pool:gen": 1}'`)
@@ -57,7 +59,7 @@ from forge.data import train_row_count
 from forge.errors import UserError
 from forge.models import load_tokenizer
 from forge.records import RolloutRequest, Rollouts, ScoredBatch, UpdateStats
-from forge.rollout.base import concat_rollouts
+from forge.rollout.base import SamplingParams, concat_rollouts
 from forge.stages import WorkerLost
 from weaver.apply import ActorSpec, actor_specs, pool_resource
 from weaver.balance import ThroughputBalancer
@@ -226,14 +228,15 @@ class RayStages:
             self._started[request.step] = self._submit(request)
 
     def _submit(self, request: RolloutRequest) -> list[tuple[int, ray.ObjectRef]]:
+        """The request's generate calls: each replica gets a run of whole prompts (and their data rows, which
+        multi-turn episodes reset their environments with), labelled with its first row in the step."""
         actors, params, prompts = self.actors["rollout"], request.params, request.prompts
         sizes = self.balancer.split(len(prompts)) if len(actors) > 1 else [len(prompts)]
         parts, lo = [], 0
         for i, size in enumerate(sizes):
-            if size:  # each replica's chunk is seeded from its first row: row j of it is row lo*n + j of the step
-                part = params if params.seed is None else dataclasses.replace(params, seed=params.seed + lo * params.n)
-                parts.append((i, actors[i].call.remote("generate", prompts[lo : lo + size], part,
-                                                       request.policy_version)))  # fmt: skip
+            if size:
+                parts.append((i, actors[i].call.remote("generate", prompts[lo : lo + size], _chunk(params, lo),
+                                                       request.policy_version, request.rows[lo : lo + size])))  # fmt: skip
             lo += size
         return parts
 
@@ -382,6 +385,14 @@ def object_sizes() -> dict[str, int]:
         for worker in reply.core_workers_stats:
             sizes.update({r.object_id.hex(): max(r.object_size, 0) for r in worker.object_refs})
     return sizes
+
+
+def _chunk(params: SamplingParams, first_prompt: int) -> SamplingParams:
+    """A replica's share of a step starting at prompt `first_prompt`: row j of it is row first_prompt*n + j of the
+    step, and its seed (when the step has one) is shifted by as much, so the split does not change the samples."""
+    first = first_prompt * params.n
+    seed = params.seed if params.seed is None else params.seed + first
+    return params if first == 0 else dataclasses.replace(params, seed=seed, first_row=first)
 
 
 def _done(refs: list, wait: bool) -> list:

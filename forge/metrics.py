@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from collections.abc import Sequence
 
 from forge.advantages import frac_zero_std
 from forge.records import Rollouts, ScoredBatch, UpdateStats
@@ -25,9 +26,10 @@ def probe_metrics(report: dict) -> dict[str, float]:
 
 
 def step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: dict[str, float], wall: float = 0.0,
-                 staleness: int = 0) -> dict[str, float]:  # fmt: skip
+                 staleness: Sequence[int] = (0,)) -> dict[str, float]:  # fmt: skip
     """A step's rewards, completions, update figures, stage seconds (`times`: stage -> seconds), the off-policy and
-    overlap figures (`wall`: the step's seconds) and, on a refit step, the label-free ensemble's."""
+    overlap figures (`wall`: the step's seconds; `staleness`: `checked_staleness`'s) and, on a refit step, the
+    label-free ensemble's."""
     lengths = ro.completion_mask.sum(1).float()  # [N]
     tokens = float(lengths.sum())
     m = {
@@ -89,12 +91,13 @@ def episode_metrics(ro: Rollouts) -> dict[str, float]:
     }
 
 
-def overlap_metrics(ro: Rollouts, stats: UpdateStats, wall: float, staleness: int) -> dict[str, float]:
-    """Off-policy and overlap figures of a step: staleness, sampler/trainer log-prob gap, idle shares."""
+def overlap_metrics(ro: Rollouts, stats: UpdateStats, wall: float, staleness: Sequence[int]) -> dict[str, float]:
+    """Off-policy and overlap figures of a step: staleness (over the batch, or per episode), sampler/trainer log-prob
+    gap, idle shares."""
     idle = lambda busy: min(1.0, max(0.0, 1.0 - busy / max(wall, 1e-9)))  # noqa: E731
     return {
-        "rollout/staleness_mean": float(staleness),  # one policy version per step's batch: mean == max
-        "rollout/staleness_max": float(staleness),
+        "rollout/staleness_mean": sum(staleness) / len(staleness),
+        "rollout/staleness_max": float(max(staleness)),
         "train/logprob_diff": stats.logprob_diff,
         "train/is_truncated_frac": stats.is_truncated_frac,
         "perf/rollout_idle_frac": idle(ro.seconds),  # the sampler's own seconds vs the step's wall time
@@ -103,15 +106,28 @@ def overlap_metrics(ro: Rollouts, stats: UpdateStats, wall: float, staleness: in
     }
 
 
-def checked_staleness(step: int, trainer: int, sampler: int, cap: int) -> int:
-    """Policy versions between the sampler and the trainer (0 on-policy); outside [0, algo.max_staleness] it is a
-    bug, not a user mistake: RuntimeError."""
-    staleness = trainer - sampler
-    if not 0 <= staleness <= cap:
-        raise RuntimeError(
-            f"step {step}: rollout used policy version {sampler}, trainer is at {trainer}: "
-            f"{staleness} versions stale, algo.max_staleness={cap}"
-        )
+def sampled_versions(ro: Rollouts) -> list[int]:
+    """The oldest policy version behind each row of `ro`: a multi-turn episode's oldest turn (`Episodes.policy_versions`;
+    with prefetching a whole episode runs on one version), else the batch's one version (a single entry)."""
+    if ro.episodes is None:
+        return [ro.policy_version]
+    return [min(turns, default=ro.policy_version) for turns in ro.episodes.policy_versions]
+
+
+def checked_staleness(step: int, trainer: int, sampled: list[int], cap: int) -> list[int]:
+    """Policy versions between the trainer and each sampled version (`sampled_versions`; 0 on-policy); one outside
+    [0, algo.max_staleness] is a bug, not a user mistake: RuntimeError.
+
+    >>> checked_staleness(3, 5, [4, 5, 4], cap=1)
+    [1, 0, 1]
+    """
+    staleness = [trainer - v for v in sampled]
+    for version, stale in zip(sampled, staleness, strict=True):
+        if not 0 <= stale <= cap:
+            raise RuntimeError(
+                f"step {step}: rollout used policy version {version}, trainer is at {trainer}: "
+                f"{stale} versions stale, algo.max_staleness={cap}"
+            )
     return staleness
 
 

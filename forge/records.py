@@ -63,7 +63,7 @@ class Episodes:
     transcripts: list[list[dict]]  # segments in order: {"role": "assistant" | "tool" | "user", "content": text}
     masked: list[bool] = field(default_factory=list)  # taken out of the loss: truncated (env.mask_truncated) or failed
     environments: list = field(default_factory=list)  # the episodes' environment instances (reward functions read
-    # them as TRL's `environments=`); in-process only: not sent between processes
+    # them as TRL's `environments=`); in Ray mode they travel pickled with the record to the reward actor
     failures: list[str] = field(default_factory=list)  # why the environment failed each episode ('' = it did not):
     # a failed episode is out of the loss (masked) and unscored by the reward stage
 

@@ -146,4 +146,4 @@ def test_replicas_records_concatenate_their_loss_masks(tok):
     assert both.loss_mask[:2, : a.loss_mask.shape[1]].tolist() == a.loss_mask.tolist()
     assert both.loss_mask[:2, a.loss_mask.shape[1] :].sum() == 0 and both.episodes is None
     single = concat_rollouts([dataclasses.replace(a, loss_mask=None)] * 2, tok.pad_token_id)
-    assert torch.equal(single.loss_mask, single.completion_mask)
+    assert single.loss_mask is single.completion_mask  # still single-turn for the trainer (`_loss_mask`)

@@ -9,5 +9,6 @@
 - `openenv`: OpenEnv servers as environments, one WebSocket session per episode (started on 127.0.0.1 or at a URL).
 - `builtin`: built-in tools (`python`: code in the code_exec sandbox).
 
-Only the hf backend in this process runs episodes for now (no vLLM or Ray yet).
+Episodes run on the hf or the vLLM backend, in this process or in Ray's rollout actors (`forge.workers.RolloutWorker`
+plays them where it samples); an OpenEnv server only on the hf backend in this process for now.
 """

@@ -1,15 +1,22 @@
 """The multi-turn rollout loop: G episodes per prompt, each one token sequence (prompt, then sampled and tool
 segments), sampled turn by turn for all live episodes at once.
 
-Per turn: the policy samples from each live episode's tokens so far (`sample(contexts, params)`, the hf backend's
-`generate_ids`); the text of the new segment is read for tool calls (`forge.env.parse`); no call ends the episode,
-otherwise each call is answered (`forge.env.tools.call_tool`: errors become the answer) and the answers are appended
-as the chat template's tokens (`forge.env.chat`) with loss mask 0 and sampling log-prob 0. Limits: `env.max_turns`
-policy turns, `env.max_tokens` tokens after the prompt, `env.episode_timeout_s` seconds (checked after each turn);
-an episode cut by one is truncated, and with `env.mask_truncated` its loss mask is all 0. A turn cut by
-`rollout.max_new_tokens` ends the episode as in single-turn (finish reason "length", trained). Departure from TRL:
-TRL ends an episode that runs out of its completion budget without marking it; here it is counted
-(`env/truncated`) and masked by default.
+Per turn: the policy samples from each live episode's tokens so far (`sample(contexts, params, seeds)`: the rollout
+backend's `generate_ids`, hf or vLLM, in this process or in a Ray rollout actor); the text of the new segment is read
+for tool calls (`forge.env.parse`); no call ends the episode, otherwise each call is answered
+(`forge.env.tools.call_tool`: errors become the answer) and the answers are appended as the chat template's tokens
+(`forge.env.chat`) with loss mask 0 and sampling log-prob 0. Limits: `env.max_turns` policy turns, `env.max_tokens`
+tokens after the prompt, `env.episode_timeout_s` seconds (checked after each turn); an episode cut by one is
+truncated, and with `env.mask_truncated` its loss mask is all 0. A turn cut by `rollout.max_new_tokens` ends the
+episode as in single-turn (finish reason "length", trained). Departure from TRL: TRL ends an episode that runs out of
+its completion budget without marking it; here it is counted (`env/truncated`) and masked by default.
+
+Seeds (`episode_seeds`): episode e of a call draws its turn t from a seed of its own, `s_e + t * TURN_SEED_STRIDE`,
+with `s_e = params.seed + e` (a seeded call) or `b + params.first_row + e` (b one draw from torch's RNG, the rollout
+worker's stream). The backends give each episode's turn its own generator (vLLM: the request's seed; hf:
+`forge.rollout.hf.seeded_tokens`), so an episode samples the same tokens whichever episodes share its batch, and a
+step the Ray adapter splits between replicas (`first_row`, the shifted seed) samples what one call would. Every
+turn of a call is sampled by the policy version the worker holds (`Episodes.policy_versions`).
 
 An OpenEnv server (`forge.env.openenv`): each episode's environment is a WebSocket session, opened at reset and
 closed when the episode ends. At most the server's session cap (`OpenEnvClient.max_sessions`) of episodes are open at
@@ -21,7 +28,6 @@ finish reason "error" and `failure` set; its loss mask is all 0 and the reward s
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -38,7 +44,9 @@ from forge.errors import UserError
 from forge.records import Episodes, Rollouts
 from forge.rollout.base import SamplingParams, cat_padded
 
-Sampler = Callable[[list[list[int]], SamplingParams], list[tuple[list[int], list[float]]]]
+# (token contexts, params with n=1, one seed per context or None) -> [(sampled tokens, their log-probs)]
+Sampler = Callable[[list[list[int]], SamplingParams, "list[int] | None"], list[tuple[list[int], list[float]]]]
+TURN_SEED_STRIDE = 1 << 24  # seed distance between an episode's turns: more episodes than this in one call collide
 
 
 @dataclass
@@ -155,19 +163,19 @@ def run_episodes(sample: Sampler, tok, rows: list[dict], params: SamplingParams,
     cap = factory.max_sessions if isinstance(factory, OpenEnvClient) else len(todo)
     episodes: list[Episode] = []
     budget = cfg.max_tokens or 4 * params.max_new_tokens
-    seeded = params.seed is not None and params.temperature > 0
+    seeds = episode_seeds(params, len(todo))
+    turn = dataclasses.replace(params, n=1)
     try:
         live = _start_more(episodes, [], todo, cap, factory, functions, fmt, tok)
-        with torch.random.fork_rng() if seeded else contextlib.nullcontext():
-            if seeded:
-                torch.manual_seed(params.seed)
-            while live:
-                turn = dataclasses.replace(params, n=1)
-                for ep, (new, lp) in zip(live, sample([e.prompt_ids + e.ids for e in live], turn), strict=True):
-                    play_turn(ep, new, lp, cfg, budget, fmt, tok, version)
-                    if ep.done:
-                        end_episode(ep)
-                live = _start_more(episodes, [e for e in live if not e.done], todo, cap, factory, functions, fmt, tok)
+        while live:
+            index = {id(e): i for i, e in enumerate(episodes)}  # an episode's place in the call: its seed
+            turn_seeds = None if seeds is None else [seeds[index[id(e)]] + e.turns * TURN_SEED_STRIDE for e in live]
+            outs = sample([e.prompt_ids + e.ids for e in live], turn, turn_seeds)
+            for ep, (new, lp) in zip(live, outs, strict=True):
+                play_turn(ep, new, lp, cfg, budget, fmt, tok, version)
+                if ep.done:
+                    end_episode(ep)
+            live = _start_more(episodes, [e for e in live if not e.done], todo, cap, factory, functions, fmt, tok)
     finally:
         for ep in episodes:
             end_episode(ep)
@@ -185,6 +193,22 @@ def _start_more(episodes: list[Episode], live: list[Episode], todo: list[dict], 
         else:
             live.append(ep)
     return live
+
+
+def episode_seeds(params: SamplingParams, count: int) -> list[int] | None:
+    """The first turn's seed of each of `count` episodes (None when greedy: nothing is drawn): `params.seed + e`, or
+    one draw from torch's RNG plus `params.first_row + e` (a seeded call's seed is already shifted by its first row).
+
+    >>> episode_seeds(SamplingParams(seed=5, first_row=8), 3), episode_seeds(SamplingParams(temperature=0), 3)
+    ([5, 6, 7], None)
+    """
+    if params.temperature == 0:
+        return None
+    assert count < TURN_SEED_STRIDE, f"{count} episodes in one call: their turns' seeds would collide"
+    base = params.seed
+    if base is None:
+        base = int(torch.randint(0, 2**31 - 1, ())) + params.first_row
+    return [base + e for e in range(count)]
 
 
 def to_rollouts(episodes: list[Episode], tok, group_size: int, version: int, mask_truncated: bool) -> Rollouts:
@@ -253,7 +277,7 @@ def close_environment(env: tuple) -> None:
 
 class EpisodeBackend:
     """Evaluation's backend in a multi-turn run: `generate(prompts, params)` plays params.n episodes per prompt
-    (each prompt a row's model input, as `forge.evaluate` passes them) on the hf backend."""
+    (each prompt a row's model input, as `forge.evaluate` passes them) on the rollout backend (hf or vLLM)."""
 
     def __init__(self, backend, tok, rows: list[dict], cfg: EnvConfig, env: tuple):
         self.backend, self.tok, self.cfg, self.env = backend, tok, cfg, env

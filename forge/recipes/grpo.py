@@ -20,9 +20,10 @@ Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024), each a config ke
 7. a step whose loss or gradient norm is not finite is skipped (`update.max_skipped_steps` = 3 in a row stop).
 8. each micro-batch is packed without padding, a group's prompt computed once (`update.shared_prefix` = True).
 9. asynchronous GRPO (`algo.max_staleness` = 0 by default): with k >= 1 the rollouts of steps t+1..t+k start
-   before the update of step t, at most k versions behind, corrected with truncated importance weights
-   (`algo.is_correction` = auto). The schedule is fixed, not timing-dependent, and no rollout starts past the next
-   checkpoint, so a run gives the same result however fast its actors are, and resumes exactly.
+   before the update of step t, at most k versions behind (in a multi-turn run, per episode: its oldest turn's
+   version), corrected with truncated importance weights (`algo.is_correction` = auto). The schedule is fixed, not
+   timing-dependent, and no rollout starts past the next checkpoint, so a run gives the same result however fast
+   its actors are, and resumes exactly.
 10. multi-turn episodes (`env.environment_factory`, `env.tools`; forge/env): one token sequence per episode; the loss
    counts only the tokens the policy sampled (`Rollouts.loss_mask`), environment and tool tokens are attended to
    only, and an episode cut by a limit is left out of the loss (`env.mask_truncated` = True).
@@ -79,7 +80,14 @@ from forge.losses import (
     sequence_mean,
     token_mean,
 )
-from forge.metrics import Stopwatch, checked_staleness, eval_metrics, show_verifier_errors, step_metrics
+from forge.metrics import (
+    Stopwatch,
+    checked_staleness,
+    eval_metrics,
+    sampled_versions,
+    show_verifier_errors,
+    step_metrics,
+)
 from forge.records import MicroBatch, MicroStats, RolloutRequest
 from forge.rollout import SamplingParams
 from forge.rundir import progress_bar, update_bar
@@ -188,7 +196,7 @@ def grpo_step(step: int, state: LoopState, cfg: RunConfig, work: Stages, runner:
     request = next_request(step, cfg, work, data, sched, ahead)  # B prompts (and up to k later steps started)
     with clock("rollout"):  # 1. G samples for each of B prompts, from a policy <= k versions old
         rollouts = runner(Stage.ROLLOUT, step, work.rollout, request)
-    staleness = checked_staleness(step, work.policy_version, rollouts.policy_version, cfg.algo.max_staleness)
+    stale = checked_staleness(step, work.policy_version, sampled_versions(rollouts), cfg.algo.max_staleness)
     with clock("reward"):  # 2. verifiers -> reward -> group-relative advantages
         scores = runner(Stage.REWARD, step, work.reward, request.rows, rollouts, step)
     show_verifier_errors(scores, step, record.shown_errors)
@@ -205,7 +213,7 @@ def grpo_step(step: int, state: LoopState, cfg: RunConfig, work: Stages, runner:
             report = runner(Stage.EVALUATE, step, work.evaluate, data.eval, step)
         record.eval_report(report)
         state = dataclasses.replace(state, last_eval=report)
-    metrics = {**step_metrics(rollouts, scores, stats, clock.laps, clock.elapsed(), staleness),
+    metrics = {**step_metrics(rollouts, scores, stats, clock.laps, clock.elapsed(), stale),
                **eval_metrics(report or {})}  # fmt: skip
     state = dataclasses.replace(state.timed(clock.laps), last_reward=metrics["reward/mean"])
     if guard is not None:

@@ -18,6 +18,9 @@ class SamplingParams:
     n: int = 1  # completions per prompt (G)
     seed: int | None = None  # sampling seed chosen by the caller (None: the process's RNG); greedy ignores it
     batch_size: int | None = None  # sequences per generate() call (hf); None: the backend's own (rollout.batch_size)
+    # this call's first row in its step, when the Ray adapter splits a step between replicas (it also shifts `seed` by
+    # it); multi-turn episodes offset a seed drawn from the worker's stream likewise (forge.env.episode.episode_seeds)
+    first_row: int = 0
 
 
 class RolloutBackend(Protocol):
@@ -62,6 +65,14 @@ def concat_rollouts(parts: list[Rollouts], pad_id: int) -> Rollouts:
         policy_version=first.policy_version,
         prompts=[t for p in parts for t in p.prompts],
         seconds=max(p.seconds for p in parts),  # the replicas sample side by side
-        loss_mask=cat_padded([p.loss_mask for p in parts], 0, left=False),
+        loss_mask=_concat_loss_masks(parts),
         episodes=Episodes.concat([p.episodes for p in parts]),
     )
+
+
+def _concat_loss_masks(parts: list[Rollouts]) -> torch.Tensor | None:
+    """The parts' loss masks side by side; None (= the completion mask) when every part is single-turn, so the
+    merged record stays single-turn for the trainer too (`forge.trainer._loss_mask` checks the identity)."""
+    if all(p.loss_mask is p.completion_mask for p in parts):
+        return None
+    return cat_padded([p.loss_mask for p in parts], 0, left=False)

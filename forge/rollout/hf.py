@@ -19,7 +19,9 @@ batch_size is a multiple of n or every sequence fits in one chunk). Where `gener
 no `DynamicCache` of attention layers, or every prompt of a chunk is one token, that chunk runs the plain way.
 
 Multi-turn episodes (`forge.env.episode`) sample each turn with `generate_ids`: the episode's tokens so far, never
-re-tokenised, left-padded, decoded the same way (no shared prefill: every context is its own).
+re-tokenised, left-padded, decoded the same way (no shared prefill: every context is its own). Each episode's turn
+draws from a generator of its own (`seeded_tokens`, seeded per episode and turn by the episode loop), as each vLLM
+request does, so a step split between rollout replicas samples what one call would.
 
 Colocated with the trainer, weight sync is free: the backend holds the trainer's module.
 """
@@ -89,19 +91,24 @@ class HFBackend:
         return self._merge(chunks, expanded, params.n)
 
     @torch.no_grad()
-    def generate_ids(self, contexts: list[list[int]], params: SamplingParams) -> list[tuple[list[int], list[float]]]:
+    def generate_ids(self, contexts: list[list[int]], params: SamplingParams,
+                     seeds: list[int] | None = None) -> list[tuple[list[int], list[float]]]:  # fmt: skip
         """One turn of multi-turn episodes (`forge.env`): for each token context (the episode so far, never
         re-tokenised), the sampled tokens up to and including eos (at most params.max_new_tokens) and their log-probs.
-        Greedy when temperature is 0; the caller seeds the RNG."""
+        Greedy when temperature is 0. `seeds` (one per context): context i draws from a generator of its own seeded
+        `seeds[i]` (`seeded_tokens`), so its tokens do not depend on which contexts share its batch; None: from
+        torch's RNG, seeded by the caller."""
         tok, model, out = self.tokenizer, self.model, []
         size = params.batch_size or self.batch_size
-        warpers = [] if params.temperature == 0 else _warpers(params)
+        sample = params.temperature > 0
+        warpers = _warpers(params) if sample else []
         was_training = model.training
         model.eval()
         for i in range(0, len(contexts), size):
             enc = tok.pad({"input_ids": contexts[i : i + size]}, padding=True, return_tensors="pt").to(model.device)
+            gens = [torch.Generator().manual_seed(s) for s in seeds[i : i + size]] if sample and seeds else None
             with autocast_context(model.device.type, self.autocast_bf16):
-                tokens, logprobs = self._decode(dict(enc), {}, params, warpers)  # [n, T]
+                tokens, logprobs = self._decode(dict(enc), {}, params, warpers, gens)  # [n, T]
             mask = completion_mask(tokens, tok.eos_token_id).bool()
             out += [(t[m].tolist(), lp[m].tolist()) for t, lp, m in zip(tokens, logprobs, mask, strict=True)]
         model.train(was_training)
@@ -131,11 +138,12 @@ class HFBackend:
         }
 
     def _decode(
-        self, enc: dict, shared: dict, params: SamplingParams, warpers: list
+        self, enc: dict, shared: dict, params: SamplingParams, warpers: list, generators: list | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """[n, T] completion tokens (pad after eos) and their log-probs, by `generate`. With `compact_every`, generate
         runs that many tokens at a time; between the calls the sequences that have ended leave the batch, and the
-        rest go on from their KV cache (`DynamicCache.batch_select_indices`), so decoding computes only live ones."""
+        rest go on from their KV cache (`DynamicCache.batch_select_indices`), so decoding computes only live ones.
+        `generators`: one per row, each row's own draws (`seeded_tokens`); None: torch's RNG (`sample_tokens`)."""
         tok, model, T = self.tokenizer, self.model, params.max_new_tokens
         ids, mask = enc["input_ids"], enc["attention_mask"]
         every = self.compact_every if self.compact_every and _takes_outside_cache(model) else T
@@ -144,7 +152,8 @@ class HFBackend:
         alive = torch.arange(ids.shape[0], device=ids.device)  # rows of `tokens` still decoding
         done = 0
         while True:
-            pick = _PickToken(sample=params.temperature > 0)
+            mine = None if generators is None else [generators[i] for i in alive.tolist()]
+            pick = _PickToken(sample=params.temperature > 0, generators=mine)
             steps = min(every, T - done)
             out = model.generate(
                 input_ids=ids,
@@ -263,19 +272,23 @@ class _PickToken(LogitsProcessor):
     """The last logits processor: picks every row's next token itself and records its log-prob under the
     processed distribution. Holds [n, vocab] for one step, never [n, T, vocab].
 
-    Greedy: the argmax; sampling: `sample_tokens`, an exact draw from the softmax. The returned scores are 0 at the
+    Greedy: the argmax; sampling: `sample_tokens`, an exact draw from the softmax (or `seeded_tokens` with a generator
+    per row, for multi-turn episodes). The returned scores are 0 at the
     chosen token and -inf elsewhere, and `generate` runs greedy, so it takes exactly that token. Picking here rather
     than in `generate` lets the log-prob be recorded at once and lets a batch be compacted between generate calls.
     `generate` hands its processors a copy of the logits, which is overwritten in place."""
 
-    def __init__(self, sample: bool):
+    def __init__(self, sample: bool, generators: list[torch.Generator] | None = None):
         self.sample = sample
+        self.generators = generators
         self.logprobs: list[torch.Tensor] = []  # T x [n]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         scores = scores.float()
         lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # [n, 1]
-        if self.sample:
+        if self.sample and self.generators is not None:
+            chosen = seeded_tokens((scores - lse).exp_(), self.generators)  # [n, 1]
+        elif self.sample:
             chosen = sample_tokens((scores - lse).exp_())  # [n, 1]
         else:
             chosen = scores.argmax(dim=-1, keepdim=True)
@@ -307,6 +320,39 @@ def sample_tokens(probs: torch.Tensor, block: int = SAMPLE_BLOCK) -> torch.Tenso
     chosen = torch.multinomial(blocks.sum(-1), 1)  # [n, 1] block
     inner = blocks[torch.arange(n, device=probs.device), chosen.squeeze(1)]  # [n, block]
     return chosen * block + torch.multinomial(inner, 1)
+
+
+def seeded_tokens(probs: torch.Tensor, generators: list[torch.Generator], block: int = SAMPLE_BLOCK) -> torch.Tensor:
+    """One token per row of `probs` [n, V] (non-negative, any scale), row r drawn with two uniforms from its own
+    CPU generator `generators[r]`: a block of `block` tokens by its mass, then a token inside it (inverse CDF, the
+    two stages of `sample_tokens`). A row's draw depends on its generator alone, never on the other rows of the
+    batch, so a multi-turn episode samples the same tokens whichever episodes share its batch or replica. [n, 1] long.
+
+    >>> g = lambda: [torch.Generator().manual_seed(s) for s in (1, 2)]
+    >>> seeded_tokens(torch.tensor([[0.0, 0.0, 3.0], [1.0, 0.0, 0.0]]), g(), block=2).tolist()
+    [[2], [0]]
+    """
+    u = torch.stack([torch.rand(2, generator=g, dtype=torch.float64) for g in generators]).to(probs.device)  # [n, 2]
+    n, vocab = probs.shape
+    if vocab % block:
+        probs = torch.nn.functional.pad(probs, (0, -vocab % block))  # zero mass: never drawn
+    blocks = probs.view(n, -1, block)  # [n, B, block]
+    chosen = _inverse_cdf(blocks.sum(-1), u[:, 0])  # [n] block
+    inner = blocks[torch.arange(n, device=probs.device), chosen]  # [n, block]
+    return (chosen * block + _inverse_cdf(inner, u[:, 1])).unsqueeze(1)
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[n] index of the first entry of each row of `weights` [n, K] whose cumulative mass exceeds u [n] (in [0, 1))
+    times the row's total: an exact draw for uniform u; a zero-weight entry is never chosen.
+
+    >>> _inverse_cdf(torch.tensor([[1.0, 0.0, 1.0], [0.0, 2.0, 0.0]]), torch.tensor([0.6, 0.0])).tolist()
+    [2, 1]
+    """
+    cdf = weights.double().cumsum(-1)  # [n, K]
+    index = torch.searchsorted(cdf, u.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
+    last = weights.shape[1] - 1 - (weights.flip(-1) > 0).long().argmax(-1)  # u * total rounded up to the total
+    return torch.minimum(index, last)
 
 
 def completion_mask(completion: torch.Tensor, eos_id: int) -> torch.Tensor:

@@ -14,6 +14,10 @@ worker's stream), so a seeded run is reproducible; with `params.seed` the rows o
 replicas without changing them. The hf and vllm backends use different random streams, so their sampled tokens
 differ while greedy tokens agree.
 
+Multi-turn episodes (`forge.env.episode`) sample each turn with `generate_ids`: the episode's tokens so far as a
+`TokensPrompt` (never re-tokenised), one request per episode, seeded per episode and turn by the episode loop; the
+engine's prefix cache keeps the earlier turns' KV blocks between turns.
+
 Weights: the engine starts from dummy weights (`load_format="dummy"`; only the config and tokenizer are written)
 and refuses to generate before its first sync. In a run every version, 0 included, comes by broadcast over the
 weight group (`forge.weight_group`): `WeightReceiver`, mixed into each vLLM worker through `worker_extension_cls`,
@@ -194,21 +198,40 @@ class VLLMBackend:
             self.asleep = False
 
     def generate(self, prompts: list[str], params: SamplingParams) -> Rollouts:
+        tok, n = self.tokenizer, params.n
+        prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]  # [B] lists
+        expanded_ids = [ids for ids in prompt_ids for _ in range(n)]  # [N]: one request per row, its own seed
+        # greedy draws nothing from torch's RNG (as hf's generate): a greedy eval must not shift the sampling stream
+        base = 0 if params.temperature == 0 else params.seed
+        if base is None:
+            base = int(torch.randint(0, 2**31 - 1 - len(expanded_ids), ()))
+        completions = self._sample(expanded_ids, params, [base + i for i in range(len(expanded_ids))])
+        expanded = [p for p in prompts for _ in range(n)]
+        return assemble(tok, expanded, expanded_ids, completions, n, self.policy_version)
+
+    def generate_ids(self, contexts: list[list[int]], params: SamplingParams,
+                     seeds: list[int] | None = None) -> list[tuple[list[int], list[float]]]:  # fmt: skip
+        """One turn of multi-turn episodes (`forge.env`), the hf backend's contract: for each token context (the
+        episode so far, passed as token ids, never re-tokenised) one request of params.max_new_tokens at most, and its
+        sampled tokens up to and including eos with their log-probs. `seeds`: each request's seed (the episode loop
+        derives one per episode and turn); None: `params.seed + i`, or drawn from torch's RNG as `generate` does."""
+        if seeds is None:
+            base = 0 if params.temperature == 0 else params.seed
+            base = int(torch.randint(0, 2**31 - 1 - len(contexts), ())) if base is None else base
+            seeds = [base + i for i in range(len(contexts))]
+        self._check_length(contexts)
+        return [(c["token_ids"], c["logprobs"]) for c in self._sample(contexts, params, seeds)]
+
+    def _sample(self, token_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[dict]:
+        """One request per token list (`TokensPrompt`), request i seeded `seeds[i]`; their completions in order."""
         if not self.loaded:
             raise RuntimeError("the vLLM engine holds dummy weights: sync version 0 before generating")
         self.wake()
         from vllm import SamplingParams as VSampling
         from vllm import TokensPrompt
 
-        tok, n = self.tokenizer, params.n
-        prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]  # [B] lists
         greedy = params.temperature == 0
-        expanded_ids = [ids for ids in prompt_ids for _ in range(n)]  # [N]: one request per row, its own seed
-        # greedy draws nothing from torch's RNG (as hf's generate): a greedy eval must not shift the sampling stream
-        base = 0 if greedy else params.seed
-        if base is None:
-            base = int(torch.randint(0, 2**31 - 1 - len(expanded_ids), ()))
-        requests = [TokensPrompt(prompt_token_ids=ids) for ids in expanded_ids]
+        requests = [TokensPrompt(prompt_token_ids=ids) for ids in token_ids]
         sampling = [
             VSampling(
                 n=1,
@@ -216,17 +239,25 @@ class VLLMBackend:
                 top_p=1.0 if greedy else params.top_p,
                 top_k=0,
                 max_tokens=params.max_new_tokens,
-                stop_token_ids=[tok.eos_token_id],
+                stop_token_ids=[self.tokenizer.eos_token_id],
                 logprobs=0,
-                seed=base + i,
+                seed=seed,
                 detokenize=False,
             )  # fmt: skip
-            for i in range(len(requests))
+            for seed in seeds
         ]
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
-        completions = [_completion(o.outputs[0]) for o in outputs]
-        expanded = [p for p in prompts for _ in range(n)]
-        return assemble(tok, expanded, expanded_ids, completions, n, self.policy_version)
+        return [_completion(o.outputs[0]) for o in outputs]
+
+    def _check_length(self, contexts: list[list[int]]) -> None:
+        """An episode longer than the engine's context is one line naming the keys, not vLLM's traceback."""
+        limit = self.llm.model_config.max_model_len
+        longest = max((len(c) for c in contexts), default=0)
+        if longest >= limit:
+            raise UserError(
+                f"a multi-turn episode reached {longest} tokens, the vLLM engine holds {limit} (max_model_len): "
+                "lower env.max_tokens or data.max_prompt_tokens, or raise rollout.vllm.max_model_len"
+            )
 
     def close(self) -> None:
         shutil.rmtree(self._tmp, ignore_errors=True)

@@ -3,12 +3,14 @@ log-probs agree at every sampled position, also after a tool turn), the env conf
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from forge.config import ConfigError, EnvConfig, RunConfig
+from forge.config import EnvConfig, RunConfig
 from forge.env.chat import ChatFormat
-from forge.env.episode import load_environment, run_episodes
+from forge.env.episode import TURN_SEED_STRIDE, load_environment, run_episodes
 from forge.errors import UserError
 from forge.models import build_tiny_model
 from forge.rewards.registry import resolve_verifier
@@ -25,11 +27,11 @@ def test_the_trainer_sees_the_log_probs_the_sampler_recorded_after_a_tool_turn(t
     backend = HFBackend(model, tok, batch_size=8)
     call = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
 
-    def sample(contexts, params):  # turn 1 forced to a tool call, later turns the model's own
+    def sample(contexts, params, seeds=None):  # turn 1 forced to a tool call, later turns the model's own
         first = [c for c in contexts if tok.eos_token_id not in c]
         if first:
             return [(call, [-1.0] * len(call)) for _ in contexts]
-        return backend.generate_ids(contexts, params)
+        return backend.generate_ids(contexts, params, seeds)
 
     rows = [{"prompt": "1+2=", "model_input": "1+2=", "answer": "3"}, {"prompt": "4+4=", "model_input": "4+4=",
                                                                        "answer": "8"}]  # fmt: skip
@@ -45,13 +47,47 @@ def test_the_trainer_sees_the_log_probs_the_sampler_recorded_after_a_tool_turn(t
     assert torch.all(ro.sampling_logprobs[~ro.loss_mask.bool()] == 0)
 
 
-def test_env_runs_only_where_it_is_built_for(tok):
+def test_env_validates_with_every_backend_and_execution_mode():
     cfg = RunConfig()
     cfg.env.environment_factory = "tests.env.test_episode:CounterEnv"
+    cfg.rollout.backend, cfg.rollout.replicas, cfg.orchestration.execution = "vllm", 2, "ray"
+    cfg.algo.max_staleness, cfg.model.lora.rank = 1, 4
     cfg.validate()
-    cfg.rollout.backend = "vllm"
-    with pytest.raises(ConfigError, match="env.environment_factory"):
-        cfg.validate()
+
+
+def test_an_episode_samples_what_one_call_would_whichever_episodes_share_its_call(tok):
+    """A step split between two replicas (the second half labelled first_row=2n, each replica's stream in the same
+    state, as the Ray adapter sends them) plays the episodes one call plays: each episode's turn draws from a seed of
+    its own, turn 2 from its turn-1 seed + TURN_SEED_STRIDE; a seeded step likewise (the second half's seed shifted)."""
+    model = build_tiny_model(tok, hidden=32, layers=1, seed=0)
+    backend = HFBackend(model, tok, batch_size=8)
+    call = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    seen = []
+
+    def sample(contexts, params, seeds):  # turn 1 forced to a tool call, turn 2 the model's own
+        seen.append(seeds)
+        if not any(tok.eos_token_id in c for c in contexts):
+            return [(call, [-1.0] * len(call)) for _ in contexts]
+        return backend.generate_ids(contexts, params, seeds)
+
+    rows = [{"prompt": f"{a}+4=", "model_input": f"{a}+4=", "answer": str(a + 4)} for a in (1, 22, 3, 456)]
+    env = EnvConfig(max_turns=3, max_tokens=200)
+
+    def play(rows, params):
+        torch.manual_seed(7)  # the rollout worker's stream: in the same state on every replica
+        ro = run_episodes(sample, tok, rows, params, env, ChatFormat(tok, False), CounterEnv, [], version=0)
+        return ro.texts, [lp[m.bool()].tolist() for lp, m in zip(ro.sampling_logprobs, ro.loss_mask, strict=True)]
+
+    for params, second in [(SamplingParams(max_new_tokens=6, n=2), {"first_row": 4}),
+                           (SamplingParams(max_new_tokens=6, n=2, seed=11), {"first_row": 4, "seed": 15})]:  # fmt: skip
+        seen.clear()
+        whole = play(rows, params)
+        assert len(seen) == 2 and seen[1] == [s + TURN_SEED_STRIDE for s in seen[0]]
+        halves = [play(rows[:2], params), play(rows[2:], dataclasses.replace(params, **second))]
+        assert whole[0] == halves[0][0] + halves[1][0]
+        for a, b in zip(whole[1], halves[0][1] + halves[1][1], strict=True):
+            assert a == pytest.approx(b, abs=1e-5)
+    assert len(set(whole[0])) > 2  # the episodes did not all sample the same turn
 
 
 def test_load_environment_names_what_is_wrong(tok):
@@ -121,3 +157,38 @@ def test_evaluation_plays_episodes_and_hands_verifiers_their_environments(tok):
     assert report["verifiers"] == ["math_answer"]  # pass@1 by the default judge, on the whole episode's text
     assert report["mean_reward"] == 1.0 and seen == [["CounterEnv"] * 3]
     assert report["pass@2"] >= 0 and report["problems"] == 3
+
+
+def test_lora_with_episodes_trains_the_adapter_only(tmp_path):
+    """model.lora.rank > 0 with the tiny-multiturn preset in-process: the episodes are sampled by the peft module
+    itself (adapter on), the update moves the adapter (B starts at 0) and no base weight, and the checkpoint holds
+    the adapter alone."""
+    from forge.checkpoint import ADAPTER, WEIGHTS, shard_keys
+    from forge.presets import tiny_multiturn
+    from forge.recipes.grpo import run
+    from forge.stages import LocalStages
+    from forge.tracking import read_metrics
+
+    cfg = tiny_multiturn()
+    cfg.steps, cfg.eval.every, cfg.checkpoint.every, cfg.tracking.mlflow = 2, 0, 2, False
+    cfg.data.train_size, cfg.eval.max_problems, cfg.rollout.max_new_tokens = 100, 5, 3
+    cfg.reward.verifiers = ["tests.env.graded:reward_func"]  # a signal from step 1 (0.25 for a digit)
+    cfg.model.lora.rank, cfg.update.lr = 4, 1e-2
+    made, frozen = [], {}
+
+    def stages(*args):
+        made.append(LocalStages(*args))
+        model = made[-1].trainer.trainer.unwrapped
+        frozen.update({n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad})
+        return made[-1]
+
+    run(cfg, tmp_path / "run", progress=False, stages=stages)
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] > 0]
+    assert len(rows) == 2 and all(r["env/turns"] >= 1 and r["train/grad_norm"] > 0 for r in rows)
+    params = dict(made[0].trainer.trainer.unwrapped.named_parameters())
+    assert frozen and all(torch.equal(params[n], p) for n, p in frozen.items())
+    assert {n for n, p in params.items() if p.requires_grad} == {n for n in params if ".lora_" in n}
+    assert any(float(p.abs().sum()) > 0 for n, p in params.items() if "lora_B" in n)
+    ckpt = tmp_path / "run" / "checkpoints" / "step-000002"
+    assert (ckpt / ADAPTER).is_file() and not (ckpt / WEIGHTS).exists()
+    assert all(".lora_" in k for k in shard_keys(ckpt))

@@ -53,7 +53,7 @@ def scripted(tok, turns: list[str]):
     """A sampler that emits turns[k] (+ eos) at every episode's k-th turn, log-prob -0.5 per token (every turn but
     the last calls a tool)."""
 
-    def sample(contexts, params):
+    def sample(contexts, params, seeds=None):
         out = []
         for ctx in contexts:
             k = tok.decode(ctx).count("</tool_call></s>")  # sampled calls so far = turns taken

@@ -167,6 +167,35 @@ def test_seeded_sampling_is_reproducible_and_does_not_depend_on_the_split(pair):
     assert first.texts + second.texts == a.texts
 
 
+def test_generate_ids_samples_token_contexts_like_hf_and_seeds_each_request(pair):
+    """Multi-turn episodes' sampler: token contexts in (TokensPrompt, never re-tokenised), the new tokens and their
+    log-probs out. Greedy tokens equal hf's `generate_ids`; sampled log-probs are the trainer's recomputation on the
+    whole context; request i draws from `seeds[i]` alone, so two halves give what one call gives."""
+    hf, actor, _ = pair
+    tok = hf.tokenizer
+    contexts = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    contexts[1] = contexts[1] + [tok.eos_token_id] + contexts[2]  # a later turn: an eos inside the context
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)  # turns of 6, 4, 1 and 6 tokens (two end in eos)
+    got = ray.get(actor.call.remote("backend.generate_ids", contexts, greedy))
+    want = hf.generate_ids(contexts, greedy)
+    assert [ids for ids, _ in got] == [ids for ids, _ in want]
+    assert {ids[-1] == tok.eos_token_id for ids, _ in got} == {True, False}  # eos kept; the length cap
+    params, seeds = SamplingParams(max_new_tokens=8, temperature=1.0), [40, 41, 42, 43]
+    whole = ray.get(actor.call.remote("backend.generate_ids", contexts, params, seeds))
+    halves = [ray.get(actor.call.remote("backend.generate_ids", contexts[i : i + 2], params, seeds[i : i + 2]))
+              for i in (0, 2)]  # fmt: skip
+    assert [ids for ids, _ in whole] == [ids for ids, _ in halves[0] + halves[1]]
+    assert len({tuple(ids) for ids, _ in whole}) > 1
+    again = ray.get(actor.call.remote("backend.generate_ids", contexts, params, [s + 1000 for s in seeds]))
+    assert [ids for ids, _ in again] != [ids for ids, _ in whole]  # another turn's seeds: other draws
+    for ctx, (ids, logprobs) in zip(contexts, whole, strict=True):
+        full = torch.tensor([ctx + ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(hf.model(input_ids=full).logits[0, len(ctx) - 1 : -1], -1)
+        assert torch.allclose(lp.gather(-1, torch.tensor(ids).unsqueeze(1)).squeeze(1), torch.tensor(logprobs),
+                              atol=1e-4)  # fmt: skip
+
+
 def test_stale_version_is_refused(pair):
     _, actor, _ = pair
     with pytest.raises(ray.exceptions.RayTaskError, match="holds policy version 0, asked for 5"):
