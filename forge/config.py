@@ -387,9 +387,9 @@ class RunConfig:
         require(not restores or self.checkpoint.keep_best > 0, "checkpoint.keep_best", why)
         why = "> 0 cannot be combined with update.strategy=fsdp: use ddp (the adapter is small) or full fine-tuning"
         require(not (lora.rank and u.strategy == "fsdp" and u.num_processes > 1), "model.lora.rank", why)
-        why = "(an OpenEnv server) runs with rollout.backend=hf in one process for now: set rollout.backend=hf"
+        why = "runs with rollout.backend=hf in one process for now (OpenEnv servers): set rollout.backend=hf, "
         single = r.backend == "hf" and r.replicas == 1 and self.orchestration.execution != "ray"
-        require(not self.env.openenv or single, self.env.openenv, why + ", rollout.replicas=1, no Ray")
+        require(not self.env.openenv or single, self.env.openenv, why + "rollout.replicas=1 and no Ray execution")
         return self
 
 

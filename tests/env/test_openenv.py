@@ -109,7 +109,7 @@ def test_a_server_dying_mid_episode_fails_the_episodes_in_flight(tok):
     client = connect(EnvConfig(openenv_url=own.url), episodes=2)
     turns = scripted(tok, [call("check", guess=2), call("check", guess=3)])
 
-    def sample(contexts, params):  # the second turn: the server is killed before the policy's call reaches it
+    def sample(contexts, params, seeds=None):  # the second turn: the server is killed before the policy's call reaches it
         if any(tok.eos_token_id in c for c in contexts):
             os.kill(own.pid, signal.SIGKILL)
             own.proc.wait()
