@@ -43,7 +43,7 @@ def write_tool_episodes(run_dir: Path, step: int, version: int = 2) -> list[dict
 def _scripted(tok):
     """A sampler answering each episode with TURNS[k] (+ eos) at its k-th turn, k = tool answers in its context."""
 
-    def sample(contexts: list[list[int]], params) -> list[tuple[list[int], list[float]]]:
+    def sample(contexts: list[list[int]], params, seeds=None) -> list[tuple[list[int], list[float]]]:
         out = []
         for ctx in contexts:
             k = tok.decode(ctx).count("<tool_response>")
