@@ -6,7 +6,8 @@ they are plain objects in the driver; in Ray mode (`flows/ray_exec.py`) each one
 node Weaver planned for its stage. Nothing here knows which: no Ray, no Prefect.
 
 - `RolloutWorker`: samples (`generate`: completions, or with `env.*` multi-turn episodes, whose environments and
-  tools run here) and evaluates (`evaluate`) with the hf backend or a vLLM engine in its own process; receives new weights over the weight group (`join_weight_group`, `receive_weights(version)`;
+  tools run here) and evaluates (`evaluate`) with the hf backend or a vLLM engine in its own process; receives new
+  weights over the weight group (`join_weight_group`, `receive_weights(version)`;
   `forge.weight_group`) or as a dict (`load_weights(weights, version)`) and refuses to sample for another version.
 - `RewardWorker`: verifiers -> the reward (`reward.aggregate`: weighted, mean, majority vote or the label-free
   ensemble; forge/rewards/aggregate.py) -> group advantages (`score`).

@@ -131,6 +131,15 @@ def wants_sleep(cfg: RunConfig, cuda: bool, colocated: str) -> bool:
     return cfg.algo.max_staleness == 0 and "update" in colocated.split(",")
 
 
+def request_seeds(params: SamplingParams, count: int) -> list[int]:
+    """The seeds of `count` requests: `base + i`, base = params.seed, else one draw from torch's RNG; greedy (0)
+    draws nothing, as hf's generate, so a greedy eval does not shift the sampling stream."""
+    base = 0 if params.temperature == 0 else params.seed
+    if base is None:
+        base = int(torch.randint(0, 2**31 - 1 - count, ()))
+    return [base + i for i in range(count)]
+
+
 class VLLMBackend:
     """RolloutBackend over one vLLM engine in this process, built from `model`'s weights and config."""
 
@@ -201,11 +210,7 @@ class VLLMBackend:
         tok, n = self.tokenizer, params.n
         prompt_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]  # [B] lists
         expanded_ids = [ids for ids in prompt_ids for _ in range(n)]  # [N]: one request per row, its own seed
-        # greedy draws nothing from torch's RNG (as hf's generate): a greedy eval must not shift the sampling stream
-        base = 0 if params.temperature == 0 else params.seed
-        if base is None:
-            base = int(torch.randint(0, 2**31 - 1 - len(expanded_ids), ()))
-        completions = self._sample(expanded_ids, params, [base + i for i in range(len(expanded_ids))])
+        completions = self._sample(expanded_ids, params, request_seeds(params, len(expanded_ids)))
         expanded = [p for p in prompts for _ in range(n)]
         return assemble(tok, expanded, expanded_ids, completions, n, self.policy_version)
 
@@ -215,10 +220,7 @@ class VLLMBackend:
         episode so far, passed as token ids, never re-tokenised) one request of params.max_new_tokens at most, and its
         sampled tokens up to and including eos with their log-probs. `seeds`: each request's seed (the episode loop
         derives one per episode and turn); None: `params.seed + i`, or drawn from torch's RNG as `generate` does."""
-        if seeds is None:
-            base = 0 if params.temperature == 0 else params.seed
-            base = int(torch.randint(0, 2**31 - 1 - len(contexts), ())) if base is None else base
-            seeds = [base + i for i in range(len(contexts))]
+        seeds = request_seeds(params, len(contexts)) if seeds is None else seeds
         self._check_length(contexts)
         return [(c["token_ids"], c["logprobs"]) for c in self._sample(contexts, params, seeds)]
 
