@@ -12,7 +12,7 @@ Scenarios (the tests they stand for):
   lf    `--preset tiny-unlabeled`: final greedy pass@1 (tests/test_labelfree_learning.py)
   lora  tiny 80 steps, then a rank-16 adapter for 50 steps on that checkpoint: base / adapter pass@1
         (tests/test_lora.py::test_lora_learns_on_a_pretrained_tiny_model)
-  trl   the TRL example through `forgeweave run`, 120 steps: reward_correct rise and pass@1 at steps 0/60/120
+  trl   the TRL example through `forgeweave run`, 300 steps: reward_correct rise and pass@1 at steps 0/150/300
         (tests/test_trl_example.py::test_trl_example_learns_with_forgeweave_run)
 
 Each run is a subprocess (plain mode, one thread), one after another; results go to `--out`/results.jsonl, and a
@@ -39,7 +39,7 @@ TRL_EXAMPLE = ROOT / "examples" / "trl_style"
 TRL_SETS = ["threads=1", "checkpoint.every=0", "tracking.mlflow=false", "eval.k=0", "model.chat_template=true",
             "data.eval_split=test", "data.answer_column=target",
             "reward.verifiers=[trl_rewards:reward_format,trl_rewards:reward_correct]", "reward.weights=[0.1,1.0]",
-            "steps=120", "eval.every=60"]  # fmt: skip
+            "steps=300", "eval.every=150"]  # fmt: skip
 
 
 def cli_run(args: list[str], sets: list[str]) -> None:

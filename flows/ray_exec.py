@@ -316,19 +316,11 @@ class RayStages:
     def wait_saved(self) -> SaveReport | None:
         return self._get([a.call.remote("wait_saved") for a in self.actors["update"]], "update")[0]
 
-    def restore(self, ckpt: Path, reward_state: dict | None, rollout_rng: list | None) -> None:
+    def restore(self, ckpt: Path, reward_state: dict | None) -> None:
         versions = self._get([a.call.remote("restore", str(ckpt)) for a in self.actors["update"]], "update")
         self._get([self.reward_actor.call.remote("load_state_dict", reward_state)], "reward")
         self._started = {}
-        rollouts = self.actors["rollout"]
-        if rollout_rng and len(rollout_rng) == len(rollouts):  # else (another replica count) fresh streams
-            self._get(
-                [a.call.remote("set_rng_state", s) for a, s in zip(rollouts, rollout_rng, strict=True)], "rollout"
-            )
         self._publish(versions[0])
-
-    def rollout_rng(self) -> list:
-        return self._get([a.call.remote("rng_state") for a in self.actors["rollout"]], "rollout")
 
     def reward_state(self) -> dict | None:
         return self._get([self.reward_actor.call.remote("state_dict")], "reward")[0]

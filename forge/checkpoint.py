@@ -12,7 +12,7 @@ Layout of `checkpoints/step-NNNNNN/`:
   already, so this costs nothing extra); with several ranks `config.json` and the tokenizer are written and
   `model.safetensors` is produced by `export_model` (the run exports its last checkpoint when it finishes).
 - `trainer_state.json` + `trainer_state.safetensors`: optimizer param groups, adaptive-LR state, step, policy
-  version, process RNG, data-sampler cursor, ensemble window, rollout RNG streams, evals. Tensors and arrays go
+  version, data-sampler cursor, ensemble window, evals (no RNG state: seeds are derived from (seed, step)). Tensors and arrays go
   to the safetensors file and appear in the JSON as `{"__tensor__": key}` / `{"__ndarray__": key}`.
 - `checkpoint.json`: step, eval pass@1 (the retention score), ranks, bytes.
 
@@ -135,7 +135,7 @@ class Snapshot:
     step: int
     shards: dict[str, torch.Tensor]  # this rank's DCP tensors: `model.<fqn>`, `optim.<fqn>.<name>` (DTensor shards)
     weights: dict[str, torch.Tensor] | None  # full HF weights for model.safetensors (one process), else None
-    state_json: str  # rank 0: trainer plain state + the loop's payload + RNG, as `encode_state` gives them
+    state_json: str  # rank 0: trainer plain state + the loop's payload, as `encode_state` gives them
     state_tensors: dict[str, torch.Tensor]
     eval_score: float | None
     world: int

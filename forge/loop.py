@@ -315,7 +315,7 @@ def restore(ckpt: Path, work: Stages, data: Data, record: RunRecord, guard: Coll
     remove_partial(ckpt.parent)  # what a killed save left behind (no save is in flight now)
     saved = load_state(ckpt)
     check_data_hash(record.run_dir, data.train, data.eval, saved.get("data_hash"), data.probe)
-    work.restore(ckpt, saved.get("aggregator"), saved.get("rollout_rng"))
+    work.restore(ckpt, saved.get("aggregator"))
     data.sampler.load_state_dict(saved["sampler"])
     record.truncate(saved["step"])
     if guard is not None:

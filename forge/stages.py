@@ -12,8 +12,8 @@ The loop in `forge.recipes.grpo` calls `runner(Stage.X, step, fn, *args)` for ev
 
 Every stage method takes its inputs and returns its record (the reward stage takes the rollouts and returns their
 scores); nothing is left on a shared object for a later stage. A stage call does its work when called, so a retry
-re-runs it in every mode: in-process a retried rollout samples the same batch again (from the sampling stream's
-state at its first attempt). Asynchronous
+re-runs it in every mode: a retried rollout samples the same batch again (its request carries the step's seed).
+Asynchronous
 GRPO (`algo.max_staleness`) only adds `prefetch`, which starts a later step's rollout early on a Ray actor; its
 `rollout` call then collects it (or, if it failed, samples it again).
 A `WorkerLost` error (an actor died) is what the loop recovers from by rebuilding the stages and resuming from
@@ -44,7 +44,7 @@ class Stage(enum.Enum):
     """The stages the loop runs through the seam; `retry_safe`: a repeat gives the same result for its step."""
 
     PREPARE = "prepare"  # writes data/ atomically from the config: the same files again
-    ROLLOUT = "rollout"  # in-process from the stream state of its first attempt: the same samples again
+    ROLLOUT = "rollout"  # sampled from the step's derived seed: the same samples again
     REWARD = "reward"  # pure scores; the ensemble replaces its entry for the step
     UPDATE = "update"  # never repeated: a second attempt would take a second optimizer step
     EVALUATE = "evaluate"  # measures only (seeded)
@@ -105,16 +105,11 @@ class Stages(Protocol):
         """Wait for the save in flight; its report (None if there was none); raises a failed save's error."""
         ...
 
-    def restore(self, ckpt: Path, reward_state: dict | None, rollout_rng: list | None) -> None:
-        """Trainer (weights, optimizer), reward state and the rollout workers' RNG streams from a checkpoint; the
-        rollout workers get the weights."""
+    def restore(self, ckpt: Path, reward_state: dict | None) -> None:
+        """Trainer (weights, optimizer) and reward state from a checkpoint; the rollout workers get the weights."""
         ...
 
     def reward_state(self) -> dict | None: ...
-
-    def rollout_rng(self) -> list:
-        """Each rollout worker's RNG stream state (for the checkpoint)."""
-        ...
 
     def where(self) -> dict[str, list[dict]]:
         """stage -> one entry per worker: host, pid, devices, threads (and node id under Ray)."""
@@ -140,7 +135,6 @@ class LocalStages:
         model = self.trainer.trainer.unwrapped
         self.rollout_worker = RolloutWorker(cfg, model=model, tokenizer=self.trainer.tokenizer)
         self.reward_worker = RewardWorker(cfg, train_row_count(run_dir))
-        self._attempt: tuple[int, dict] | None = None  # (step, the sampling stream when its rollout first started)
 
     @property
     def policy_version(self) -> int:
@@ -150,10 +144,7 @@ class LocalStages:
         """In-process nothing runs ahead: the rollout samples when the loop asks for it."""
 
     def rollout(self, request: RolloutRequest) -> Rollouts:
-        """A retry of a step's rollout samples from where its first attempt started: the same batch again."""
-        if self._attempt is None or self._attempt[0] != request.step:
-            self._attempt = (request.step, self.rollout_worker.rng_state())
-        self.rollout_worker.set_rng_state(self._attempt[1])
+        """Sampled with the request's seed: a retry samples the same batch again."""
         return self.rollout_worker.generate(request.prompts, request.params, request.policy_version, request.rows)
 
     def reward(self, rows: list[dict], rollouts: Rollouts, step: int) -> ScoredBatch:
@@ -173,19 +164,13 @@ class LocalStages:
     def wait_saved(self) -> SaveReport | None:
         return self.trainer.wait_saved()
 
-    def restore(self, ckpt: Path, reward_state: dict | None, rollout_rng: list | None) -> None:
+    def restore(self, ckpt: Path, reward_state: dict | None) -> None:
         version = self.trainer.restore(str(ckpt))
         self.rollout_worker.load_weights(None, version)
         self.reward_worker.load_state_dict(reward_state)
-        self._attempt = None
-        if rollout_rng:
-            self.rollout_worker.set_rng_state(rollout_rng[0])
 
     def reward_state(self) -> dict | None:
         return self.reward_worker.state_dict()
-
-    def rollout_rng(self) -> list:
-        return [self.rollout_worker.rng_state()]
 
     def where(self) -> dict[str, list[dict]]:
         return {

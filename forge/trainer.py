@@ -259,7 +259,8 @@ class Trainer:
         # the adaptive LR's kl signal: to the reference when there is one, else to pi_old (forge/lr.py)
         signal_kl = kl_ref if self.cfg.algo.beta > 0 else kl_old
         observe = self.cfg.update.adaptive.enabled and not skipped  # a NaN would poison the controller's average
-        scale = self.adaptive.observe(signal_kl, mean("grad_norm")) if observe else self.adaptive.scale
+        mass = float(advantages.abs().mean())  # the whole step's, the same on every rank
+        scale = self.adaptive.observe(signal_kl, mean("grad_norm"), mass) if observe else self.adaptive.scale
         self.step += 1
         self.policy_version += 1
         return UpdateStats(
@@ -424,4 +425,3 @@ class Trainer:
         correction and shrink the first real update. The saved tensors stay valid (the snapshot holds them)."""
         if self.step == 0:
             self.optimizer.state.clear()
-

@@ -17,11 +17,10 @@ node Weaver planned for its stage. Nothing here knows which: no Ray, no Prefect.
   `save` starts a checkpoint (every rank snapshots and writes its own shard, in a background thread by default)
   and `wait_saved` waits for it.
 
-Randomness: a rollout worker samples from an RNG stream of its own, which starts where the process's RNG is once
-the policy is built (seeded `cfg.seed`) and advances only with its own samples; it is swapped in for each call and
-out again, so other work in the same process (the trainer, in-process) never shifts it and it is the same stream
-whether the worker runs in-process or in an actor. Its state travels in checkpoints (`rng_state`/`set_rng_state`).
-The update seeds its own draws (a LoRA adapter's dropout) from (seed, step, rank) (`forge.trainer.update_seed`).
+Randomness: a rollout samples with the seed its request carries (derived from (seed, step) by the recipe,
+`forge.rollout.base.rollout_seed`), the update seeds its own draws (a LoRA adapter's dropout) from (seed, step, rank)
+(`forge.trainer.update_seed`): no worker carries RNG state, so where a worker runs and what else its process did
+never changes what it samples.
 """
 
 from __future__ import annotations
@@ -114,7 +113,6 @@ class RolloutWorker:
             self.model = None
         self.policy_version = 0
         self._verifiers = None
-        self._rng = _capture_rng()  # the sampling stream: where the process's RNG is once the policy is built
         self.weight_group: WeightGroup | None = None  # joined in Ray mode (`join_weight_group`)
         self._env = None  # multi-turn: (environment factory, tools, chat format), loaded on first use
         if cfg.env.enabled:  # its mistakes (a class without reset, an undocumented tool) show at start
@@ -130,13 +128,10 @@ class RolloutWorker:
         if version != self.policy_version:
             raise RuntimeError(f"rollout worker holds policy version {self.policy_version}, asked for {version}")
         t0 = time.perf_counter()
-        with torch.random.fork_rng(devices=_cuda_devices()):
-            _restore_rng(self._rng)
-            if self.cfg.env.enabled:
-                rollouts = self._episodes(rows, params)
-            else:
-                rollouts = self.backend.generate(prompts, params)
-            self._rng = _capture_rng()
+        if self.cfg.env.enabled:
+            rollouts = self._episodes(rows, params)
+        else:
+            rollouts = self.backend.generate(prompts, params)
         seconds = time.perf_counter() - t0
         if self.sleeps:  # the update comes next: give it the engine's GPU memory until the weights arrive
             self.backend.sleep()
@@ -151,12 +146,6 @@ class RolloutWorker:
         factory, functions, fmt = self._env
         return run_episodes(self.backend.generate_ids, self.tokenizer, rows, params, self.cfg.env, fmt, factory,
                             functions, self.policy_version)  # fmt: skip
-
-    def rng_state(self) -> dict:
-        return self._rng
-
-    def set_rng_state(self, state: dict) -> None:
-        self._rng = state
 
     def load_weights(self, weights: dict[str, torch.Tensor] | None, version: int) -> float:
         """Sample from `weights` (None: the shared module already holds them) labelled `version`; returns seconds."""
@@ -466,20 +455,6 @@ def rollout_sleeps(cfg: RunConfig) -> bool:
 
 def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper holds the torch optimizer
-
-
-def _cuda_devices() -> list[int]:
-    return [torch.cuda.current_device()] if torch.cuda.is_available() else []
-
-
-def _capture_rng() -> dict:
-    return {"cpu": torch.get_rng_state(), "cuda": [torch.cuda.get_rng_state(d) for d in _cuda_devices()]}
-
-
-def _restore_rng(state: dict) -> None:
-    torch.set_rng_state(state["cpu"])
-    for d, s in zip(_cuda_devices(), state["cuda"], strict=False):
-        torch.cuda.set_rng_state(s, d)
 
 
 def _check_group(accelerator, world: int) -> None:

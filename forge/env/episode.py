@@ -12,8 +12,8 @@ episode as in single-turn (finish reason "length", trained). Departure from TRL:
 its completion budget without marking it; here it is counted (`env/truncated`) and masked by default.
 
 Seeds (`episode_seeds`): episode e of a call draws its turn t from a seed of its own, `s_e + t * TURN_SEED_STRIDE`,
-with `s_e = params.seed + e` (a seeded call) or `b + params.first_row + e` (b one draw from torch's RNG, the rollout
-worker's stream). The backends give each episode's turn its own generator (vLLM: the request's seed; hf:
+with `s_e = params.seed + e` (a seeded call) or `b + params.first_row + e` (b one draw from torch's RNG: an unseeded
+call). The backends give each episode's turn its own generator (vLLM: the request's seed; hf:
 `forge.rollout.hf.seeded_tokens`), so an episode samples the same tokens whichever episodes share its batch, and a
 step the Ray adapter splits between replicas (`first_row`, the shifted seed) samples what one call would. Every
 turn of a call is sampled by the policy version the worker holds (`Episodes.policy_versions`).

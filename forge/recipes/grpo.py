@@ -16,7 +16,7 @@ Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024), each a config ke
 4. log-probs are taken of logits / `rollout.temperature` (the distribution actually sampled), in fp32.
 5. the log-ratio is clamped to +-20 before exp (`forge.losses.MAX_LOG_RATIO`).
 6. an adaptive LR controller is on by default (`update.adaptive.enabled` = True): it cuts the LR when the grad
-   norm spikes (`update.adaptive.signal` = grad_norm).
+   norm per unit of mean |advantage| spikes (`update.adaptive.signal` = grad_norm).
 7. a step whose loss or gradient norm is not finite is skipped (`update.max_skipped_steps` = 3 in a row stop).
 8. each micro-batch is packed without padding, a group's prompt computed once (`update.shared_prefix` = True).
 9. asynchronous GRPO (`algo.max_staleness` = 0 by default): with k >= 1 the rollouts of steps t+1..t+k start
@@ -28,10 +28,12 @@ Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024), each a config ke
    counts only the tokens the policy sampled (`Rollouts.loss_mask`), environment and tool tokens are attended to
    only, and an episode cut by a limit is left out of the loss (`env.mask_truncated` = True).
 
-Randomness: each rollout worker samples from a stream of its own (`forge.workers.RolloutWorker`), saved in every
-checkpoint, so a resumed run samples what the uninterrupted one did; the update's dropout is seeded from (seed,
-step, rank) (`forge.trainer.update_seed`). Collapse guard (`collapse.probe_source`): greedy pass@1 on a probe set the reward never sees; when it falls
-while reward/mean rises the run warns, rolls back to the best-probe checkpoint or stops (`collapse.action`).
+Randomness is derived, never carried: step t's rollout is seeded from (seed, t) (`forge.rollout.base.rollout_seed`)
+and the update's dropout from (seed, t, rank) (`forge.trainer.update_seed`), so a retried, resumed or recovered step
+samples and trains what the uninterrupted one did and no RNG state is saved.
+
+Collapse guard (`collapse.probe_source`): greedy pass@1 on a probe set the reward never sees; when it falls while
+reward/mean rises the run warns, rolls back to the best-probe checkpoint or stops (`collapse.action`).
 Faults: a `WorkerLost` rebuilds the stages and continues from the last checkpoint (`orchestration.max_restarts`).
 
 Run directory: config.yaml (+ config_changes.jsonl), plan.json, status.json, data/, metrics.jsonl, samples.jsonl,
@@ -89,7 +91,7 @@ from forge.metrics import (
     step_metrics,
 )
 from forge.records import MicroBatch, MicroStats, RolloutRequest
-from forge.rollout import SamplingParams
+from forge.rollout.base import SamplingParams, rollout_seed
 from forge.rundir import progress_bar, update_bar
 from forge.stages import LocalStages, Stage, StageRunner, Stages, StagesFactory, WorkerLost, call_stage
 from forge.tracking import Tracker
@@ -233,7 +235,9 @@ def next_request(step: int, cfg: RunConfig, work: Stages, data: Data, sched: Sch
     for s in range(step, min(step + cfg.algo.max_staleness, sched.next_checkpoint(step)) + 1):
         if s not in ahead:
             rows = data.sampler.next_batch(r.prompts_per_step)
-            params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, n=r.group_size)
+            params = SamplingParams(
+                r.max_new_tokens, r.temperature, r.top_p, n=r.group_size, seed=rollout_seed(cfg.seed, s)
+            )
             ahead[s] = RolloutRequest(s, rows, [row["model_input"] for row in rows], params, work.policy_version)
             work.prefetch(ahead[s])
     return ahead.pop(step)
@@ -253,7 +257,7 @@ def probe(step, state, cfg, work, runner, data, record, guard) -> LoopState:
         state = collect_saved(state, work, record)  # it may still be in flight; retention keeps it
         ckpt = rollback_target(step, record, guard)  # the best probe's, or the newest intact one before it
         saved = load_state(ckpt)
-        work.restore(ckpt, saved.get("aggregator"), None)  # new prompts and rollout RNG go on
+        work.restore(ckpt, saved.get("aggregator"))  # new prompts and rollout seeds go on
         if (saved.get("last_eval") or {}).get("step") == saved["step"]:
             state = dataclasses.replace(state, last_eval=saved["last_eval"])
     return dataclasses.replace(
@@ -269,9 +273,8 @@ def checkpoint(step, state, cfg, work, runner, data, record, guard) -> LoopState
     last = state.last_eval
     score = last["pass@1"] if last and last.get("step") == step else None
     score = guard.score_at(step) if guard else score  # retention: the best by probe pass@1 if probed
-    payload = {**state.payload(), "sampler": data.sampler.state_dict(), "rollout_rng": work.rollout_rng(),
-               "aggregator": work.reward_state(), "data_hash": data.hash,
-               "guard": guard.state_dict() if guard else None}  # fmt: skip
+    payload = {**state.payload(), "sampler": data.sampler.state_dict(), "aggregator": work.reward_state(),
+               "data_hash": data.hash, "guard": guard.state_dict() if guard else None}  # fmt: skip
     runner(Stage.CHECKPOINT, step, work.save, record.run_dir / "checkpoints", step, payload, score)
     state = dataclasses.replace(state, saving=(step, time.perf_counter() - start))
     state = state if cfg.checkpoint.async_save else collect_saved(state, work, record)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from forge.records import Episodes, Rollouts
@@ -19,8 +20,22 @@ class SamplingParams:
     seed: int | None = None  # sampling seed chosen by the caller (None: the process's RNG); greedy ignores it
     batch_size: int | None = None  # sequences per generate() call (hf); None: the backend's own (rollout.batch_size)
     # this call's first row in its step, when the Ray adapter splits a step between replicas (it also shifts `seed` by
-    # it); multi-turn episodes offset a seed drawn from the worker's stream likewise (forge.env.episode.episode_seeds)
+    # it); an unseeded multi-turn call offsets its one RNG draw likewise (forge.env.episode.episode_seeds)
     first_row: int = 0
+
+
+def rollout_seed(seed: int, step: int) -> int:
+    """The sampling seed of step `step`'s rollout, derived from the run seed: a retried, resumed or recovered step
+    samples what the uninterrupted one did, with no RNG state to carry. Backends offset it per row or per chunk
+    (vLLM: `seed + i` for row i), so it leaves room below 2**31.
+
+    >>> rollout_seed(0, 1) == rollout_seed(0, 1) != rollout_seed(0, 2)
+    True
+    """
+    return int(np.random.SeedSequence([seed, step, ROLLOUT_STREAM]).generate_state(1)[0]) & 0x3FFFFFFF
+
+
+ROLLOUT_STREAM = 1 << 20  # keeps the rollout seeds apart from the update's (seed, step, rank) ones
 
 
 class RolloutBackend(Protocol):

@@ -9,8 +9,8 @@ Same inputs and the same record as the hf backend: prompts are tokenised with th
 token ids; the Rollouts record has left-padded prompts, right-padded completions with the eos kept, the mask up to
 and including the first eos, texts decoded here, finish reasons "stop"/"length". Sampling log-probs are the
 engine's `processed_logprobs` (after temperature and top-p: the distribution actually sampled from). Row i of a
-call is one request seeded `seed + i`, where `seed` is `params.seed` or else drawn from torch's RNG (the rollout
-worker's stream), so a seeded run is reproducible; with `params.seed` the rows of a step may be split between
+call is one request seeded `seed + i`, where `seed` is `params.seed` (the recipe derives it from the run seed and
+the step) or else drawn from torch's RNG, so a seeded run is reproducible; with `params.seed` the rows of a step may be split between
 replicas without changing them. The hf and vllm backends use different random streams, so their sampled tokens
 differ while greedy tokens agree.
 
