@@ -10,6 +10,7 @@
   missing checkpoint is never restored: `recover` falls back to the newest intact one and `rollback_target` to the
   newest intact one before the best probe's, with one line saying so (`forge.checkpoint.resume_checkpoint` /
   `newest_intact`), or the run stops with one line.
+- `collect_saved`: waits for the checkpoint in flight and records it (at most one is in flight).
 - `RunRecord`: everything the run writes (the run directory and the tracker): claimed and locked at open,
   metrics/samples/eval/probe/ensemble reports per step, checkpoints once durable, status and summary.
 """
@@ -358,6 +359,21 @@ def rollback_target(step: int, record: RunRecord, guard: CollapseGuard) -> Path:
     say(f"forgeweave: {line}")
     guard.holding(step, score_of(ckpt))
     return ckpt
+
+
+def collect_saved(state: LoopState, work: Stages, record: RunRecord) -> LoopState:
+    """Wait for the checkpoint in flight (a failed save fails the run with its error) and record it: the stall
+    (what training waited for) and the total until durable; returns the state with nothing in flight."""
+    if state.saving is None:
+        return state
+    (step, stall), start = state.saving, time.perf_counter()
+    report = work.wait_saved()
+    background = record.cfg.checkpoint.async_save  # then the next optimizer step may have waited for the copy
+    stall += report.stall_seconds if background else time.perf_counter() - start
+    total = stall + report.seconds if background else stall
+    record.checkpoint(step, report, stall, total, last=step == record.cfg.steps or bool(state.stopped))
+    state = state.timed({"checkpoint_total": total, "checkpoint_stall": stall})
+    return dataclasses.replace(state, saving=None, saved=report)
 
 
 def say(line: str) -> None:

@@ -28,13 +28,12 @@ Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024), each a config ke
    counts only the tokens the policy sampled (`Rollouts.loss_mask`), environment and tool tokens are attended to
    only, and an episode cut by a limit is left out of the loss (`env.mask_truncated` = True).
 
-Randomness is derived, never carried: step t's rollout is seeded from (seed, t) (`forge.rollout.base.rollout_seed`)
-and the update's dropout from (seed, t, rank) (`forge.trainer.update_seed`), so a retried, resumed or recovered step
-samples and trains what the uninterrupted one did and no RNG state is saved.
-
-Collapse guard (`collapse.probe_source`): greedy pass@1 on a probe set the reward never sees; when it falls while
-reward/mean rises the run warns, rolls back to the best-probe checkpoint or stops (`collapse.action`).
-Faults: a `WorkerLost` rebuilds the stages and continues from the last checkpoint (`orchestration.max_restarts`).
+Randomness is derived, never carried: step t's rollout is seeded from (seed, t) (`forge.rollout.base.rollout_seed`) and
+the update's dropout from (seed, t, rank) (`forge.trainer.update_seed`), so a retried, resumed or recovered step samples
+and trains what the uninterrupted one did and no RNG state is saved. Collapse guard (`collapse.probe_source`): greedy
+pass@1 on a probe set the reward never sees; when it falls while reward/mean rises the run warns, rolls back to the
+best-probe checkpoint or stops (`collapse.action`). Faults: a `WorkerLost` rebuilds the stages and continues from the
+last checkpoint (`orchestration.max_restarts`).
 
 Run directory: config.yaml (+ config_changes.jsonl), plan.json, status.json, data/, metrics.jsonl, samples.jsonl,
 eval/step-NNNNNN.json, eval/probe-step-NNNNNN.json, checkpoints/step-NNNNNN/ + latest, ensemble/step-NNNNNN.json,
@@ -58,6 +57,7 @@ from forge.loop import (
     LoopState,
     RunRecord,
     Schedule,
+    collect_saved,
     environment_streak,
     prepare_data,
     recover,
@@ -235,9 +235,7 @@ def next_request(step: int, cfg: RunConfig, work: Stages, data: Data, sched: Sch
     for s in range(step, min(step + cfg.algo.max_staleness, sched.next_checkpoint(step)) + 1):
         if s not in ahead:
             rows = data.sampler.next_batch(r.prompts_per_step)
-            params = SamplingParams(
-                r.max_new_tokens, r.temperature, r.top_p, n=r.group_size, seed=rollout_seed(cfg.seed, s)
-            )
+            params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.group_size, rollout_seed(cfg.seed, s))
             ahead[s] = RolloutRequest(s, rows, [row["model_input"] for row in rows], params, work.policy_version)
             work.prefetch(ahead[s])
     return ahead.pop(step)
@@ -260,9 +258,8 @@ def probe(step, state, cfg, work, runner, data, record, guard) -> LoopState:
         work.restore(ckpt, saved.get("aggregator"))  # new prompts and rollout seeds go on
         if (saved.get("last_eval") or {}).get("step") == saved["step"]:
             state = dataclasses.replace(state, last_eval=saved["last_eval"])
-    return dataclasses.replace(
-        state, stopped=event.line().removeprefix("forgeweave: ") if event.action == "stop" else ""
-    )
+    stopped = event.line().removeprefix("forgeweave: ") if event.action == "stop" else ""
+    return dataclasses.replace(state, stopped=stopped)
 
 
 def checkpoint(step, state, cfg, work, runner, data, record, guard) -> LoopState:
@@ -279,21 +276,6 @@ def checkpoint(step, state, cfg, work, runner, data, record, guard) -> LoopState
     state = dataclasses.replace(state, saving=(step, time.perf_counter() - start))
     state = state if cfg.checkpoint.async_save else collect_saved(state, work, record)
     return state.timed({"checkpoint": time.perf_counter() - start})
-
-
-def collect_saved(state: LoopState, work: Stages, record: RunRecord) -> LoopState:
-    """Wait for the checkpoint in flight (a failed save fails the run with its error) and record it: the stall
-    (what training waited for) and the total until durable; returns the state with nothing in flight."""
-    if state.saving is None:
-        return state
-    (step, stall), start = state.saving, time.perf_counter()
-    report = work.wait_saved()
-    background = record.cfg.checkpoint.async_save  # then the next optimizer step may have waited for the copy
-    stall += report.stall_seconds if background else time.perf_counter() - start
-    total = stall + report.seconds if background else stall
-    record.checkpoint(step, report, stall, total, last=step == record.cfg.steps or bool(state.stopped))
-    state = state.timed({"checkpoint_total": total, "checkpoint_stall": stall})
-    return dataclasses.replace(state, saving=None, saved=report)
 
 
 def start(stages: StagesFactory, cfg: RunConfig, run_dir: Path, plan: dict | None, record: RunRecord) -> Stages:
