@@ -30,6 +30,7 @@ from flows.planning import plan_run
 from flows.ray_exec import RayStages
 from forge.presets import tiny
 from forge.recipes.grpo import run as grpo_run
+from forge.stages import WorkerLost
 from forge.tracking import read_metrics
 from tests.servers import REPO
 from weaver.balance import ThroughputBalancer
@@ -210,6 +211,29 @@ def test_two_vllm_engines_one_killed_in_a_weight_sync_rebuild_the_group_and_end_
     assert after["update"][0]["weight_group"]["port"] != before["update"][0]["weight_group"]["port"]
     assert not {e["pid"] for e in after["rollout"]} & {e["pid"] for e in before["rollout"]}
     assert _gone([w["pid"] for ws in after.values() for w in ws])
+
+
+@ray.remote(num_cpus=0)
+class Waiter:
+    def wait(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def test_a_dead_actor_is_reported_while_a_live_one_still_waits_for_it(cluster):
+    """An engine waiting in the weight group's broadcast with a dead peer waits until the group's timeout: the driver
+    reports the dead actor at once (WorkerLost, which the loop recovers from), whatever its place among the refs,
+    instead of waiting on the live one first (which here would end in the 60 s 'did not answer' error)."""
+    live, dead = Waiter.remote(), Waiter.remote()
+    pid = ray.get(dead.pid.remote())
+    refs = [live.wait.remote(300), dead.wait.remote(300)]
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(WorkerLost, match="rollout: a Ray actor died"):
+        RayStages.__new__(RayStages)._get(refs, "rollout", timeout=60)  # only the result handling is used
+    ray.kill(live)
 
 
 def _raw_metrics(run_dir) -> list[dict]:
