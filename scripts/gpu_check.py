@@ -264,9 +264,7 @@ def wg_receiver(port: int, plan, device_name: str, dry: bool, out) -> None:
 
     from forge.weight_group import WeightGroup, copy_into
 
-    device = torch.device(device_name)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = torch.device(device_name)  # "cuda": the current device, cuda:0 on a one-GPU machine
     model, _ = random_model(WG_SHAPE, device, dry)
     model = model.to(torch.bfloat16)
     with torch.no_grad():
@@ -284,17 +282,28 @@ def wg_receiver(port: int, plan, device_name: str, dry: bool, out) -> None:
     group.close()
 
 
-class SoloGroup:
+def solo_group(backend: str, device: torch.device):
     """A single-rank weight group (WeightGroup refuses a world of 1, which a run never has): NCCL on the one GPU."""
+    from forge.weight_group import WeightGroup
 
-    @staticmethod
-    def make(backend: str, device: torch.device):
-        from forge.weight_group import WeightGroup
+    group = WeightGroup(0, 2, backend, device=device if backend == "gloo" else None)
+    group.world = 1
+    group.connect("127.0.0.1", group.host("127.0.0.1"), local_address="127.0.0.1")
+    return group
 
-        group = WeightGroup(0, 2, backend, device=device if backend == "gloo" else None)
-        group.world = 1
-        group.connect("127.0.0.1", group.host("127.0.0.1"), local_address="127.0.0.1")
-        return group
+
+def next_from(out, child, timeout: float = 300):
+    """The receiver's next message; fails at once if the receiver process has died."""
+    import queue
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return out.get(timeout=2)
+        except queue.Empty:
+            if not child.is_alive():
+                raise RuntimeError(f"the receiver process died (exit code {child.exitcode})") from None
+    raise TimeoutError(f"no word from the receiver in {timeout:.0f} s")
 
 
 def median_sync(device: torch.device, sync) -> tuple[float, int, int]:
@@ -339,8 +348,8 @@ def weight_group(device: torch.device, dry: bool) -> None:
     try:
         group.connect("127.0.0.1", port, local_address="127.0.0.1")
         loaded: list[int] = []
-        pair = median_sync(device, lambda: (group.send(plan, state()), loaded.append(out.get(timeout=300))))
-        got = out.get(timeout=300)
+        pair = median_sync(device, lambda: (group.send(plan, state()), loaded.append(next_from(out, child))))
+        got = next_from(out, child)
     finally:
         group.close()
         child.join(timeout=60)
@@ -350,7 +359,7 @@ def weight_group(device: torch.device, dry: bool) -> None:
     assert loaded == list(range(SYNCS)) and not bad, f"the receiver's tensors differ from the sender's: {bad[:5]}"
 
     # 2. the NCCL transport (gloo in a dry run), single rank: the sender's cast + pack + broadcast
-    solo = SoloGroup.make("nccl" if device.type == "cuda" else "gloo", device)
+    solo = solo_group("nccl" if device.type == "cuda" else "gloo", device)
     try:
         nccl_s, nccl_dev, nccl_host = median_sync(device, lambda: solo.send(plan, state()))
     finally:

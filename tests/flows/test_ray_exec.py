@@ -131,24 +131,6 @@ def test_two_node_run_equals_the_in_process_run(two_node_run, reference):
         assert a["pass@1"] == b["pass@1"] and a["samples"] == b["samples"]
 
 
-def test_two_node_vllm_run_equals_a_one_rank_run(cluster, tmp_path):
-    """rollout.backend=vllm: the engine actor runs .venv-vllm's python on the gen node; with 2 update ranks on the
-    train node the run equals one with a single update rank (the engine is an actor in both: it cannot share a
-    process with the trainer)."""
-    runs = {}
-    for ranks in (2, 1):
-        cfg = ray_cfg(ranks=ranks)
-        cfg.rollout.backend, cfg.model.tiny.head_dim = "vllm", 32
-        runs[ranks] = tmp_path / f"vllm-{ranks}"
-        assert run(cfg, runs[ranks])["execution"] == "ray"
-    where = json.loads((runs[2] / "workers.json").read_text())
-    (engine,) = where["rollout"]
-    assert engine["backend"] == "vllm" and engine["python"].endswith(".venv-vllm/bin/python")
-    assert engine["node_id"] in cluster["gen"] and {w["node_id"] for w in where["update"]} <= set(cluster["train"])
-    assert_close_runs(runs[2], runs[1])
-    assert all(m["perf/weight_sync_s"] > 0 for m in _raw_metrics(runs[2]) if m["step"] > 0)
-
-
 class Unbalanced(ThroughputBalancer):
     def observe(self, replica: int, tokens: int, seconds: float) -> None:
         """Learns nothing: the replicas get equal shares every step."""
@@ -181,30 +163,34 @@ class KillsAnEngine(EvenSplit):
         return super()._sync_calls(version)
 
 
-def test_two_vllm_engines_one_killed_in_a_weight_sync_rebuild_the_group_and_end_as_uninterrupted(cluster, tmp_path):
-    """Issue 31, acceptance 2: two nodes, 2 update ranks (train node) and 2 vLLM engines (gen node, one core each)
-    in one weight group of world 3. Engine 1 is SIGKILLed as step 3's sync starts: the loss surfaces at once (not
-    after the group's timeout, engine 0 waiting in the broadcast), the actors and the weight group are rebuilt (a new
-    store port, the new engines' processes at ranks 1 and 2), the run resumes from the checkpoint at step 2 and ends
-    with the metrics and weights of the uninterrupted run (both with the split pinned: `EvenSplit`). vLLM's sampling
-    differs from hf's, so the reference is the same run uninterrupted; 2 ranks + 2 hf replicas against the in-process
-    run: tests/flows/test_ray_episodes.py."""
-    cfg = ray_cfg()
-    cfg.rollout.backend, cfg.model.tiny.head_dim, cfg.rollout.replicas = "vllm", 32, 2
-    cfg.pools[0]["cpu_cores"] = 2  # one core per engine
-    plan = plan_run(cfg)[1]
-    whole, killed = tmp_path / "uninterrupted", tmp_path / "engine-killed"
-    assert grpo_run(cfg, whole, progress=False, plan=plan, stages=EvenSplit, execution="ray")["restarts"] == 0
-    KillsAnEngine.before = []
-    summary = grpo_run(cfg, killed, progress=False, plan=plan, stages=KillsAnEngine, execution="ray")
-    assert summary["restarts"] == 1 and summary["steps"] == 4
+def test_two_vllm_engines_learn_as_one_rank_and_one_killed_in_a_weight_sync_rebuilds_the_group(cluster, tmp_path):
+    """Issue 31, acceptance 2, with rollout.backend=vllm: two nodes, 2 update ranks (train node) and 2 vLLM engines
+    (.venv-vllm's python, gen node, one core each) in one weight group of world 3.
+    - The run equals one with a single update rank (vLLM samples other tokens than hf, so the reference is Ray with
+      the same engines; 2 ranks + 2 hf replicas against the in-process run: tests/flows/test_ray_episodes.py).
+    - Engine 1 SIGKILLed as step 3's sync starts: the loss surfaces at once (not after the group's timeout, with
+      engine 0 waiting in the broadcast), the actors and the weight group are rebuilt (a new store port, the new
+      engines' processes at ranks 1 and 2), the run resumes from the checkpoint at step 2 and ends with the metrics and
+      weights of the uninterrupted run.
+    Every run pins the replicas' split (`EvenSplit`)."""
+    runs = {}
+    for name, ranks, stages in (("two-ranks", 2, EvenSplit), ("one-rank", 1, EvenSplit), ("killed", 2, KillsAnEngine)):
+        cfg = ray_cfg(ranks=ranks)
+        cfg.rollout.backend, cfg.model.tiny.head_dim, cfg.rollout.replicas = "vllm", 32, 2
+        cfg.pools[0]["cpu_cores"] = 2  # one core per engine
+        KillsAnEngine.before, d = [], tmp_path / name
+        runs[name] = d, grpo_run(cfg, d, progress=False, plan=plan_run(cfg)[1], stages=stages, execution="ray")
+    (whole, summary), (killed, recovered) = runs["two-ranks"], runs["killed"]
+    assert summary["restarts"] == 0 and recovered["restarts"] == 1 and recovered["steps"] == 4
+    assert_close_runs(whole, runs["one-rank"][0])
+    assert all(m["perf/weight_sync_s"] > 0 for m in _raw_metrics(whole) if m["step"] > 0)
     assert [m["step"] for m in metrics(killed)] == [0, 1, 2, 3, 4]
     assert_close_runs(killed, whole, rel=1e-6)
-    assert all(m["perf/weight_sync_s"] > 0 for m in _raw_metrics(killed) if m["step"] > 0)
     (before,), after = KillsAnEngine.before, json.loads((killed / "workers.json").read_text())
-    for where in (before, after):
+    for where in (json.loads((whole / "workers.json").read_text()), before, after):
         engines, rank0 = where["rollout"], where["update"][0]["weight_group"]
         assert [e["backend"] for e in engines] == ["vllm", "vllm"] and rank0["world"] == 3
+        assert all(e["python"].endswith(".venv-vllm/bin/python") for e in engines)
         assert [e["weight_group"] for e in engines] == [{**rank0, "rank": 1}, {**rank0, "rank": 2}]
         assert {e["node_id"] for e in engines} <= set(cluster["gen"])
         assert {w["node_id"] for w in where["update"]} <= set(cluster["train"])
