@@ -27,11 +27,11 @@ them (several replicas' parts are merged and put once); the reward actor and the
 the advantages go by `ray.put`.
 
 Faults: an actor that dies surfaces as `forge.stages.WorkerLost`, on which the loop rebuilds these stages (and so
-the weight group, on a new port) and resumes from the last checkpoint. Results are taken as they finish, so an engine
-lost in a sync ends it at once, not after the group's timeout that its peers in the broadcast would wait for. A lost node is that for every actor on it (and an object
-whose only copy was there); the rebuilt actors go to the pool's nodes left (rollout replicas are spread over a
-pool's nodes), and a pool with no live node left stops the run with one line naming it and its dead node, to be
-continued with --resume.
+the weight group, on a new port) and resumes from the last checkpoint. Results are taken as they finish, so an
+engine lost in a sync ends it at once, not after the group's timeout that its peers in the broadcast would wait for.
+A lost node is that for every actor on it (and an object whose only copy was there); the rebuilt actors go to the
+pool's nodes left (rollout replicas are spread over a pool's nodes), and a pool with no live node left stops the run
+with one line naming it and its dead node, to be continued with --resume.
 Actors are owned by the driver (not detached) and killed by `close()`, so none outlives the run; the private Ray
 instance (`ray_session` without `orchestration.ray_address`) binds 127.0.0.1 and is shut down at the end.
 """
