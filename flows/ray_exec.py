@@ -27,10 +27,11 @@ them (several replicas' parts are merged and put once); the reward actor and the
 the advantages go by `ray.put`.
 
 Faults: an actor that dies surfaces as `forge.stages.WorkerLost`, on which the loop rebuilds these stages (and so
-the weight group) and resumes from the last checkpoint. A lost node is that for every actor on it (and an object
-whose only copy was there); the rebuilt actors go to the pool's nodes left (rollout replicas are spread over a
-pool's nodes), and a pool with no live node left stops the run with one line naming it and its dead node, to be
-continued with --resume.
+the weight group, on a new port) and resumes from the last checkpoint. Results are taken as they finish, so an
+engine lost in a sync ends it at once, not after the group's timeout that its peers in the broadcast would wait for.
+A lost node is that for every actor on it (and an object whose only copy was there); the rebuilt actors go to the
+pool's nodes left (rollout replicas are spread over a pool's nodes), and a pool with no live node left stops the run
+with one line naming it and its dead node, to be continued with --resume.
 Actors are owned by the driver (not detached) and killed by `close()`, so none outlives the run; the private Ray
 instance (`ray_session` without `orchestration.ray_address`) binds 127.0.0.1 and is shut down at the end.
 """
@@ -49,7 +50,7 @@ from typing import TYPE_CHECKING
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
+from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 
 import forge
 from flows.ray_actor import StageActor
@@ -341,25 +342,32 @@ class RayStages:
     # ------------------------------------------------------------ results and failures
 
     def _get(self, refs: list, stage: str, timeout: float | None = None) -> list:
-        """Results of `refs` in order. A dead actor -> WorkerLost (checked on every ref: a rank that saw its
-        peer die raises first, the peer's death is the cause); an error raised inside a worker is re-raised."""
-        results, raised = [], None
-        for ref in refs:
+        """Results of `refs` in order, taken as they finish. A dead actor -> WorkerLost as soon as Ray reports it,
+        whichever ref it is (a live member of a collective with the dead one, an engine waiting in the weight
+        group's broadcast, would otherwise hold the loss up until that group's timeout); an error raised inside a
+        worker is re-raised once every ref has finished (a rank that saw its peer die raises first, the peer's
+        death is the cause). `timeout`: seconds for all of them."""
+        results, raised = {}, None
+        pending = list(dict.fromkeys(refs))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                raise UserError(f"{stage}: the Ray actors did not answer within {timeout:.0f} s")
             try:
-                results.append(ray.get(ref, timeout=timeout))
+                results[ready[0]] = ray.get(ready[0])
             except RayActorError as e:
                 raise WorkerLost(f"{stage}: a Ray actor died ({_first_line(e)})") from None
             except ObjectLostError as e:  # its only copy was on a node that died (e.g. the weights a rank returned)
                 raise WorkerLost(f"{stage}: a Ray object was lost with its node ({_first_line(e)})") from None
             except RayTaskError as e:
                 raised = raised or e
-                results.append(None)
-            except GetTimeoutError:
-                raise UserError(f"{stage}: the Ray actors did not answer within {timeout:.0f} s") from None
+                results[ready[0]] = None
         if raised is not None:
             cause = raised.cause if isinstance(getattr(raised, "cause", None), BaseException) else None
             raise (cause or raised) from None
-        return results
+        return [results[ref] for ref in refs]
 
 
 def object_sizes() -> dict[str, int]:

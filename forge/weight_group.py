@@ -105,7 +105,11 @@ class WeightGroup:
     """One member of the weight group. Rank 0 calls `host` (which opens the store) and then `connect`; the
     receivers call `connect` with rank 0's address and port. Every member's `connect` blocks until all have come."""
 
-    def __init__(self, rank: int, world: int, backend: str = "", timeout: timedelta = DEFAULT_TIMEOUT):
+    def __init__(self, rank: int, world: int, backend: str = "", timeout: timedelta = DEFAULT_TIMEOUT,
+                 device: torch.device | None = None):  # fmt: skip
+        """`device`: where this member's buckets live; by default the current CUDA device under NCCL, else the CPU.
+        A CUDA device with gloo (which stages each bucket through host memory) is how scripts/gpu_check.py runs two
+        members on one GPU, where NCCL refuses two ranks."""
         if world < 2 or not 0 <= rank < world:
             raise ValueError(f"weight group: rank {rank} of world {world} (needs world >= 2)")
         self.rank, self.world = rank, world
@@ -115,7 +119,9 @@ class WeightGroup:
         self.timeout = timeout
         self.store: dist.TCPStore | None = None
         self.pg = None
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
+        if device is None and self.backend == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
 
     def host(self, address: str, port: int = 0) -> int:
         """Rank 0: open the TCP store on `address` (port 0: a free one); returns the port the receivers connect to."""

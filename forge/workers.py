@@ -114,6 +114,7 @@ class RolloutWorker:
         self.policy_version = 0
         self._verifiers = None
         self.weight_group: WeightGroup | None = None  # joined in Ray mode (`join_weight_group`)
+        self.group_member: dict | None = None  # this actor's place in the weight group, for workers.json
         self._env = None  # multi-turn: (environment factory, tools, chat format), loaded on first use
         if cfg.env.enabled:  # its mistakes (a class without reset, an undocumented tool) show at start
             from forge.env.episode import load_environment
@@ -164,6 +165,7 @@ class RolloutWorker:
         """Join the weight group hosted by update rank 0 at `address:port` as `rank` (a vLLM engine: its workers as
         `rank`, `rank + 1`, ...); blocks until all have joined. `plan`: the layout of every sync
         (`TrainerWorker.host_weight_group`)."""
+        self.group_member = {"rank": rank, "world": world, "address": address, "port": port}
         if self.cfg.rollout.backend != "hf":
             self.backend.join_weight_group(rank, world, address, port, plan, local_address)
             return
@@ -207,7 +209,7 @@ class RolloutWorker:
         return report
 
     def where(self) -> dict:
-        return {**where(), "stage": "rollout", "backend": self.cfg.rollout.backend}
+        return {**where(), "stage": "rollout", "backend": self.cfg.rollout.backend, "weight_group": self.group_member}
 
     def close(self) -> None:
         if self.weight_group is not None:
@@ -330,6 +332,7 @@ class TrainerWorker:
         # training's on the default group; made now, while every rank is here (None with one process)
         self.checkpoint_group = torch.distributed.new_group(backend="gloo") if world > 1 else None
         self.weight_group: WeightGroup | None = None  # rank 0 in Ray mode hosts it (`host_weight_group`)
+        self.group_member: dict | None = None  # rank 0's place in it (rank, world, address, port), for workers.json
 
     @property
     def policy_version(self) -> int:
@@ -358,7 +361,9 @@ class TrainerWorker:
         self.weight_group = WeightGroup(0, world)
         shapes = self.trainer.publish_shapes()
         self.weight_plan = make_plan(shapes, publish_dtype(self.cfg, shapes[0][1]))
-        return self.weight_plan, self.weight_group.host(address)
+        port = self.weight_group.host(address)
+        self.group_member = {"rank": 0, "world": world, "address": address, "port": port}
+        return self.weight_plan, port
 
     def connect_weight_group(self, address: str, port: int) -> None:
         """Rank 0: wait for every member of the weight group (`RolloutWorker.join_weight_group`) to join."""
@@ -418,7 +423,8 @@ class TrainerWorker:
         return self.trainer.policy_version
 
     def where(self) -> dict:
-        return {**where(), "stage": "update", "rank": self.rank, "world": self.world}
+        return {**where(), "stage": "update", "rank": self.rank, "world": self.world,
+                "weight_group": self.group_member}  # fmt: skip
 
     def close(self) -> None:
         if self.weight_group is not None:

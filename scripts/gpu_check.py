@@ -10,11 +10,29 @@ any failed):
   sync       weight-sync seconds: the trainer's full weights to CPU (what crosses to rollout actors), in the
              dtype a vLLM engine takes, and loading them into an hf copy on the GPU
   nccl       a single-rank NCCL group: all_reduce and broadcast
+  wgroup     the weight group (forge/weight_group.py) at the Qwen2.5-0.5B shape, bf16 buckets of 64 MB:
+             - two processes on the one GPU: the sender (cuda:0, fp32 weights) casts to bf16 and packs the buckets on
+               the device, a receiver process (also cuda:0) receives into CUDA buckets and copies them into its bf16
+               model (`copy_into`), whose every tensor must then match the sender's bf16 cast bit for bit (exact
+               integer checksums of the bit patterns). NCCL refuses two ranks on one GPU, so this pair talks over
+               gloo with CUDA tensors (torch's gloo backend stages each CUDA bucket through host memory): the same
+               WeightGroup code as under NCCL except the transport;
+             - the NCCL transport itself: a single-rank NCCL weight group on cuda:0 (the same constructor, options
+               and broadcast as a real group; a single-rank broadcast moves nothing, so its seconds are the sender's
+               cast + pack + collective launch, a lower bound for a sync);
+             - the old host-copy path at the same shape: the full state to host in bf16, a torch.save/torch.load
+               round trip (what Ray's object store did with it) and a copy into a bf16 GPU model, in this process
+               (no inter-process transfer counted: a lower bound of that path);
+             printing seconds per sync (median of 3) for each, the ratio group / old path, and the sender's peak
+             extra device memory (torch's allocator, which does not see NCCL's own buffers) and peak extra host
+             memory (VmHWM, reset through /proc/self/clear_refs) during a sync. Asserted: bit-exact receive, and
+             the group's extra device memory <= 2 buckets + 64 MiB, its extra host memory below the old path's.
   fsdp       FSDP2 (fully_shard) on CUDA in that group: a step, then the full state round trip into a fresh shard
   ckpt       a checkpoint (sync) saved and restored by a fresh TrainerWorker: where the optimizer state lands
 
 `--dry-run` runs every section on the CPU with tiny shapes and a gloo group (a smoke test of this script, for
-machines without a GPU; its numbers mean nothing). Random weights throughout: speed and memory, not quality.
+machines without a GPU; its numbers mean nothing; `wgroup` runs its two processes on the CPU over gloo and its
+"NCCL" single-rank group is gloo too). Random weights throughout: speed and memory, not quality.
 """
 
 from __future__ import annotations
@@ -128,9 +146,9 @@ def rollout_speed(device: torch.device, dry: bool) -> None:
         line = []
         for label, bf16 in (("fp32", False), ("bf16", True)):
             backend = HFBackend(model, tok, autocast_bf16=bf16, batch_size=n)
-            backend._generate_chunk(prompts[:2], params)  # warm-up
+            backend._generate_chunk(prompts[:2], 1, params)  # warm-up
             reset_peak(device)
-            seconds, out = timed(device, backend._generate_chunk, prompts, params)
+            seconds, out = timed(device, backend._generate_chunk, prompts, 1, params)
             rate = int(out["mask"].sum()) / seconds
             line.append(f"{label} {rate:,.0f} tok/s (peak {peak_gib(device)})")
         print(f"rollout: {name}-shaped, {n} prompts x {tokens} tokens: " + "; ".join(line))
@@ -167,7 +185,7 @@ def update_speed(device: torch.device, dry: bool) -> None:
         batch = random_batch(model.config.vocab_size, n, prompt_len, tokens)
         trainer.update(*batch)  # warm-up (optimizer state allocated)
         reset_peak(device)
-        seconds, _ = timed(device, trainer.update, batch)
+        seconds, _ = timed(device, trainer.update, *batch)
         print(f"update: {name}-shaped, {n} x ({prompt_len} + {tokens}) tokens, bf16 autocast {trainer.autocast_bf16}: "
               f"{n * tokens / seconds:,.0f} completion tok/s, {seconds:.2f} s/step, peak {peak_gib(device)}")  # fmt: skip
         del trainer, model
@@ -212,6 +230,163 @@ def nccl(device: torch.device, dry: bool) -> None:
     print(f"nccl: single-rank {dist.get_backend()} group on {device}: all_reduce and broadcast ok")
 
 
+BUCKET_BYTES = 64 << 20
+WG_SHAPE = "qwen2.5-0.5b"
+SYNCS = 3
+
+
+def bit_sums(tensors) -> dict[str, int]:
+    """name -> an exact integer checksum of each tensor's bit pattern (position-weighted, so a swap shows too)."""
+    sums = {}
+    for name, t in tensors:
+        bits = t.detach().contiguous().reshape(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)
+        weights = torch.arange(bits.numel(), device=bits.device) % 65521 + 1
+        sums[name] = int((bits.to(torch.int64) * weights).sum())
+    return sums
+
+
+def host_bytes(key: str = "VmRSS") -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_host_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM back to the current RSS
+
+
+def wg_receiver(port: int, plan, device_name: str, dry: bool, out) -> None:
+    """The receiving member (rank 1 of 2): a bf16 copy of the model, zeroed (every bit it ends with came over the
+    group), on the same device as the sender; it puts the sync's index on `out` once each sync is loaded, and its
+    tensors' checksums after the last."""
+    from datetime import timedelta
+
+    from forge.weight_group import WeightGroup, copy_into
+
+    device = torch.device(device_name)  # "cuda": the current device, cuda:0 on a one-GPU machine
+    model, _ = random_model(WG_SHAPE, device, dry)
+    model = model.to(torch.bfloat16)
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            t.zero_()
+    group = WeightGroup(1, 2, "gloo", timeout=timedelta(minutes=5), device=device)
+    group.connect("127.0.0.1", port, local_address="127.0.0.1")
+    load, names = copy_into(model), {s.name for s in plan.tensors}
+    for i in range(SYNCS):
+        group.receive(plan, load)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        out.put(i)  # loaded
+    out.put(bit_sums((n, t) for n, t in model.state_dict().items() if n in names))
+    group.close()
+
+
+def solo_group(backend: str, device: torch.device):
+    """A single-rank weight group (WeightGroup refuses a world of 1, which a run never has): NCCL on the one GPU."""
+    from forge.weight_group import WeightGroup
+
+    group = WeightGroup(0, 2, backend, device=device if backend == "gloo" else None)
+    group.world = 1
+    group.connect("127.0.0.1", group.host("127.0.0.1"), local_address="127.0.0.1")
+    return group
+
+
+def next_from(out, child, timeout: float = 300):
+    """The receiver's next message; fails at once if the receiver process has died."""
+    import queue
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return out.get(timeout=2)
+        except queue.Empty:
+            if not child.is_alive():
+                raise RuntimeError(f"the receiver process died (exit code {child.exitcode})") from None
+    raise TimeoutError(f"no word from the receiver in {timeout:.0f} s")
+
+
+def median_sync(device: torch.device, sync) -> tuple[float, int, int]:
+    """(median seconds of SYNCS calls of `sync`, peak extra device bytes, peak extra host bytes) over them."""
+    seconds, dev_extra, host_extra = [], 0, 0
+    for _ in range(SYNCS):
+        reset_peak(device)
+        dev0 = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        reset_host_peak()
+        host0 = host_bytes()
+        took, _ = timed(device, sync)
+        seconds.append(took)
+        if device.type == "cuda":
+            dev_extra = max(dev_extra, torch.cuda.max_memory_allocated(device) - dev0)
+        host_extra = max(host_extra, host_bytes("VmHWM") - host0)
+    return sorted(seconds)[len(seconds) // 2], dev_extra, host_extra
+
+
+def weight_group(device: torch.device, dry: bool) -> None:
+    import io
+    import multiprocessing as mp
+
+    from forge.distributed.state import unique_names
+    from forge.weight_group import WeightGroup, copy_into, plan_for
+
+    model, _ = random_model(WG_SHAPE, device, dry)  # the trainer's fp32 weights on its device
+    names = unique_names(model)
+    state = lambda: ((k, v) for k, v in model.state_dict().items() if k in names)  # noqa: E731
+    plan = plan_for(state(), torch.bfloat16, BUCKET_BYTES)
+    size, bucket = plan.nbytes, max(n * 2 for _, n in plan.buckets)
+    want = bit_sums((k, v.to(torch.bfloat16)) for k, v in state())
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
+    print(f"wgroup: {WG_SHAPE}-shaped, {len(plan.tensors)} tensors, bf16 {mib(size)} in {len(plan.buckets)} buckets")
+
+    # 1. two processes on this device over gloo with device buckets: bit-exact, seconds to the receiver's load
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    group = WeightGroup(0, 2, "gloo", device=device)
+    port = group.host("127.0.0.1")
+    child = ctx.Process(target=wg_receiver, args=(port, plan, str(device), dry, out), daemon=True)
+    child.start()
+    try:
+        group.connect("127.0.0.1", port, local_address="127.0.0.1")
+        loaded: list[int] = []
+        pair = median_sync(device, lambda: (group.send(plan, state()), loaded.append(next_from(out, child))))
+        got = next_from(out, child)
+    finally:
+        group.close()
+        child.join(timeout=60)
+    bad = [k for k in want if got.get(k) != want[k]]
+    print(f"wgroup: 2 processes on {device} (gloo, {device.type} buckets): {pair[0]:.3f} s/sync to the receiver's "
+          f"load, bit-exact {not bad}; sender's peak extra device {mib(pair[1])}, host {mib(pair[2])}")  # fmt: skip
+    assert loaded == list(range(SYNCS)) and not bad, f"the receiver's tensors differ from the sender's: {bad[:5]}"
+
+    # 2. the NCCL transport (gloo in a dry run), single rank: the sender's cast + pack + broadcast
+    solo = solo_group("nccl" if device.type == "cuda" else "gloo", device)
+    try:
+        nccl_s, nccl_dev, nccl_host = median_sync(device, lambda: solo.send(plan, state()))
+    finally:
+        solo.close()
+    print(f"wgroup: single-rank {solo.backend} send (cast + pack + broadcast on {device}): {nccl_s:.3f} s/sync; "
+          f"peak extra device {mib(nccl_dev)}, host {mib(nccl_host)}")  # fmt: skip
+
+    # 3. the old host-copy path, same shape, into a bf16 copy on this device
+    copy = random_model(WG_SHAPE, device, dry)[0].to(torch.bfloat16)
+    load = copy_into(copy)
+
+    def host_path() -> None:
+        buf = io.BytesIO()
+        torch.save(host_copy(model, torch.bfloat16), buf)
+        buf.seek(0)
+        load(list(torch.load(buf).items()))
+
+    old_s, old_dev, old_host = median_sync(device, host_path)
+    print(f"wgroup: old host-copy path (to host in bf16, pickle round trip, into a {device} copy): {old_s:.3f} s/sync; "
+          f"peak extra device {mib(old_dev)}, host {mib(old_host)}")  # fmt: skip
+    print(f"wgroup: seconds per sync, group / old path: 2 processes {pair[0] / old_s:.2f}, "
+          f"single-rank {solo.backend} {nccl_s / old_s:.2f}")  # fmt: skip
+    if device.type == "cuda":
+        assert nccl_dev <= 2 * bucket + (64 << 20), f"NCCL send: {mib(nccl_dev)} extra device memory"
+    assert pair[2] < old_host or dry, f"group send: {mib(pair[2])} extra host memory, old path {mib(old_host)}"
+
+
 def fsdp_round_trip(device: torch.device, dry: bool) -> None:
     from forge.distributed import fsdp
 
@@ -240,7 +415,7 @@ def checkpoint_placement(device: torch.device, dry: bool) -> None:
     cfg.checkpoint.async_save = False
     cfg.rollout.max_new_tokens = 8
     worker = TrainerWorker(cfg, micro_update=update_micro_batch)
-    worker.step(random_batch(len(worker.tokenizer), 8, 8, 8), publish=False)
+    worker.step(*random_batch(len(worker.tokenizer), 8, 8, 8), publish=False)
     with tempfile.TemporaryDirectory() as root:
         t0 = time.perf_counter()
         worker.save(root, 1, {"note": "gpu check"}, None)
@@ -256,7 +431,7 @@ def checkpoint_placement(device: torch.device, dry: bool) -> None:
 
 
 SECTIONS = {"learn": learn, "rollout": rollout_speed, "update": update_speed, "sync": weight_sync,
-            "nccl": nccl, "fsdp": fsdp_round_trip, "ckpt": checkpoint_placement}  # fmt: skip
+            "nccl": nccl, "wgroup": weight_group, "fsdp": fsdp_round_trip, "ckpt": checkpoint_placement}  # fmt: skip
 
 
 def main() -> int:

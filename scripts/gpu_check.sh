@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # The GPU device check: the `gpu` test suite (tests/gpu) and the measurements of scripts/gpu_check.py, on one CUDA GPU,
-# with only the machine's torch / transformers / accelerate (no vLLM, no network, nothing to install). Budget: <= 8
-# minutes on one H200 (each part is bounded by `timeout`). Run from the repository root:
+# with only the machine's torch / transformers / accelerate (no vLLM, no network, nothing to install). Budget: <= 10
+# minutes on one H200 (each part is bounded by `timeout`). Never run on a GPU yet. Its `wgroup` section checks the
+# weight group (forge/weight_group.py) on the one GPU: NCCL refuses two ranks on one device, so a sender on cuda:0
+# (bf16 cast and bucket packing on the device) broadcasts to a receiver process on the same GPU over gloo with CUDA
+# buckets, which must match bit for bit; a single-rank NCCL group times the NCCL send; the old host-copy path is timed
+# beside it at the same shape (Qwen2.5-0.5B), with the sender's peak extra device and host memory. Run from the
+# repository root:
 #   bash scripts/gpu_check.sh              # or: make gpu-check  (GPU_PYTHON=... to pick the python)
 #   bash scripts/gpu_check.sh --dry-run    # CPU smoke run of the measurement script (tiny shapes, gloo)
 # Exit status: 0 when every part passed.
@@ -31,6 +36,6 @@ else
 fi
 
 echo "== measurements (scripts/gpu_check.py)"
-timeout 300 "$PYTHON" scripts/gpu_check.py || status=1
+timeout 420 "$PYTHON" scripts/gpu_check.py || status=1
 echo "gpu_check.sh: exit $status"
 exit $status

@@ -41,18 +41,28 @@ def metrics(run_dir) -> list[dict]:
 
 
 def test_two_hf_replicas_play_the_episodes_the_in_process_run_plays(cluster, tmp_path):  # noqa: F811
-    """2 hf rollout actors, each given half of every step's prompts with their rows: every metric (rewards, episode
-    counts, losses, eval pass@1) equals the in-process run's to float rounding, and so do the final weights, since
-    each episode's turns draw from seeds of their own (forge/env/episode.py), not from the batch it shares."""
+    """2 hf rollout actors on the gen node, each given a share of every step's prompts with their rows, and 2 update
+    ranks on the train node, rank 0 broadcasting to both actors over the weight group (world 3; issue 31, acceptance
+    2): every metric (rewards, episode counts, losses, eval pass@1) equals the in-process run's (one process) to float
+    rounding, and so do the final weights, since each episode's turns draw from seeds of their own
+    (forge/env/episode.py), not from the batch it shares. (Single-turn replicas sample from RNG streams that start
+    alike, so there a split changes the samples: docs/ray.md.)"""
     from safetensors.torch import load_file
 
     ray_dir, ref_dir = tmp_path / "ray", tmp_path / "in-process"
-    assert run(episode_cfg(), ray_dir)["execution"] == "ray"
+    cfg = episode_cfg()
+    cfg.update.num_processes = 2
+    assert run(cfg, ray_dir)["execution"] == "ray"
     ref = episode_cfg(replicas=1)
     ref.orchestration.execution = "embedded"
     assert run(ref, ref_dir)["execution"] == "embedded"
     where = json.loads((ray_dir / "workers.json").read_text())
-    assert len({w["pid"] for w in where["rollout"]}) == 2
+    assert len({w["pid"] for w in where["rollout"]}) == 2 and [w["rank"] for w in where["update"]] == [0, 1]
+    assert {w["node_id"] for w in where["rollout"]} <= set(cluster["gen"])
+    assert {w["node_id"] for w in where["update"]} <= set(cluster["train"])
+    group = where["update"][0]["weight_group"]
+    assert group["world"] == 3 and [w["weight_group"] for w in where["rollout"]] == [{**group, "rank": 1},
+                                                                                      {**group, "rank": 2}]  # fmt: skip
     got, want = metrics(ray_dir), metrics(ref_dir)
     assert [m["step"] for m in got] == [m["step"] for m in want] == [0, 1, 2, 3, 4]
     for a, b in zip(got, want, strict=True):
