@@ -44,8 +44,8 @@ def tiny_unlabeled() -> RunConfig:
     (`reward.ensemble.necessary_checks`), a failed check cannot pass for noise on a right answer, so answers that pass them
     all get ~1 and the rest ~0. Advantages are mean-centred, not divided by the group's std (Dr. GRPO): in a group
     with no right answer the rewards differ by a few thousandths, and dividing by their std turns that noise into
-    full-size advantages. Measured (docs/verifier-ensemble.md, bench/seed_spread.py): greedy pass@1 0.00 -> 0.18-0.78 at
-    200 steps over seeds 0-15 (mean 0.37); `tiny` with the true answers 0.58-0.96 over seeds 0-7.
+    full-size advantages. Measured (docs/verifier-ensemble.md, bench/seed_spread.py): greedy pass@1 0.00 -> 0.16-0.71 at
+    200 steps over seeds 0-15 (mean 0.30); `tiny` with the true answers 0.47-0.76 over seeds 0-7 (mean 0.64).
     """
     cfg = tiny()
     cfg.preset = "tiny-unlabeled"
