@@ -62,7 +62,7 @@ from forge.models import load_tokenizer
 from forge.records import RolloutRequest, Rollouts, ScoredBatch, UpdateStats
 from forge.rollout.base import SamplingParams, concat_rollouts
 from forge.stages import WorkerLost
-from weaver.apply import ActorSpec, actor_specs, pool_resource
+from weaver.apply import ActorSpec, actor_specs, driver_env, pool_resource
 from weaver.balance import ThroughputBalancer
 from weaver.plan import Plan
 
@@ -139,7 +139,7 @@ class RayStages:
     # ------------------------------------------------------------ start
 
     def _actor(self, spec: ActorSpec, stage: str, python: str = ""):
-        env = dict(spec.env)
+        env = {**driver_env(dict(os.environ)), **spec.env}  # NCCL/gloo settings of the driver, then the plan's
         runtime_env: dict = {"env_vars": env}
         if python:  # another venv (vLLM's): its own packages plus this checkout of forgeweave
             runtime_env["py_executable"] = python

@@ -4,8 +4,9 @@ over a `Plan` returning typed values; the execution layer (flows/) uses them and
 - `actor_specs` is what the Ray adapter (flows/ray_exec.py) starts: one `ActorSpec` per process of a stage (each
   update rank, each rollout replica, the reward worker), rank/replica order = placement order (rank 0 first), with
   the pool it must land on (a Ray custom resource `pool:<name>` that the pool's nodes offer) and the environment
-  `process_env` gives it. `CUDA_VISIBLE_DEVICES` must be set before CUDA initialises, which the actor does before
-  it imports torch. A gpu update rank sees only its own device (local rank 0); a rollout replica sees its block of
+  `process_env` gives it, over the driver's NCCL/gloo settings (`driver_env`: Ray does not pass the driver's
+  environment on). `CUDA_VISIBLE_DEVICES` must be set before CUDA initialises, which the actor does before it
+  imports torch. A gpu update rank sees only its own device (local rank 0); a rollout replica sees its block of
   `tensor_parallel` devices; cpu processes see none (`CUDA_VISIBLE_DEVICES=""`) and get `ACCELERATE_USE_CPU=1`.
   Threads per process = the pool's cores // the stage's processes in that pool (at least 1), as `OMP_NUM_THREADS`
   and `FORGEWEAVE_THREADS` (for `torch.set_num_threads`). Stages of one pool take turns within a step (the loop is
@@ -43,6 +44,22 @@ class ActorSpec:
 def pool_resource(pool: str) -> str:
     """The Ray custom resource a node of `pool` offers (`ray start --resources '{"pool:gen": 1}'`)."""
     return f"pool:{pool}"
+
+
+DRIVER_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_")
+
+
+def driver_env(environ: dict[str, str]) -> dict[str, str]:
+    """The variables of the driver's environment `environ` that every stage process must see too: NCCL's and gloo's
+    settings (`NCCL_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME`, `NCCL_IB_DISABLE`, `NCCL_DEBUG`, ...) and torch's NCCL
+    switches (`TORCH_NCCL_*`). A Ray worker inherits the environment of its node's raylet, not the driver's: on a
+    cluster, a variable set only where `forgeweave run` runs would otherwise never reach the update ranks or the
+    engines, whose process groups would then pick their own (often the wrong) network interface.
+
+    >>> driver_env({"NCCL_SOCKET_IFNAME": "ens5", "GLOO_SOCKET_IFNAME": "ens5", "HOME": "/root", "NCCL": "x"})
+    {'NCCL_SOCKET_IFNAME': 'ens5', 'GLOO_SOCKET_IFNAME': 'ens5'}
+    """
+    return {k: v for k, v in environ.items() if k.startswith(DRIVER_ENV_PREFIXES)}
 
 
 def actor_specs(plan: Plan, stage: str, pool_cores: dict[str, int], per_process_devices: int = 1) -> list[ActorSpec]:
