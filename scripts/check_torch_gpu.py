@@ -8,7 +8,10 @@
   build): everything would run on the CPU, hundreds of times slower, without an error.
 
 `--cuda-tag` prints the torch wheel variant the driver can run (cu130, cu128, cu126; empty without GPUs), for the
-Makefile's TORCH_INDEX_BASE; it does not import torch. Uses only the standard library and torch.
+Makefile's TORCH_INDEX_BASE; it does not import torch. `--same-torch PYTHON PYTHON` (`make vllm-env`) checks that
+two venvs hold one torch build (version, CUDA, NCCL), as the main venv's update ranks and the vLLM venv's engines
+meet in one NCCL weight group; it asks each python, importing nothing itself. Uses only the standard library and
+torch.
 """
 
 from __future__ import annotations
@@ -70,7 +73,46 @@ def problem(gpus: int, driver_cuda: tuple[int, int] | None, torch_version: str, 
     )
 
 
+BUILD = (
+    "import torch\n"
+    "try:\n    nccl = '.'.join(map(str, torch.cuda.nccl.version())) if torch.version.cuda else 'none'\n"
+    "except Exception:\n    nccl = 'unknown'\n"
+    "print('torch-build', torch.__version__.split('+')[0], torch.version.cuda or 'cpu', nccl)"
+)
+
+
+def torch_build(python: str) -> str:
+    """`python`'s torch as 'torch VERSION (CUDA X, NCCL Y)' (the version without its local label: PyPI's CUDA
+    wheel and an index's +cuXYZ wheel of one CUDA are one build), or why it has none."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    try:
+        out = subprocess.run([python, "-c", BUILD], capture_output=True, text=True, timeout=300, env=env)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"no torch ({type(e).__name__})"
+    words = next((line.split() for line in out.stdout.splitlines() if line.startswith("torch-build ")), [])
+    if len(words) != 4:
+        return "no torch"
+    return f"torch {words[1]} ({'CPU only' if words[2] == 'cpu' else 'CUDA ' + words[2]}, NCCL {words[3]})"
+
+
+def same_torch(first: str, second: str) -> str:
+    """The one-line error when the two pythons' torch builds differ (or one has none), else ''."""
+    a, b = torch_build(first), torch_build(second)
+    if a == b and not a.startswith("no torch"):
+        return ""
+    return (
+        f"make vllm-env: {a} in {first} but {b} in {second}: the update ranks and the vLLM engines need one torch "
+        "build (one NCCL weight group); make clean-venv, then make setup vllm-env with one TORCH_INDEX_URL or "
+        "TORCH_INDEX_BASE"
+    )
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--same-torch"] and len(argv) == 3:
+        message = same_torch(argv[1], argv[2])
+        if message:
+            print(message, file=sys.stderr)
+        return 1 if message else 0
     gpus, driver_cuda = nvidia_smi()
     if "--cuda-tag" in argv:
         print(cuda_tag(driver_cuda) if gpus else "")

