@@ -75,7 +75,8 @@ def problem(gpus: int, driver_cuda: tuple[int, int] | None, torch_version: str, 
 
 BUILD = (
     "import torch\n"
-    "try:\n    nccl = '.'.join(map(str, torch.cuda.nccl.version())) if torch.version.cuda else 'none'\n"
+    "try:\n    v = torch.cuda.nccl.version() if torch.version.cuda else 'none'\n"
+    "    nccl = '.'.join(map(str, v)) if isinstance(v, tuple) else str(v)\n"
     "except Exception:\n    nccl = 'unknown'\n"
     "print('torch-build', torch.__version__.split('+')[0], torch.version.cuda or 'cpu', nccl)"
 )
