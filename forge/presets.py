@@ -184,7 +184,7 @@ def smollm2_multiturn() -> RunConfig:
     cfg = smollm2_arith()
     cfg.preset = "smollm2-multiturn"
     cfg.env.environment_factory = "forge.tasks.retry_arith:RetryArithEnv"
-    cfg.env.max_turns, cfg.env.max_tokens = 3, 64
+    cfg.env.max_turns, cfg.env.max_tokens = 3, 160  # 3 replies of <= 16 tokens, 2 feedback turns of ~35
     # 24 episodes a step, 16 tokens a turn ("27 + 82 = 109" is 11; a longer reply is cut and ends the episode)
     r = cfg.rollout
     r.prompts_per_step, r.group_size, r.max_new_tokens = 4, 6, 16
