@@ -17,11 +17,14 @@ import re
 from forge.rewards.math import extract_answer
 
 HINT = "Wrong. Hint: {a} + {b} = {partial} + {units}. Reply with only the final integer."
+REVEAL = "Wrong. The answer is {answer}. Reply with only the final integer."
 NO_NUMBER = "Reply with only the final integer."
 _OPERANDS = re.compile(r"(\d+) \+ (\d+)")
 
 
 class RetryArithEnv:
+    reveal_after = 2  # wrong replies after which the feedback gives the answer (None: never, the hint only)
+
     def __init__(self):
         self.answer = 0
         self.operands = (0, 0)
@@ -35,11 +38,14 @@ class RetryArithEnv:
         return None
 
     def on_reply(self, reply: str) -> str | None:
-        """Feedback on a reply: None when it is right (the episode ends), else a hint that leaves one easy step.
+        """Feedback on a reply: None when it is right (the episode ends), else a hint that leaves one easy step, and
+        from the `reveal_after`-th wrong reply on the answer itself (a number the policy is told, as a tool would).
 
         >>> env = RetryArithEnv(); _ = env.reset(prompt="Compute 27 + 82.", answer="109")
-        >>> env.on_reply("100"), env.on_reply("It is 109."), env.reward
-        ('Wrong. Hint: 27 + 82 = 107 + 2. Reply with only the final integer.', None, 1.0)
+        >>> env.on_reply("100")
+        'Wrong. Hint: 27 + 82 = 107 + 2. Reply with only the final integer.'
+        >>> env.on_reply("107")[:25], env.on_reply("It is 109."), env.reward
+        ('Wrong. The answer is 109.', None, 1.0)
         """
         guess = _integer(reply)
         self.guesses.append(guess)
@@ -48,8 +54,17 @@ class RetryArithEnv:
         if guess == self.answer:
             self.reward = 1.0
             return None
+        wrong = len(self.guesses) - self.guesses.count(None)
+        if self.reveal_after is not None and wrong >= self.reveal_after:
+            return REVEAL.format(answer=self.answer)
         a, b = self.operands
         return HINT.format(a=a, b=b, partial=a + b - b % 10, units=b % 10)
+
+
+class HintOnlyEnv(RetryArithEnv):
+    """The same task without the answer ever given: every wrong reply gets the decomposition hint."""
+
+    reveal_after = None
 
 
 def _integer(reply: str) -> int | None:
