@@ -175,11 +175,13 @@ def smollm2_code() -> RunConfig:
 
 
 def smollm2_multiturn() -> RunConfig:
-    """SmolLM2-135M-Instruct on 2-digit addition over up to 3 turns: a wrong reply gets "too high" / "too low" and
-    another try (forge/tasks/retry_arith.py, the environment's `on_reply` feedback; the model calls no tools).
+    """SmolLM2-135M-Instruct on 2-digit addition over up to 3 turns: a wrong reply gets a hint that leaves one easy
+    step, a second wrong one the answer (forge/tasks/retry_arith.py: `RetryArithEnv`'s `on_reply` feedback; the model
+    calls no tools; `HintOnlyEnv` gives the hint only).
 
     Reward: `env_reward`, 1 once a reply is right (final-turn success). Eval (greedy, 40 held-out sums) reports
-    `eval/first_turn@1` and `eval/final_turn@1`; bench/multiturn.py measures both before and after training.
+    `eval/first_turn@1` and `eval/final_turn@1`. Measured (bench/multiturn.py, 32 held-out sums, seeds 0 and 1):
+    final turn 0.41 / 0.25 -> 1.00 / 1.00 in 20 steps, the first turn after them 0.22 / 0.31 (docs/environments.md).
     """
     cfg = smollm2_arith()
     cfg.preset = "smollm2-multiturn"
