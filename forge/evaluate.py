@@ -16,7 +16,9 @@ with at least one correct completion among k samples (n = k, so the unbiased est
 reduces to this). Sampling for pass@k uses its own seed (`SamplingParams.seed`) and leaves the training RNG untouched, so
 evaluating does not change the training trajectory. The hf backend generates `eval.batch_size` sequences per call.
 In a multi-turn run (`env.*`) the backend plays episodes (`forge.env.episode.EpisodeBackend`) and the verifiers get
-their environments (`environments=`); a completion is then the whole episode after the prompt.
+their environments (`environments=`); a completion is then the whole episode after the prompt. The report
+adds `first_turn@1` and `final_turn@1` (the first / last policy turn of each greedy episode judged alone) and
+`mean_turns`.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ def evaluate(
         "policy_version": greedy.policy_version,
         "mean_completion_tokens": float(greedy.completion_mask.sum(1).float().mean()),
     }
+    if greedy.episodes is not None:
+        report.update(_turn_split(judges, prompts, raw, greedy, columns, timeout_s, errors))
     if verifiers:
         seen = {k: v for k, v in columns.items() if k not in hidden}
         res = score_completions(verifiers, weights, prompts, greedy.texts, seen, timeout_s=timeout_s, raw_prompts=raw,
@@ -148,6 +152,16 @@ def _correct(
     for name, err in res.errors.items():
         errors.setdefault(name, err)
     return (res.scores >= 1.0).all(dim=1).tolist() if len(texts) else []
+
+
+def _turn_split(judges, prompts: list[str], raw: list, ro, columns: dict, timeout_s: float, errors: dict) -> dict:
+    """Multi-turn: `first_turn@1` and `final_turn@1`, the share of greedy episodes whose first / last policy turn
+    alone (its text as the completion) is correct, and `mean_turns`. The verifiers get no environments here (they
+    hold the whole episode's state), so a verifier that reads only them scores neither."""
+    turns = [[s["content"] for s in t if s["role"] == "assistant"] or [""] for t in ro.episodes.transcripts]
+    first = _correct(judges, prompts, raw, [t[0] for t in turns], columns, timeout_s, errors)
+    final = _correct(judges, prompts, raw, [t[-1] for t in turns], columns, timeout_s, errors)
+    return {"first_turn@1": _mean(first), "final_turn@1": _mean(final), "mean_turns": _mean(ro.episodes.turns)}
 
 
 def _pass_at_k(

@@ -15,8 +15,8 @@ from forge.rewards.score import per_verifier_means
 
 
 def eval_metrics(report: dict) -> dict[str, float]:
-    """An eval report's pass@k and mean reward as `eval/...` metrics."""
-    keys = [k for k in report if k.startswith("pass@") or k == "mean_reward"]
+    """An eval report's pass@k, mean reward and (multi-turn) first / final turn success as `eval/...` metrics."""
+    keys = [k for k in report if k.startswith("pass@") or k in ("mean_reward", "first_turn@1", "final_turn@1")]
     return {f"eval/{k}": report[k] for k in keys}
 
 

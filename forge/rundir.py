@@ -368,7 +368,8 @@ def run_summary(cfg, run_dir: Path, state, wall: float) -> dict:
     """summary.json's content: `state` is the loop's `forge.loop.LoopState` (step, seconds, initial/last eval)."""
 
     def brief(report):
-        return {k: v for k, v in (report or {}).items() if k.startswith("pass@") or k in ("step", "mean_reward")}
+        keep = ("step", "problems", "mean_reward", "first_turn@1", "final_turn@1", "mean_turns")  # last 3: multi-turn
+        return {k: v for k, v in (report or {}).items() if k.startswith("pass@") or k in keep}
 
     seconds = {**{k: round(v, 3) for k, v in state.seconds.items()}, "total": round(wall, 3)}
     return {

@@ -66,6 +66,7 @@ def test_presets_keep_their_eval_verifiers():
         "smollm2-arith-lora": ["math_answer"],
         "smollm2-arith-unlabeled": ["math_answer"],
         "smollm2-code": ["code_exec"],
+        "smollm2-multiturn": ["math_answer"],  # each turn's number against the answer (first / final turn)
     }
 
 

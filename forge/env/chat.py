@@ -57,14 +57,28 @@ class ChatFormat:
         tools answered by `answers` [(tool name, answer text)]; `messages` gets both turns."""
         if not self.template:
             return self.tok("".join(TOOL_RESPONSE.format(a) for _, a in answers), add_special_tokens=False)["input_ids"]
+        tools = [{"role": "tool", "name": name, "content": answer} for name, answer in answers]
+        return self._diff(messages, assistant, tools, ended)
+
+    def user_turn(self, messages: list[dict], assistant: str, feedback: str) -> list[int]:
+        """Token ids appended after a sampled turn (`assistant`: its text, ended with eos) that the environment answers
+        with `feedback` as a user message; `messages` gets both turns. Without a template: the text tokenised."""
+        if not self.template:
+            return self.tok(feedback, add_special_tokens=False)["input_ids"]
+        return self._diff(messages, assistant, [{"role": "user", "content": feedback}], True)
+
+    def _diff(self, messages: list[dict], assistant: str, answers: list[dict], ended: bool) -> list[int]:
+        """The template's tokens after the sampled `assistant` turn up to the next generation prompt, `answers` (the
+        environment's messages) between them; a template that rewrites earlier turns is a UserError."""
         messages.append({"role": "assistant", "content": assistant})
         before = self._render(messages, generation=False)
-        messages.extend({"role": "tool", "name": name, "content": answer} for name, answer in answers)
+        messages.extend(answers)
         after = self._render(messages, generation=True)
         if not after.startswith(before):
             raise UserError(
-                f"the chat template of {type(self.tok).__name__} is not prefix-preserving at a tool turn (it rewrites "
-                "earlier turns): use a model whose template keeps them, or a training template (docs/environments.md)"
+                f"the chat template of {type(self.tok).__name__} is not prefix-preserving at a tool or user turn (it "
+                "rewrites earlier turns): use a model whose template keeps them, or a training template "
+                "(docs/environments.md)"
             )
         at = before.rfind(assistant)
         if at < 0:

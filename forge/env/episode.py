@@ -3,13 +3,19 @@ segments), sampled turn by turn for all live episodes at once.
 
 Per turn: the policy samples from each live episode's tokens so far (`sample(contexts, params, seeds)`: the rollout
 backend's `generate_ids`, hf or vLLM, in this process or in a Ray rollout actor); the text of the new segment is read
-for tool calls (`forge.env.parse`); no call ends the episode, otherwise each call is answered
-(`forge.env.tools.call_tool`: errors become the answer) and the answers are appended as the chat template's tokens
-(`forge.env.chat`) with loss mask 0 and sampling log-prob 0. Limits: `env.max_turns` policy turns, `env.max_tokens`
-tokens after the prompt, `env.episode_timeout_s` seconds (checked after each turn); an episode cut by one is
-truncated, and with `env.mask_truncated` its loss mask is all 0. A turn cut by `rollout.max_new_tokens` ends the
-episode as in single-turn (finish reason "length", trained). Departure from TRL: TRL ends an episode that runs out of
-its completion budget without marking it; here it is counted (`env/truncated`) and masked by default.
+for tool calls (`forge.env.parse`); no call ends the episode (unless the environment answers the reply: below),
+otherwise each call is answered (`forge.env.tools.call_tool`: errors become the answer) and the answers are
+appended as the chat template's tokens (`forge.env.chat`) with loss mask 0 and sampling log-prob 0. Limits:
+`env.max_turns` policy turns, `env.max_tokens` tokens after the prompt, `env.episode_timeout_s` seconds (checked
+after each turn); an episode cut by one is truncated, and with `env.mask_truncated` its loss mask is all 0. A turn
+cut by `rollout.max_new_tokens` ends the episode as in single-turn (finish reason "length", trained). Departure from
+TRL: TRL ends an episode that runs out of its completion budget without marking it; here it is counted
+(`env/truncated`) and masked by default.
+
+Feedback on a reply (an extension of TRL's contract, where a turn without a tool call always ends the episode): an
+environment with a method `on_reply(reply: str) -> str | None` is called with the text of such a turn; a str is the
+environment's answer, appended as a user turn (the chat template's diff, loss mask 0), and the episode goes on
+(e.g. "wrong, try again"); None ends it. `on_reply` is not a tool. Environments without it run exactly as before.
 
 Seeds (`episode_seeds`): episode e of a call draws its turn t from a seed of its own, `s_e + t * TURN_SEED_STRIDE`,
 with `s_e = params.seed + e` (a seeded call) or `b + params.first_row + e` (b one draw from torch's RNG: an unseeded
@@ -46,6 +52,7 @@ from forge.rollout.base import SamplingParams, cat_padded
 
 # (token contexts, params with n=1, one seed per context or None) -> [(sampled tokens, their log-probs)]
 Sampler = Callable[[list[list[int]], SamplingParams, "list[int] | None"], list[tuple[list[int], list[float]]]]
+REPLY_HOOK = "on_reply"  # optional environment method: feedback on a reply without a tool call (or None)
 TURN_SEED_STRIDE = 1 << 24  # seed distance between an episode's turns: more episodes than this in one call collide
 
 
@@ -119,8 +126,11 @@ def play_turn(ep: Episode, new: list[int], logprobs: list[float], cfg: EnvConfig
     text = tok.decode(new, skip_special_tokens=True)
     ep.transcript.append({"role": "assistant", "content": text, "policy_version": version})
     calls = parse_tool_calls(text)
-    if ep.truncated or not calls or not ended:
-        ep.done, ep.finish = True, "length" if (ep.truncated or not ended) else "stop"
+    if ep.truncated or not ended:
+        ep.done, ep.finish = True, "length"
+        return
+    if not calls:
+        _on_reply(ep, text, cfg, budget, fmt)
         return
     late = cfg.episode_timeout_s and time.perf_counter() - ep.started > cfg.episode_timeout_s
     if ep.turns >= cfg.max_turns or late:  # it asked for more, a limit says no
@@ -138,6 +148,39 @@ def play_turn(ep: Episode, new: list[int], logprobs: list[float], cfg: EnvConfig
         return
     ep.ids, ep.loss, ep.logprobs = ep.ids + env_ids, ep.loss + [0] * len(env_ids), ep.logprobs + [0.0] * len(env_ids)
     ep.done = over
+
+
+def _on_reply(ep: Episode, text: str, cfg: EnvConfig, budget: int, fmt: ChatFormat) -> None:
+    """A turn without a tool call ends the episode, unless its environment has `on_reply(reply)` and that returns a
+    text: then the text is appended as a user turn (loss mask 0) and the episode goes on. Out of turns
+    (`env.max_turns`) or time (`env.episode_timeout_s`) the reply stands as the final one (not truncated); feedback
+    that does not fit the token budget cuts the episode (truncated)."""
+    ep.done, ep.finish = True, "stop"
+    hook = getattr(ep.env, REPLY_HOOK, None)
+    if hook is None:
+        return
+    t0 = time.perf_counter()
+    try:
+        feedback = hook(text)
+    except Exception as e:  # the user's environment: one line naming it
+        why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        raise UserError(f"{type(ep.env).__name__}.{REPLY_HOOK}(reply) raised {why}") from None
+    ep.seconds += time.perf_counter() - t0
+    if feedback is None:
+        return
+    if not isinstance(feedback, str):
+        raise UserError(f"{type(ep.env).__name__}.{REPLY_HOOK} returned a {type(feedback).__name__}: return a str "
+                        "(feedback, the episode goes on) or None (it ends)")  # fmt: skip
+    late = cfg.episode_timeout_s and time.perf_counter() - ep.started > cfg.episode_timeout_s
+    if ep.turns >= cfg.max_turns or late:
+        return
+    env_ids = fmt.user_turn(ep.messages, text, feedback)
+    if len(ep.ids) + len(env_ids) >= budget:  # no room for the feedback and a next turn
+        ep.truncated, ep.finish = True, "length"
+        return
+    ep.transcript.append({"role": "user", "content": feedback})
+    ep.ids, ep.loss, ep.logprobs = ep.ids + env_ids, ep.loss + [0] * len(env_ids), ep.logprobs + [0.0] * len(env_ids)
+    ep.done = False
 
 
 def _answer(ep: Episode, calls, cfg: EnvConfig) -> list[tuple[str, str]]:

@@ -2,8 +2,9 @@
 instance, each with the JSON schema transformers derives from its signature and docstring (`get_json_schema`, the
 schema TRL and chat templates use), and the call that turns any failure into an error text for the model.
 
-As in TRL, every public method of an environment class except `reset` is a tool. Departure: a method named
-`reward` is not a tool either; it is the environment's reward (`forge.env.rewards.env_reward`).
+As in TRL, every public method of an environment class except `reset` is a tool. Departure: methods named
+`reward` (the environment's reward, `forge.env.rewards.env_reward`) and `on_reply` (its feedback on a reply without a
+tool call, `forge.env.episode`) are not tools either.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from transformers.utils import get_json_schema
 
 from forge.errors import UserError
 
-NOT_TOOLS = ("reset", "reward")
+NOT_TOOLS = ("reset", "reward", "on_reply")  # on_reply: forge.env.episode.REPLY_HOOK
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="forge-tool")
 
 
@@ -50,7 +51,7 @@ def tool_of(fn: Callable, owner: str = "") -> Tool:
 
 
 def environment_tools(env: object) -> list[Tool]:
-    """Every public method of the environment instance `env` (but reset and reward) as a tool."""
+    """Every public method of the environment instance `env` (but those in NOT_TOOLS) as a tool."""
     cls = type(env).__name__
     names = [n for n, _ in inspect.getmembers(type(env), callable) if not n.startswith("_") and n not in NOT_TOOLS]
     return [tool_of(getattr(env, n), cls) for n in names]

@@ -192,3 +192,23 @@ def test_lora_with_episodes_trains_the_adapter_only(tmp_path):
     ckpt = tmp_path / "run" / "checkpoints" / "step-000002"
     assert (ckpt / ADAPTER).is_file() and not (ckpt / WEIGHTS).exists()
     assert all(".lora_" in k for k in shard_keys(ckpt))
+
+
+def test_evaluation_reports_first_and_final_turn_success(tok):
+    from forge.evaluate import evaluate
+    from forge.metrics import eval_metrics
+    from tests.env.test_episode import FeedbackEnv, replies
+
+    class Episodes:  # each episode replies 1, 2, 3 until FeedbackEnv says it is right
+        def generate(self, prompts, params):
+            rows = [r for r in data if r["model_input"] in prompts]
+            return run_episodes(replies(tok, ["1", "2", "3"]), tok, rows, params, EnvConfig(max_turns=3, max_tokens=99),
+                                ChatFormat(tok, use_template=False), FeedbackEnv, [], version=0)  # fmt: skip
+
+    data = [{"prompt": f"q{a}", "model_input": f"q{a}", "answer": a} for a in ("1", "2", "9")]
+    cfg = RunConfig()
+    cfg.eval.k = 0
+    report = evaluate(Episodes(), data, cfg.eval, cfg.rollout)
+    # right at turn 1 / at turn 2 / never in 3 turns: first 1 of 3, final 2 of 3, turns (1 + 2 + 3) / 3
+    assert (report["first_turn@1"], report["final_turn@1"], report["mean_turns"]) == (1 / 3, 2 / 3, 2.0)
+    assert eval_metrics(report)["eval/first_turn@1"] == 1 / 3 and "eval/mean_turns" not in eval_metrics(report)

@@ -216,3 +216,94 @@ def test_stateless_tools_without_an_environment(tok):
     assert ro.prompts[0] == "<tools>multiply(a: integer, b: integer)</tools>6*7?"
     assert ro.episodes.transcripts[0][1]["content"] == "42" and ro.episodes.environments == [None, None]
     assert ro.texts[0].endswith("<tool_response>42</tool_response>42")
+
+
+class FeedbackEnv:
+    """No tools: `on_reply` answers each reply until one is the answer (forge.env.episode.REPLY_HOOK)."""
+
+    def __init__(self):
+        self.reward, self.replies = 0.0, []
+
+    def reset(self, **kwargs):
+        self.target = str(kwargs["answer"])
+        return None
+
+    def on_reply(self, reply: str) -> str | None:
+        self.replies.append(reply)
+        if reply.strip() == self.target:
+            self.reward = 1.0
+            return None
+        return "no"
+
+
+def replies(tok, turns: list[str]):
+    """A sampler that emits turns[k] (+ eos) at each episode's k-th turn (k = FeedbackEnv's answers so far)."""
+
+    def sample(contexts, params, seeds=None):
+        out = []
+        for ctx in contexts:
+            k = tok.decode(ctx).count("no")
+            ids = tok(turns[min(k, len(turns) - 1)], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            out.append((ids, [-0.5] * len(ids)))
+        return out
+
+    return sample
+
+
+def play_feedback(tok, turns, env=FeedbackEnv, max_turns=3, fmt=None):
+    rows = [{"prompt": "3?", "model_input": "3?", "answer": "3"}]
+    return run_episodes(replies(tok, turns), tok, rows, SamplingParams(max_new_tokens=64, n=1, seed=0),
+                        EnvConfig(max_turns=max_turns, max_tokens=400), fmt or ChatFormat(tok, use_template=False),
+                        env, [], version=1)  # fmt: skip
+
+
+def test_an_environment_answers_a_plain_reply_with_feedback_until_it_is_right(tok):
+    from forge.env.tools import environment_tools
+
+    assert environment_tools(FeedbackEnv()) == []  # on_reply is not a tool
+    ro = play_feedback(tok, ["1", "2", "3"])
+    one, two, three = (tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in ("1", "2", "3"))
+    no = tok("no", add_special_tokens=False)["input_ids"]
+    assert ro.completion_ids[0].tolist() == one + no + two + no + three
+    assert ro.loss_mask[0].tolist() == [1] * len(one) + [0] * len(no) + [1] * len(two) + [0] * len(no) + [1] * 2
+    assert torch.equal(ro.sampling_logprobs[0] != 0, ro.loss_mask[0].bool())
+    e = ro.episodes
+    assert (e.turns, e.tool_calls, e.truncated, ro.finish_reasons) == ([3], [0], [False], ["stop"])
+    assert [s["role"] for s in e.transcripts[0]] == ["assistant", "user", "assistant", "user", "assistant"]
+    assert e.environments[0].reward == 1.0 and e.environments[0].replies == ["1", "2", "3"]
+
+
+def test_out_of_turns_the_last_reply_stands_and_is_trained(tok):
+    ro = play_feedback(tok, ["1", "2", "3"], max_turns=2)
+    e = ro.episodes
+    assert (e.turns, e.truncated, ro.finish_reasons) == ([2], [False], ["stop"])  # not cut: the reply was final
+    assert e.environments[0].replies == ["1", "2"] and e.environments[0].reward == 0.0
+    assert [s["role"] for s in e.transcripts[0]] == ["assistant", "user", "assistant"]
+    assert int(ro.loss_mask.sum()) == 4  # both replies and their eos
+
+
+def test_feedback_is_the_templates_user_turn_diff(tok):
+    tok.chat_template = TEMPLATE
+    try:
+        ro = play_feedback(tok, ["1", "3"], fmt=ChatFormat(tok, use_template=True))
+    finally:
+        tok.chat_template = None
+    one = tok("1", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    user = tok("\n<user>no</s>\n<assistant>", add_special_tokens=False)["input_ids"]
+    assert ro.completion_ids[0, : len(one) + len(user)].tolist() == one + user
+    assert ro.loss_mask[0, len(one) : len(one) + len(user)].sum() == 0
+
+
+def test_a_bad_on_reply_gets_one_line(tok):
+    class Raises(FeedbackEnv):
+        def on_reply(self, reply):
+            raise KeyError("x")
+
+    class Number(FeedbackEnv):
+        def on_reply(self, reply):
+            return 3
+
+    with pytest.raises(UserError, match=r"Raises.on_reply\(reply\) raised KeyError"):
+        play_feedback(tok, ["1"], env=Raises)
+    with pytest.raises(UserError, match="Number.on_reply returned a int: return a str"):
+        play_feedback(tok, ["1"], env=Number)

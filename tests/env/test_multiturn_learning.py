@@ -61,3 +61,22 @@ def test_the_tiny_multiturn_preset_runs_from_the_cli(runs_dir):
     assert len(rows) == 2 and all(r["env/turns"] >= 1 and "reward/sum_reward/mean" in r for r in rows)
     sample = json.loads((runs_dir / "mt" / "samples.jsonl").read_text().splitlines()[0])
     assert sample["transcript"][0]["role"] == "assistant" and sample["transcript"][0]["policy_version"] == 0
+    final = json.loads((runs_dir / "mt" / "summary.json").read_text())["eval"]["final"]
+    # SumEnv has no on_reply and the tiny model calls no tool: one turn, the first is the final one
+    assert final["first_turn@1"] == final["final_turn@1"] and final["mean_turns"] == 1.0 and final["problems"] == 5
+
+
+def test_the_multiturn_bench_runs_and_reuses_its_results(tmp_path):
+    """Smoke: bench/multiturn.py on the tiny preset (1 step); a second call reads the recorded seed back."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(root / "bench" / "multiturn.py"), "--preset", "tiny-multiturn", "--steps", "1",
+           "--eval-rows", "4", "--out", str(tmp_path), "--quiet", "--set", "threads=1", "--set", "data.train_size=50"]  # fmt: skip
+    first = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "seed 0: 1 steps, 4 held-out rows" in first.stdout and "after: final - first = +0.000" in first.stdout
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
+    assert again.returncode == 0 and len((tmp_path / "results.jsonl").read_text().splitlines()) == 1
