@@ -95,8 +95,9 @@ def reserve(specs: list[ActorSpec], name: str, timeout_s: float, lock_host_gpus:
 
 
 def _wait(ready, deadline: float, bundles: list[Bundle], holders) -> None:
-    """Poll `ready(seconds)` until it is true; one line when it is not at once, a UserError at `deadline`."""
-    if ready(max(0.0, min(NOTICE_S, deadline - time.monotonic()))):
+    """Poll `ready(seconds)` until it is true; one line when it is not within NOTICE_S (always allowed: free
+    resources take a moment too), a UserError at `deadline`."""
+    if ready(NOTICE_S):
         return
     left = deadline - time.monotonic()
     if left > 0:

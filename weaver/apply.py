@@ -22,6 +22,7 @@ over a `Plan` returning typed values; the execution layer (flows/) uses them and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from weaver.errors import PlanError
@@ -149,11 +150,16 @@ def ray_pool_cpus(pool_cores: dict[str, int], nodes: list[dict[str, float]]) -> 
 
 def with_ray_cpus(specs: list[ActorSpec], pool_cpus: dict[str, float]) -> list[ActorSpec]:
     """`specs` (every process of a run) with `cpus` set: each pool's Ray CPUs split evenly between the run's
-    processes in it (the stages of a pool take turns, so a process's threads are not what it holds alone)."""
+    processes in it (the stages of a pool take turns, so a process's threads are not what it holds alone).
+
+    >>> [s.cpus for s in with_ray_cpus([ActorSpec(st, 0, "cpu", "h", ()) for st in ("a", "b", "c")], {"cpu": 2.0})]
+    [0.6666, 0.6666, 0.6666]
+    """
     count: dict[str, int] = {}
     for s in specs:
         count[s.pool] = count.get(s.pool, 0) + 1
-    return [replace(s, cpus=round(pool_cpus.get(s.pool, 0.0) / count[s.pool], 4)) for s in specs]
+    # Ray counts resources in 1e-4 units: round down, so that the shares never add up to more than the pool's
+    return [replace(s, cpus=math.floor(pool_cpus.get(s.pool, 0.0) / count[s.pool] * 1e4) / 1e4) for s in specs]
 
 
 def placement_bundles(specs: list[ActorSpec]) -> tuple[list[Bundle], list[int]]:
