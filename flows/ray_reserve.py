@@ -86,7 +86,7 @@ def reserve(specs: list[ActorSpec], name: str, timeout_s: float, lock_host_gpus:
         res.gpu_ids = _gpu_ids(pg, bundles)
         ids = {b.pool: dict(zip(b.devices, res.gpu_ids[b.pool], strict=True)) for b in bundles if b.devices}
         res.specs = [with_gpu_ids(s, ids.get(s.pool, {})) for s in specs]
-        if lock_host_gpus:
+        if lock_host_gpus and res.gpu_ids:
             res.locks = _lock(sorted({i for v in res.gpu_ids.values() for i in v}), deadline, bundles)
     except BaseException:
         res.close()
