@@ -27,6 +27,7 @@ import contextlib
 import fcntl
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -94,7 +95,7 @@ def reserve(specs: list[ActorSpec], name: str, timeout_s: float, lock_host_gpus:
     return res
 
 
-def _wait(ready, deadline: float, bundles: list[Bundle], holders) -> None:
+def _wait(ready: Callable[[float], bool], deadline: float, bundles: list[Bundle], holders: Callable[[], str]) -> None:
     """Poll `ready(seconds)` until it is true; one line when it is not within NOTICE_S (always allowed: free
     resources take a moment too), a UserError at `deadline`."""
     if ready(NOTICE_S):
