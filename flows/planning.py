@@ -180,3 +180,24 @@ def plan_run(cfg: RunConfig, pools_file: str | None = None) -> tuple[Plan, dict]
     pools = resolve_pools(cfg, pools_file)
     result = make_plan(cfg, pools)
     return result, {"pools": [p.to_dict() for p in pools], **result.to_dict()}
+
+
+OBJECT_STORE_MIN = 512 * 2**20  # Ray's own floor is 75 MB; room for the small records every run puts
+STORE_BYTES_PER_TOKEN = 64  # a token's share of Rollouts (ids, masks, logprobs) and of the ScoredBatch, with slack
+STORE_COPIES = 4  # a step's replica parts, their merged copy, the reward actor's and the ranks' reads
+
+
+def object_store_bytes(cfg: RunConfig) -> int:
+    """Bytes of Ray object store a run needs: weights never go through it (the weight group carries them), so it
+    holds the steps in flight — `algo.max_staleness` + 2 steps of B*G token rows (prompt + completion, at
+    STORE_BYTES_PER_TOKEN, STORE_COPIES times) — at least OBJECT_STORE_MIN. A private Ray instance gets this size;
+    docker/compose.yaml's Ray nodes must have it in /dev/shm (tests/test_docker.py checks the presets against it).
+
+    >>> from forge.presets import tiny
+    >>> object_store_bytes(tiny()) == OBJECT_STORE_MIN
+    True
+    """
+    r = cfg.rollout
+    tokens = r.prompts_per_step * r.group_size * (cfg.data.max_prompt_tokens + r.max_new_tokens)
+    steps = cfg.algo.max_staleness + 2
+    return max(OBJECT_STORE_MIN, steps * tokens * STORE_BYTES_PER_TOKEN * STORE_COPIES)

@@ -42,7 +42,9 @@ class StageActor:
         return target(*args, **kwargs)
 
     def where(self) -> dict:
-        info = self.worker.where() if self.worker is not None else {"pid": os.getpid()}
+        info = {"pid": os.getpid(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+        if self.worker is not None:
+            info = self.worker.where()
         return {**info, "node_id": ray.get_runtime_context().get_node_id(), "node_ip": node_address()}
 
     def rendezvous(self) -> tuple[str, int]:
@@ -55,6 +57,13 @@ class StageActor:
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def reserved_gpu_ids() -> list[str]:
+    """The GPU ids Ray gave this task: run in a placement-group bundle asking for all of its GPUs, the ids the bundle
+    reserved on its node (`flows.ray_reserve`)."""
+    return [str(i) for i in ray.get_gpu_ids()]
 
 
 def node_address() -> str:

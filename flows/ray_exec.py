@@ -14,10 +14,11 @@ run. Started once per run (and again after a recovery), each actor loads its mod
 - reward: one actor (`RewardWorker`) on reward's pool.
 
 Placement: each pool's nodes offer the custom resource `pool:<name>` (`ray start --resources '{"pool:gen": 1}'`)
-and every actor asks for a sliver of its pool's (`weaver.apply.actor_specs`); devices and thread counts are the
-plan's, set in the actor's environment before torch starts (Ray's own CPU/GPU accounting is not used: Weaver
-owns the devices, which lets stages share a GPU when the plan colocates them). Rollout replicas are spread over the
-nodes that offer their pool (`SPREAD`).
+and every actor asks for a sliver of its pool's (`weaver.apply.actor_specs`) and for its share of the pool's CPUs,
+in the run's placement group, whose bundles hold the GPUs the plan gives each gpu pool (`flows.ray_reserve`: a
+second run on the cluster waits for them, then stops with one line, and never shares a GPU); the actor sees the
+GPUs Ray reserved, the plan's devices mapped onto them in order, as CUDA_VISIBLE_DEVICES set before torch starts,
+and the plan's thread count. Bundles are spread over their pool's nodes (`SPREAD`), so rollout replicas are.
 
 Weights move once per step through the weight group (`forge.weight_group`, started with the actors): update rank 0
 hosts it, rollout actor i joins as rank 1 + i*TP; the driver submits the receives, then the send, and only the plan
@@ -32,8 +33,9 @@ engine lost in a sync ends it at once, not after the group's timeout that its pe
 A lost node is that for every actor on it (and an object whose only copy was there); the rebuilt actors go to the
 pool's nodes left (rollout replicas are spread over a pool's nodes), and a pool with no live node left stops the run
 with one line naming it and its dead node, to be continued with --resume.
-Actors are owned by the driver (not detached) and killed by `close()`, so none outlives the run; the private Ray
-instance (`ray_session` without `orchestration.ray_address`) binds 127.0.0.1 and is shut down at the end.
+Actors are owned by the driver (not detached) and killed by `close()` with the placement group, so none outlives
+the run; the private Ray instance (`ray_session` without `orchestration.ray_address`) binds 127.0.0.1, has the
+object store the run needs (`flows.planning.object_store_bytes`) and is shut down at the end.
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ import torch
 from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 
 import forge
+from flows.planning import object_store_bytes
 from flows.ray_actor import StageActor
+from flows.ray_reserve import Reservation, reserve
 from forge.checkpoint import SaveReport
 from forge.config import RunConfig
 from forge.data import train_row_count
@@ -62,7 +66,7 @@ from forge.models import load_tokenizer
 from forge.records import RolloutRequest, Rollouts, ScoredBatch, UpdateStats
 from forge.rollout.base import SamplingParams, concat_rollouts
 from forge.stages import WorkerLost
-from weaver.apply import ActorSpec, actor_specs, driver_env, pool_resource
+from weaver.apply import ActorSpec, actor_specs, driver_env, pool_resource, ray_pool_cpus, with_ray_cpus
 from weaver.balance import ThroughputBalancer
 from weaver.plan import Plan
 
@@ -70,12 +74,15 @@ if TYPE_CHECKING:
     from forge.trainer import MicroUpdate
 
 REPO = Path(forge.__file__).resolve().parent.parent
+_private = False  # a private Ray instance (`ray_session`) is live: its runs also lock their GPUs on this host
 
 
 @contextlib.contextmanager
 def ray_session(cfg: RunConfig, plan: dict, run_name: str):
     """Connect to orchestration.ray_address, or start a private local Ray (127.0.0.1) whose one node offers every
-    pool; a watchdog (`flows.reaper`) stops what it started should this process be killed."""
+    pool, with the object store the run needs; a watchdog (`flows.reaper`) stops what it started should this process
+    be killed."""
+    global _private
     if ray.is_initialized():  # a caller (a test, a notebook) already connected: use that cluster as it is
         yield
         return
@@ -88,12 +95,14 @@ def ray_session(cfg: RunConfig, plan: dict, run_name: str):
         pools = {pool_resource(p["name"]): 1000.0 for p in plan.get("pools", [])}
         # "local": a new private instance even where `ray start` (e.g. `forgeweave up`) left a cluster behind
         ray.init(address="local", num_cpus=max(1, os.cpu_count() or 1), resources=pools, include_dashboard=False,
-                 _node_ip_address="127.0.0.1", **kwargs)  # fmt: skip
+                 object_store_memory=object_store_bytes(cfg), _node_ip_address="127.0.0.1", **kwargs)  # fmt: skip
+        _private = True
         reaper = subprocess.Popen([sys.executable, "-m", "flows.reaper", "--watch", str(os.getpid())],
                                   cwd=REPO, start_new_session=True)  # fmt: skip
     try:
         yield
     finally:
+        _private = False
         ray.shutdown()
         if reaper is not None:
             reaper.terminate()
@@ -121,12 +130,14 @@ class RayStages:
         self._stored: tuple[Rollouts, ray.ObjectRef] | None = None  # the last rollouts and their object-store copy
         self._load_seconds = 0.0
         self.places: dict[str, list[dict]] = {}  # stage -> each actor's `where` at start (its node's address)
+        self.reservation: Reservation | None = None
         self.pad_id = load_tokenizer(cfg.model).pad_token_id
         _check_pools(self.plan, self.run_dir)
         try:
-            self._start_trainers(actor_specs(self.plan, "update", cores), micro_update)
-            self._start_rollouts(cores)
-            self.reward_actor = self._actor(actor_specs(self.plan, "reward", cores)[0], "reward")
+            self.reservation = self._reserve(cores)
+            self._start_trainers(self.reservation.of("update"), micro_update)
+            self._start_rollouts(self.reservation.of("rollout"), cores)
+            self.reward_actor = self._actor(self.reservation.of("reward")[0], "reward")
             self._get([self.reward_actor.start.remote("reward", cfg, train_row_count(run_dir))], "reward")
             self.balancer = ThroughputBalancer(len(self.actors["rollout"]))
             if self.group:
@@ -138,17 +149,25 @@ class RayStages:
 
     # ------------------------------------------------------------ start
 
+    def _reserve(self, cores: dict[str, int]) -> Reservation:
+        """The run's placement group for every process it starts (`flows.ray_reserve`): each asks for its share of
+        its pool's CPUs (what the pool declares, at most what its nodes have) and the GPUs the plan gives it."""
+        specs = [*actor_specs(self.plan, "update", cores), *self._rollout_specs(cores),
+                 actor_specs(self.plan, "reward", cores)[0]]  # fmt: skip
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        specs = with_ray_cpus(specs, ray_pool_cpus({s.pool: cores.get(s.pool, 1) for s in specs}, nodes))
+        name = f"forgeweave:{self.run_dir.name}:{os.getpid()}:{time.time_ns() % 10**9}"  # unique on the cluster
+        return reserve(specs, name, self.cfg.orchestration.reserve_timeout_s, lock_host_gpus=_private)
+
     def _actor(self, spec: ActorSpec, stage: str, python: str = ""):
         env = {**driver_env(dict(os.environ)), **spec.env}  # NCCL/gloo settings of the driver, then the plan's
         runtime_env: dict = {"env_vars": env}
         if python:  # another venv (vLLM's): its own packages plus this checkout of forgeweave
             runtime_env["py_executable"] = python
             env["PYTHONPATH"] = str(REPO)
-        # rollout replicas spread over their pool's nodes: a node's loss leaves the others (the rebuilt ones go there)
-        strategy = "SPREAD" if stage == "rollout" else "DEFAULT"
-        actor = StageActor.options(
-            resources=spec.resources, runtime_env=runtime_env, scheduling_strategy=strategy
-        ).remote(env)
+        assert self.reservation is not None
+        actor = StageActor.options(num_cpus=spec.cpus, resources=spec.resources, runtime_env=runtime_env,
+                                   scheduling_strategy=self.reservation.strategy(spec)).remote(env)  # fmt: skip
         self.actors.setdefault(stage, []).append(actor)
         return actor
 
@@ -162,18 +181,21 @@ class RayStages:
                                  micro_update=micro_update) for r, a in enumerate(ranks)]  # fmt: skip
         self.places["update"] = self._get(starts, "update")
 
-    def _start_rollouts(self, cores: dict[str, int]) -> None:
+    def _rollout_specs(self, cores: dict[str, int]) -> list[ActorSpec]:
+        r = self.cfg.rollout
+        tp = r.tensor_parallel_size if r.backend == "vllm" else 1
+        specs = actor_specs(
+            self.plan, "rollout", cores, per_process_devices=tp if self.plan.for_stage("rollout").kind == "gpu" else 1
+        )
+        return specs[: r.replicas]
+
+    def _start_rollouts(self, specs: list[ActorSpec], cores: dict[str, int]) -> None:
         r = self.cfg.rollout
         python = ""
         if r.backend == "vllm":
             from forge.rollout.vllm import engine_env, vllm_python
 
             python = str(vllm_python(r.vllm.python))
-        tp = r.tensor_parallel_size if r.backend == "vllm" else 1
-        specs = actor_specs(
-            self.plan, "rollout", cores, per_process_devices=tp if self.plan.for_stage("rollout").kind == "gpu" else 1
-        )
-        specs = specs[: r.replicas]
         for s in specs:
             if python:
                 s = dataclasses.replace(s, env={**s.env, **engine_env(r, s.index, list(range(cores.get(s.pool, 1))))})
@@ -330,7 +352,8 @@ class RayStages:
         return {stage: self._get([a.where.remote() for a in actors], stage) for stage, actors in self.actors.items()}
 
     def close(self) -> None:
-        """Let each worker release what it holds, then kill every actor (none outlives the run)."""
+        """Let each worker release what it holds, then kill every actor (none outlives the run) and give back the
+        run's placement group (its GPUs and CPUs)."""
         actors = [a for group in self.actors.values() for a in group]
         with contextlib.suppress(Exception):
             ray.wait([a.close.remote() for a in actors], num_returns=len(actors), timeout=10)
@@ -338,6 +361,9 @@ class RayStages:
             with contextlib.suppress(Exception):
                 ray.kill(a, no_restart=True)
         self.actors = {}
+        if self.reservation is not None:
+            self.reservation.close()
+            self.reservation = None
 
     # ------------------------------------------------------------ results and failures
 

@@ -320,6 +320,9 @@ class OrchestrationConfig:
     Ray instance on 127.0.0.1 for this run and stop it at the end."""
     max_restarts: int = ranged(2, ">= 0")
     """Times the workers are rebuilt after one dies (the run continues from its last checkpoint); then it fails."""
+    reserve_timeout_s: float = ranged(300.0, ">= 0", "seconds")
+    """ray: how long a run waits for the GPUs and CPUs its plan needs while another run holds them; then it stops
+    with one line naming them (never shares a GPU)."""
 
 
 @dataclass(kw_only=True)

@@ -117,6 +117,23 @@ def test_servers_have_healthchecks_and_shm_users_more_than_64mb():
             assert src in compose()["volumes"] or (DOCKER / src).is_file(), (name, vol)
 
 
+def test_the_ray_nodes_shm_holds_the_object_store_every_preset_needs():
+    """The workers' /dev/shm holds the object store a run needs (`flows.planning.object_store_bytes`): a run started
+    there without orchestration.ray_address gets a private Ray of that size, and Ray caps a `ray start` node's default
+    store at 95% of /dev/shm (`ray._private.utils.resolve_object_store_memory`), past which it moves to disk."""
+    from flows.planning import object_store_bytes
+    from forge.presets import PRESETS
+
+    services = compose()["services"]
+    need = max(object_store_bytes(make()) for make in PRESETS.values())
+    for name in ("worker", "worker-gpu"):  # the nodes that run actors and drivers; the head runs none (--num-cpus=0)
+        shm = int(services[name]["shm_size"][:-2]) * 2**30
+        assert need <= 0.95 * shm, (name, need, shm)
+    big = PRESETS["tiny"]()
+    big.rollout.prompts_per_step, big.data.max_prompt_tokens = 4096, 8192  # the check can fail
+    assert object_store_bytes(big) > 0.95 * int(services["worker"]["shm_size"][:-2]) * 2**30
+
+
 def _commands() -> list[tuple[str, list[str]]]:
     """(service, argv) of every program a service runs (bash -c chains split at &&)."""
     out = []

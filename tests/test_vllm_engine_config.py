@@ -25,7 +25,7 @@ def test_engine_kwargs_on_cuda_carry_dtype_and_memory_controls():
     kw = engine_kwargs(cfg, "/m", dtype, seed=7, cuda=True, sleep=True)
     assert kw == {
         "model": "/m", "load_format": "dummy", "worker_extension_cls": "forge.rollout.vllm.WeightReceiver",
-        "dtype": "bfloat16", "seed": 7, "tensor_parallel_size": 2,
+        "dtype": "bfloat16", "seed": 7, "tensor_parallel_size": 2, "distributed_executor_backend": "mp",
         "logprobs_mode": "processed_logprobs", "generation_config": "vllm", "enable_prefix_caching": True,
         "max_model_len": 2048, "gpu_memory_utilization": 0.3, "enforce_eager": True, "enable_sleep_mode": True,
     }  # fmt: skip
@@ -34,7 +34,7 @@ def test_engine_kwargs_on_cuda_carry_dtype_and_memory_controls():
 def test_engine_kwargs_on_cpu_keep_the_policy_dtype_and_no_gpu_arguments():
     cfg = RolloutConfig(backend="vllm")
     kw = engine_kwargs(cfg, "/m", engine_dtype(cfg, torch.float32, cuda=False), seed=0, cuda=False)
-    assert kw["dtype"] == "float32" and "max_model_len" not in kw
+    assert kw["dtype"] == "float32" and "max_model_len" not in kw and "distributed_executor_backend" not in kw
     assert not {"gpu_memory_utilization", "enforce_eager", "enable_sleep_mode"} & set(kw)
     assert engine_dtype(RolloutConfig(vllm=VllmConfig(dtype="float16")), torch.float32, cuda=False) == torch.float16
     assert engine_dtype(RolloutConfig(vllm=VllmConfig(dtype="float32")), torch.float32, cuda=True) == torch.float32

@@ -11,11 +11,19 @@ over a `Plan` returning typed values; the execution layer (flows/) uses them and
   Threads per process = the pool's cores // the stage's processes in that pool (at least 1), as `OMP_NUM_THREADS`
   and `FORGEWEAVE_THREADS` (for `torch.set_num_threads`). Stages of one pool take turns within a step (the loop is
   synchronous), so a stage does not divide cores with the stages it shares a pool with.
+- What each process asks Ray for, so that two runs on one cluster never share a GPU: `with_ray_cpus` gives every
+  process its share of its pool's CPUs (`ray_pool_cpus`: the pool's cores, at most what a node offering it has, split
+  between the run's pools on that node; stages of a pool take turns, so the share is the pool's CPUs / all the run's
+  processes there), and `placement_bundles` groups the processes into the run's placement-group bundles: one per
+  gpu pool holding every GPU the run uses there (so processes the plan colocates on a GPU are on one node, sharing
+  what that bundle reserved), one per cpu process. The execution layer reserves the bundles in one placement group
+  and maps the plan's devices of a pool, in order, onto the GPU ids Ray reserved there (`with_gpu_ids`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 from weaver.errors import PlanError
 from weaver.plan import Plan
@@ -34,11 +42,37 @@ class ActorSpec:
     """GPU indices on `host` this process sees (empty: CPU only)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment to set before torch starts (CUDA_VISIBLE_DEVICES, thread counts, pool and stage names)."""
+    cpus: float = 0.0
+    """Ray CPUs the process asks for (`with_ray_cpus`); its GPUs are its placement bundle's (`placement_bundles`)."""
 
     @property
     def resources(self) -> dict[str, float]:
         """Ray custom resources that pin the process to a node of its pool (each node offers `pool:<name>`)."""
-        return {pool_resource(self.pool): 0.001}
+        return {pool_resource(self.pool): POOL_SLIVER}
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """One bundle of a run's Ray placement group: what it reserves on one node of `pool` for `processes` processes."""
+
+    pool: str
+    devices: tuple[int, ...]
+    """The plan's GPU indices in `pool` it reserves (as many Ray GPUs); empty: CPUs only."""
+    cpus: float
+    processes: int
+
+    @property
+    def resources(self) -> dict[str, float]:
+        """The bundle as Ray takes it (no zero entries: Ray refuses them)."""
+        res = {pool_resource(self.pool): POOL_SLIVER * self.processes}
+        if self.cpus > 0:
+            res["CPU"] = self.cpus
+        if self.devices:
+            res["GPU"] = float(len(self.devices))
+        return res
+
+
+POOL_SLIVER = 0.001  # of `pool:<name>` per process: pins it to the pool's nodes, nothing more
 
 
 def pool_resource(pool: str) -> str:
@@ -94,3 +128,74 @@ def process_env(stage: str, pool: str, devices: tuple[int, ...], threads: int, g
     if not gpu:
         env["ACCELERATE_USE_CPU"] = "1"
     return env
+
+
+def ray_pool_cpus(pool_cores: dict[str, int], nodes: list[dict[str, float]]) -> dict[str, float]:
+    """The Ray CPUs a run may ask for in each of its pools: the pool's declared cores, at most the CPUs of the largest
+    node offering it (`pool:<name>` among the node's total resources) divided by the run's pools that node offers —
+    so the run's asks fit the cluster even where pools declare more cores than its nodes have (a test cluster).
+
+    >>> ray_pool_cpus({"gen": 1, "train": 2}, [{"CPU": 2.0, "pool:gen": 1000.0, "pool:train": 1000.0}])
+    {'gen': 1.0, 'train': 1.0}
+    >>> ray_pool_cpus({"gen": 1, "train": 2}, [{"CPU": 1.0, "pool:gen": 1.0}, {"CPU": 2.0, "pool:train": 1.0}])
+    {'gen': 1.0, 'train': 2.0}
+    """
+    out: dict[str, float] = {}
+    for pool, cores in pool_cores.items():
+        shares = [n.get("CPU", 0.0) / sum(pool_resource(p) in n for p in pool_cores)
+                  for n in nodes if pool_resource(pool) in n]  # fmt: skip
+        out[pool] = min(float(cores), max(shares, default=0.0))
+    return out
+
+
+def with_ray_cpus(specs: list[ActorSpec], pool_cpus: dict[str, float]) -> list[ActorSpec]:
+    """`specs` (every process of a run) with `cpus` set: each pool's Ray CPUs split evenly between the run's
+    processes in it (the stages of a pool take turns, so a process's threads are not what it holds alone).
+
+    >>> [s.cpus for s in with_ray_cpus([ActorSpec(st, 0, "cpu", "h", ()) for st in ("a", "b", "c")], {"cpu": 2.0})]
+    [0.6666, 0.6666, 0.6666]
+    """
+    count: dict[str, int] = {}
+    for s in specs:
+        count[s.pool] = count.get(s.pool, 0) + 1
+    # Ray counts resources in 1e-4 units: round down, so that the shares never add up to more than the pool's
+    return [replace(s, cpus=math.floor(pool_cpus.get(s.pool, 0.0) / count[s.pool] * 1e4) / 1e4) for s in specs]
+
+
+def placement_bundles(specs: list[ActorSpec]) -> tuple[list[Bundle], list[int]]:
+    """The run's placement-group bundles and each process's bundle index (in `specs` order): one bundle per pool for
+    the processes with GPUs (every GPU the run uses there, the plan's indices in order), one per CPU-only process.
+
+    >>> gpu = [ActorSpec("update", 0, "g", "h", (0,), cpus=1.0), ActorSpec("rollout", 0, "g", "h", (0, 1), cpus=1.0)]
+    >>> bundles, index = placement_bundles([*gpu, ActorSpec("reward", 0, "c", "h", (), cpus=0.5)])
+    >>> [(b.pool, b.devices, b.cpus, b.processes) for b in bundles], index
+    ([('g', (0, 1), 2.0, 2), ('c', (), 0.5, 1)], [0, 0, 1])
+    """
+    bundles: list[Bundle] = []
+    index: list[int] = []
+    gpu_bundle: dict[str, int] = {}
+    for s in specs:
+        if s.devices and s.pool in gpu_bundle:
+            i = gpu_bundle[s.pool]
+            b = bundles[i]
+            devices = tuple(sorted(set(b.devices) | set(s.devices)))
+            bundles[i] = Bundle(b.pool, devices, round(b.cpus + s.cpus, 4), b.processes + 1)
+        else:
+            i = len(bundles)
+            bundles.append(Bundle(s.pool, tuple(sorted(s.devices)), s.cpus, 1))
+            if s.devices:
+                gpu_bundle[s.pool] = i
+        index.append(i)
+    return bundles, index
+
+
+def with_gpu_ids(spec: ActorSpec, ids: dict[int, str]) -> ActorSpec:
+    """`spec` seeing the GPUs Ray reserved for its devices (`ids`: the plan's index in its pool -> Ray's GPU id on
+    the node): its CUDA_VISIBLE_DEVICES lists them in the plan's order.
+
+    >>> with_gpu_ids(ActorSpec("rollout", 0, "g", "h", (2, 3), {"CUDA_VISIBLE_DEVICES": "2,3"}), {2: "6", 3: "7"}).env
+    {'CUDA_VISIBLE_DEVICES': '6,7'}
+    """
+    if not spec.devices:
+        return spec
+    return replace(spec, env={**spec.env, "CUDA_VISIBLE_DEVICES": ",".join(ids[d] for d in spec.devices)})

@@ -105,6 +105,8 @@ def engine_kwargs(cfg: RolloutConfig, model_dir: str, dtype: torch.dtype, seed: 
         "generation_config": "vllm",  # sampling settings come from the request only, never the model's defaults
         "enable_prefix_caching": True,
     }
+    if cfg.tensor_parallel_size > 1:  # vLLM would pick its Ray executor inside the run's Ray placement group
+        kwargs["distributed_executor_backend"] = "mp"  # the actor's own processes, on the GPUs the actor sees
     if cfg.vllm.max_model_len > 0:
         kwargs["max_model_len"] = cfg.vllm.max_model_len
     if cuda:

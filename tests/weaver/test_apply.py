@@ -2,7 +2,7 @@
 
 import pytest
 
-from weaver.apply import actor_specs
+from weaver.apply import actor_specs, placement_bundles, ray_pool_cpus, with_gpu_ids, with_ray_cpus
 from weaver.errors import PlanError
 from weaver.plan import plan, stage_needs
 from weaver.pools import Pool
@@ -17,6 +17,7 @@ TWO_NODES = [
     Pool("gpu-b", "gpu", tuple(range(8)), host="node-b", memory_gib=80),
 ]
 CORES = {"cpu": 16, "gpu": 16, "gpu-a": 16, "gpu-b": 16}
+POOLS = {"pool:cpu": 1000.0, "pool:gpu": 1000.0}  # a node offering both pools
 
 
 def test_cpu_processes_hide_gpus_and_split_the_pools_cores():
@@ -60,3 +61,33 @@ def test_multi_node_update_ranks_follow_the_placements_rank_0_first():
     assert {r.host for r in ranks[:7]} == {"node-a"} and {r.host for r in ranks[7:]} == {"node-b"}
     assert ranks[7].env["CUDA_VISIBLE_DEVICES"] == "0" and ranks[7].resources == {"pool:gpu-b": 0.001}
     assert [(r.host, r.devices) for r in actor_specs(p, "rollout", CORES)] == [("node-b", (7,))]
+
+
+def _run_specs(p, tp: int = 1) -> list:
+    """Every process of a run, as flows.ray_exec starts them: update ranks, rollout replicas, the reward worker."""
+    return [*actor_specs(p, "update", CORES), *actor_specs(p, "rollout", CORES, per_process_devices=tp),
+            *actor_specs(p, "reward", CORES)]  # fmt: skip
+
+
+def test_colocated_stages_share_one_gpu_bundle_and_its_gpus_map_in_the_plans_order():
+    """Update (4 DDP ranks) and 2 tensor-parallel engines on the same 4 GPUs (they fit together): one bundle holds
+    the 4 GPUs for all 6 processes, with their CPU shares; Ray's ids for it map onto the plan's devices in order."""
+    four = [CPU, Pool("gpu", "gpu", (0, 1, 2, 3), host="node-a", memory_gib=80)]
+    p = plan(stage_needs(B // 2, rollout_replicas=2, rollout_tp=2, update_processes=4, gpu=True), four)
+    assert "update" in p.for_stage("rollout").colocated_with
+    specs = with_ray_cpus(_run_specs(p, tp=2), ray_pool_cpus({"cpu": 16, "gpu": 16}, [{"CPU": 32.0, **POOLS}]))
+    assert [s.cpus for s in specs] == [2.6666] * 6 + [16.0]  # pool gpu's 16 CPUs over 6; reward has pool cpu's
+    bundles, index = placement_bundles(specs)
+    assert [(b.pool, b.devices, b.processes) for b in bundles] == [("gpu", (0, 1, 2, 3), 6), ("cpu", (), 1)]
+    assert index == [0] * 6 + [1] and bundles[0].resources["GPU"] == 4 and bundles[0].cpus == pytest.approx(15.9996)
+    ids = dict(zip(bundles[0].devices, ["4", "5", "6", "7"], strict=True))  # Ray reserved the node's GPUs 4-7
+    seen = [with_gpu_ids(s, ids).env["CUDA_VISIBLE_DEVICES"] for s in specs]
+    assert seen == ["4", "5", "6", "7", "4,5", "6,7", ""]
+
+
+def test_ray_cpu_asks_fit_the_nodes_even_where_pools_declare_more_cores():
+    two = ray_pool_cpus({"cpu": 16, "gpu": 16}, [{"CPU": 8.0, **POOLS}])  # one 8-CPU node offers both pools
+    assert two == {"cpu": 4.0, "gpu": 4.0}
+    split = ray_pool_cpus({"cpu": 16, "gpu": 16}, [{"CPU": 8.0, "pool:cpu": 1.0}, {"CPU": 32.0, "pool:gpu": 1.0}])
+    assert split == {"cpu": 8.0, "gpu": 16.0}
+    assert ray_pool_cpus({"gpu": 4}, [{"CPU": 8.0, "pool:cpu": 1.0}]) == {"gpu": 0.0}  # no node: nothing to ask
