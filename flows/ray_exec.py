@@ -103,10 +103,12 @@ def ray_session(cfg: RunConfig, plan: dict, run_name: str):
         yield
     finally:
         _private = False
-        ray.shutdown()
-        if reaper is not None:
-            reaper.terminate()
-            reaper.wait(timeout=10)
+        try:
+            ray.shutdown()
+        finally:  # the watchdog goes even if the shutdown fails (it would then kill what is left, as on SIGKILL)
+            if reaper is not None:
+                reaper.terminate()
+                reaper.wait(timeout=10)
 
 
 class RayStages:
