@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import IO
 
 import ray
+from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -41,6 +42,7 @@ from forge.errors import UserError
 from forge.loop import say
 from weaver.apply import ActorSpec, Bundle, placement_bundles, pool_resource, with_gpu_ids
 
+GPU_PROBE_TIMEOUT_S = 120.0  # reading the reserved GPU ids in a ready placement group
 NOTICE_S = 2.0  # a reservation not ready by then prints the one line saying what it waits for
 LOCKS = Path(tempfile.gettempdir()) / "forgeweave-gpus"
 
@@ -162,7 +164,14 @@ def _gpu_ids(pg: PlacementGroup, bundles: list[Bundle]) -> dict[str, list[str]]:
         for i, b in enumerate(bundles)
         if b.devices
     }
-    return {pool: sorted(ray.get(ref), key=_id_order) for pool, ref in calls.items()}
+    try:  # the group is ready, so the task starts at once; bounded all the same (a hang would report nothing)
+        ids = dict(zip(calls, ray.get(list(calls.values()), timeout=GPU_PROBE_TIMEOUT_S), strict=True))
+    except GetTimeoutError:
+        raise UserError(
+            f"Ray did not run the GPU-id probe in the run's placement group within {GPU_PROBE_TIMEOUT_S:.0f} s: "
+            "check the GPU nodes' raylets (`ray status`) and start the run again"
+        ) from None
+    return {pool: sorted(found, key=_id_order) for pool, found in ids.items()}
 
 
 def _id_order(gpu_id: str) -> tuple[int, str]:
