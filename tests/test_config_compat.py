@@ -152,6 +152,9 @@ def test_a_config_yaml_of_the_previous_release_loads_to_the_same_values(capsys):
     assert old_layout(to_dict(cfg)) == old
 
 
+ADDED_SINCE = ["orchestration.reserve_timeout_s"]  # keys that release did not have; a saved config gets the default
+
+
 def old_layout(new: dict) -> dict:
     """A config dict in the previous release's layout (fields added since, with their defaults, dropped)."""
     data = copy.deepcopy(new)
@@ -168,7 +171,11 @@ def old_layout(new: dict) -> dict:
     for section, name in [("model", "tiny"), ("rollout", "vllm"), ("reward", "ensemble"), ("reward", "code_exec")]:
         assert data[section].pop(name) == {}
     assert data.pop("collapse") == {}
-    assert data.pop("env") == to_dict(RunConfig())["env"]  # the section came after that release: its defaults only
+    defaults = to_dict(RunConfig())
+    assert data.pop("env") == defaults["env"]  # the section came after that release: its defaults only
+    for key in ADDED_SINCE:
+        section, name = key.split(".")
+        assert data[section].pop(name) == defaults[section][name]
     return data
 
 
