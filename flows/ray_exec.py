@@ -61,6 +61,7 @@ from flows.ray_reserve import Reservation, reserve
 from forge.checkpoint import SaveReport
 from forge.config import RunConfig
 from forge.data import train_row_count
+from forge.env.openenv import SERVER_PYTHON, replica_sessions
 from forge.errors import UserError
 from forge.models import load_tokenizer
 from forge.records import RolloutRequest, Rollouts, ScoredBatch, UpdateStats
@@ -200,11 +201,21 @@ class RayStages:
             python = str(vllm_python(r.vllm.python))
         for s in specs:
             if python:
-                s = dataclasses.replace(s, env={**s.env, **engine_env(r, s.index, list(range(cores.get(s.pool, 1))))})
+                s = dataclasses.replace(s, env={**s.env, **engine_env(r, s.index, list(range(cores.get(s.pool, 1)))),
+                                                SERVER_PYTHON: sys.executable})  # fmt: skip
             self._actor(s, "rollout", python)
-        work = str(self.run_dir / "rollout")
-        starts = [a.start.remote("rollout", self.cfg, work_dir=work) for a in self.actors["rollout"]]
+        work, cfg = str(self.run_dir / "rollout"), self._rollout_cfg(len(specs))
+        starts = [a.start.remote("rollout", cfg, work_dir=work) for a in self.actors["rollout"]]
         self.places["rollout"] = self._get(starts, "rollout", timeout=r.vllm.start_timeout_s)
+
+    def _rollout_cfg(self, replicas: int) -> RunConfig:
+        """The rollout actors' config: the run's, with each actor's share of a shared OpenEnv server's sessions."""
+        if not self.cfg.env.openenv_url or replicas == 1:
+            return self.cfg
+        cfg = dataclasses.replace(self.cfg, env=dataclasses.replace(self.cfg.env))
+        episodes = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
+        cfg.env.openenv_max_sessions = replica_sessions(self.cfg.env, episodes, replicas)
+        return cfg
 
     def _start_weight_group(self) -> None:
         """Update rank 0 hosts the weight group (`forge.weight_group`) on its node; rollout actor i joins as ranks

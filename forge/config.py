@@ -390,9 +390,9 @@ class RunConfig:
         require(not restores or self.checkpoint.keep_best > 0, "checkpoint.keep_best", why)
         why = "> 0 cannot be combined with update.strategy=fsdp: use ddp (the adapter is small) or full fine-tuning"
         require(not (lora.rank and u.strategy == "fsdp" and u.num_processes > 1), "model.lora.rank", why)
-        why = "runs with rollout.backend=hf in one process for now (OpenEnv servers): set rollout.backend=hf, "
-        single = r.backend == "hf" and r.replicas == 1 and self.orchestration.execution != "ray"
-        require(not self.env.openenv or single, self.env.openenv, why + "rollout.replicas=1 and no Ray execution")
+        sessions = self.env.openenv_max_sessions
+        why = f"is {sessions}, fewer than rollout.replicas={r.replicas}, which share the server at env.openenv_url: raise it"
+        require(not (self.env.openenv_url and 0 < sessions < r.replicas), "env.openenv_max_sessions", why)
         return self
 
 

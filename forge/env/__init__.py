@@ -10,5 +10,5 @@
 - `builtin`: built-in tools (`python`: code in the code_exec sandbox).
 
 Episodes run on the hf or the vLLM backend, in this process or in Ray's rollout actors (`forge.workers.RolloutWorker`
-plays them where it samples); an OpenEnv server only on the hf backend in this process for now.
+plays them where it samples), the OpenEnv servers' episodes too.
 """

@@ -30,6 +30,10 @@ environment per request and close it, so they cannot hold a multi-turn episode: 
   runs in a process group of its own on 127.0.0.1 at a free port, its output in a temporary log file; `stop()`
   ends it by its PID (SIGTERM, then SIGKILL) when the run's workers close, after a failure too, and at interpreter
   exit at the latest.
+- Ray mode: each rollout actor is a client of its own. A server forgeweave starts is started by each actor on its
+  own node (one per actor, so environments scale out with the replicas). The replicas of a run share a server at
+  env.openenv_url: the driver finds its session cap once and gives each actor an even share
+  (`replica_sessions`). Episodes travel to the reward actor without their session or server (`__getstate__`).
 
 `websockets` (its sync client) is imported inside the functions that use it, so forge imports without it.
 """
@@ -56,6 +60,7 @@ from forge.env.tools import Tool, ToolError
 from forge.errors import UserError
 
 HOST = "127.0.0.1"
+SERVER_PYTHON = "FORGEWEAVE_OPENENV_PYTHON"  # the Python that serves env.openenv_app (`server_python`)
 ACTION_TOOL = "step"  # the one tool of an environment with its own typed action
 _MAX_MESSAGE = 1 << 24  # bytes of one WebSocket message
 
@@ -212,6 +217,10 @@ class OpenEnvEpisode:
         self.failure = self.failure or f"OpenEnv server {self.client.url}: {why}"
         self.close()
 
+    def __getstate__(self) -> dict:
+        """A copy for another process (Ray: the reward actor reads `reward`, `rewards`, `done`): no session."""
+        return {**self.__dict__, "session": None}
+
 
 class OpenEnvClient:
     """The environment factory of a run with an OpenEnv server: `client()` is a new episode's environment.
@@ -238,6 +247,10 @@ class OpenEnvClient:
         """Stop the server if forgeweave started it."""
         if self.server is not None:
             self.server.stop()
+
+    def __getstate__(self) -> dict:
+        """A copy for another process (with the episodes it made): the server stays with the process that runs it."""
+        return {**self.__dict__, "server": None}
 
 
 def connect(cfg: EnvConfig, episodes: int) -> OpenEnvClient:
@@ -268,6 +281,19 @@ def connect(cfg: EnvConfig, episodes: int) -> OpenEnvClient:
         if server is not None:
             server.stop()
         raise
+
+
+def replica_sessions(cfg: EnvConfig, episodes: int, replicas: int) -> int:
+    """Sessions each of `replicas` rollout processes may hold on the shared server at env.openenv_url: its session
+    cap (env.openenv_max_sessions, or what it accepts, found once here) split evenly, so that the replicas together
+    never ask for more than the server holds."""
+    client = connect(cfg, episodes)
+    share = client.max_sessions // replicas
+    if share < 1:
+        raise UserError(f"env.openenv_url={client.url!r}: the server holds {client.max_sessions} sessions at once, "
+                        f"fewer than rollout.replicas={replicas} (one each): lower rollout.replicas or raise its "
+                        "max_concurrent_envs")  # fmt: skip
+    return share
 
 
 def _open_sessions(url: str, want: int, timeout_s: float, what: str) -> list[Session]:
@@ -396,7 +422,7 @@ class LocalServer:
         port = port or _free_port()
         if cfg.openenv_app:
             what = f"env.openenv_app={cfg.openenv_app!r}"
-            argv = [sys.executable, "-m", "uvicorn", cfg.openenv_app, "--host", HOST, "--port", str(port),
+            argv = [server_python(), "-m", "uvicorn", cfg.openenv_app, "--host", HOST, "--port", str(port),
                     "--log-level", "warning"]  # fmt: skip
         else:
             what = f"env.openenv_command={cfg.openenv_command!r}"
@@ -437,6 +463,13 @@ class LocalServer:
     def stop(self) -> None:
         """End the server by its PID (its process group: SIGTERM, then SIGKILL after 5 s); idempotent."""
         self._stop()
+
+
+def server_python() -> str:
+    """The Python that serves env.openenv_app: this one, or the one named by $FORGEWEAVE_OPENENV_PYTHON (Ray sets it
+    to the driver's for rollout actors run by vLLM's venv, which has no openenv-core) where that path exists."""
+    named = os.environ.get(SERVER_PYTHON, "")
+    return named if named and Path(named).exists() else sys.executable
 
 
 def _stop_process(proc: subprocess.Popen, log: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -24,7 +25,7 @@ import forge
 from forge.config import ConfigError, EnvConfig, RunConfig
 from forge.env.chat import ChatFormat
 from forge.env.episode import run_episodes
-from forge.env.openenv import LocalServer, _free_port, connect
+from forge.env.openenv import LocalServer, _free_port, connect, replica_sessions
 from forge.env.rewards import env_reward
 from forge.errors import UserError
 from forge.rollout.base import SamplingParams
@@ -93,6 +94,26 @@ def test_the_servers_session_cap_is_found_at_start_and_kept(server, tok):
     with pytest.raises(UserError, match="env.openenv_max_sessions=3, but .* accepts only 2 sessions") as err:
         connect(EnvConfig(openenv_url=server.url + "/capped", openenv_max_sessions=3), episodes=8)
     assert "\n" not in str(err.value)
+    # Ray's rollout replicas share the cap evenly (the driver finds it once); more replicas than sessions: one line
+    assert replica_sessions(EnvConfig(openenv_url=server.url + "/capped"), episodes=8, replicas=2) == 1
+    with pytest.raises(UserError, match=r"holds 2 sessions at once, fewer than rollout.replicas=3 \(one each\)"):
+        replica_sessions(EnvConfig(openenv_url=server.url + "/capped"), episodes=8, replicas=3)
+
+
+def test_episodes_travel_to_another_process_without_their_session_or_server(tok):
+    """Ray pickles the episodes' environments for the reward actor: what the server said goes, the socket and the
+    server process stay; the server is still stopped by the process that started it."""
+    client = connect(EnvConfig(openenv_app=SUM_APP), episodes=2)
+    try:
+        ro = play(tok, client, [call("check", guess=3), "3"])
+        env = ro.episodes.environments[0]
+        env.session = client.server  # even an episode caught mid-session travels without it
+        copy = pickle.loads(pickle.dumps(ro.episodes.environments))
+        assert [(e.reward, e.rewards, e.done, e.session) for e in copy] == [(1.0, [1.0], True, None)] * 2
+        assert copy[0].client.server is None and copy[0].client.url == client.url
+    finally:
+        client.close()
+    assert client.server.proc.poll() is not None
 
 
 def test_a_tool_call_past_the_timeout_is_an_error_answer_and_the_session_goes_on(server, tok):
@@ -109,7 +130,8 @@ def test_a_server_dying_mid_episode_fails_the_episodes_in_flight(tok):
     client = connect(EnvConfig(openenv_url=own.url), episodes=2)
     turns = scripted(tok, [call("check", guess=2), call("check", guess=3)])
 
-    def sample(contexts, params, seeds=None):  # the second turn: the server is killed before the policy's call reaches it
+    # the second turn: the server is killed before the policy's call reaches it
+    def sample(contexts, params, seeds=None):
         if any(tok.eos_token_id in c for c in contexts):
             os.kill(own.pid, signal.SIGKILL)
             own.proc.wait()
@@ -152,9 +174,11 @@ def test_an_unreachable_server_a_command_that_dies_and_bad_keys_are_one_line_nam
         with pytest.raises(ConfigError, match=f"config key '{key}'"):
             cfg.validate()
     cfg = RunConfig()
-    cfg.env.openenv_url, cfg.rollout.backend = url, "vllm"  # episodes run on the hf backend in process only
-    with pytest.raises(ConfigError, match="config key 'env.openenv_url' runs with rollout.backend=hf"):
+    cfg.env.openenv_url, cfg.env.openenv_max_sessions, cfg.rollout.replicas = url, 1, 2  # replicas share its sessions
+    with pytest.raises(ConfigError, match="config key 'env.openenv_max_sessions' is 1, fewer than rollout.replicas=2"):
         cfg.validate()
+    cfg.rollout.backend, cfg.env.openenv_max_sessions = "vllm", 2  # any backend, in Ray's actors too
+    cfg.validate()
 
 
 def _children(marker: str) -> list[int]:

@@ -15,6 +15,7 @@ import json
 
 import pytest
 
+from forge.config import EnvConfig
 from forge.presets import tiny_multiturn
 from forge.tracking import read_metrics
 from tests.flows.test_ray_exec import POOLS, cluster, run  # noqa: F401  (cluster: the module's fixture)
@@ -79,12 +80,14 @@ def test_two_hf_replicas_play_the_episodes_the_in_process_run_plays(cluster, tmp
 def test_vllm_actors_learn_the_multiturn_task_one_step_off_policy(cluster, tmp_path):  # noqa: F811
     """Acceptance 6 of issue 30: Ray mode, a vLLM rollout actor (.venv-vllm) plays the episodes, asynchronous GRPO
     (algo.max_staleness=1) samples every step after the first from the policy one version behind (per episode), and
-    the reward rises. Measured (30 steps, 35-45 s on 2 cores), reward/mean over steps 1-5 -> steps 26-30: seed 0
-    0.116 -> 0.266, seed 1 0.122 -> 0.257, seed 2 0.130 -> 0.259; the threshold is below the smallest rise. What is
-    learnt in 30 steps is the digit reply (0.25): the tiny random model never calls the tool, so every episode is one
-    turn, and held-out pass@1 was still 0 (0.1 after 100 steps); tool turns in actors are covered by the tests of
-    `generate_ids` (tests/flows/test_ray_vllm.py) and the equality above."""
-    cfg = episode_cfg(steps=30, replicas=1)
+    the reward rises. The environment is the sum task served by OpenEnv (forge/tasks/openenv_sum.py), a server the
+    actor starts on its node with the driver's Python (.venv-vllm has no openenv-core) and stops when it closes.
+    Measured (30 steps, ~60 s on 2 cores), reward/mean over steps 1-5 -> steps 26-30: seed 0 0.138 -> 0.280, seed 1
+    0.104 -> 0.280, seed 2 0.112 -> 0.263 (with `SumEnv` in the actor: rises 0.150, 0.135, 0.129); the threshold
+    is below the smallest rise. What is learnt in 30 steps is the digit reply (0.25): the tiny random model never
+    calls the tool, so every episode is one turn, and held-out pass@1 was still 0 (0.1 after 100 steps); tool turns
+    in actors are covered by the tests of `generate_ids` (tests/flows/test_ray_vllm.py) and the equalities above."""
+    cfg = openenv_cfg(app="forge.tasks.openenv_sum:app", steps=30, replicas=1)
     cfg.rollout.backend, cfg.model.tiny.head_dim = "vllm", 32  # vLLM's CPU attention: head size >= 32
     cfg.algo.max_staleness = 1
     cfg.eval.every = cfg.checkpoint.every = 100  # no checkpoint drains the queue: every step after the first is ahead
@@ -96,6 +99,40 @@ def test_vllm_actors_learn_the_multiturn_task_one_step_off_policy(cluster, tmp_p
     rows = [m for m in read_metrics(d / "metrics.jsonl") if m["step"] > 0]
     stale = [m["rollout/staleness_max"] for m in rows]
     assert stale[0] == 0 and set(stale[1:]) == {1} and all(m["rollout/staleness_mean"] <= 1 for m in rows)
-    assert all(m["env/turns"] >= 1 for m in rows)
+    assert all(m["env/turns"] >= 1 and m["env/failed"] == 0 for m in rows)
     rise = sum(m["reward/mean"] for m in rows[-5:]) / 5 - sum(m["reward/mean"] for m in rows[:5]) / 5
     assert rise > 0.08, rise
+
+
+def openenv_cfg(url: str = "", app: str = "", **kw):
+    """`episode_cfg` with the sum task served by OpenEnv (forge/tasks/openenv_sum.py) instead of `SumEnv`."""
+    cfg = episode_cfg(**kw)
+    cfg.env.environment_factory, cfg.env.openenv_url, cfg.env.openenv_app = "", url, app
+    return cfg
+
+
+def test_two_hf_replicas_share_an_openenv_servers_sessions_and_play_what_one_process_plays(cluster, tmp_path):  # noqa: F811
+    """Issue 30 on every mode: two hf rollout actors are clients of one OpenEnv server at env.openenv_url that holds
+    2 sessions at once (tests/env/openenv_server.py's /capped); the driver finds the cap and gives each actor one, so
+    no episode is refused, and every metric equals the in-process run against the same server (which opens 2)."""
+    from forge.env.openenv import LocalServer
+
+    server = LocalServer.start(EnvConfig(openenv_app="tests.env.openenv_server:app"))
+    try:
+        ray_dir, ref_dir = tmp_path / "ray", tmp_path / "in-process"
+        cfg, ref = (openenv_cfg(server.url + "/capped", steps=2, replicas=n) for n in (2, 1))
+        for c in (cfg, ref):
+            c.reward.verifiers.append("env_reward")  # the server's own reward, read in the reward actor
+        assert run(cfg, ray_dir)["execution"] == "ray"
+        ref.orchestration.execution = "embedded"
+        assert run(ref, ref_dir)["execution"] == "embedded"
+    finally:
+        server.stop()
+    got, want = metrics(ray_dir), metrics(ref_dir)
+    assert [m["step"] for m in got] == [m["step"] for m in want] == [0, 1, 2]
+    for a, b in zip(got, want, strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == (b[k] if b[k] is None else pytest.approx(b[k], rel=1e-4, abs=1e-6)), (a["step"], k)
+    steps = [m for m in got if m["step"] > 0]
+    assert all(m["env/failed"] == 0 and "reward/env_reward/mean" in m for m in steps)
