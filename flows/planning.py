@@ -145,6 +145,7 @@ def run_needs(cfg: RunConfig, pools: list[Pool]) -> list[StageNeed]:
         gpu=gpu,
         rollout_tp=r.tensor_parallel_size if vllm else 1,
         update_sharded=cfg.update.strategy == "fsdp",
+        reference_bytes_per_param=reference_bytes(cfg),
         rollout_bytes_per_param=rollout_bytes(cfg, gpu),
         engine_fraction=r.vllm.gpu_memory_utilization if vllm else 0.0,
         gpu_memory_gib=gpu_gib,
@@ -152,6 +153,12 @@ def run_needs(cfg: RunConfig, pools: list[Pool]) -> list[StageNeed]:
     if gpu and vllm:
         _check_engine_fits(cfg, params, gpu_gib)
     return needs
+
+
+def reference_bytes(cfg: RunConfig) -> int:
+    """Bytes per parameter of the update's reference model: the policy's dtype when the KL penalty
+    (algo.beta > 0) needs a copy, 0 without one (no penalty, or LoRA: the base model is the policy, adapter off)."""
+    return BYTES[cfg.model.dtype] if cfg.algo.beta > 0 and not cfg.model.lora.rank else 0
 
 
 def rollout_bytes(cfg: RunConfig, gpu: bool) -> int:

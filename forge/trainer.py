@@ -19,7 +19,8 @@ of a prompt share it), where that costs fewer FLOPs (`update.shared_prefix`, `fo
 log-probs up to float rounding.
 FSDP (`update.strategy=fsdp`, more than one rank) shards the model with torch's `fully_shard` (FSDP2) per decoder
 layer and at the root, because Accelerate 1.15's FSDP plugin is silently ignored on CPU (it wraps the model in
-DDP). Checkpoints are sharded (`forge.distributed.state`, `forge.checkpoint`): each rank saves its own slice and a
+DDP). Only rank 0 reads the weights; every rank allocates only its shards (`fsdp.shard_from_rank0`), and the
+reference model (algo.beta > 0) is sharded the same way. Checkpoints are sharded (`forge.distributed.state`, `forge.checkpoint`): each rank saves its own slice and a
 checkpoint loads into any strategy and number of ranks.
 
 Log-probs are computed with explicit position ids from the attention mask (prompts are left-padded, as in
@@ -224,7 +225,10 @@ class Trainer:
             self.model, self.optimizer = model, optimizer
         else:
             self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
-        if ref_model is not None:
+        if ref_model is not None and self.fsdp:  # sharded like the policy, and loaded from rank 0 alike
+            ref_model = fsdp.shard_from_rank0(ref_model, self.accelerator.device, bf16=self.autocast_bf16 and
+                                              device_type == "cuda").requires_grad_(False)  # fmt: skip
+        elif ref_model is not None:
             ref_model = ref_model.to(self.accelerator.device)
         # LoRA: the reference is the base model, i.e. the policy with its adapter disabled (no second copy)
         assert cfg.algo.beta == 0 or ref_model is not None or is_peft(model), "algo.beta > 0 needs a reference model"

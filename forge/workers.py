@@ -435,9 +435,8 @@ class TrainerWorker:
 
 def loads_weights(cfg: RunConfig, rank: int, world: int) -> bool:
     """Whether update rank `rank` reads the policy's weights: under FSDP only rank 0 does (the others build the
-    model on the meta device and receive their shards from it), unless a reference model (algo.beta > 0, a full
-    copy on every rank) needs them anyway."""
-    return rank == 0 or world == 1 or cfg.update.strategy != "fsdp" or cfg.algo.beta > 0
+    model on the meta device and receive their shards from it; the reference model, algo.beta > 0, likewise)."""
+    return rank == 0 or world == 1 or cfg.update.strategy != "fsdp"
 
 
 def publish_dtype(cfg: RunConfig, trainer_dtype: torch.dtype) -> torch.dtype:

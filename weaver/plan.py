@@ -27,8 +27,9 @@ Rules, in the order `plan` applies them:
    devices or processes of that stage and adds no memory.
 An impossible plan raises `PlanError` with one line naming the stage, what it needs and what the pools have.
 
-Memory estimates (`stage_needs`): update holds fp32 weights + grads + AdamW moments = 16 bytes/param, x1.25 for
-activations, +1 GiB runtime; each DDP process holds the full state, each FSDP process 1/N of it. Rollout/evaluate
+Memory estimates (`stage_needs`): update holds fp32 weights + grads + AdamW moments = 16 bytes/param, plus a
+reference model's weights when the KL penalty needs one, x1.25 for activations, +1 GiB runtime; each DDP process
+holds the full state, each FSDP process 1/N of it (the reference is sharded too). Rollout/evaluate
 hold weights in the rollout's dtype (default 2 bytes/param bf16 on GPU, 4 fp32 on CPU) plus an equal KV-cache
 margin, +1 GiB; a vLLM engine on a GPU takes its configured fraction of the GPU, whatever the model needs. Prep and
 reward are small CPU stages; evaluate runs in rollout (rule 7).
@@ -78,6 +79,7 @@ def stage_needs(
     gpu: bool,
     rollout_tp: int = 1,
     update_sharded: bool = False,
+    reference_bytes_per_param: float = 0.0,
     rollout_bytes_per_param: float = 0.0,
     engine_fraction: float = 0.0,
     gpu_memory_gib: float = 0.0,
@@ -87,7 +89,8 @@ def stage_needs(
     spanning `rollout_tp` devices (tensor parallel): the stage takes replicas x tp devices, each holding 1/tp.
 
     `update_sharded` (FSDP full shard): each update process holds 1/N of the 16 bytes/param, N = update_processes,
-    or with 0 the fewest GPUs of `gpu_memory_gib` whose shards fit (the plan may then give it more). Rollout holds
+    or with 0 the fewest GPUs of `gpu_memory_gib` whose shards fit (the plan may then give it more). A reference
+    model (the KL penalty's) adds `reference_bytes_per_param` (its dtype's size; 0 = none) to it. Rollout holds
     `rollout_bytes_per_param` (0 = 2 on GPU, 4 on CPU) x2 for a KV-cache margin; an engine that reserves a
     fraction of its GPU (`engine_fraction` of `gpu_memory_gib`, vLLM's gpu_memory_utilization) takes that."""
     if model_params <= 0 or rollout_replicas < 0 or update_processes < 0 or rollout_tp < 1:
@@ -95,8 +98,9 @@ def stage_needs(
             f"stage_needs: model_params must be > 0 and counts >= 0, got {model_params}, "
             f"rollout_replicas={rollout_replicas}, update_processes={update_processes}, rollout_tp={rollout_tp}"
         )
-    shards = (update_processes or _fewest_shards(model_params, gpu_memory_gib)) if update_sharded and gpu else 1
-    update_gib = update_memory_gib(model_params, shards)
+    ref = reference_bytes_per_param
+    shards = (update_processes or _fewest_shards(model_params, gpu_memory_gib, ref)) if update_sharded and gpu else 1
+    update_gib = update_memory_gib(model_params, shards, ref)
     weight_bytes = rollout_bytes_per_param or (2 if gpu else 4)
     generate_gib = 2 * model_params * weight_bytes / GIB + RUNTIME_GIB  # weights + equal KV-cache margin
     kind: StageKind = "gpu" if gpu else "cpu"
@@ -114,20 +118,24 @@ def stage_needs(
     ]
 
 
-def update_memory_gib(model_params: int, shards: int = 1) -> float:
-    """GiB per update process: 16 bytes/param (fp32 weights, grads, AdamW moments) / shards, x1.25, +1 runtime.
+def update_memory_gib(model_params: int, shards: int = 1, reference_bytes: float = 0.0) -> float:
+    """GiB per update process: 16 bytes/param (fp32 weights, grads, AdamW moments) + `reference_bytes` (a reference
+    model's weights), / shards, x1.25, +1 runtime.
 
     >>> round(update_memory_gib(7_615_616_512), 1), round(update_memory_gib(7_615_616_512, shards=8), 1)
     (142.9, 18.7)
+    >>> round(update_memory_gib(7_615_616_512, shards=8, reference_bytes=4), 1)  # an fp32 reference, sharded too
+    23.2
     """
-    return model_params * UPDATE_BYTES_PER_PARAM * ACTIVATION_MARGIN / shards / GIB + RUNTIME_GIB
+    per_param = UPDATE_BYTES_PER_PARAM + reference_bytes
+    return model_params * per_param * ACTIVATION_MARGIN / shards / GIB + RUNTIME_GIB
 
 
-def _fewest_shards(model_params: int, gpu_memory_gib: float) -> int:
+def _fewest_shards(model_params: int, gpu_memory_gib: float, reference_bytes: float = 0.0) -> int:
     """The fewest FSDP ranks whose per-rank update state fits one GPU of `gpu_memory_gib` (1 if unknown)."""
     if gpu_memory_gib <= RUNTIME_GIB:
         return 1
-    per_rank = model_params * UPDATE_BYTES_PER_PARAM * ACTIVATION_MARGIN / GIB
+    per_rank = model_params * (UPDATE_BYTES_PER_PARAM + reference_bytes) * ACTIVATION_MARGIN / GIB
     return max(1, math.ceil(per_rank / (gpu_memory_gib - RUNTIME_GIB)))
 
 

@@ -36,9 +36,11 @@ def shard(model: torch.nn.Module, bf16: bool = False, device: torch.device | Non
 
 def shard_from_rank0(model: torch.nn.Module, device: torch.device, bf16: bool = False) -> torch.nn.Module:
     """`shard`, where only rank 0 may have loaded the weights (a collective): the other ranks may pass the model
-    built on the meta device (no memory, no file read); rank 0's full tensors are then broadcast into every rank's
-    shard, and its buffers (rotary frequencies and the like, which no state dict holds) copied. With every rank's
-    weights loaded this is `shard(model.to(device))`."""
+    built on the meta device (no memory, no file read). Every rank then shards the model's skeleton on the meta
+    device and allocates only its own shards on `device`; rank 0's full tensors, left where they were loaded (host
+    memory), are broadcast one parameter at a time into every rank's shard, and its buffers (rotary frequencies and
+    the like, which no state dict holds) copied. So no rank ever holds the whole model on `device`. With every
+    rank's weights loaded this is `shard(model.to(device))`."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -49,15 +51,34 @@ def shard_from_rank0(model: torch.nn.Module, device: torch.device, bf16: bool = 
         return shard(model.to(device), bf16)
     if dist.get_rank() == 0 and on_meta:
         raise RuntimeError("shard_from_rank0: rank 0 must hold the loaded weights")
-    full = {} if on_meta else model.state_dict()  # rank 0: the loaded tensors, kept where they were loaded
-    model = shard(model if on_meta else model.to(device), bf16, device=device)
-    if on_meta:
-        model.to_empty(device=device)
+    full = {} if on_meta else model.state_dict()  # rank 0: the loaded tensors (detached views), kept in place
+    buffers = {} if on_meta else {name: b.detach().clone() for name, b in model.named_buffers()}
+    model = shard(_to_meta(model), bf16, device=device)  # rank 0's parameters leave; `full` keeps their storage
+    model.to_empty(device=device)
+    for name, buffer in model.named_buffers():
+        if buffers:
+            buffer.copy_(buffers[name])
+        dist.broadcast(buffer, src=0)
     options = _full(cpu_offload=False, strict=False)
     options.broadcast_from_rank0 = True
     set_model_state_dict(model, full, options=options)
-    for _, buffer in model.named_buffers():
-        dist.broadcast(buffer, src=0)
+    return model
+
+
+def _to_meta(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` moved to the meta device with its shared parameters (tied embeddings) still shared: `Module.to` gives
+    each module a parameter of its own when the device changes, and FSDP would then shard the tied head twice."""
+    first: dict[int, tuple[torch.nn.Module, str]] = {}
+    shared = []
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in first:
+                shared.append((module, name, first[id(p)]))
+            else:
+                first[id(p)] = (module, name)
+    model.to("meta")
+    for module, name, (owner, owner_name) in shared:
+        setattr(module, name, getattr(owner, owner_name))
     return model
 
 

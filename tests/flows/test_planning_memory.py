@@ -85,6 +85,18 @@ def test_7b_with_fsdp_on_8x80gb_is_planned_and_ddp_is_refused():
         make_plan(_cfg("qwen2.5-7b", strategy="ddp", num_processes=8), POOLS)
 
 
+def test_a_reference_model_is_counted_in_the_update_and_sharded_with_it():
+    """algo.beta > 0 keeps a reference copy in the policy's dtype beside the update state (sharded under FSDP):
+    7.6156e9 * (16 + 4) * 1.25 / 2**30 / 8 + 1 = 23.16 GiB per rank; LoRA's reference is the policy: no copy."""
+    cfg = _cfg("qwen2.5-7b", strategy="fsdp", num_processes=8)
+    cfg.algo.beta = 0.04
+    assert {n.name: n for n in run_needs(cfg, POOLS)}["update"].memory_gib == 23.16
+    cfg.algo.beta = 0.0
+    assert {n.name: n for n in run_needs(cfg, POOLS)}["update"].memory_gib == 18.73
+    cfg.algo.beta, cfg.model.lora.rank = 0.04, 16
+    assert {n.name: n for n in run_needs(cfg, POOLS)}["update"].memory_gib == 18.73
+
+
 def test_fsdp_with_automatic_rank_count_takes_enough_gpus():
     cfg = _cfg("qwen2.5-7b", strategy="fsdp")
     cfg.rollout.backend = "vllm"
