@@ -194,6 +194,8 @@ class RewardConfig:
         require(not w or len(w) == n, f"{prefix}weights", why)
         why = "needs at least one verifier (or reward.teacher set: pure distillation)"
         require(bool(self.verifiers) or bool(self.teacher), f"{prefix}verifiers", why)
+        why = "is empty, but reward.aggregate=ensemble combines verifiers: name them (or use aggregate=weighted)"
+        require(bool(self.verifiers) or self.aggregate != "ensemble", f"{prefix}verifiers", why)
 
 
 @dataclass(kw_only=True)

@@ -149,6 +149,8 @@ def test_bad_teachers_are_one_line_errors(tok, student, tmp_path):
     assert "\n" not in str(e.value) and "other" in str(e.value)
     with pytest.raises(ConfigError, match="reward.verifiers"):  # no verifier and no teacher: nothing to learn from
         distill_cfg("").validate()
+    with pytest.raises(ConfigError, match="reward.aggregate=ensemble combines verifiers"):
+        distill_cfg("t", aggregate="ensemble").validate()
 
 
 def run_cfg(steps: int) -> RunConfig:
