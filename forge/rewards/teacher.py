@@ -133,4 +133,25 @@ def distill_advantages(advantages: torch.Tensor, teacher_logp: torch.Tensor, ro:
     combined = advantages.float().unsqueeze(1) + weight * discounted_returns(rewards, mask, gamma)  # [N, T]
     m = mask.bool()
     kl = float(-rewards[m].mean()) if m.any() else 0.0
-    return combined, {"distill/reverse_kl": kl}
+    return combined, {"distill/reverse_kl": kl, **position_profile(-rewards, mask)}
+
+
+def position_profile(kl: torch.Tensor, mask: torch.Tensor, bins: int = 4) -> dict[str, float]:
+    """Where in the completions the student disagrees: `distill/reverse_kl_qK`, the mean of [N, T] `kl` over the
+    sampled tokens in the K-th of `bins` equal slices of each completion's sampled tokens (a bin no token falls in is
+    left out).
+
+    >>> kl = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 0.0, 0.0, 0.0]])
+    >>> mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
+    >>> position_profile(kl, mask, 2)  # halves: (1 + 2 + 5) / 3 and (3 + 4) / 2
+    {'distill/reverse_kl_q1': 2.6666667461395264, 'distill/reverse_kl_q2': 3.5}
+    """
+    m = mask.bool()
+    rank = mask.long().cumsum(1) - 1  # [N, T] index among the row's sampled tokens
+    slot = (rank * bins) // mask.long().sum(1, keepdim=True).clamp(min=1)  # [N, T] in [0, bins)
+    out = {}
+    for k in range(bins):
+        sel = m & (slot == k)
+        if sel.any():
+            out[f"distill/reverse_kl_q{k + 1}"] = float(kl[sel].mean())
+    return out

@@ -109,6 +109,9 @@ def test_reward_is_the_log_ratio_on_sampled_tokens_weighted_beside_verifiers(tok
     assert batch.reward_metrics["distill/reverse_kl"] == pytest.approx(float(-r[m].mean()), rel=1e-5)
     assert batch.reward_metrics["distill/reverse_kl"] > 1.0  # the student is far from the edited teacher
     assert not torch.equal(verifier_adv, torch.zeros_like(verifier_adv))  # one right, one wrong answer per group
+    # where in the completions the student disagrees; at most 3 sampled tokens a row here: no 4th quarter
+    profile = {k: v for k, v in batch.reward_metrics.items() if k.startswith("distill/reverse_kl_q")}
+    assert sorted(profile) == [f"distill/reverse_kl_q{k}" for k in (1, 2, 3)] and min(profile.values()) > 0
 
 
 def test_discounted_return_sums_later_sampled_tokens():
