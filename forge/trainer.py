@@ -287,9 +287,10 @@ class Trainer:
         for i in range(rows.start, rows.stop, size):
             sl = slice(i, min(i + size, rows.stop))
             width = max(1, int(ro.completion_mask[sl].sum(1).max()))  # right padding the whole micro-batch shares
+            adv = advantage_rows(advantages, sl, width).to(device)  # [n], or [n, width] per token
             mb = MicroBatch(ro.prompt_ids[sl].to(device), ro.prompt_mask[sl].to(device),
                             ro.completion_ids[sl, :width].to(device), ro.completion_mask[sl, :width].to(device),
-                            advantage_rows(advantages, sl, width).to(device), ro.sampling_logprobs[sl, :width].to(device),
+                            adv, ro.sampling_logprobs[sl, :width].to(device),
                             loss_mask=_loss_mask(ro, sl, width, device))  # fmt: skip
             old = self._fixed_logprobs(mb, self.model) if self.cfg.update.num_iterations > 1 else None
             ref = self._reference_logprobs(mb) if self.cfg.algo.beta > 0 else None

@@ -281,14 +281,14 @@ class RewardWorker:
 
     def distill(self, advantages: torch.Tensor, rollouts: Rollouts) -> tuple[torch.Tensor, dict[str, float]]:
         """The [N, T] advantages with the teacher's term (forge/rewards/teacher.py), `distill/reverse_kl` and the
-        teacher's seconds (`time/teacher_s`)."""
+        teacher's seconds (`perf/teacher_s`)."""
         from forge.rewards.teacher import distill_advantages
 
         start = time.perf_counter()
         teacher_logp = self.teacher.logprobs(rollouts)  # [N, T]
         r = self.cfg.reward
         combined, metrics = distill_advantages(advantages, teacher_logp, rollouts, r.teacher_weight, r.teacher_discount)
-        return combined, {**metrics, "time/teacher_s": time.perf_counter() - start}
+        return combined, {**metrics, "perf/teacher_s": time.perf_counter() - start}
 
     def trainer_state(self, step: int):
         """What TRL passes reward functions as `trainer_state`: a transformers TrainerState. While step `step` is

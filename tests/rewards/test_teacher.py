@@ -86,7 +86,7 @@ def test_teacher_equal_to_student_gives_zero_reverse_kl_and_zero_gradient(tok, s
     batch = RewardWorker(cfg).score(rows(), ro, 1)
     assert batch.advantages.shape == ro.completion_ids.shape  # [N, T]: per token
     assert batch.reward_metrics["distill/reverse_kl"] == 0.0
-    assert batch.reward_metrics["time/teacher_s"] > 0
+    assert batch.reward_metrics["perf/teacher_s"] > 0
     assert torch.equal(batch.advantages, torch.zeros_like(batch.advantages))
     stats = Trainer(copy.deepcopy(student), cfg, total_steps=1).update(ro, batch.advantages)
     assert stats.grad_norm == 0.0 and stats.skipped == 0  # the distillation term has no gradient
