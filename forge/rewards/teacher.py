@@ -43,10 +43,10 @@ class Teacher:
         """Load `reward.teacher`; a missing directory or a tokenizer other than the policy's is one UserError."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        path = check_teacher_dir(cfg.reward.teacher)
-        check_same_vocab(path, _load(AutoTokenizer.from_pretrained, path), load_tokenizer(cfg.model))
-        model = _load(AutoModelForCausalLM.from_pretrained, path, dtype=torch.float32)
-        check_vocab_rows(path, model, len(load_tokenizer(cfg.model)))
+        path, student_tok = check_teacher_dir(cfg.reward.teacher), load_tokenizer(cfg.model)
+        check_same_vocab(path, _load(AutoTokenizer.from_pretrained, path), student_tok)
+        model = _load(AutoModelForCausalLM.from_pretrained, path, dtype=torch.float32)  # fp32, as the policy
+        check_vocab_rows(path, model, len(student_tok))
         self.device = default_device()
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.bf16 = update_bf16(cfg.update.autocast_bf16, self.device.type)
