@@ -178,12 +178,24 @@ class RewardConfig:
     (a hung verifier cannot be cut off safely in-process). 0 = no limit."""
     code_exec: CodeExecConfig = field(default_factory=CodeExecConfig)
     """code_exec: the sandbox limits."""
+    teacher: str = ""
+    """On-policy distillation: a local HF causal LM directory with the policy's tokenizer; its log-probs of the
+    sampled tokens give each one the reward log p_teacher - log p_student (docs/distillation.md); '' = off."""
+    teacher_weight: float = ranged(1.0, ">= 0")
+    """teacher: advantage = verifier advantage + teacher_weight * per-token distillation advantage (with
+    reward.verifiers empty: pure distillation)."""
+    teacher_discount: float = ranged(0.0, "in [0, 1]", "(0 = token-local)")
+    """teacher: 0 = each token's own reward (token-local); gamma in (0, 1] = the discounted return over the
+    completion's later sampled tokens."""
 
     def check(self, prefix: str) -> None:
         w, n = self.weights, len(self.verifiers)
         why = f"has {len(w)} values for {n} verifiers: give one per verifier (or none)"
         require(not w or len(w) == n, f"{prefix}weights", why)
-        require(bool(self.verifiers), f"{prefix}verifiers", "needs at least one verifier")
+        why = "needs at least one verifier (or reward.teacher set: pure distillation)"
+        require(bool(self.verifiers) or bool(self.teacher), f"{prefix}verifiers", why)
+        why = "is empty, but reward.aggregate=ensemble combines verifiers: name them (or use aggregate=weighted)"
+        require(bool(self.verifiers) or self.aggregate != "ensemble", f"{prefix}verifiers", why)
 
 
 @dataclass(kw_only=True)

@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from forge.advantages import frac_zero_std
+from forge.advantages import advantage_mass, frac_zero_std
 from forge.records import Rollouts, ScoredBatch, UpdateStats
 from forge.rewards.score import per_verifier_means
 
@@ -57,7 +57,7 @@ def step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: di
             "train/skipped_steps": float(stats.skipped),
             "train/lr": stats.lr,
             "train/lr_scale": stats.lr_scale,
-            "train/advantage_abs_mean": float(batch.advantages.abs().mean()),
+            "train/advantage_abs_mean": advantage_mass(batch.advantages, ro.loss_mask),  # per token if [N, T]
             "policy/version": float(stats.policy_version),
             "perf/rollout_tokens_per_s": tokens / max(ro.seconds or times["rollout"], 1e-9),  # the sampler's time
             "perf/update_tokens_per_s": stats.tokens * 1.0 / max(times["update"], 1e-9),

@@ -96,7 +96,7 @@ class ScoredBatch:
     verifier_names: list[str]  # [V]
     scores: torch.Tensor  # [N, V] per-verifier scores; NaN where a verifier failed or returned None
     rewards: torch.Tensor  # [N] aggregated reward
-    advantages: torch.Tensor  # [N] per-completion advantage (broadcast over its tokens)
+    advantages: torch.Tensor  # [N] per-completion advantage (broadcast over its tokens), or [N, T] per token
     verifier_failures: dict[str, int]  # verifier name -> items it raised on or returned None for
     verifier_errors: dict[str, str] = field(default_factory=dict)  # verifier name -> first error text (if any)
     verifier_errored: dict[str, int] = field(default_factory=dict)  # verifier name -> items it raised on / scored badly
@@ -134,7 +134,7 @@ class MicroBatch:
     prompt_mask: torch.Tensor  # [n, P]
     completion_ids: torch.Tensor  # [n, T]
     completion_mask: torch.Tensor  # [n, T] 1 on every real token after the prompt (attended)
-    advantages: torch.Tensor  # [n]
+    advantages: torch.Tensor  # [n], or [n, T] per token
     sampler_logp: torch.Tensor  # [n, T] log-probs under the policy that sampled (mu)
     old_logp: torch.Tensor | None = None  # [n, T] pi_old, fixed before the first of several PPO passes
     ref_logp: torch.Tensor | None = None  # [n, T] the reference policy's (algo.beta > 0)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from forge.advantages import per_completion
 from forge.errors import UserError
 from forge.io import append_text, atomic_write_text, truncate_jsonl, write_json
 from forge.records import Episodes, Rollouts, ScoredBatch
@@ -51,7 +52,7 @@ def append_samples(run_dir: Path, step: int, rows: list[dict], ro: Rollouts, bat
     On a step where a verifier erred, each line also says how many items it erred on and its first error text."""
     g = ro.group_size
     errors = {n: {"items": batch.verifier_errored.get(n, 0), "first": e} for n, e in batch.verifier_errors.items()}
-    samples = []
+    samples, advantages = [], per_completion(batch.advantages, ro.loss_mask)  # [N]: per-token ones averaged
     for i in range(min(SAMPLES_PER_STEP, ro.num_completions)):
         scores = {n: _num(batch.scores[i, v]) for v, n in enumerate(batch.verifier_names)}
         samples.append(
@@ -62,7 +63,7 @@ def append_samples(run_dir: Path, step: int, rows: list[dict], ro: Rollouts, bat
                 "completion": ro.texts[i],
                 "scores": scores,
                 "reward": _num(batch.rewards[i]),
-                "advantage": _num(batch.advantages[i]),
+                "advantage": _num(advantages[i]),
                 **({"verifier_errors": errors} if errors else {}),  # the step's first error per verifier
                 **(_episode_sample(ro.episodes, i) if ro.episodes is not None else {}),  # multi-turn
                 **({"env_failure": failure} if (failure := _failure(ro, i)) else {}),  # its environment failed

@@ -54,6 +54,7 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 from torch.utils.checkpoint import checkpoint
 
+from forge.advantages import advantage_mass, advantage_rows
 from forge.checkpoint import has_weights, load_adapter, load_weights, read_shards, read_weights
 from forge.config import RunConfig
 from forge.distributed import fsdp
@@ -248,7 +249,7 @@ class Trainer:
 
     def update(self, rollouts: Rollouts, advantages: torch.Tensor) -> UpdateStats:
         """One update on this rank's share of the step's rows: `update.num_iterations` passes of the micro-batches
-        through `micro_update` (the recipe's math), one optimizer step each. `advantages`: [N]."""
+        through `micro_update` (the recipe's math), one optimizer step each. `advantages`: [N], or [N, T] per token."""
         start, lr = time.perf_counter(), self.current_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -263,7 +264,7 @@ class Trainer:
         # the adaptive LR's kl signal: to the reference when there is one, else to pi_old (forge/lr.py)
         signal_kl = kl_ref if self.cfg.algo.beta > 0 else kl_old
         observe = self.cfg.update.adaptive.enabled and not skipped  # a NaN would poison the controller's average
-        mass = float(advantages.abs().mean())  # the whole step's, the same on every rank
+        mass = advantage_mass(advantages, rollouts.loss_mask)  # the whole step's, the same on every rank
         scale = self.adaptive.observe(signal_kl, mean("grad_norm"), mass) if observe else self.adaptive.scale
         self.step += 1
         self.policy_version += 1
@@ -290,9 +291,10 @@ class Trainer:
         for i in range(rows.start, rows.stop, size):
             sl = slice(i, min(i + size, rows.stop))
             width = max(1, int(ro.completion_mask[sl].sum(1).max()))  # right padding the whole micro-batch shares
+            adv = advantage_rows(advantages, sl, width).to(device)  # [n], or [n, width] per token
             mb = MicroBatch(ro.prompt_ids[sl].to(device), ro.prompt_mask[sl].to(device),
                             ro.completion_ids[sl, :width].to(device), ro.completion_mask[sl, :width].to(device),
-                            advantages[sl].to(device), ro.sampling_logprobs[sl, :width].to(device),
+                            adv, ro.sampling_logprobs[sl, :width].to(device),
                             loss_mask=_loss_mask(ro, sl, width, device))  # fmt: skip
             old = self._fixed_logprobs(mb, self.model) if self.cfg.update.num_iterations > 1 else None
             ref = self._reference_logprobs(mb) if self.cfg.algo.beta > 0 else None

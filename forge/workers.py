@@ -10,7 +10,8 @@ node Weaver planned for its stage. Nothing here knows which: no Ray, no Prefect.
   weights over the weight group (`join_weight_group`, `receive_weights(version)`;
   `forge.weight_group`) or as a dict (`load_weights(weights, version)`) and refuses to sample for another version.
 - `RewardWorker`: verifiers -> the reward (`reward.aggregate`: weighted, mean, majority vote or the label-free
-  ensemble; forge/rewards/aggregate.py) -> group advantages (`score`).
+  ensemble; forge/rewards/aggregate.py) -> group advantages (`score`); with `reward.teacher`, plus the teacher's
+  per-token distillation advantage ([N, T]; forge/rewards/teacher.py), the teacher loaded once in this worker.
 - `TrainerWorker`: one update rank (rank r of a world of N: a torch.distributed group, gloo on CPU, NCCL on GPU,
   with Accelerate inside); `step` trains on the rank's share of a batch (and returns the new weights on rank 0 if
   asked); rank 0 hosts the weight group and `send_weights` broadcasts them to the rollout workers;
@@ -235,6 +236,11 @@ class RewardWorker:
 
             names = [name for name, _ in self.verifiers]
             self.aggregator = EnsembleAggregator(names, cfg.reward.ensemble, cfg.seed)
+        self.teacher = None
+        if cfg.reward.teacher:  # on-policy distillation: loaded once, scores every step's sampled tokens
+            from forge.rewards.teacher import Teacher
+
+            self.teacher = Teacher(cfg)
 
     def score(self, rows: list[dict], rollouts: Rollouts, step: int) -> ScoredBatch:
         """Score step `step`'s completions; safe to repeat for the same step (the ensemble replaces its entry)."""
@@ -266,9 +272,23 @@ class RewardWorker:
         if failed.any():
             rewards = rewards.masked_fill(failed, 0.0)
         advantages = group_advantages(rewards, g, self.cfg.algo.advantage)  # [N]
+        if self.teacher is not None:  # + weight * the teacher's per-token advantage: [N, T]
+            advantages, distill = self.distill(advantages, rollouts)
+            extra = {**extra, **distill}
         return ScoredBatch(result.names, result.scores, rewards, advantages, result.failures,
                            verifier_errors=result.errors, verifier_errored=result.errored, reward_metrics=extra,
                            ensemble_report=report)  # fmt: skip
+
+    def distill(self, advantages: torch.Tensor, rollouts: Rollouts) -> tuple[torch.Tensor, dict[str, float]]:
+        """The [N, T] advantages with the teacher's term (forge/rewards/teacher.py), `distill/reverse_kl` and the
+        teacher's seconds (`perf/teacher_s`)."""
+        from forge.rewards.teacher import distill_advantages
+
+        start = time.perf_counter()
+        teacher_logp = self.teacher.logprobs(rollouts)  # [N, T]
+        r = self.cfg.reward
+        combined, metrics = distill_advantages(advantages, teacher_logp, rollouts, r.teacher_weight, r.teacher_discount)
+        return combined, {**metrics, "perf/teacher_s": time.perf_counter() - start}
 
     def trainer_state(self, step: int):
         """What TRL passes reward functions as `trainer_state`: a transformers TrainerState. While step `step` is

@@ -152,7 +152,8 @@ def test_a_config_yaml_of_the_previous_release_loads_to_the_same_values(capsys):
     assert old_layout(to_dict(cfg)) == old
 
 
-ADDED_SINCE = ["orchestration.reserve_timeout_s"]  # keys that release did not have; a saved config gets the default
+# keys that release did not have; a saved config gets the default
+ADDED_SINCE = ["orchestration.reserve_timeout_s", "reward.teacher", "reward.teacher_weight", "reward.teacher_discount"]
 
 
 def old_layout(new: dict) -> dict:

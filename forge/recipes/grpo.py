@@ -108,9 +108,9 @@ LOSSES = {
 
 def grpo_loss(logp, old_logp, advantages, mask, algo: AlgoConfig, totals: StepTotals, ref_logp=None,
               is_weight=None) -> LossOutput:  # fmt: skip
-    """A micro-batch's share of the step's policy loss. [n, T] log-probs and mask, [n] advantages."""
-    mask = mask.to(logp.dtype)
-    adv = advantages.to(logp.dtype).unsqueeze(1)  # [n, 1]: a completion's advantage on each of its tokens
+    """A micro-batch's share of the step's policy loss. [n, T] log-probs and mask, [n] or [n, T] advantages."""
+    mask, adv = mask.to(logp.dtype), advantages.to(logp.dtype)  # [n] one per completion, or [n, T] one per token
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else adv  # [n, 1]: on each of the completion's tokens; [n, T] as given
     log_ratio = (logp - old_logp.detach()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # [n, T]
     if algo.loss == "gspo":
         log_ratio = sequence_log_ratio(log_ratio, logp, mask)

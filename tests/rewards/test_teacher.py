@@ -1,0 +1,206 @@
+"""On-policy distillation (forge/rewards/teacher.py): a teacher's log-probs of the sampled tokens as a per-token
+reward in the reward stage, and what the update does with it.
+
+Teachers are tiny Llamas saved next to the test: the student's own weights (teacher == student), a copy edited to
+prefer one token everywhere (`prefers`), one with NaN weights, one with another tokenizer.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from forge.config import ConfigError, RunConfig
+from forge.errors import UserError
+from forge.models import build_char_tokenizer, build_tiny_model, load_policy
+from forge.rewards.teacher import discounted_returns
+from forge.trainer import token_logprobs
+from forge.workers import RewardWorker
+from tests.grpo_parts import Trainer
+from tests.test_trainer import PROMPTS, T, make_rollouts
+
+torch.set_num_threads(1)
+
+X = "7"  # the token the edited teacher prefers
+
+
+def save(model, tok, path):
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def prefers(model, tok, token: str, gap: float = 1.0):
+    """A copy of `model` whose next-token distribution puts most mass on `token` at every position: hidden dim 0
+    holds a constant c (every embedding's column 0; no layer writes to it), so after the final RMSNorm it is about
+    sqrt(hidden) everywhere, and token's (tied) embedding row carries c + gap there: its logit leads every other
+    token's by about gap * sqrt(hidden) / c * c = gap * sqrt(hidden) nats."""
+    m = copy.deepcopy(model)
+    c, x = 20.0, tok.convert_tokens_to_ids(token)
+    with torch.no_grad():
+        emb = m.get_input_embeddings().weight
+        emb[:, 0] = c
+        emb[x, 0] = c + gap
+        for layer in m.model.layers:
+            layer.self_attn.o_proj.weight[0, :] = 0.0
+            layer.mlp.down_proj.weight[0, :] = 0.0
+    return m
+
+
+def distill_cfg(teacher: str, **reward) -> RunConfig:
+    cfg = RunConfig()
+    cfg.rollout.max_new_tokens, cfg.rollout.temperature = T, 1.0
+    cfg.model.tiny.hidden, cfg.model.tiny.layers = 32, 1
+    cfg.update.adaptive.enabled, cfg.update.max_grad_norm = False, 0.0
+    cfg.reward.verifiers, cfg.reward.teacher = [], teacher
+    for k, v in reward.items():
+        setattr(cfg.reward, k, v)
+    return cfg
+
+
+@pytest.fixture()
+def student(tok):
+    return build_tiny_model(tok, hidden=32, layers=1, seed=0)
+
+
+def rows():
+    return [{"prompt": p, "answer": str(eval(p[:-1]))} for p in PROMPTS]  # 1+2= -> 3
+
+
+def on_policy(model, ro):
+    """The rollouts with the sampler's log-probs those of `model` at temperature 1 (what it sampled them with)."""
+    args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+    with torch.no_grad():
+        logp = token_logprobs(model, *args).logp
+    return dataclasses.replace(ro, sampling_logprobs=logp * ro.completion_mask)
+
+
+def test_teacher_equal_to_student_gives_zero_reverse_kl_and_zero_gradient(tok, student, tmp_path):
+    cfg = distill_cfg(save(student, tok, tmp_path / "teacher"))
+    ro = on_policy(student, make_rollouts(tok))
+    batch = RewardWorker(cfg).score(rows(), ro, 1)
+    assert batch.advantages.shape == ro.completion_ids.shape  # [N, T]: per token
+    assert batch.reward_metrics["distill/reverse_kl"] == 0.0
+    assert batch.reward_metrics["perf/teacher_s"] > 0
+    assert torch.equal(batch.advantages, torch.zeros_like(batch.advantages))
+    stats = Trainer(copy.deepcopy(student), cfg, total_steps=1).update(ro, batch.advantages)
+    assert stats.grad_norm == 0.0 and stats.skipped == 0  # the distillation term has no gradient
+
+
+def test_reward_is_the_log_ratio_on_sampled_tokens_weighted_beside_verifiers(tok, student, tmp_path):
+    """r_t = log p_teacher - log p_student on loss tokens only; A = A_verifiers + weight * r (discount 0)."""
+    teacher = prefers(student, tok, X)
+    ro = on_policy(student, make_rollouts(tok))
+    ro = dataclasses.replace(ro, loss_mask=ro.completion_mask * torch.tensor([[1, 0, 1, 1]]))  # position 1: env
+    cfg = distill_cfg(save(teacher, tok, tmp_path / "teacher"), teacher_weight=0.5)
+    cfg.reward.verifiers = ["math_answer"]
+    batch = RewardWorker(cfg).score(rows(), ro, 1)
+    args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+    with torch.no_grad():
+        r = (token_logprobs(teacher, *args).logp - ro.sampling_logprobs) * ro.loss_mask
+    verifier_adv = batch.advantages[:, 1]  # position 1 carries no distillation term: the verifier's advantage
+    torch.testing.assert_close(batch.advantages, verifier_adv[:, None] + 0.5 * r)
+    m = ro.loss_mask.bool()
+    assert batch.reward_metrics["distill/reverse_kl"] == pytest.approx(float(-r[m].mean()), rel=1e-5)
+    assert batch.reward_metrics["distill/reverse_kl"] > 1.0  # the student is far from the edited teacher
+    assert not torch.equal(verifier_adv, torch.zeros_like(verifier_adv))  # one right, one wrong answer per group
+    # where in the completions the student disagrees; at most 3 sampled tokens a row here: no 4th quarter
+    profile = {k: v for k, v in batch.reward_metrics.items() if k.startswith("distill/reverse_kl_q")}
+    assert sorted(profile) == [f"distill/reverse_kl_q{k}" for k in (1, 2, 3)] and min(profile.values()) > 0
+
+
+def test_discounted_return_sums_later_sampled_tokens():
+    r = torch.tensor([[1.0, 2.0, 4.0, 8.0]])
+    mask = torch.tensor([[1, 1, 0, 1]])  # position 2: an environment token, skipped
+    # gamma 0.5: G_3 = 8, G_1 = 2 + 0.5 * 8 = 6, G_0 = 1 + 0.5 * 6 = 4
+    assert discounted_returns(r, mask, 0.5).tolist() == [[4.0, 6.0, 0.0, 8.0]]
+    assert discounted_returns(r, mask, 1.0).tolist() == [[11.0, 10.0, 0.0, 8.0]]
+    assert discounted_returns(r, mask, 0.0) is r  # token-local
+
+
+def test_non_finite_teacher_log_probs_skip_the_step(tok, student, tmp_path):
+    broken = copy.deepcopy(student)
+    with torch.no_grad():
+        broken.get_input_embeddings().weight.fill_(math.nan)
+    cfg = distill_cfg(save(broken, tok, tmp_path / "teacher"))
+    ro = on_policy(student, make_rollouts(tok))
+    batch = RewardWorker(cfg).score(rows(), ro, 1)
+    assert math.isnan(batch.reward_metrics["distill/reverse_kl"])
+    policy = copy.deepcopy(student)
+    stats = Trainer(policy, cfg, total_steps=1).update(ro, batch.advantages)
+    assert stats.skipped == 1  # counted as any non-finite step (train/skipped_steps), not trained on
+    for a, b in zip(policy.parameters(), student.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_bad_teachers_are_one_line_errors(tok, student, tmp_path):
+    with pytest.raises(UserError, match=r"reward.teacher '.*nowhere' does not exist") as e:
+        RewardWorker(distill_cfg(str(tmp_path / "nowhere")))
+    assert "\n" not in str(e.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="has no config.json"):
+        RewardWorker(distill_cfg(str(tmp_path / "empty")))
+    other = build_char_tokenizer()
+    other.add_tokens(["<tool>"])
+    with pytest.raises(UserError, match="different tokenizer from the policy's") as e:
+        RewardWorker(distill_cfg(save(student, other, tmp_path / "other")))
+    assert "\n" not in str(e.value) and "other" in str(e.value)
+    with pytest.raises(ConfigError, match="reward.verifiers"):  # no verifier and no teacher: nothing to learn from
+        distill_cfg("").validate()
+    with pytest.raises(ConfigError, match="reward.aggregate=ensemble combines verifiers"):
+        distill_cfg("t", aggregate="ensemble").validate()
+
+
+def run_cfg(steps: int) -> RunConfig:
+    """A short in-process run on one-digit sums: B = 4 prompts, G = 4, 3 tokens each, pure distillation."""
+    cfg = distill_cfg("")
+    cfg.model.chat_template = False
+    cfg.data.digits, cfg.data.operations, cfg.data.max_result = 1, ["+"], 9
+    cfg.data.prompt_template, cfg.data.train_size, cfg.data.eval_size = "{a}{op}{b}=", 40, 4
+    cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens = 4, 4, 3
+    cfg.steps, cfg.update.lr, cfg.update.max_grad_norm = steps, 1e-2, 1.0
+    cfg.eval.every, cfg.eval.k, cfg.eval.max_problems, cfg.eval.verifiers = 0, 0, 4, ["format_integer"]
+    cfg.checkpoint.every, cfg.tracking.mlflow = 0, False
+    return cfg
+
+
+def reverse_kls(run_dir) -> list[float]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [m["distill/reverse_kl"] for m in lines if "distill/reverse_kl" in m]
+
+
+def test_a_teacher_equal_to_the_sampling_policy_gives_zero_reverse_kl_in_a_run(tmp_path):
+    """The sampler's log-probs (hf generate, temperature 1, KV cache) and the teacher's teacher-forced forward of
+    the same weights agree up to float rounding: the first step's reverse KL is 0."""
+    from forge.api import train
+
+    cfg = run_cfg(1)
+    start, tok = load_policy(cfg.model, seed=cfg.seed)
+    cfg.reward.teacher = save(start, tok, tmp_path / "teacher")
+    train(cfg, run_dir=tmp_path / "run", progress=False)
+    assert reverse_kls(tmp_path / "run") == [pytest.approx(0.0, abs=1e-5)]
+
+
+def test_distillation_raises_the_preferred_tokens_probability(tmp_path):
+    """forge.train, pure distillation from a teacher that prefers X: the student's probability of X as the next
+    token after a few prompts rises from ~1/V (measured 0.010 -> 0.82 in 30 steps), and the reverse KL falls
+    (measured 6.7 -> 1.0)."""
+    from forge.api import train
+
+    cfg = run_cfg(30)
+    start, tok = load_policy(cfg.model, seed=cfg.seed)
+    cfg.reward.teacher = save(prefers(start, tok, X, gap=2.0), tok, tmp_path / "teacher")
+    train(cfg, run_dir=tmp_path / "run", progress=False)
+    end, _ = load_policy(dataclasses.replace(cfg.model, path=str(tmp_path / "run/checkpoints/step-000030")))
+    prompts = tok(["1+2=", "4+4=", "3+5=", "0+6="], return_tensors="pt")
+    x = tok.convert_tokens_to_ids(X)
+    with torch.no_grad():
+        before, after = (float(m.eval()(**prompts).logits[:, -1].softmax(-1)[:, x].mean()) for m in (start, end))
+    assert before < 0.05 and after > 0.3, (before, after)
+    kl = reverse_kls(tmp_path / "run")
+    assert len(kl) == 30 and kl[-1] < kl[0] / 2, kl
