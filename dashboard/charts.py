@@ -99,3 +99,31 @@ def overlay(frames: dict[str, pd.DataFrame], metric: str, height: int = HEIGHT) 
         )
     )
     return _sized(chart, metric, height)
+
+
+PROFILE = "distill/reverse_kl_q"  # forge/rewards/teacher.py position_profile: quarters of the sampled tokens
+
+
+def position_profile(frame: pd.DataFrame) -> alt.Chart | None:
+    """On-policy distillation: the reverse KL to the teacher by quarter of each completion's sampled tokens, at the
+    first and the last step that recorded it (grouped bars): where in the completion the student disagrees."""
+    cols = sorted(c for c in frame.columns if c.startswith(PROFILE))
+    rows = frame[cols].dropna(how="all") if cols else frame.iloc[0:0]
+    if rows.empty:
+        return None
+    picked = rows.loc[sorted({rows.index[0], rows.index[-1]})]
+    data = picked.reset_index().melt("step", var_name="quarter", value_name="value").dropna(subset=["value"])
+    data["quarter"] = data["quarter"].str.removeprefix(PROFILE).map(lambda q: f"quarter {q}")
+    data["step"] = data["step"].map(lambda s: f"step {s}")
+    chart = (
+        alt.Chart(data)
+        .mark_bar()
+        .encode(
+            x=alt.X("quarter:N", title="position in the completion (quarters of its sampled tokens)"),
+            xOffset="step:N",
+            y=alt.Y("value:Q", title=None, axis=alt.Axis(format=Y_FORMAT)),
+            color=alt.Color("step:N", legend=LEGEND),
+            tooltip=["step:N", "quarter:N", alt.Tooltip("value:Q", format=".4g")],
+        )
+    )
+    return _sized(chart, "reverse KL to the teacher by position (first and last step)")

@@ -1,7 +1,8 @@
 """Run detail page: key numbers, training curves, stage times, samples, the Weaver plan and the config of one run;
 with a probe set, probe pass@1 beside eval pass@1 and the reward, and the collapse guard's firings. A multi-turn run
 adds its episode curves (env/*) and shows a picked sample as a chat transcript: the prompt, the policy's turns with
-their tool calls set apart, each tool's answer as its own message (errors in red), and the episode's figures."""
+their tool calls set apart, each tool's answer as its own message (errors in red), and the episode's figures. A run
+with a teacher (on-policy distillation) adds the reverse KL to it, by step and by position in the completion."""
 
 import time
 
@@ -87,6 +88,12 @@ def curves(name: str) -> None:
     if any(c.startswith("env/") for c in frame.columns):
         st.subheader("Episodes (multi-turn)")
         _grid([(title, charts.lines(frame, cols, title, points)) for title, cols, points in ENV_CURVES])
+    if "distill/reverse_kl" in frame.columns:  # reward.teacher: on-policy distillation
+        st.subheader("Distillation (teacher)")
+        _grid([("reverse KL to the teacher", charts.lines(frame, ["distill/reverse_kl"], "reverse KL to the "
+                                                           "teacher (mean over sampled tokens)")),
+               ("by position", charts.position_profile(frame)),
+               ("teacher seconds", charts.lines(frame, ["perf/teacher_s"], "teacher seconds per step"))])  # fmt: skip
 
 
 def _grid(specs: list[tuple]) -> None:

@@ -164,3 +164,25 @@ def test_a_growing_run_is_read_again_on_the_next_refresh(tiny_run, runs_copy, mo
     assert "in progress" in texts(at) and "--resume" not in texts(at)  # just updated: not stale
     assert _metric(at, "last reward/mean") == f"{rows[7]['reward/mean']:.3f}"
     assert list(charts(at)["reward (mean ± std, per verifier)"][0]["step"]) == list(range(1, 8))
+
+
+def test_a_distillation_run_shows_the_reverse_kl_by_step_and_by_position(runs_copy, monkeypatch):
+    """A run with reward.teacher logs distill/reverse_kl and its profile over quarters of the sampled tokens
+    (forge/rewards/teacher.py): the page draws the KL per step and the first vs last step's profile."""
+    path = runs_copy / RUN / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in rows[1:]:  # step 0 is the initial evaluation: no rollouts, no teacher
+        s = r["step"]
+        r.update({"distill/reverse_kl": 1.0 / s, "perf/teacher_s": 0.1,
+                  **{f"distill/reverse_kl_q{q}": q / s for q in range(1, 5)}})  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    at = open_page(runs_copy, monkeypatch, "run_detail")
+    shown = charts(at)
+    assert "Distillation (teacher)" in [s.value for s in at.subheader]
+    kl = shown["reverse KL to the teacher (mean over sampled tokens)"][0]
+    assert list(kl["value"]) == pytest.approx([1.0 / s for s in range(1, 13)])
+    profile = shown["reverse KL to the teacher by position (first and last step)"][0]
+    got = {(row.step, row.quarter): row.value for row in profile.itertuples()}
+    assert got == pytest.approx({**{("step 1", f"quarter {q}"): q for q in range(1, 5)},
+                                 **{("step 12", f"quarter {q}"): q / 12 for q in range(1, 5)}})  # fmt: skip
+    assert "teacher seconds per step" in shown
