@@ -15,30 +15,15 @@ import dataclasses
 import pytest
 import torch
 
-from forge import trainer as trainer_mod
 from forge.advantages import advantage_mass, advantage_rows, per_completion
 from forge.config import RunConfig
 from forge.recipes.grpo import LOSSES
 from tests.grpo_parts import Trainer
-from tests.test_shared_prefix import T, rollouts, tiny
+from tests.test_shared_prefix import T, packed_calls, rollouts, tiny  # noqa: F401  (packed_calls: a fixture)
 
 torch.set_num_threads(1)
 
 ADVANTAGES = torch.tensor([1.0, -0.5, 0.25, 0.75, -1.0, 0.5])  # [N]
-
-
-@pytest.fixture()
-def packed_calls(monkeypatch):
-    """How many forwards took the packed (shared-prefix) path."""
-    calls = []
-    real = trainer_mod.packed_logits
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(trainer_mod, "packed_logits", spy)
-    return calls
 
 
 def multi_turn(tok):
@@ -80,7 +65,7 @@ VARIANTS = [(loss, {}) for loss in LOSSES] + [
 
 @pytest.mark.parametrize("shared", [True, False], ids=["packed", "plain"])
 @pytest.mark.parametrize("loss, extra", VARIANTS, ids=[f"{v[0]}-{'-'.join(v[1]) or 'base'}" for v in VARIANTS])
-def test_broadcast_per_token_advantages_train_bitwise_like_per_completion(tok, packed_calls, loss, extra, shared):
+def test_broadcast_per_token_advantages_train_bitwise_like_per_completion(tok, packed_calls, loss, extra, shared):  # noqa: F811
     ro = multi_turn(tok)
     cfg = config(loss, shared, **extra)
     per_seq = train_twice(tok, cfg, ro, ADVANTAGES)
