@@ -15,9 +15,9 @@ reverse KL is already on an absolute scale.
 
 Where this departs from the recipes it follows (Agarwal et al. 2024, "On-policy distillation of language models";
 Gu et al. 2024, MiniLLM; Thinking Machines' "On-policy distillation", 2025): log p_student is the rollout's own
-sampling log-prob (the behaviour policy mu, over logits / rollout.temperature), not a recomputation by the trainer;
-the teacher's is at temperature 1. At rollout.temperature = 1 and on-policy (algo.max_staleness = 0) that is the
-reverse KL of the policy being trained. The teacher runs under the update's precision, like the reference model
+sampling log-prob (the behaviour policy mu, over logits / rollout.temperature), not a recomputation by the trainer,
+and the teacher is scored at that temperature too (the recipes sample at 1): on-policy (algo.max_staleness = 0) that
+is the reverse KL between the tempered policy being trained and the tempered teacher, 0 for a teacher equal to it. The teacher runs under the update's precision, like the reference model
 (`forge.precision.update_bf16`: bf16 on GPUs, on a CPU only when update.autocast_bf16 asks and it has bf16 units).
 A teacher log-prob that is not finite makes that step's loss non-finite, so the trainer skips it and counts it as
 it counts any non-finite step (`update.max_skipped_steps`); it is never trained on.
@@ -50,19 +50,21 @@ class Teacher:
         self.device = default_device()
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.bf16 = update_bf16(cfg.update.autocast_bf16, self.device.type)
-        self.batch_size = cfg.rollout.batch_size
+        self.batch_size, self.temperature = cfg.rollout.batch_size, cfg.rollout.temperature
 
     @torch.no_grad()
     def logprobs(self, ro: Rollouts) -> torch.Tensor:
-        """[N, T] the teacher's log-prob (temperature 1) of every completion token, teacher-forced over the whole
-        episode (every real token attended); read only where `ro.loss_mask` is 1."""
+        """[N, T] the teacher's log-prob of every completion token at the sampling temperature (rollout.temperature,
+        the one the student's sampling log-probs have), teacher-forced over the whole episode (every real token
+        attended); read only where `ro.loss_mask` is 1."""
         from forge.trainer import token_logprobs
 
         out = []
         for i in range(0, ro.num_completions, self.batch_size):
             sl = slice(i, i + self.batch_size)
             args = (ro.prompt_ids[sl], ro.prompt_mask[sl], ro.completion_ids[sl], ro.completion_mask[sl])
-            res = token_logprobs(self.model, *(a.to(self.device) for a in args), autocast_bf16=self.bf16)
+            res = token_logprobs(self.model, *(a.to(self.device) for a in args), temperature=self.temperature,
+                                 autocast_bf16=self.bf16)  # fmt: skip
             out.append(res.logp.float().cpu())
         return torch.cat(out)
 

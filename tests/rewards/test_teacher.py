@@ -72,17 +72,20 @@ def rows():
     return [{"prompt": p, "answer": str(eval(p[:-1]))} for p in PROMPTS]  # 1+2= -> 3
 
 
-def on_policy(model, ro):
-    """The rollouts with the sampler's log-probs those of `model` at temperature 1 (what it sampled them with)."""
+def on_policy(model, ro, temperature: float = 1.0):
+    """The rollouts with the sampler's log-probs those of `model` at `temperature` (what it sampled them with)."""
     args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
     with torch.no_grad():
-        logp = token_logprobs(model, *args).logp
+        logp = token_logprobs(model, *args, temperature=temperature).logp
     return dataclasses.replace(ro, sampling_logprobs=logp * ro.completion_mask)
 
 
-def test_teacher_equal_to_student_gives_zero_reverse_kl_and_zero_gradient(tok, student, tmp_path):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_teacher_equal_to_student_gives_zero_reverse_kl_and_zero_gradient(tok, student, tmp_path, temperature):
+    """At any sampling temperature: the teacher is scored at the rollout's temperature, as the student sampled."""
     cfg = distill_cfg(save(student, tok, tmp_path / "teacher"))
-    ro = on_policy(student, make_rollouts(tok))
+    cfg.rollout.temperature = temperature
+    ro = on_policy(student, make_rollouts(tok), temperature)
     batch = RewardWorker(cfg).score(rows(), ro, 1)
     assert batch.advantages.shape == ro.completion_ids.shape  # [N, T]: per token
     assert batch.reward_metrics["distill/reverse_kl"] == 0.0
