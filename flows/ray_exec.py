@@ -144,12 +144,7 @@ class RayStages:
             self.reservation = self._reserve(cores)
             self._start_trainers(self.reservation.of("update"), micro_update)
             self._start_rollouts(self.reservation.of("rollout"), cores)
-            self.reward_actor = self._actor(self.reservation.of("reward")[0], "reward")
-            rows = train_row_count(run_dir)
-            self._get([self.reward_actor.start.remote("reward", cfg, rows, load_teacher=not self.teacher)], "reward")
-            if self.teacher:
-                self.teacher_actor = self._actor(self.reservation.of("teacher")[0], "teacher")
-                self.places["teacher"] = self._get([self.teacher_actor.start.remote("teacher", cfg)], "teacher")
+            self._start_scorers(train_row_count(run_dir))
             self.balancer = ThroughputBalancer(len(self.actors["rollout"]))
             if self.group:
                 self._start_weight_group()
@@ -193,6 +188,18 @@ class RayStages:
         starts = [a.start.remote("update", self.cfg, rank=r, world=world, master_addr=addr, master_port=port,
                                  micro_update=micro_update) for r, a in enumerate(ranks)]  # fmt: skip
         self.places["update"] = self._get(starts, "update")
+
+    def _start_scorers(self, train_rows: int) -> None:
+        """The reward actor and, distilling, the teacher actor (the reward actor then loads no teacher), started
+        together: each loads what it needs at the same time."""
+        self.reward_actor = self._actor(self.reservation.of("reward")[0], "reward")
+        starts = {"reward": self.reward_actor.start.remote("reward", self.cfg, train_rows,
+                                                           load_teacher=not self.teacher)}  # fmt: skip
+        if self.teacher:
+            self.teacher_actor = self._actor(self.reservation.of("teacher")[0], "teacher")
+            starts["teacher"] = self.teacher_actor.start.remote("teacher", self.cfg)
+        for stage, ref in starts.items():
+            self.places[stage] = self._get([ref], stage)
 
     def _rollout_specs(self, cores: dict[str, int]) -> list[ActorSpec]:
         r = self.cfg.rollout

@@ -558,7 +558,7 @@ def _place_beside(n: StageNeed, anchor: _Draft, anchor_gib: float, pools: list[P
     if anchor.kind == "gpu" and n.kind != "cpu":
         return _beside_gpu(n, anchor, [p for p in pools if p.kind == "gpu"], used)
     home = next((p for p in cpu_pools if p.name == anchor.placements[0].pool), None)
-    if home is None or (home.stages and anchor.stage not in home.stages):
+    if home is None:  # a cpu stage beside a gpu one: any cpu pool (rule 5)
         return _place_cpu(n, cpu_pools, "")
     if home.memory_gib and anchor_gib + n.memory_gib > home.memory_gib:
         why = f"{anchor.stage} {_gib(anchor_gib)} + {n.name} {_gib(n.memory_gib)} exceed pool {home.name}'s RAM; "
