@@ -95,7 +95,7 @@ def stage_needs(
     teacher_params: int = 0,
     teacher_bytes_per_param: float = 4.0,
 ) -> list[StageNeed]:
-    """The five pipeline stages for a model of `model_params` parameters; 0 replicas/processes = as many as fit
+    """The pipeline stages for a model of `model_params` parameters; 0 replicas/processes = as many as fit
     (on CPU: one, since more processes give no speed-up there). On GPUs each rollout replica is a vLLM engine
     spanning `rollout_tp` devices (tensor parallel): the stage takes replicas x tp devices, each holding 1/tp.
 
