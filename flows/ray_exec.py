@@ -470,11 +470,12 @@ def _done(refs: list, wait: bool) -> list:
 
 
 def _check_pools(plan: Plan, run_dir: Path) -> None:
-    """Every pool the stages use must be offered by a live node, else the actors would wait forever to be placed. A
-    pool whose node this run's workers ran on (workers.json) is dead now lost it mid-run: the line names the node
-    and says that the run continues with --resume once one is back."""
+    """Every pool the stages with actors use (the teacher's too, when the run distills) must be offered by a live
+    node, else the actors would wait forever to be placed. A pool whose node this run's workers ran on
+    (workers.json) is dead now lost it mid-run: the line names the node and says that the run continues with
+    --resume once one is back."""
     offered = ray.cluster_resources()
-    for stage in ("rollout", "reward", "update", *(a.stage for a in plan.assignments if a.stage == "teacher")):
+    for stage in [a.stage for a in plan.assignments if a.stage in ("rollout", "reward", "update", "teacher")]:
         for pool in plan.for_stage(stage).pools:
             resource = pool_resource(pool)
             if offered.get(resource, 0) > 0:
