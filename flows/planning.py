@@ -19,6 +19,7 @@ from weaver.pools import Pool, autodetect_pools, pools_from_dicts
 KNOWN_PARAMS = {"smollm2-135m-instruct": 134_515_008}
 TINY_VOCAB = 99  # forge.models.build_char_tokenizer: 95 printable characters (no tabs/newlines) + 4 specials
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+TEACHER_BYTES = BYTES["float32"]  # forge.rewards.teacher.Teacher loads fp32, whatever its dtype
 QKV_BIAS_MODELS = ("qwen2",)  # architectures whose q/k/v projections always carry a bias
 
 
@@ -126,7 +127,8 @@ def make_plan(cfg: RunConfig, pools: list[Pool]) -> Plan:
     try:
         return plan(needs, pools)
     except PlanError as e:
-        raise UserError(str(e)) from None
+        teacher = str(e).startswith("teacher ")  # a teacher that fits nowhere: the line names its directory
+        raise UserError(f"reward.teacher '{cfg.reward.teacher}': {e}" if teacher else str(e)) from None
 
 
 def run_needs(cfg: RunConfig, pools: list[Pool]) -> list[StageNeed]:
@@ -149,10 +151,24 @@ def run_needs(cfg: RunConfig, pools: list[Pool]) -> list[StageNeed]:
         rollout_bytes_per_param=rollout_bytes(cfg, gpu),
         engine_fraction=r.vllm.gpu_memory_utilization if vllm else 0.0,
         gpu_memory_gib=gpu_gib,
+        teacher_params=teacher_params(cfg),
+        teacher_bytes_per_param=TEACHER_BYTES,
     )
     if gpu and vllm:
         _check_engine_fits(cfg, params, gpu_gib)
     return needs
+
+
+def teacher_params(cfg: RunConfig) -> int:
+    """The distillation teacher's parameter count (0 without `reward.teacher`): exact from its safetensors headers,
+    else from its config.json; a missing directory or config.json is one line naming reward.teacher."""
+    if not cfg.reward.teacher:
+        return 0
+    from forge.rewards.teacher import check_teacher_dir
+
+    d = Path(check_teacher_dir(cfg.reward.teacher))
+    config = _read_json(d / "config.json")
+    return params_from_safetensors(d, config) or params_from_config(config)
 
 
 def reference_bytes(cfg: RunConfig) -> int:

@@ -18,6 +18,7 @@ WORKERS = {
     "rollout": "forge.workers:RolloutWorker",
     "reward": "forge.workers:RewardWorker",
     "update": "forge.workers:TrainerWorker",
+    "teacher": "forge.workers:TeacherWorker",
 }
 
 

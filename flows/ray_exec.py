@@ -11,7 +11,10 @@ run. Started once per run (and again after a recovery), each actor loads its mod
   tokens/s (weaver's `ThroughputBalancer`), each share with its data rows and its first row in the step, so
   multi-turn episodes run in the actors (environments and tools there) and sample what one call would;
   evaluation runs on replica 0 (Weaver: evaluate runs in rollout);
-- reward: one actor (`RewardWorker`) on reward's pool.
+- reward: one actor (`RewardWorker`) on reward's pool;
+- teacher (with `reward.teacher`, on-policy distillation): one actor (`TeacherWorker`) on the teacher stage's pool
+  (Weaver: beside update by default, or a cpu pool reserved for it); each step it scores the rollouts (its [N, T]
+  log-probs go by reference to the reward actor, which then loads no teacher of its own).
 
 Placement: each pool's nodes offer the custom resource `pool:<name>` (`ray start --resources '{"pool:gen": 1}'`)
 and every actor asks for a sliver of its pool's (`weaver.apply.actor_specs`) and for its share of the pool's CPUs,
@@ -135,13 +138,13 @@ class RayStages:
         self.places: dict[str, list[dict]] = {}  # stage -> each actor's `where` at start (its node's address)
         self.reservation: Reservation | None = None
         self.pad_id = load_tokenizer(cfg.model).pad_token_id
+        self.teacher = _has_teacher(cfg, self.plan)
         _check_pools(self.plan, self.run_dir)
         try:
             self.reservation = self._reserve(cores)
             self._start_trainers(self.reservation.of("update"), micro_update)
             self._start_rollouts(self.reservation.of("rollout"), cores)
-            self.reward_actor = self._actor(self.reservation.of("reward")[0], "reward")
-            self._get([self.reward_actor.start.remote("reward", cfg, train_row_count(run_dir))], "reward")
+            self._start_scorers(train_row_count(run_dir))
             self.balancer = ThroughputBalancer(len(self.actors["rollout"]))
             if self.group:
                 self._start_weight_group()
@@ -157,6 +160,8 @@ class RayStages:
         its pool's CPUs (what the pool declares, at most what its nodes have) and the GPUs the plan gives it."""
         specs = [*actor_specs(self.plan, "update", cores), *self._rollout_specs(cores),
                  actor_specs(self.plan, "reward", cores)[0]]  # fmt: skip
+        if self.teacher:
+            specs.append(actor_specs(self.plan, "teacher", cores)[0])
         nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
         specs = with_ray_cpus(specs, ray_pool_cpus({s.pool: cores.get(s.pool, 1) for s in specs}, nodes))
         name = f"forgeweave:{self.run_dir.name}:{os.getpid()}:{time.time_ns() % 10**9}"  # unique on the cluster
@@ -183,6 +188,18 @@ class RayStages:
         starts = [a.start.remote("update", self.cfg, rank=r, world=world, master_addr=addr, master_port=port,
                                  micro_update=micro_update) for r, a in enumerate(ranks)]  # fmt: skip
         self.places["update"] = self._get(starts, "update")
+
+    def _start_scorers(self, train_rows: int) -> None:
+        """The reward actor and, distilling, the teacher actor (the reward actor then loads no teacher), started
+        together: each loads what it needs at the same time."""
+        self.reward_actor = self._actor(self.reservation.of("reward")[0], "reward")
+        starts = {"reward": self.reward_actor.start.remote("reward", self.cfg, train_rows,
+                                                           load_teacher=not self.teacher)}  # fmt: skip
+        if self.teacher:
+            self.teacher_actor = self._actor(self.reservation.of("teacher")[0], "teacher")
+            starts["teacher"] = self.teacher_actor.start.remote("teacher", self.cfg)
+        for stage, ref in starts.items():
+            self.places[stage] = self._get([ref], stage)
 
     def _rollout_specs(self, cores: dict[str, int]) -> list[ActorSpec]:
         r = self.cfg.rollout
@@ -296,7 +313,18 @@ class RayStages:
         return self._stored[1]
 
     def reward(self, rows: list[dict], rollouts: Rollouts, step: int) -> ScoredBatch:
-        return self._get([self.reward_actor.call.remote("score", rows, self._ref(rollouts), step)], "reward")[0]
+        """The reward actor's scores; with a teacher, its actor scores the rollouts first and the reward actor reads
+        the [N, T] log-probs by reference (`perf/teacher_s`: the teacher call, submitted to finished)."""
+        ro_ref = self._ref(rollouts)
+        if not self.teacher:
+            return self._get([self.reward_actor.call.remote("score", rows, ro_ref, step)], "reward")[0]
+        start = time.perf_counter()
+        logp = self.teacher_actor.call.remote("logprobs", ro_ref)
+        scored = self.reward_actor.call.remote("score", rows, ro_ref, step, logp)
+        self._get([logp], "teacher")  # a dead teacher is named as such, not as the reward actor's failed argument
+        seconds = time.perf_counter() - start
+        batch = self._get([scored], "reward")[0]
+        return dataclasses.replace(batch, reward_metrics={**batch.reward_metrics, "perf/teacher_s": seconds})
 
     def update(self, rollouts: Rollouts, advantages: torch.Tensor) -> UpdateStats:
         """One step on every rank; rank 0's new weights go to the rollout actors. On-policy the loop waits for them
@@ -442,11 +470,12 @@ def _done(refs: list, wait: bool) -> list:
 
 
 def _check_pools(plan: Plan, run_dir: Path) -> None:
-    """Every pool the stages use must be offered by a live node, else the actors would wait forever to be placed. A
-    pool whose node this run's workers ran on (workers.json) is dead now lost it mid-run: the line names the node
-    and says that the run continues with --resume once one is back."""
+    """Every pool the stages with actors use (the teacher's too, when the run distills) must be offered by a live
+    node, else the actors would wait forever to be placed. A pool whose node this run's workers ran on
+    (workers.json) is dead now lost it mid-run: the line names the node and says that the run continues with
+    --resume once one is back."""
     offered = ray.cluster_resources()
-    for stage in ("rollout", "reward", "update"):
+    for stage in [a.stage for a in plan.assignments if a.stage in ("rollout", "reward", "update", "teacher")]:
         for pool in plan.for_stage(stage).pools:
             resource = pool_resource(pool)
             if offered.get(resource, 0) > 0:
@@ -468,6 +497,16 @@ def _lost_nodes(run_dir: Path, stage: str) -> list[str]:
         return []
     dead = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in ray.nodes() if not n.get("Alive")}
     return sorted({f"{dead[w['node_id']]} ({w['node_id'][:8]})" for w in where if w.get("node_id") in dead})
+
+
+def _has_teacher(cfg: RunConfig, plan: Plan) -> bool:
+    """Whether the run distills (`reward.teacher`) and so starts a teacher actor: the plan must then place it."""
+    if not cfg.reward.teacher:
+        return False
+    if not any(a.stage == "teacher" for a in plan.assignments):
+        raise UserError(f"reward.teacher '{cfg.reward.teacher}' is set but Weaver's plan has no teacher stage: "
+                        "plan the run again (flows.planning.plan_run) with this config")  # fmt: skip
+    return True
 
 
 def _first_line(e: BaseException) -> str:

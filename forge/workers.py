@@ -11,7 +11,9 @@ node Weaver planned for its stage. Nothing here knows which: no Ray, no Prefect.
   `forge.weight_group`) or as a dict (`load_weights(weights, version)`) and refuses to sample for another version.
 - `RewardWorker`: verifiers -> the reward (`reward.aggregate`: weighted, mean, majority vote or the label-free
   ensemble; forge/rewards/aggregate.py) -> group advantages (`score`); with `reward.teacher`, plus the teacher's
-  per-token distillation advantage ([N, T]; forge/rewards/teacher.py), the teacher loaded once in this worker.
+  per-token distillation advantage ([N, T]; forge/rewards/teacher.py): in-process the teacher is loaded once in
+  this worker; in Ray mode a `TeacherWorker` of its own scores the rollouts and `score` gets its log-probs.
+- `TeacherWorker`: the distillation teacher (`reward.teacher`, loaded once): `logprobs(rollouts)` -> [N, T].
 - `TrainerWorker`: one update rank (rank r of a world of N: a torch.distributed group, gloo on CPU, NCCL on GPU,
   with Accelerate inside); `step` trains on the rank's share of a batch (and returns the new weights on rank 0 if
   asked); rank 0 hosts the weight group and `send_weights` broadcasts them to the rollout workers;
@@ -225,8 +227,10 @@ class RolloutWorker:
 class RewardWorker:
     """The reward stage: per-verifier scores, the aggregated reward (`reward.aggregate`), group advantages."""
 
-    def __init__(self, cfg: RunConfig, train_rows: int = 0):
-        """`train_rows`: the training split's size, for trainer_state.epoch (0 = unknown: epoch stays 0)."""
+    def __init__(self, cfg: RunConfig, train_rows: int = 0, load_teacher: bool = True):
+        """`train_rows`: the training split's size, for trainer_state.epoch (0 = unknown: epoch stays 0);
+        `load_teacher`: load `reward.teacher` here (False: a `TeacherWorker` elsewhere passes its log-probs to
+        `score`, as in Ray mode)."""
         self.cfg = cfg
         self.train_rows = train_rows
         self.verifiers = resolve_verifiers(cfg.reward.verifiers, cfg.reward)
@@ -237,13 +241,16 @@ class RewardWorker:
             names = [name for name, _ in self.verifiers]
             self.aggregator = EnsembleAggregator(names, cfg.reward.ensemble, cfg.seed)
         self.teacher = None
-        if cfg.reward.teacher:  # on-policy distillation: loaded once, scores every step's sampled tokens
+        if cfg.reward.teacher and load_teacher:  # on-policy distillation: loaded once, scores every step's tokens
             from forge.rewards.teacher import Teacher
 
             self.teacher = Teacher(cfg)
 
-    def score(self, rows: list[dict], rollouts: Rollouts, step: int) -> ScoredBatch:
-        """Score step `step`'s completions; safe to repeat for the same step (the ensemble replaces its entry)."""
+    def score(self, rows: list[dict], rollouts: Rollouts, step: int,
+              teacher_logp: torch.Tensor | None = None) -> ScoredBatch:  # fmt: skip
+        """Score step `step`'s completions; safe to repeat for the same step (the ensemble replaces its entry).
+        `teacher_logp`: [N, T] the teacher's log-probs of the sampled tokens (`TeacherWorker.logprobs`), when a
+        teacher worker of its own computed them; else, with `reward.teacher`, this worker's teacher does."""
         g = rollouts.group_size
         result = score_completions(
             self.verifiers,
@@ -272,23 +279,30 @@ class RewardWorker:
         if failed.any():
             rewards = rewards.masked_fill(failed, 0.0)
         advantages = group_advantages(rewards, g, self.cfg.algo.advantage)  # [N]
-        if self.teacher is not None:  # + weight * the teacher's per-token advantage: [N, T]
-            advantages, distill = self.distill(advantages, rollouts)
+        if self.cfg.reward.teacher:  # + weight * the teacher's per-token advantage: [N, T]
+            advantages, distill = self.distill(advantages, rollouts, teacher_logp)
             extra = {**extra, **distill}
         return ScoredBatch(result.names, result.scores, rewards, advantages, result.failures,
                            verifier_errors=result.errors, verifier_errored=result.errored, reward_metrics=extra,
                            ensemble_report=report)  # fmt: skip
 
-    def distill(self, advantages: torch.Tensor, rollouts: Rollouts) -> tuple[torch.Tensor, dict[str, float]]:
-        """The [N, T] advantages with the teacher's term (forge/rewards/teacher.py), `distill/reverse_kl` and the
-        teacher's seconds (`perf/teacher_s`)."""
+    def distill(self, advantages: torch.Tensor, rollouts: Rollouts,
+                teacher_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+        """The [N, T] advantages with the teacher's term (forge/rewards/teacher.py) and `distill/reverse_kl`; with
+        this worker's own teacher (no `teacher_logp` given) also its seconds (`perf/teacher_s`; in Ray mode the
+        driver times the teacher actor's call)."""
         from forge.rewards.teacher import distill_advantages
 
-        start = time.perf_counter()
-        teacher_logp = self.teacher.logprobs(rollouts)  # [N, T]
+        timed = {}
+        if teacher_logp is None:
+            if self.teacher is None:
+                raise RuntimeError("this reward worker holds no teacher: pass the teacher worker's log-probs")
+            start = time.perf_counter()
+            teacher_logp = self.teacher.logprobs(rollouts)  # [N, T]
+            timed = {"perf/teacher_s": time.perf_counter() - start}
         r = self.cfg.reward
         combined, metrics = distill_advantages(advantages, teacher_logp, rollouts, r.teacher_weight, r.teacher_discount)
-        return combined, {**metrics, "perf/teacher_s": time.perf_counter() - start}
+        return combined, {**metrics, **timed}
 
     def trainer_state(self, step: int):
         """What TRL passes reward functions as `trainer_state`: a transformers TrainerState. While step `step` is
@@ -309,6 +323,27 @@ class RewardWorker:
 
     def where(self) -> dict:
         return {**where(), "stage": "reward"}
+
+    def close(self) -> None:
+        pass
+
+
+class TeacherWorker:
+    """The distillation teacher as a worker of its own (Ray mode: its own actor, on the pool Weaver planned for the
+    `teacher` stage): loads `reward.teacher` once and scores each step's sampled tokens."""
+
+    def __init__(self, cfg: RunConfig):
+        from forge.rewards.teacher import Teacher
+
+        _init_process(cfg)
+        self.teacher = Teacher(cfg)
+
+    def logprobs(self, rollouts: Rollouts) -> torch.Tensor:
+        """[N, T] the teacher's log-prob of every completion token (`forge.rewards.teacher.Teacher.logprobs`)."""
+        return self.teacher.logprobs(rollouts)
+
+    def where(self) -> dict:
+        return {**where(), "stage": "teacher", "device": str(self.teacher.device)}
 
     def close(self) -> None:
         pass

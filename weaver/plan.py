@@ -25,6 +25,11 @@ Rules, in the order `plan` applies them:
    else to a cpu pool, and the reason says which.
 7. A stage with `runs_in` (evaluate samples with the rollout engine) takes the first `max_devices` (0 = all)
    devices or processes of that stage and adds no memory.
+8. A stage placed `beside` another (the distillation teacher beside update, where the reference model lives) is one
+   process: in a cpu pool reserved for it (`stages: [teacher]`) when one is declared; else on the other stage's
+   first GPU when that GPU has room left for it (memory tracked per device, after rules 2-4), else on the GPU with
+   the most room left; on CPU in the other stage's pool (a pool reserved for that stage takes it too) when the
+   pool's RAM, if declared, holds both, else as rule 5.
 An impossible plan raises `PlanError` with one line naming the stage, what it needs and what the pools have.
 
 Memory estimates (`stage_needs`): update holds fp32 weights + grads + AdamW moments = 16 bytes/param, plus a
@@ -32,7 +37,8 @@ reference model's weights when the KL penalty needs one, x1.25 for activations, 
 holds the full state, each FSDP process 1/N of it (the reference is sharded too). Rollout/evaluate
 hold weights in the rollout's dtype (default 2 bytes/param bf16 on GPU, 4 fp32 on CPU) plus an equal KV-cache
 margin, +1 GiB; a vLLM engine on a GPU takes its configured fraction of the GPU, whatever the model needs. Prep and
-reward are small CPU stages; evaluate runs in rollout (rule 7).
+reward are small CPU stages; evaluate runs in rollout (rule 7). A distillation teacher (`teacher_params` > 0) holds
+its weights (`teacher_bytes_per_param` each) +1 GiB, beside update (rule 8).
 """
 
 from __future__ import annotations
@@ -69,6 +75,9 @@ class StageNeed:
     runs_in: str = ""
     """Another stage whose processes run this one (evaluate samples with the rollout engine): it goes on that
     stage's devices/pool and adds no memory; `kind` and `memory_gib` are then not used."""
+    beside: str = ""
+    """Another stage this one goes with by default (rule 8: the teacher beside update), one process adding its
+    `memory_gib` there; a cpu pool reserved for this stage takes it instead."""
 
 
 def stage_needs(
@@ -83,8 +92,10 @@ def stage_needs(
     rollout_bytes_per_param: float = 0.0,
     engine_fraction: float = 0.0,
     gpu_memory_gib: float = 0.0,
+    teacher_params: int = 0,
+    teacher_bytes_per_param: float = 4.0,
 ) -> list[StageNeed]:
-    """The five pipeline stages for a model of `model_params` parameters; 0 replicas/processes = as many as fit
+    """The pipeline stages for a model of `model_params` parameters; 0 replicas/processes = as many as fit
     (on CPU: one, since more processes give no speed-up there). On GPUs each rollout replica is a vLLM engine
     spanning `rollout_tp` devices (tensor parallel): the stage takes replicas x tp devices, each holding 1/tp.
 
@@ -92,7 +103,9 @@ def stage_needs(
     or with 0 the fewest GPUs of `gpu_memory_gib` whose shards fit (the plan may then give it more). A reference
     model (the KL penalty's) adds `reference_bytes_per_param` (its dtype's size; 0 = none) to it. Rollout holds
     `rollout_bytes_per_param` (0 = 2 on GPU, 4 on CPU) x2 for a KV-cache margin; an engine that reserves a
-    fraction of its GPU (`engine_fraction` of `gpu_memory_gib`, vLLM's gpu_memory_utilization) takes that."""
+    fraction of its GPU (`engine_fraction` of `gpu_memory_gib`, vLLM's gpu_memory_utilization) takes that.
+    `teacher_params` > 0 adds a sixth stage, `teacher` (on-policy distillation): one process of update's kind
+    holding `teacher_bytes_per_param` per parameter +1 GiB, placed beside update (rule 8)."""
     if model_params <= 0 or rollout_replicas < 0 or update_processes < 0 or rollout_tp < 1:
         raise PlanError(
             f"stage_needs: model_params must be > 0 and counts >= 0, got {model_params}, "
@@ -109,13 +122,27 @@ def stage_needs(
     if gpu and engine_fraction > 0 and gpu_memory_gib > 0:
         rollout_gib = generate_gib = max(rollout_gib, engine_fraction * gpu_memory_gib)
     update_range = (shards, shards if update_processes else 0) if shards > 1 else _count_range(update_processes, gpu)
-    return [
+    needs = [
         StageNeed("prep", "cpu", 1, 1, SMALL_STAGE_GIB),
         StageNeed("rollout", kind, *_count_range(rollout_replicas * tp, gpu), memory_gib=round(rollout_gib, 2)),
         StageNeed("reward", "cpu", 1, 1, SMALL_STAGE_GIB),
         StageNeed("update", kind, *update_range, memory_gib=round(update_gib, 2)),
         StageNeed("evaluate", "any", 1, 0, round(generate_gib, 2), runs_in="rollout"),
     ]
+    if teacher_params > 0:
+        teacher_gib = teacher_memory_gib(teacher_params, teacher_bytes_per_param)
+        needs.append(StageNeed("teacher", kind, 1, 1, round(teacher_gib, 2), beside=ANCHOR))
+    return needs
+
+
+def teacher_memory_gib(params: int, bytes_per_param: float = 4.0) -> float:
+    """GiB a distillation teacher holds: its weights (no gradients, no optimizer state) +1 runtime; its forward's
+    activations are one `rollout.batch_size` of rows at a time, inside the runtime margin for the models planned here.
+
+    >>> round(teacher_memory_gib(1_000_000_000, 2), 2)
+    2.86
+    """
+    return params * bytes_per_param / GIB + RUNTIME_GIB
 
 
 def update_memory_gib(model_params: int, shards: int = 1, reference_bytes: float = 0.0) -> float:
@@ -289,12 +316,12 @@ def plan(stages: list[StageNeed], pools: list[Pool]) -> Plan:
     validate_pools(list(pools))
     gpu_pools = [p for p in pools if p.kind == "gpu"]
     cpu_pools = [p for p in pools if p.kind == "cpu"]
-    gpu_needs = [s for s in stages if s.kind == "gpu" and not s.runs_in]
+    gpu_needs = [s for s in stages if s.kind == "gpu" and not s.runs_in and not s.beside]
     gpu_slots, reasons = _place_gpu_stages(gpu_needs, gpu_pools)
     used = _memory_in_use(gpu_needs, gpu_slots)
     drafts: dict[str, _Draft] = {}
     for s in stages:
-        if s.runs_in:
+        if s.runs_in or s.beside:
             continue
         if s.kind == "gpu":
             drafts[s.name] = _Draft(s.name, "gpu", _placements(gpu_slots[s.name]), reasons[s.name])
@@ -303,7 +330,10 @@ def plan(stages: list[StageNeed], pools: list[Pool]) -> Plan:
         else:
             drafts[s.name] = _place_any(s, gpu_pools, cpu_pools, used)
     for s in stages:
-        if s.runs_in:
+        if s.beside:
+            anchor = next(a for a in stages if a.name == s.beside)
+            drafts[s.name] = _place_beside(s, drafts[s.beside], anchor.memory_gib, pools, used)
+        elif s.runs_in:
             drafts[s.name] = _place_inside(s, drafts[s.runs_in])
     ordered = [drafts[s.name] for s in stages]
     return Plan(tuple(_with_colocation(d, ordered) for d in ordered))
@@ -328,6 +358,9 @@ def _validate_stages(stages: list[StageNeed]) -> None:
         hosts = [h for h in stages if h.name == s.runs_in and not h.runs_in]
         if s.runs_in and not hosts:
             raise PlanError(f"stage {s.name!r}: runs_in={s.runs_in!r} must name another planned stage that runs itself")
+        anchors = [a for a in stages if a.name == s.beside and a.name != s.name and not (a.runs_in or a.beside)]
+        if s.beside and (s.runs_in or not anchors):
+            raise PlanError(f"stage {s.name!r}: beside={s.beside!r} must name another planned stage that runs itself")
 
 
 # --- gpu stages ---
@@ -513,6 +546,43 @@ def _place_inside(n: StageNeed, host: _Draft) -> _Draft:
             placements.append(Placement(p.pool, p.host, p.devices[:take], take, p.work_pool))
         left -= take
     return _Draft(n.name, host.kind, tuple(placements), f"runs in {host.stage}'s processes: no extra memory")
+
+
+def _place_beside(n: StageNeed, anchor: _Draft, anchor_gib: float, pools: list[Pool],
+                  used: dict[Slot, float]) -> _Draft:  # fmt: skip
+    """Rule 8: a cpu pool reserved for `n`, else beside `anchor` (whose per-device or total memory is `anchor_gib`).
+    Updates `used`."""
+    cpu_pools = [p for p in pools if p.kind == "cpu"]
+    if own := [p for p in cpu_pools if n.name in p.stages]:
+        return _place_cpu(n, own, "its own pool; ")
+    if anchor.kind == "gpu" and n.kind != "cpu":
+        return _beside_gpu(n, anchor, [p for p in pools if p.kind == "gpu"], used)
+    home = next((p for p in cpu_pools if p.name == anchor.placements[0].pool), None)
+    if home is None:  # a cpu stage beside a gpu one: any cpu pool (rule 5)
+        return _place_cpu(n, cpu_pools, "")
+    if home.memory_gib and anchor_gib + n.memory_gib > home.memory_gib:
+        why = f"{anchor.stage} {_gib(anchor_gib)} + {n.name} {_gib(n.memory_gib)} exceed pool {home.name}'s RAM; "
+        return _place_cpu(n, [p for p in cpu_pools if p is not home], why)
+    reason = f"beside {anchor.stage} in its pool: 1 process on {home.cpu_cores} cores"
+    return _Draft(n.name, "cpu", (Placement(home.name, home.host, (), 1, home.work_pool),), reason)
+
+
+def _beside_gpu(n: StageNeed, anchor: _Draft, gpu_pools: list[Pool], used: dict[Slot, float]) -> _Draft:
+    """Rule 8 on GPUs: the anchor's first device when it has room for `n`, else the GPU with the most room left."""
+    slots = _slots(gpu_pools)
+    first = next(s for s in slots if (s[0].name, s[1]) == (anchor.placements[0].pool, anchor.placements[0].devices[0]))
+    room = {s: s[0].memory_gib - used.get(s, 0.0) for s in slots}
+    best = max(slots, key=lambda s: room[s])  # the first of equals: declaration order
+    pick = first if room[first] >= n.memory_gib else best
+    if room[pick] < n.memory_gib:
+        raise PlanError(
+            f"{n.name} needs {_gib(n.memory_gib)} on one GPU; the most any GPU has left beside the other GPU stages "
+            f"is {_gib(room[best])} ({_summary(gpu_pools)}): declare a cpu pool with stages: [{n.name}]"
+        )
+    used[pick] = used.get(pick, 0.0) + n.memory_gib
+    where = f"beside {anchor.stage} on its GPU" if pick == first else f"no room beside {anchor.stage}; GPU with room"
+    reason = f"{where}: {_gib(n.memory_gib)} of {_gib(room[pick])} left"
+    return _Draft(n.name, "gpu", (Placement(pick[0].name, pick[0].host, (pick[1],), 1, pick[0].work_pool),), reason)
 
 
 def _with_colocation(d: _Draft, drafts: list[_Draft]) -> Assignment:
