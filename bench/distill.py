@@ -97,7 +97,9 @@ def verdict(results: dict, teacher: float) -> list[str]:
     for m, s in steps.items():
         lines.append(f"  {m:8s} reaches it at step {s}" if s is not None else f"  {m:8s} does not reach it")
     d, g = steps.get("distill"), steps.get("grpo")
-    if d is None:
+    if "distill" not in steps or "grpo" not in steps:
+        lines.append("verdict: none: run both the grpo and the distill modes (--modes)")
+    elif d is None:
         lines.append("verdict: distillation alone did not close 80% of the gap within the budget")
     elif g is None:
         lines.append(f"verdict: distillation closes 80% of the gap at step {d}; GRPO alone does not reach it "
