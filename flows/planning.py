@@ -127,7 +127,7 @@ def make_plan(cfg: RunConfig, pools: list[Pool]) -> Plan:
     try:
         return plan(needs, pools)
     except PlanError as e:
-        teacher = str(e).startswith("teacher ")  # a teacher that fits nowhere: the line names its directory
+        teacher = e.stage == "teacher"  # a teacher that fits nowhere: the line names its directory
         raise UserError(f"reward.teacher '{cfg.reward.teacher}': {e}" if teacher else str(e)) from None
 
 

@@ -403,7 +403,8 @@ class RunConfig:
         why = "> 0 cannot be combined with update.strategy=fsdp: use ddp (the adapter is small) or full fine-tuning"
         require(not (lora.rank and u.strategy == "fsdp" and u.num_processes > 1), "model.lora.rank", why)
         sessions = self.env.openenv_max_sessions
-        why = f"is {sessions}, fewer than rollout.replicas={r.replicas}, which share the server at env.openenv_url: raise it"
+        why = f"is {sessions}, fewer than rollout.replicas={r.replicas}, which share the server at env.openenv_url: "
+        why += "raise it"
         require(not (self.env.openenv_url and 0 < sessions < r.replicas), "env.openenv_max_sessions", why)
         return self
 

@@ -20,8 +20,8 @@ log-probs up to float rounding.
 FSDP (`update.strategy=fsdp`, more than one rank) shards the model with torch's `fully_shard` (FSDP2) per decoder
 layer and at the root, because Accelerate 1.15's FSDP plugin is silently ignored on CPU (it wraps the model in
 DDP). Only rank 0 reads the weights; every rank allocates only its shards (`fsdp.shard_from_rank0`), and the
-reference model (algo.beta > 0) is sharded the same way. Checkpoints are sharded (`forge.distributed.state`, `forge.checkpoint`): each rank saves its own slice and a
-checkpoint loads into any strategy and number of ranks.
+reference model (algo.beta > 0) is sharded the same way. Checkpoints are sharded (`forge.distributed.state`,
+`forge.checkpoint`): each rank saves its own slice and a checkpoint loads into any strategy and number of ranks.
 
 Log-probs are computed with explicit position ids from the attention mask (prompts are left-padded, as in
 `generate`), with logits divided by the sampling temperature, and log-softmax taken in fp32 even under bf16
@@ -209,10 +209,11 @@ class Trainer:
         self.fsdp = u.strategy == "fsdp" and self.accelerator.num_processes > 1
         device_type = self.accelerator.device.type
         self.autocast_bf16 = update_bf16(u.autocast_bf16, device_type)
-        if self.fsdp:  # bf16 compute with fp32 reduction on GPUs, as autocast does without FSDP
-            model = fsdp.shard_from_rank0(
-                model, self.accelerator.device, bf16=self.autocast_bf16 and device_type == "cuda"
-            )
+        # FSDP: bf16 compute with fp32 reduction on GPUs, as autocast does without FSDP; the reference alike
+        shard = functools.partial(fsdp.shard_from_rank0, device=self.accelerator.device,
+                                  bf16=self.autocast_bf16 and device_type == "cuda")  # fmt: skip
+        if self.fsdp:
+            model = shard(model)
         if self.fsdp and is_peft(model):
             raise UserError("model.lora.rank > 0 cannot be combined with update.strategy=fsdp: use ddp")
         trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapter only
@@ -227,8 +228,7 @@ class Trainer:
         else:
             self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         if ref_model is not None and self.fsdp:  # sharded like the policy, and loaded from rank 0 alike
-            ref_model = fsdp.shard_from_rank0(ref_model, self.accelerator.device, bf16=self.autocast_bf16 and
-                                              device_type == "cuda").requires_grad_(False)  # fmt: skip
+            ref_model = shard(ref_model).requires_grad_(False)
         elif ref_model is not None:
             ref_model = ref_model.to(self.accelerator.device)
         # LoRA: the reference is the base model, i.e. the policy with its adapter disabled (no second copy)

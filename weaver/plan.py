@@ -577,7 +577,8 @@ def _beside_gpu(n: StageNeed, anchor: _Draft, gpu_pools: list[Pool], used: dict[
     if room[pick] < n.memory_gib:
         raise PlanError(
             f"{n.name} needs {_gib(n.memory_gib)} on one GPU; the most any GPU has left beside the other GPU stages "
-            f"is {_gib(room[best])} ({_summary(gpu_pools)}): declare a cpu pool with stages: [{n.name}]"
+            f"is {_gib(room[best])} ({_summary(gpu_pools)}): declare a cpu pool with stages: [{n.name}]",
+            stage=n.name,
         )
     used[pick] = used.get(pick, 0.0) + n.memory_gib
     where = f"beside {anchor.stage} on its GPU" if pick == first else f"no room beside {anchor.stage}; GPU with room"

@@ -17,8 +17,9 @@ Where this departs from the recipes it follows (Agarwal et al. 2024, "On-policy 
 Gu et al. 2024, MiniLLM; Thinking Machines' "On-policy distillation", 2025): log p_student is the rollout's own
 sampling log-prob (the behaviour policy mu, over logits / rollout.temperature), not a recomputation by the trainer,
 and the teacher is scored at that temperature too (the recipes sample at 1): on-policy (algo.max_staleness = 0) that
-is the reverse KL between the tempered policy being trained and the tempered teacher, 0 for a teacher equal to it. The teacher runs under the update's precision, like the reference model
-(`forge.precision.update_bf16`: bf16 on GPUs, on a CPU only when update.autocast_bf16 asks and it has bf16 units).
+is the reverse KL between the tempered policy being trained and the tempered teacher, 0 for a teacher equal to it.
+The teacher runs under the update's precision, like the reference model (`forge.precision.update_bf16`: bf16 on
+GPUs, on a CPU only when update.autocast_bf16 asks and it has bf16 units).
 A teacher log-prob that is not finite makes that step's loss non-finite, so the trainer skips it and counts it as
 it counts any non-finite step (`update.max_skipped_steps`); it is never trained on.
 """

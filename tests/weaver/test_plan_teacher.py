@@ -71,8 +71,9 @@ def test_a_gpu_teacher_takes_the_gpu_with_most_room_else_a_one_line_error():
     needs = stage_needs(B // 2, gpu=True, update_processes=1, rollout_replicas=1, teacher_params=6 * B)
     with pytest.raises(PlanError, match=r"^teacher needs 23.4 GiB on one GPU; the most any GPU has left beside the "
                                         r"other GPU stages is 21.1 GiB \(gpu: 2 x 24 GiB\): declare a cpu pool "
-                                        r"with stages: \[teacher\]$"):  # fmt: skip
+                                        r"with stages: \[teacher\]$") as e:  # fmt: skip
         plan(needs, [CPU_BOX, gpus(2, 24)])
+    assert e.value.stage == "teacher"  # flows.planning.make_plan names reward.teacher's directory in its line
 
 
 def test_beside_must_name_a_stage_that_runs_itself():
