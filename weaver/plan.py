@@ -26,9 +26,10 @@ Rules, in the order `plan` applies them:
 7. A stage with `runs_in` (evaluate samples with the rollout engine) takes the first `max_devices` (0 = all)
    devices or processes of that stage and adds no memory.
 8. A stage placed `beside` another (the distillation teacher beside update, where the reference model lives) is one
-   process: in a cpu pool reserved for it (`stages: [teacher]`) when one is declared; else on the other stage's
-   first GPU when that GPU has room left for it (memory tracked per device, after rules 2-4), else on the GPU with
-   the most room left; on CPU in the other stage's pool (a pool reserved for that stage takes it too) when the
+   process: in a cpu pool reserved for it (`stages: [teacher]`) when one is declared; else, on a gpu cluster, on
+   the first GPU that holds it in a gpu pool reserved for it (rules 2-4 and 6 never use such a pool); else on the
+   other stage's first GPU when that GPU has room left for it (memory tracked per device, after rules 2-4), else
+   on the GPU with the most room left; on CPU in the other stage's pool (a pool reserved for that stage takes it too) when the
    pool's RAM, if declared, holds both, else as rule 5.
 An impossible plan raises `PlanError` with one line naming the stage, what it needs and what the pools have.
 
@@ -314,7 +315,7 @@ def plan(stages: list[StageNeed], pools: list[Pool]) -> Plan:
     """Assign every stage to pools (see the module docstring for the rules). Pure and deterministic."""
     _validate_stages(stages)
     validate_pools(list(pools))
-    gpu_pools = [p for p in pools if p.kind == "gpu"]
+    gpu_pools = [p for p in pools if p.kind == "gpu" and not p.stages]  # reserved gpu pools: rule 8 only
     cpu_pools = [p for p in pools if p.kind == "cpu"]
     gpu_needs = [s for s in stages if s.kind == "gpu" and not s.runs_in and not s.beside]
     gpu_slots, reasons = _place_gpu_stages(gpu_needs, gpu_pools)
@@ -555,8 +556,10 @@ def _place_beside(n: StageNeed, anchor: _Draft, anchor_gib: float, pools: list[P
     cpu_pools = [p for p in pools if p.kind == "cpu"]
     if own := [p for p in cpu_pools if n.name in p.stages]:
         return _place_cpu(n, own, "its own pool; ")
+    if n.kind != "cpu" and (own := [p for p in pools if p.kind == "gpu" and n.name in p.stages]):
+        return _own_gpu(n, own)
     if anchor.kind == "gpu" and n.kind != "cpu":
-        return _beside_gpu(n, anchor, [p for p in pools if p.kind == "gpu"], used)
+        return _beside_gpu(n, anchor, [p for p in pools if p.kind == "gpu" and not p.stages], used)
     home = next((p for p in cpu_pools if p.name == anchor.placements[0].pool), None)
     if home is None:  # a cpu stage beside a gpu one: any cpu pool (rule 5)
         return _place_cpu(n, cpu_pools, "")
@@ -565,6 +568,18 @@ def _place_beside(n: StageNeed, anchor: _Draft, anchor_gib: float, pools: list[P
         return _place_cpu(n, [p for p in cpu_pools if p is not home], why)
     reason = f"beside {anchor.stage} in its pool: 1 process on {home.cpu_cores} cores"
     return _Draft(n.name, "cpu", (Placement(home.name, home.host, (), 1, home.work_pool),), reason)
+
+
+def _own_gpu(n: StageNeed, own: list[Pool]) -> _Draft:
+    """Rule 8 with a gpu pool reserved for `n`: the first of its GPUs (declaration order) with room for it."""
+    slot = next((s for s in _slots(own) if s[0].memory_gib >= n.memory_gib), None)
+    if slot is None:
+        raise PlanError(f"{n.name} needs {_gib(n.memory_gib)} on one GPU; the gpu pools reserved for it have "
+                        f"{_summary(own)}: give them GPUs with more memory, or drop {n.name} from their stages",
+                        stage=n.name)  # fmt: skip
+    pool, device = slot
+    reason = f"its own gpu pool; {_gib(n.memory_gib)} of {_gib(pool.memory_gib)}"
+    return _Draft(n.name, "gpu", (Placement(pool.name, pool.host, (device,), 1, pool.work_pool),), reason)
 
 
 def _beside_gpu(n: StageNeed, anchor: _Draft, gpu_pools: list[Pool], used: dict[Slot, float]) -> _Draft:
@@ -577,7 +592,7 @@ def _beside_gpu(n: StageNeed, anchor: _Draft, gpu_pools: list[Pool], used: dict[
     if room[pick] < n.memory_gib:
         raise PlanError(
             f"{n.name} needs {_gib(n.memory_gib)} on one GPU; the most any GPU has left beside the other GPU stages "
-            f"is {_gib(room[best])} ({_summary(gpu_pools)}): declare a cpu pool with stages: [{n.name}]",
+            f"is {_gib(room[best])} ({_summary(gpu_pools)}): declare a pool (cpu or gpu) with stages: [{n.name}]",
             stage=n.name,
         )
     used[pick] = used.get(pick, 0.0) + n.memory_gib

@@ -23,6 +23,7 @@ from weaver.discover import Resources
 from weaver.errors import PlanError
 
 PoolKind = Literal["cpu", "gpu"]
+GPU_RESERVABLE = ("teacher",)  # stages placed one process beside another (weaver.plan rule 8)
 POOL_KEYS = ("name", "kind", "devices", "host", "work_pool", "cpu_cores", "memory_gib", "stages")
 
 
@@ -43,8 +44,9 @@ class Pool:
     memory_gib: float = 0.0
     """cpu: total RAM in GiB (0 = not declared, unchecked); gpu: memory PER device in GiB."""
     stages: tuple[str, ...] = ()
-    """cpu pools: the stages this pool is reserved for (empty = any stage). E.g. a `gen` pool for rollout and a
-    `train` pool for update, each a set of Ray nodes in Ray execution."""
+    """The stages this pool is reserved for (empty = any stage). cpu pools: any stages, e.g. a `gen` pool for rollout
+    and a `train` pool for update, each a set of Ray nodes in Ray execution. gpu pools: only `teacher` (GPUs of its
+    own for the distillation teacher); the other GPU stages share the unreserved gpu pools."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -102,8 +104,11 @@ def _check_kind_fields(p: Pool, where: str) -> None:
         raise PlanError(f"{where}.devices: cpu pool {p.name!r} takes no devices; use kind: gpu for GPUs")
     if len(set(p.devices)) != len(p.devices):
         raise PlanError(f"{where}.devices: pool {p.name!r} lists a device twice: {list(p.devices)}")
-    if p.kind == "gpu" and p.stages:
-        raise PlanError(f"{where}.stages: only cpu pools are reserved by stage; gpu pools are shared by the planner")
+    if p.kind == "gpu" and set(p.stages) - set(GPU_RESERVABLE):
+        raise PlanError(
+            f"{where}.stages: a gpu pool is reserved only for {', '.join(GPU_RESERVABLE)}; the other GPU "
+            "stages share the unreserved gpu pools (cpu pools may be reserved for any stage)"
+        )
 
 
 def _pool_from_dict(item: Any, where: str) -> Pool:

@@ -116,6 +116,34 @@ def test_a_pool_whose_nodes_have_too_few_gpus_stops_at_once(cluster, tmp_path):
         start(cfg, tmp_path / "too-many")
 
 
+def test_a_teacher_in_a_gpu_pool_of_its_own_sees_that_pools_gpu(cluster, tmp_path, monkeypatch):
+    """A gpu pool reserved for the distillation teacher (`stages: [teacher]`, weaver rule 8) on a third node: the
+    teacher actor gets that node's GPU, update and rollout keep pool gpu's two. Runs last: its node stays."""
+    from forge.models import load_policy
+    from tests.rewards.test_teacher import save
+
+    with monkeypatch.context() as mp:
+        mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        cluster.add_node(num_cpus=1, num_gpus=1, resources={"pool:distill": 1000}, node_ip_address="127.0.0.1")
+    cfg = gpu_cfg()
+    cfg.pools.append(
+        {"name": "distill", "kind": "gpu", "devices": [0], "memory_gib": 24, "host": "node-t", "stages": ["teacher"]}
+    )
+    cfg.reward.teacher = save(*load_policy(cfg.model, seed=1), tmp_path / "teacher")
+    plan, _ = plan_run(cfg)
+    assert (plan.for_stage("teacher").pool, plan.for_stage("teacher").devices) == ("distill", (0,))
+    assert plan.for_stage("update").devices == (0,) and plan.for_stage("rollout").devices == (1,)
+    run = start(cfg, tmp_path / "run")
+    try:
+        where = run.where()
+        assert run.reservation.gpu_ids == {"gpu": ["0", "1"], "distill": ["0"]}  # Ray's ids, per node
+        assert [w["cuda_visible_devices"] for w in where["teacher"]] == ["0"]
+        assert [w["cuda_visible_devices"] for w in where["update"] + where["rollout"]] == ["0", "1"]
+        assert where["teacher"][0]["node_id"] != where["update"][0]["node_id"]  # on the distill pool's own node
+    finally:
+        run.close()
+
+
 def test_private_ray_runs_on_one_host_lock_their_gpus(tmp_path, monkeypatch):
     """Two private Ray instances cannot see each other's placement groups: the second run waits for the first's GPU
     locks, then stops with one line; once the first lets go, it gets them."""

@@ -253,8 +253,3 @@ def test_a_stage_no_pool_will_take_is_a_one_line_error():
     pools = pools_from_dicts([{"name": "gen", "kind": "cpu", "stages": ["rollout"]}])
     with pytest.raises(PlanError, match="prep: every cpu pool is reserved for other stages"):
         plan(stage_needs(1_000_000, gpu=False), pools)
-
-
-def test_gpu_pools_cannot_be_reserved_by_stage():
-    with pytest.raises(PlanError, match=r"pools\[0\]\.stages: only cpu pools"):
-        pools_from_dicts([{"name": "g", "kind": "gpu", "devices": [0], "memory_gib": 80, "stages": ["update"]}])

@@ -70,10 +70,32 @@ def test_a_gpu_teacher_takes_the_gpu_with_most_room_else_a_one_line_error():
     assert p.for_stage("teacher").reason == "no room beside update; GPU with room: 15.9 GiB of 21.1 GiB left"
     needs = stage_needs(B // 2, gpu=True, update_processes=1, rollout_replicas=1, teacher_params=6 * B)
     with pytest.raises(PlanError, match=r"^teacher needs 23.4 GiB on one GPU; the most any GPU has left beside the "
-                                        r"other GPU stages is 21.1 GiB \(gpu: 2 x 24 GiB\): declare a cpu pool "
-                                        r"with stages: \[teacher\]$") as e:  # fmt: skip
+                                        r"other GPU stages is 21.1 GiB \(gpu: 2 x 24 GiB\): declare a pool "
+                                        r"\(cpu or gpu\) with stages: \[teacher\]$") as e:  # fmt: skip
         plan(needs, [CPU_BOX, gpus(2, 24)])
     assert e.value.stage == "teacher"  # flows.planning.make_plan names reward.teacher's directory in its line
+
+
+def test_a_gpu_pool_reserved_for_the_teacher_is_its_alone():
+    own = Pool("distill", "gpu", (0, 1), host="node-t", cpu_cores=8, memory_gib=24, stages=("teacher",))
+    small = Pool("tiny", "gpu", (0,), host="node-s", cpu_cores=4, memory_gib=12, stages=("teacher",))
+    # 6B teacher: 23.35 GiB; update (10.31) and rollout (2.86) of 0.5B share node-a's one GPU, never the reserved ones
+    p = plan(stage_needs(B // 2, gpu=True, teacher_params=6 * B), [CPU_BOX, small, gpus(1, 24), own])
+    teacher = p.for_stage("teacher")
+    assert (teacher.kind, teacher.pool, teacher.host, teacher.devices) == ("gpu", "distill", "node-t", (0,))
+    assert teacher.reason == "its own gpu pool; 23.4 GiB of 24 GiB"
+    assert teacher.colocated_with == ()
+    assert {p.for_stage(s).pool for s in ("update", "rollout", "evaluate")} == {"gpu"}
+    with pytest.raises(PlanError, match=r"^teacher needs 23.4 GiB on one GPU; the gpu pools reserved for it have "
+                                        r"tiny: 1 x 12 GiB: give them GPUs with more memory, or drop teacher from "
+                                        r"their stages$"):  # fmt: skip
+        plan(stage_needs(B // 2, gpu=True, teacher_params=6 * B), [CPU_BOX, small, gpus(1, 24)])
+
+
+def test_a_gpu_pool_is_reserved_for_the_teacher_only():
+    with pytest.raises(PlanError, match=r"^pools\[0\]\.stages: a gpu pool is reserved only for teacher; the other "
+                                        r"GPU stages share the unreserved gpu pools"):  # fmt: skip
+        pools_from_dicts([{"name": "g", "kind": "gpu", "devices": [0], "memory_gib": 80, "stages": ["rollout"]}])
 
 
 def test_beside_must_name_a_stage_that_runs_itself():
