@@ -29,7 +29,8 @@ Rules, in the order `plan` applies them:
    process: in a cpu pool reserved for it (`stages: [teacher]`) when one is declared; else, on a gpu cluster, on
    the first GPU that holds it in a gpu pool reserved for it (rules 2-4 and 6 never use such a pool); else on the
    other stage's first GPU when that GPU has room left for it (memory tracked per device, after rules 2-4), else
-   on the GPU with the most room left; on CPU in the other stage's pool (a pool reserved for that stage takes it too) when the
+   on the GPU with the most room left; else the other stage takes fewer GPUs (one at a time, down to its minimum)
+   until one has room; on CPU in the other stage's pool (a pool reserved for that stage takes it too) when the
    pool's RAM, if declared, holds both, else as rule 5.
 An impossible plan raises `PlanError` with one line naming the stage, what it needs and what the pools have.
 
@@ -46,7 +47,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from weaver.errors import PlanError
@@ -313,6 +314,38 @@ class _Draft:
 
 def plan(stages: list[StageNeed], pools: list[Pool]) -> Plan:
     """Assign every stage to pools (see the module docstring for the rules). Pure and deterministic."""
+    try:
+        return _plan(stages, pools)
+    except PlanError as e:
+        if (fewer := _room_for_beside(stages, pools, e)) is not None:
+            return fewer
+        raise
+
+
+def _room_for_beside(stages: list[StageNeed], pools: list[Pool], err: PlanError) -> Plan | None:
+    """Rule 8, last resort: a stage placed beside another that no GPU has room for (`err`) gets one when the other
+    stage gives up devices, one at a time down to its minimum (update spread over every GPU leaves no GPU with room
+    for a teacher; one GPU fewer for update frees one). None when that does not help either."""
+    n = next((s for s in stages if s.name == err.stage and s.beside), None)
+    if n is None or n.kind == "cpu":
+        return None
+    anchor = next(s for s in stages if s.name == n.beside)
+    if anchor.kind != "gpu":
+        return None
+    had = _plan([s for s in stages if s is not n], pools).for_stage(anchor.name)
+    had_count = sum(len(p.devices) for p in had.placements)
+    for count in range(had_count - 1, anchor.min_devices - 1, -1):
+        try:
+            trial = _plan([replace(s, max_devices=count) if s is anchor else s for s in stages], pools)
+        except PlanError:
+            continue
+        fewer = trial.for_stage(anchor.name)
+        why = replace(fewer, reason=f"{fewer.reason}; {count} GPUs, not {had_count}: room for {n.name}")
+        return Plan(tuple(why if a.stage == anchor.name else a for a in trial.assignments))
+    return None
+
+
+def _plan(stages: list[StageNeed], pools: list[Pool]) -> Plan:
     _validate_stages(stages)
     validate_pools(list(pools))
     gpu_pools = [p for p in pools if p.kind == "gpu" and not p.stages]  # reserved gpu pools: rule 8 only

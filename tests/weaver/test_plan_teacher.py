@@ -76,6 +76,19 @@ def test_a_gpu_teacher_takes_the_gpu_with_most_room_else_a_one_line_error():
     assert e.value.stage == "teacher"  # flows.planning.make_plan names reward.teacher's directory in its line
 
 
+def test_update_gives_up_a_gpu_for_a_teacher_no_gpu_has_room_for():
+    # 4 x 24 GiB: update (10.31) takes all 4, rollout (2.86) beside it on GPU 0 -> 10.83 / 13.69 left: no room for a
+    # 4B teacher (15.90). Update on 3 GPUs leaves GPU 3 whole (24 >= 15.90).
+    needs = stage_needs(B // 2, gpu=True, teacher_params=4 * B)
+    p = plan(needs, [CPU_BOX, gpus(4, 24)])
+    assert p.for_stage("update").devices == (0, 1, 2) and p.for_stage("teacher").devices == (3,)
+    assert p.for_stage("update").reason.endswith("; 3 GPUs, not 4: room for teacher")
+    assert plan(stage_needs(B // 2, gpu=True), [CPU_BOX, gpus(4, 24)]).for_stage("update").devices == (0, 1, 2, 3)
+    # update asks for exactly 4: it cannot give one up, so the line stays
+    with pytest.raises(PlanError, match=r"^teacher needs 15.9 GiB on one GPU"):
+        plan(stage_needs(B // 2, gpu=True, update_processes=4, teacher_params=4 * B), [CPU_BOX, gpus(4, 24)])
+
+
 def test_a_gpu_pool_reserved_for_the_teacher_is_its_alone():
     own = Pool("distill", "gpu", (0, 1), host="node-t", cpu_cores=8, memory_gib=24, stages=("teacher",))
     small = Pool("tiny", "gpu", (0,), host="node-s", cpu_cores=4, memory_gib=12, stages=("teacher",))
