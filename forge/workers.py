@@ -164,15 +164,18 @@ class RolloutWorker:
         return time.perf_counter() - t0
 
     def join_weight_group(self, rank: int, world: int, address: str, port: int, plan: WeightPlan,
-                          local_address: str = "") -> None:  # fmt: skip
+                          local_address: str = "", backend: str = "") -> None:  # fmt: skip
         """Join the weight group hosted by update rank 0 at `address:port` as `rank` (a vLLM engine: its workers as
         `rank`, `rank + 1`, ...); blocks until all have joined. `plan`: the layout of every sync
-        (`TrainerWorker.host_weight_group`)."""
-        self.group_member = {"rank": rank, "world": world, "address": address, "port": port}
+        (`TrainerWorker.host_weight_group`); `backend`: the group's (`forge.weight_group`; ipc when colocated)."""
+        self.group_member = {"rank": rank, "world": world, "address": address, "port": port, "backend": backend}
+        if self.weight_group is not None:  # a group rebuilt: the old one is gone with its host
+            self.weight_group.close()
+            self.weight_group = None
         if self.cfg.rollout.backend != "hf":
-            self.backend.join_weight_group(rank, world, address, port, plan, local_address)
+            self.backend.join_weight_group(rank, world, address, port, plan, local_address, backend)
             return
-        self.weight_group, self.weight_plan = WeightGroup(rank, world), plan
+        self.weight_group, self.weight_plan = WeightGroup(rank, world, backend), plan
         self.weight_group.connect(address, port, local_address=local_address)
         self._load_into = copy_into(self.model)
 
@@ -409,15 +412,16 @@ class TrainerWorker:
         dtype = publish_dtype(self.cfg, next(iter(full.values())).dtype)
         return {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
 
-    def host_weight_group(self, address: str, world: int) -> tuple[WeightPlan, int]:
+    def host_weight_group(self, address: str, world: int, backend: str = "") -> tuple[WeightPlan, int]:
         """Rank 0: open the weight group's store on `address` for `world` members (this rank and the rollout
-        engines' workers); returns (the plan of what each sync sends, the port). `connect_weight_group` next."""
+        engines' workers; `backend`: `forge.weight_group`'s, '' = gloo/NCCL, ipc when colocated); returns (the plan
+        of what each sync sends, the port). `connect_weight_group` next."""
         assert self.rank == 0, "the weight group is hosted by update rank 0"
-        self.weight_group = WeightGroup(0, world)
+        self.weight_group = WeightGroup(0, world, backend)
         shapes = self.trainer.publish_shapes()
         self.weight_plan = make_plan(shapes, publish_dtype(self.cfg, shapes[0][1]))
         port = self.weight_group.host(address)
-        self.group_member = {"rank": 0, "world": world, "address": address, "port": port}
+        self.group_member = {"rank": 0, "world": world, "address": address, "port": port, "backend": backend}
         return self.weight_plan, port
 
     def connect_weight_group(self, address: str, port: int) -> None:

@@ -176,11 +176,11 @@ class VLLMBackend:
         return 0.0
 
     def join_weight_group(self, first_rank: int, world: int, address: str, port: int, plan,
-                          local_address: str = "") -> None:  # fmt: skip
+                          local_address: str = "", backend: str = "") -> None:  # fmt: skip
         """Every worker of this engine joins the weight group (`forge.weight_group`) as `first_rank` + its own rank;
-        `plan`: the layout of every sync."""
+        `plan`: the layout of every sync; `backend`: the group's ('' = gloo/NCCL; ipc when colocated)."""
         self.llm.collective_rpc("forgeweave_join_weight_group",
-                                args=(first_rank, world, address, port, plan, local_address))  # fmt: skip
+                                args=(first_rank, world, address, port, plan, local_address, backend))  # fmt: skip
 
     def receive_weights(self, version: int) -> None:
         """One sync from the weight group into every worker's model (its `reload_weights`), labelled `version`."""
@@ -271,19 +271,26 @@ class WeightReceiver:
     """Mixed into every vLLM worker (`LLM(worker_extension_cls=EXTENSION)`) and called by name through
     `LLM.collective_rpc`: each worker is one member of the weight group. vLLM mixes the class in as a base of its
     worker class and refuses names the worker already has, hence the prefix. A worker holds one sync's buckets until
-    its `reload_weights` has run (the engine's own loader needs every q/k/v and gate/up part before it fuses them)."""
+    its `reload_weights` has run (the engine's own loader needs every q/k/v and gate/up part before it fuses them);
+    over ipc it keeps clones, since the views it is handed are the trainer's memory, which goes back after each
+    bucket's ack."""
 
     def forgeweave_join_weight_group(self, first_rank: int, world: int, address: str, port: int, plan,
-                                     local_address: str = "") -> None:  # fmt: skip
+                                     local_address: str = "", backend: str = "") -> None:  # fmt: skip
         from forge.weight_group import WeightGroup
 
-        self.forgeweave_group = WeightGroup(first_rank + self.rank, world)
+        if getattr(self, "forgeweave_group", None) is not None:  # a group rebuilt: the old one is gone with its host
+            self.forgeweave_group.close()
+        self.forgeweave_group = WeightGroup(first_rank + self.rank, world, backend)
         self.forgeweave_plan = plan
         self.forgeweave_group.connect(address, port, local_address=local_address)
 
     def forgeweave_receive_weights(self) -> int:
         pairs: list[tuple[str, torch.Tensor]] = []
-        nbytes = self.forgeweave_group.receive(self.forgeweave_plan, pairs.extend)
+        keep = pairs.extend
+        if self.forgeweave_group.backend == "ipc":
+            keep = lambda got: pairs.extend((name, t.clone()) for name, t in got)  # noqa: E731
+        nbytes = self.forgeweave_group.receive(self.forgeweave_plan, keep)
         _reload_in_worker(self, dict(pairs))
         return nbytes
 
