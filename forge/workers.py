@@ -110,6 +110,7 @@ class RolloutWorker:
         self.model, self.tokenizer = model, tokenizer
         r = cfg.rollout
         self.sleeps = rollout_sleeps(cfg)
+        self.sleep_level = generate_sleep_level(cfg)  # after a generate: 2 when a sync comes next
         self.backend = make_backend(r.backend, model, tokenizer, autocast_bf16=r.autocast_bf16, rollout=r,
                                     work_dir=Path(work_dir) if work_dir else None, sleep=self.sleeps)  # fmt: skip
         if r.backend == "vllm":  # the engine holds its own copy (received by sync): keep no fp32 policy here
@@ -138,7 +139,7 @@ class RolloutWorker:
             rollouts = self.backend.generate(prompts, params)
         seconds = time.perf_counter() - t0
         if self.sleeps:  # the update comes next: give it the engine's GPU memory until the weights arrive
-            self.backend.sleep()
+            self.backend.sleep(self.sleep_level)
         return dataclasses.replace(rollouts, seconds=seconds)
 
     def _episodes(self, rows: list[dict] | None, params: SamplingParams) -> Rollouts:
@@ -209,8 +210,8 @@ class RolloutWorker:
             backend = EpisodeBackend(self.backend, self.tokenizer, rows, c.env, self._env)
         report = evaluate(backend, rows, ev, c.rollout, self._verifiers, c.reward.weights, seed=c.seed + step,
                           timeout_s=c.reward.score_timeout_s, reward=c.reward, hidden=hidden_columns(c))  # fmt: skip
-        if self.sleeps:
-            self.backend.sleep()
+        if self.sleeps:  # level 1: the next generate samples from these weights
+            self.backend.sleep(1)
         report["step"] = step
         return report
 
@@ -391,6 +392,7 @@ class TrainerWorker:
         self.checkpoint_group = torch.distributed.new_group(backend="gloo") if world > 1 else None
         self.weight_group: WeightGroup | None = None  # rank 0 in Ray mode hosts it (`host_weight_group`)
         self.group_member: dict | None = None  # rank 0's place in it (rank, world, address, port), for workers.json
+        self.releases = releases_memory(torch.cuda.is_available(), os.environ.get("FORGEWEAVE_COLOCATED", ""))
 
     @property
     def policy_version(self) -> int:
@@ -398,8 +400,12 @@ class TrainerWorker:
 
     def step(self, rollouts: Rollouts, advantages: torch.Tensor,
              publish: bool = True) -> tuple[UpdateStats, dict[str, torch.Tensor] | None]:  # fmt: skip
-        """Train on this rank's share of the step; (stats, the new full weights on CPU on rank 0 if `publish`)."""
+        """Train on this rank's share of the step; (stats, the new full weights on CPU on rank 0 if `publish`).
+        Colocated with a rollout engine on CUDA (`releases`), the rank then releases its gradients and cached blocks
+        (`release_memory`) before the engine wakes for the sync."""
         stats = self.trainer.update(rollouts, advantages)
+        if self.releases:
+            release_memory(self.trainer.optimizer)
         return stats, self.weights() if publish else None
 
     def weights(self) -> dict[str, torch.Tensor] | None:
@@ -515,6 +521,33 @@ def rollout_sleeps(cfg: RunConfig) -> bool:
     from forge.rollout.vllm import wants_sleep
 
     return wants_sleep(cfg, torch.cuda.is_available(), os.environ.get("FORGEWEAVE_COLOCATED", ""))
+
+
+def generate_sleep_level(cfg: RunConfig) -> int:
+    """The sleep level of this process's vLLM engine after a generate (`forge.rollout.vllm.sleep_level`)."""
+    if cfg.rollout.backend != "vllm":
+        return 1
+    from forge.rollout.vllm import sleep_level
+
+    return sleep_level(cfg, os.environ.get("FORGEWEAVE_COLOCATED", ""))
+
+
+def releases_memory(cuda: bool, colocated: str) -> bool:
+    """Whether an update rank gives back its gradients and its allocator's cached blocks after each step: on CUDA
+    when the plan put a rollout engine on its GPU (`colocated`: $FORGEWEAVE_COLOCATED, set by weaver.apply), which
+    wakes into that memory for the sync right after.
+
+    >>> releases_memory(True, "rollout,evaluate"), releases_memory(True, ""), releases_memory(False, "rollout")
+    (True, False, False)
+    """
+    return cuda and "rollout" in colocated.split(",")
+
+
+def release_memory(optimizer) -> None:
+    """Drop the gradients (set to None, not zeroed: their memory goes) and then return the CUDA caching allocator's
+    unused blocks to the driver, so a colocated engine waking next finds them free."""
+    optimizer.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
 
 
 def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
