@@ -86,6 +86,8 @@ def where() -> dict:
         "threads": torch.get_num_threads(),
         "pool": os.environ.get("FORGEWEAVE_POOL", ""),
         "python": sys.executable,
+        # the peak of torch's allocator in this process so far (None where CUDA never started here)
+        "cuda_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else None,
     }
 
 
