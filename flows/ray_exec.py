@@ -264,8 +264,9 @@ class RayStages:
         addr, world = self.places["update"][0]["node_ip"], 1 + tp * len(rollouts)
         backend = "ipc" if self.transport == "ipc" else ""  # '': gloo on CPU, NCCL on CUDA
         plan, port = self._get([rank0.call.remote("host_weight_group", addr, world, backend)], "update")[0]
-        joins = [a.call.remote("join_weight_group", 1 + i * tp, world, addr, port, plan,
-                               self.places["rollout"][i]["node_ip"], backend) for i, a in enumerate(rollouts)]  # fmt: skip
+        ips = [p["node_ip"] for p in self.places["rollout"]]
+        joins = [a.call.remote("join_weight_group", 1 + i * tp, world, addr, port, plan, ips[i], backend)
+                 for i, a in enumerate(rollouts)]  # fmt: skip
         self._get([rank0.call.remote("connect_weight_group", addr, port), *joins], "update")
 
     def _publish(self, version: int) -> float:

@@ -40,6 +40,7 @@ import pickle
 import socket
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -185,8 +186,10 @@ class WeightGroup:
         away = [r for r in range(1, self.world) if places[r] != places[0]]
         if away and (self.rank == 0 or self.rank in away):
             r = self.rank if self.rank else away[0]
-            raise UserError(f"weight group (ipc): rank {r} is on {places[r]}, rank 0 on {places[0]}: CUDA IPC needs "
-                            "every receiver on update rank 0's host and device (set rollout.weight_transport=group)")  # fmt: skip
+            raise UserError(
+                f"weight group (ipc): rank {r} is on {places[r]}, rank 0 on {places[0]}: CUDA IPC needs every "
+                "receiver on update rank 0's host and device (set rollout.weight_transport=group)"
+            )
 
     def _wait(self, store: dist.Store, keys: dict[str, int], what: str) -> None:
         """Wait for `keys` (key -> the rank that writes it) within the group's timeout; else one line naming the
@@ -292,7 +295,7 @@ def _pack(plan: WeightPlan, index: int, buffer: torch.Tensor, it: Iterator[tuple
 def place(device: torch.device) -> str:
     """Where a member's memory is, for ipc: host (name and boot id) and device (a CUDA device's UUID, else cpu)."""
     try:
-        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         boot = "?"
     where = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else "cpu"

