@@ -2,12 +2,12 @@
 # The GPU device check: the `gpu` test suite (tests/gpu) and the measurements of scripts/gpu_check.py, on one CUDA GPU,
 # with the machine's torch / transformers / accelerate (+ ray, and vLLM if there, for `ray`; nothing to install).
 # Budget: <= 10 minutes on one H200 (each part is bounded by `timeout`). Never run on a GPU yet. Its `wgroup` section
-# checks the weight group (forge/weight_group.py) on the one GPU: NCCL refuses two ranks on one device, so a sender
-# on cuda:0 (bf16 cast and bucket packing on the device) broadcasts to a receiver process on the same GPU over gloo with CUDA
-# buckets, which must match bit for bit; a single-rank NCCL group times the NCCL send; the old host-copy path is timed
-# beside it at the same shape (Qwen2.5-0.5B), with the sender's peak extra device and host memory. Its `ray` section
-# (run on its own, after the others, with a budget of its own) starts a private Ray on 127.0.0.1 and trains the tiny
-# preset for 3 steps in Ray mode with update and rollout colocated on the one GPU: a vLLM engine when the vLLM venv
+# checks the weight group (forge/weight_group.py) on the one GPU: NCCL refuses two ranks on one device, so a sender on
+# cuda:0 (bf16 cast and bucket packing on the device) broadcasts to a receiver process on the same GPU over gloo with
+# CUDA buckets, which must match bit for bit; a single-rank NCCL group times the NCCL send; the old host-copy path is
+# timed beside it at the same shape (Qwen2.5-0.5B), with the sender's peak extra device and host memory. Its `ray`
+# section (run on its own, after the others, with a budget of its own) starts a private Ray on 127.0.0.1 and trains the
+# tiny preset for 3 steps in Ray mode with update and rollout colocated on the one GPU: a vLLM engine when the vLLM venv
 # exists (.venv-vllm, or $VLLM_PYTHON; needs ray in $PYTHON too), weights by CUDA IPC handles, the engine's level-2
 # sleep and wake, the trainer's release of its memory; it prints seconds per sync and peak GPU memory per actor.
 # Run from the repository root:
