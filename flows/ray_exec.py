@@ -70,8 +70,17 @@ from forge.models import load_tokenizer
 from forge.records import RolloutRequest, Rollouts, ScoredBatch, UpdateStats
 from forge.rollout.base import SamplingParams, concat_rollouts
 from forge.stages import WorkerLost
-from weaver.apply import ActorSpec, actor_specs, driver_env, pool_resource, ray_pool_cpus, with_ray_cpus
+from weaver.apply import (
+    ActorSpec,
+    actor_specs,
+    driver_env,
+    pool_resource,
+    ray_pool_cpus,
+    weight_transport,
+    with_ray_cpus,
+)
 from weaver.balance import ThroughputBalancer
+from weaver.errors import PlanError
 from weaver.plan import Plan
 
 if TYPE_CHECKING:
@@ -142,6 +151,7 @@ class RayStages:
         _check_pools(self.plan, self.run_dir)
         try:
             self.reservation = self._reserve(cores)
+            self.transport = self._transport()
             self._start_trainers(self.reservation.of("update"), micro_update)
             self._start_rollouts(self.reservation.of("rollout"), cores)
             self._start_scorers(train_row_count(run_dir))
@@ -234,15 +244,29 @@ class RayStages:
         cfg.env.openenv_max_sessions = replica_sessions(self.cfg.env, episodes, replicas)
         return cfg
 
+    def _transport(self) -> str:
+        """'ipc' or 'group' (rollout.weight_transport; auto: ipc when every rollout actor shares update rank 0's GPU
+        in the plan, `weaver.apply.weight_transport`); a plan that mixes the two is one line, before any actor."""
+        if not self.group:
+            return "store"
+        try:
+            return weight_transport(self.cfg.rollout.weight_transport, self.reservation.of("update")[0],
+                                    self.reservation.of("rollout"))  # fmt: skip
+        except PlanError as e:
+            raise UserError(str(e)) from None
+
     def _start_weight_group(self) -> None:
         """Update rank 0 hosts the weight group (`forge.weight_group`) on its node; rollout actor i joins as ranks
-        1 + i*TP onwards. Only the plan (names, shapes, bucket layout) crosses Ray. Rebuilt with the actors."""
+        1 + i*TP onwards, over a broadcast group or, colocated (`self.transport` ipc), CUDA IPC handles. Only the
+        plan (names, shapes, bucket layout) crosses Ray. Rebuilt with the actors."""
         rank0, rollouts = self.actors["update"][0], self.actors["rollout"]
         tp = self.cfg.rollout.tensor_parallel_size if self.cfg.rollout.backend == "vllm" else 1  # ranks per engine
         addr, world = self.places["update"][0]["node_ip"], 1 + tp * len(rollouts)
-        plan, port = self._get([rank0.call.remote("host_weight_group", addr, world)], "update")[0]
-        joins = [a.call.remote("join_weight_group", 1 + i * tp, world, addr, port, plan,
-                               self.places["rollout"][i]["node_ip"]) for i, a in enumerate(rollouts)]  # fmt: skip
+        backend = "ipc" if self.transport == "ipc" else ""  # '': gloo on CPU, NCCL on CUDA
+        plan, port = self._get([rank0.call.remote("host_weight_group", addr, world, backend)], "update")[0]
+        ips = [p["node_ip"] for p in self.places["rollout"]]
+        joins = [a.call.remote("join_weight_group", 1 + i * tp, world, addr, port, plan, ips[i], backend)
+                 for i, a in enumerate(rollouts)]  # fmt: skip
         self._get([rank0.call.remote("connect_weight_group", addr, port), *joins], "update")
 
     def _publish(self, version: int) -> float:

@@ -152,6 +152,9 @@ class RolloutConfig:
     """Rollout actors (vLLM engines or hf copies, Ray mode); each step's prompts are split by measured tokens/s."""
     tensor_parallel_size: int = ranged(1, ">= 1")
     """vllm on GPUs: devices per engine (replica i takes the i-th block of visible devices)."""
+    weight_transport: Literal["auto", "group", "ipc"] = "auto"
+    """Ray mode, trainer -> engines: group (broadcast: gloo/NCCL), ipc (handles to rank 0's memory: same host and
+    device), auto (ipc when every engine shares update rank 0's GPU, else group)."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
     """vllm: the engines' settings."""
 

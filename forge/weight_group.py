@@ -18,20 +18,38 @@ Departures from peers: OpenRLHF and TRL broadcast parameter by parameter (one co
 as verl's checkpoint engine does), and build their group through vLLM's `StatelessProcessGroup` / PyNccl, which the
 trainer's venv cannot import; this module uses torch's own backend classes on both sides. The version label is not
 broadcast: the caller passes it to both sides with the call.
+
+Transport `ipc` (colocated mode: the receivers share rank 0's device, where NCCL refuses two ranks on one GPU): no
+process group; the store carries the buckets' handles and the receivers' acks. Per bucket rank 0 packs the bucket as
+above, shares it (`share`: on CUDA torch's IPC handle, `torch.multiprocessing.reductions.reduce_tensor`; on the CPU
+a shared-memory file of torch's file_system strategy, which unrelated processes such as two Ray actors can map, unlike
+the default file-descriptor strategy that needs a multiprocessing parent), puts the pickled (rebuild, args) in the
+store under `<sync>/<bucket>` and waits, within the group's timeout, for every receiver's ack before it drops the
+bucket: peak extra sender memory stays one bucket and the bytes never leave the device. A receiver rebuilds the
+bucket (mapping the sender's memory, no copy), hands views of it to `load` — which must copy what it keeps, the
+memory goes back to the sender after the ack — then acks. Every member checks at connect that it is on rank 0's host
+and device (`place`), else one line. The CUDA lines (handle, device index, `ipc_collect`) have run only through the
+device check (scripts/gpu_check.py); on the CPU the same protocol runs in the tests.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
+import socket
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from forge.errors import UserError
+
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 BUCKET_BYTES = 64 << 20
+BACKENDS = ("gloo", "nccl", "ipc")
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], None]
 
@@ -107,21 +125,24 @@ class WeightGroup:
 
     def __init__(self, rank: int, world: int, backend: str = "", timeout: timedelta = DEFAULT_TIMEOUT,
                  device: torch.device | None = None):  # fmt: skip
-        """`device`: where this member's buckets live; by default the current CUDA device under NCCL, else the CPU.
-        A CUDA device with gloo (which stages each bucket through host memory) is how scripts/gpu_check.py runs two
-        members on one GPU, where NCCL refuses two ranks."""
+        """`backend`: gloo, nccl or ipc (handles through the store; see the module docstring); '' = gloo on CPU,
+        nccl on CUDA. `device`: where this member's buckets live; by default the current CUDA device under NCCL (and
+        under ipc when CUDA is available), else the CPU. A CUDA device with gloo (which stages each bucket through
+        host memory) is how scripts/gpu_check.py runs two members on one GPU, where NCCL refuses two ranks."""
         if world < 2 or not 0 <= rank < world:
             raise ValueError(f"weight group: rank {rank} of world {world} (needs world >= 2)")
         self.rank, self.world = rank, world
         self.backend = backend or default_backend()
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"weight group: backend must be gloo or nccl, got {self.backend!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"weight group: backend must be gloo, nccl or ipc, got {self.backend!r}")
         self.timeout = timeout
         self.store: dist.TCPStore | None = None
         self.pg = None
-        if device is None and self.backend == "nccl":
+        self.syncs = 0  # ipc: syncs sent or received so far (the store keys' prefix)
+        cuda = self.backend == "nccl" or (self.backend == "ipc" and torch.cuda.is_available())
+        if device is None and cuda:
             device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
+        self.device = device or torch.device("cpu")
 
     def host(self, address: str, port: int = 0) -> int:
         """Rank 0: open the TCP store on `address` (port 0: a free one); returns the port the receivers connect to."""
@@ -135,6 +156,9 @@ class WeightGroup:
         `local_address`: the address this member's gloo transport binds ($GLOO_SOCKET_IFNAME wins if set)."""
         if self.store is None:
             self.store = dist.TCPStore(address, port, self.world, is_master=False, timeout=self.timeout)
+        if self.backend == "ipc":
+            self._check_places()
+            return
         store = dist.PrefixStore("forgeweave-weights", self.store)
         if self.backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
@@ -149,6 +173,36 @@ class WeightGroup:
             self.pg = dist.ProcessGroupNCCL(store, self.rank, self.world, opts)
         self._broadcast(torch.zeros(1, device=self.device))  # every member is here (NCCL connects lazily)
 
+    def _ipc_store(self) -> dist.Store:
+        return dist.PrefixStore("forgeweave-ipc", self.store)
+
+    def _check_places(self) -> None:
+        """ipc: every member publishes its `place` and waits for the others'; rank 0 refuses a group with a member
+        elsewhere, and such a member refuses itself, each in one line."""
+        store = self._ipc_store()
+        store.set(f"place/{self.rank}", place(self.device))
+        self._wait(store, {f"place/{r}": r for r in range(self.world)}, "join the group")
+        places = [store.get(f"place/{r}").decode() for r in range(self.world)]
+        away = [r for r in range(1, self.world) if places[r] != places[0]]
+        if away and (self.rank == 0 or self.rank in away):
+            r = self.rank if self.rank else away[0]
+            raise UserError(
+                f"weight group (ipc): rank {r} is on {places[r]}, rank 0 on {places[0]}: CUDA IPC needs every "
+                "receiver on update rank 0's host and device (set rollout.weight_transport=group)"
+            )
+
+    def _wait(self, store: dist.Store, keys: dict[str, int], what: str) -> None:
+        """Wait for `keys` (key -> the rank that writes it) within the group's timeout; else one line naming the
+        ranks that did not answer."""
+        try:
+            store.wait(list(keys), self.timeout)
+        except dist.DistStoreError:
+            missing = sorted({r for k, r in keys.items() if not store.check([k])})
+            raise RuntimeError(
+                f"weight group (ipc): rank {self.rank} waited {self.timeout.total_seconds():.0f} s to {what}, no word "
+                f"from rank {', '.join(map(str, missing))} (died or hangs): rebuild the group"
+            ) from None
+
     def _broadcast(self, buffer: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
@@ -157,22 +211,58 @@ class WeightGroup:
 
     def send(self, plan: WeightPlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Rank 0: cast, pack and broadcast `tensors` (in the plan's order, on any device); returns bytes sent."""
-        assert self.rank == 0 and self.pg is not None, "send is rank 0's, after connect"
+        assert self.rank == 0 and self.store is not None, "send is rank 0's, after connect"
+        if self.backend == "ipc":
+            return self._send_ipc(plan, iter(tensors))
         it = iter(tensors)
         for index, buffer in enumerate(self._empty_buckets(plan)):
-            for spec in _in_bucket(plan, index):
-                name, t = next(it)
-                if name != spec.name:
-                    raise ValueError(f"weight group: sending {name!r} where the plan has {spec.name!r}")
-                src = t.detach().to(buffer.device)  # on the trainer's device: the cast below runs there too
-                buffer[spec.offset : spec.offset + src.numel()].copy_(src.reshape(-1))
+            _pack(plan, index, buffer, it)
             self._broadcast(buffer)
+        return plan.nbytes
+
+    def _send_ipc(self, plan: WeightPlan, it: Iterator[tuple[str, torch.Tensor]]) -> int:
+        """ipc: per bucket, pack it in shareable memory, put its handle in the store, wait for every receiver's ack,
+        then drop it (and the keys)."""
+        store, sync = self._ipc_store(), self.syncs
+        self.syncs += 1
+        for index, (dtype, numel) in enumerate(plan.buckets):
+            bucket = shareable(numel, _dtype(dtype), self.device)
+            _pack(plan, index, bucket, it)
+            if bucket.is_cuda:  # the receivers read the bytes as soon as they see the handle
+                torch.cuda.synchronize(bucket.device)
+            key = f"{sync}/{index}"
+            store.set(key, pickle.dumps(share(bucket)))
+            acks = {f"{key}/ack/{r}": r for r in range(1, self.world)}
+            self._wait(store, acks, f"have bucket {index} of sync {sync} acked")
+            for k in (key, *acks):
+                store.delete_key(k)
+            del bucket
+            if self.device.type == "cuda":  # let torch free the blocks the receivers have let go of
+                torch.cuda.ipc_collect()
+        return plan.nbytes
+
+    def _receive_ipc(self, plan: WeightPlan, load: Loader) -> int:
+        """ipc: per bucket, wait for its handle, map the sender's memory, `load` views of it, ack."""
+        store, sync = self._ipc_store(), self.syncs
+        self.syncs += 1
+        for index in range(len(plan.buckets)):
+            key = f"{sync}/{index}"
+            self._wait(store, {key: 0}, f"receive bucket {index} of sync {sync}")
+            bucket = rebuild(pickle.loads(store.get(key)), self.device)
+            load([(s.name, bucket[s.offset : s.offset + _numel(s)].view(s.shape)) for s in _in_bucket(plan, index)])
+            del bucket
+            if self.device.type == "cuda":  # the copies out of the sender's memory are done before it is freed
+                torch.cuda.synchronize(self.device)
+            store.set(f"{key}/ack/{self.rank}", b"1")
         return plan.nbytes
 
     def receive(self, plan: WeightPlan, load: Loader) -> int:
         """Ranks 1..N: receive each bucket and hand its (name, view of the buffer) pairs to `load` before the next
-        bucket overwrites nothing (each bucket gets a fresh buffer). Returns bytes received."""
-        assert self.rank > 0 and self.pg is not None, "receive is for ranks 1..N, after connect"
+        bucket overwrites nothing (each bucket gets a fresh buffer; under ipc the views are of the sender's memory,
+        which goes back to it once `load` returns: `load` copies what it keeps). Returns bytes received."""
+        assert self.rank > 0 and self.store is not None, "receive is for ranks 1..N, after connect"
+        if self.backend == "ipc":
+            return self._receive_ipc(plan, load)
         for index, buffer in enumerate(self._empty_buckets(plan)):
             self._broadcast(buffer)
             load([(s.name, buffer[s.offset : s.offset + _numel(s)].view(s.shape)) for s in _in_bucket(plan, index)])
@@ -190,6 +280,59 @@ class WeightGroup:
             except (RuntimeError, AttributeError):
                 pass
         self.pg = self.store = None
+
+
+def _pack(plan: WeightPlan, index: int, buffer: torch.Tensor, it: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Cast bucket `index`'s tensors (the next ones of `it`, in the plan's order) into `buffer`."""
+    for spec in _in_bucket(plan, index):
+        name, t = next(it)
+        if name != spec.name:
+            raise ValueError(f"weight group: sending {name!r} where the plan has {spec.name!r}")
+        src = t.detach().to(buffer.device)  # on the trainer's device: the cast below runs there too
+        buffer[spec.offset : spec.offset + src.numel()].copy_(src.reshape(-1))
+
+
+def place(device: torch.device) -> str:
+    """Where a member's memory is, for ipc: host (name and boot id) and device (a CUDA device's UUID, else cpu)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "?"
+    where = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else "cpu"
+    return f"{socket.gethostname()}/{boot}/{where}"
+
+
+def shareable(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty 1-D tensor that other processes can map: CUDA memory (IPC-able as it is), or on the CPU one
+    allocated straight in a shared-memory file (file_system strategy), so sharing it copies nothing."""
+    if device.type == "cuda":
+        return torch.empty(numel, dtype=dtype, device=device)
+    storage = torch.UntypedStorage._new_using_filename_cpu(numel * dtype.itemsize)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,))
+
+
+def share(bucket: torch.Tensor) -> tuple:
+    """A picklable (rebuild function, args) that maps `bucket` in another process on the same host (and device)."""
+    if bucket.is_cuda:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return reduce_tensor(bucket)
+    return _rebuild_cpu, (bucket.untyped_storage()._share_filename_cpu_(), _name(bucket.dtype), bucket.numel())
+
+
+def rebuild(shared: tuple, device: torch.device) -> torch.Tensor:
+    """The tensor `share` described, mapped into this process; a CUDA handle is opened on `device` (this process's
+    index of the same GPU: the sender's index may name another GPU under another CUDA_VISIBLE_DEVICES)."""
+    fn, args = shared
+    if device.type == "cuda":  # reduce_tensor's args: (..., dtype, device index, handle, ...)
+        args = (*args[:6], device.index, *args[7:])
+    return fn(*args)
+
+
+def _rebuild_cpu(handle: tuple, dtype: str, numel: int) -> torch.Tensor:
+    manager, filename, size = handle
+    storage = torch.UntypedStorage._new_shared_filename_cpu(manager, filename, size)
+    return torch.empty(0, dtype=_dtype(dtype)).set_(storage, 0, (numel,))
 
 
 def _in_bucket(plan: WeightPlan, index: int) -> list[TensorSpec]:

@@ -86,6 +86,8 @@ def where() -> dict:
         "threads": torch.get_num_threads(),
         "pool": os.environ.get("FORGEWEAVE_POOL", ""),
         "python": sys.executable,
+        # the peak of torch's allocator in this process so far (None where CUDA never started here)
+        "cuda_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else None,
     }
 
 
@@ -110,6 +112,7 @@ class RolloutWorker:
         self.model, self.tokenizer = model, tokenizer
         r = cfg.rollout
         self.sleeps = rollout_sleeps(cfg)
+        self.sleep_level = generate_sleep_level(cfg)  # after a generate: 2 when a sync comes next
         self.backend = make_backend(r.backend, model, tokenizer, autocast_bf16=r.autocast_bf16, rollout=r,
                                     work_dir=Path(work_dir) if work_dir else None, sleep=self.sleeps)  # fmt: skip
         if r.backend == "vllm":  # the engine holds its own copy (received by sync): keep no fp32 policy here
@@ -138,7 +141,7 @@ class RolloutWorker:
             rollouts = self.backend.generate(prompts, params)
         seconds = time.perf_counter() - t0
         if self.sleeps:  # the update comes next: give it the engine's GPU memory until the weights arrive
-            self.backend.sleep()
+            self.backend.sleep(self.sleep_level)
         return dataclasses.replace(rollouts, seconds=seconds)
 
     def _episodes(self, rows: list[dict] | None, params: SamplingParams) -> Rollouts:
@@ -164,15 +167,18 @@ class RolloutWorker:
         return time.perf_counter() - t0
 
     def join_weight_group(self, rank: int, world: int, address: str, port: int, plan: WeightPlan,
-                          local_address: str = "") -> None:  # fmt: skip
+                          local_address: str = "", backend: str = "") -> None:  # fmt: skip
         """Join the weight group hosted by update rank 0 at `address:port` as `rank` (a vLLM engine: its workers as
         `rank`, `rank + 1`, ...); blocks until all have joined. `plan`: the layout of every sync
-        (`TrainerWorker.host_weight_group`)."""
-        self.group_member = {"rank": rank, "world": world, "address": address, "port": port}
+        (`TrainerWorker.host_weight_group`); `backend`: the group's (`forge.weight_group`; ipc when colocated)."""
+        self.group_member = {"rank": rank, "world": world, "address": address, "port": port, "backend": backend}
+        if self.weight_group is not None:  # a group rebuilt: the old one is gone with its host
+            self.weight_group.close()
+            self.weight_group = None
         if self.cfg.rollout.backend != "hf":
-            self.backend.join_weight_group(rank, world, address, port, plan, local_address)
+            self.backend.join_weight_group(rank, world, address, port, plan, local_address, backend)
             return
-        self.weight_group, self.weight_plan = WeightGroup(rank, world), plan
+        self.weight_group, self.weight_plan = WeightGroup(rank, world, backend), plan
         self.weight_group.connect(address, port, local_address=local_address)
         self._load_into = copy_into(self.model)
 
@@ -206,8 +212,8 @@ class RolloutWorker:
             backend = EpisodeBackend(self.backend, self.tokenizer, rows, c.env, self._env)
         report = evaluate(backend, rows, ev, c.rollout, self._verifiers, c.reward.weights, seed=c.seed + step,
                           timeout_s=c.reward.score_timeout_s, reward=c.reward, hidden=hidden_columns(c))  # fmt: skip
-        if self.sleeps:
-            self.backend.sleep()
+        if self.sleeps:  # level 1: the next generate samples from these weights
+            self.backend.sleep(1)
         report["step"] = step
         return report
 
@@ -388,6 +394,7 @@ class TrainerWorker:
         self.checkpoint_group = torch.distributed.new_group(backend="gloo") if world > 1 else None
         self.weight_group: WeightGroup | None = None  # rank 0 in Ray mode hosts it (`host_weight_group`)
         self.group_member: dict | None = None  # rank 0's place in it (rank, world, address, port), for workers.json
+        self.releases = releases_memory(torch.cuda.is_available(), os.environ.get("FORGEWEAVE_COLOCATED", ""))
 
     @property
     def policy_version(self) -> int:
@@ -395,8 +402,12 @@ class TrainerWorker:
 
     def step(self, rollouts: Rollouts, advantages: torch.Tensor,
              publish: bool = True) -> tuple[UpdateStats, dict[str, torch.Tensor] | None]:  # fmt: skip
-        """Train on this rank's share of the step; (stats, the new full weights on CPU on rank 0 if `publish`)."""
+        """Train on this rank's share of the step; (stats, the new full weights on CPU on rank 0 if `publish`).
+        Colocated with a rollout engine on CUDA (`releases`), the rank then releases its gradients and cached blocks
+        (`release_memory`) before the engine wakes for the sync."""
         stats = self.trainer.update(rollouts, advantages)
+        if self.releases:
+            release_memory(self.trainer.optimizer)
         return stats, self.weights() if publish else None
 
     def weights(self) -> dict[str, torch.Tensor] | None:
@@ -409,15 +420,16 @@ class TrainerWorker:
         dtype = publish_dtype(self.cfg, next(iter(full.values())).dtype)
         return {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
 
-    def host_weight_group(self, address: str, world: int) -> tuple[WeightPlan, int]:
+    def host_weight_group(self, address: str, world: int, backend: str = "") -> tuple[WeightPlan, int]:
         """Rank 0: open the weight group's store on `address` for `world` members (this rank and the rollout
-        engines' workers); returns (the plan of what each sync sends, the port). `connect_weight_group` next."""
+        engines' workers; `backend`: `forge.weight_group`'s, '' = gloo/NCCL, ipc when colocated); returns (the plan
+        of what each sync sends, the port). `connect_weight_group` next."""
         assert self.rank == 0, "the weight group is hosted by update rank 0"
-        self.weight_group = WeightGroup(0, world)
+        self.weight_group = WeightGroup(0, world, backend)
         shapes = self.trainer.publish_shapes()
         self.weight_plan = make_plan(shapes, publish_dtype(self.cfg, shapes[0][1]))
         port = self.weight_group.host(address)
-        self.group_member = {"rank": 0, "world": world, "address": address, "port": port}
+        self.group_member = {"rank": 0, "world": world, "address": address, "port": port, "backend": backend}
         return self.weight_plan, port
 
     def connect_weight_group(self, address: str, port: int) -> None:
@@ -511,6 +523,33 @@ def rollout_sleeps(cfg: RunConfig) -> bool:
     from forge.rollout.vllm import wants_sleep
 
     return wants_sleep(cfg, torch.cuda.is_available(), os.environ.get("FORGEWEAVE_COLOCATED", ""))
+
+
+def generate_sleep_level(cfg: RunConfig) -> int:
+    """The sleep level of this process's vLLM engine after a generate (`forge.rollout.vllm.sleep_level`)."""
+    if cfg.rollout.backend != "vllm":
+        return 1
+    from forge.rollout.vllm import sleep_level
+
+    return sleep_level(cfg, os.environ.get("FORGEWEAVE_COLOCATED", ""))
+
+
+def releases_memory(cuda: bool, colocated: str) -> bool:
+    """Whether an update rank gives back its gradients and its allocator's cached blocks after each step: on CUDA
+    when the plan put a rollout engine on its GPU (`colocated`: $FORGEWEAVE_COLOCATED, set by weaver.apply), which
+    wakes into that memory for the sync right after.
+
+    >>> releases_memory(True, "rollout,evaluate"), releases_memory(True, ""), releases_memory(False, "rollout")
+    (True, False, False)
+    """
+    return cuda and "rollout" in colocated.split(",")
+
+
+def release_memory(optimizer) -> None:
+    """Drop the gradients (set to None, not zeroed: their memory goes) and then return the CUDA caching allocator's
+    unused blocks to the driver, so a colocated engine waking next finds them free."""
+    optimizer.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
 
 
 def _torch_optimizer(optimizer) -> torch.optim.Optimizer:

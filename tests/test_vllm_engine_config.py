@@ -1,9 +1,12 @@
 """The vLLM engine's configuration without vLLM: engine arguments from config (dtype, memory controls), the dtype
-of published weights, sleep mode around the update (with a stand-in engine that records calls), the plan's
-colocation reaching the rollout process's environment."""
+of published weights, sleep mode around the update (with a stand-in engine that records calls: vLLM's sleep mode is
+CUDA-only), level 2 before a sync and the engine's refusal to sample until it lands, the colocated trainer rank's
+release of its gradients and cached blocks before the engine wakes, the plan's colocation reaching the rollout
+process's environment."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import forge.workers as workers
@@ -11,7 +14,7 @@ from forge.config import RolloutConfig, RunConfig
 from forge.models import build_char_tokenizer, build_tiny_model
 from forge.rollout import SamplingParams
 from forge.rollout.config import VllmConfig
-from forge.rollout.vllm import VLLMBackend, engine_dtype, engine_kwargs, wants_sleep
+from forge.rollout.vllm import VLLMBackend, engine_dtype, engine_kwargs, sleep_level, wants_sleep
 from forge.workers import RolloutWorker
 from tests.grpo_parts import TrainerWorker
 
@@ -87,8 +90,11 @@ class FakeLLM:
     def wake_up(self, tags=None):
         self.calls.append(("wake_up", tags))
 
-    def collective_rpc(self, fn, kwargs):
-        self.calls.append(("reload", {v.dtype for v in kwargs["tensors"].values()}))
+    def collective_rpc(self, fn, args=(), kwargs=None):
+        if kwargs is None:  # a method of the worker extension, by name
+            self.calls.append((fn,))
+        else:
+            self.calls.append(("reload", {v.dtype for v in kwargs["tensors"].values()}))
 
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
@@ -97,6 +103,7 @@ class FakeLLM:
 def _fake_backend(sleep_mode: bool) -> VLLMBackend:
     b = object.__new__(VLLMBackend)  # no engine: the weight-load and sleep sequencing only
     b.llm, b.dtype, b.sleep_mode, b.asleep, b.policy_version = FakeLLM(), torch.bfloat16, sleep_mode, False, 0
+    b.loaded, b.dropped, b.tokenizer = True, False, build_char_tokenizer()
     return b
 
 
@@ -118,6 +125,57 @@ def test_a_sleeping_engine_wakes_weights_loads_then_wakes_its_kv_cache():
     assert idle.llm.calls == []  # without sleep mode (CPU, or not colocated) nothing changes
 
 
+def test_level_2_drops_the_weights_until_a_sync_lands_which_wakes_weights_loads_then_wakes_the_cache():
+    b = _fake_backend(sleep_mode=True)
+    b.sleep(2)
+    assert not b.loaded and b.asleep
+    with pytest.raises(RuntimeError, match=r"dropped its weights \(sleep level 2\) after version 0: sync the next"):
+        b.generate(["1+1="], SamplingParams(max_new_tokens=2))
+    b.receive_weights(1)
+    assert b.llm.calls == [
+        ("sleep", 2),
+        ("wake_up", ["weights"]),
+        ("forgeweave_receive_weights",),
+        ("wake_up", ["kv_cache"]),
+        ("reset_prefix_cache",),
+    ]
+    assert b.loaded and not b.asleep and not b.dropped and b.policy_version == 1
+    b.llm.calls.clear()
+    b.sleep(1)  # after an evaluate: the weights stay (in host memory) and the next generate wakes everything
+    assert b.loaded and b.llm.calls == [("sleep", 1)]
+    b.wake()
+    assert b.llm.calls[-1] == ("wake_up", None) and not b.asleep
+
+
+def test_level_2_only_where_a_sync_comes_next():
+    assert sleep_level(_cfg(), "update,evaluate") == 2  # on-policy, colocated: update and sync come next
+    assert sleep_level(_cfg(), "evaluate") == 1
+    asynchronous = _cfg()
+    asynchronous.algo.max_staleness = 1  # (with rollout.vllm.sleep=on) another generate may come first
+    assert sleep_level(asynchronous, "update") == 1
+
+
+def test_a_colocated_trainer_rank_releases_gradients_then_its_cache_after_the_step(monkeypatch):
+    """`release_memory` runs at the end of `step` on a rank that shares its GPU with an engine: gradients dropped
+    first (set to None), then the allocator's cache; torch.cuda.empty_cache stands in for CUDA, recording what the
+    gradients were when it was called."""
+    from tests.test_trainer import make_rollouts
+
+    assert workers.releases_memory(True, "rollout") and not workers.releases_memory(True, "reward")
+    tok = build_char_tokenizer()
+    w = TrainerWorker(_cfg("hf"), model=build_tiny_model(tok, hidden=32, layers=1, seed=0), tokenizer=tok)
+    assert not w.releases  # this machine has no CUDA
+    seen = []
+    params = list(w.trainer.unwrapped.parameters())
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: seen.append([p.grad is None for p in params]))
+    w.releases = True
+    w.step(make_rollouts(tok), torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0]), publish=False)
+    assert seen == [[True] * len(params)]  # called once, after every gradient was released
+    w.releases = False
+    w.step(make_rollouts(tok), torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0]), publish=False)
+    assert len(seen) == 1 and any(p.grad is not None for p in params)  # not colocated: the gradients stay
+
+
 class FakeBackend:
     policy_version = 0
 
@@ -133,8 +191,8 @@ class FakeBackend:
         done = [{"token_ids": [5, tok.eos_token_id], "logprobs": [-0.5, -0.1], "finish_reason": "stop"}] * len(ids)
         return assemble(tok, prompts, ids, done, 1, self.policy_version)
 
-    def sleep(self):
-        self.calls.append("sleep")
+    def sleep(self, level=1):
+        self.calls.append(f"sleep {level}")
 
     def sync_weights(self, weights, version):
         self.calls.append("sync_weights")
@@ -144,11 +202,12 @@ def test_rollout_worker_puts_a_colocated_engine_to_sleep_after_sampling(monkeypa
     fake = FakeBackend()
     monkeypatch.setattr(workers, "make_backend", lambda *a, **k: fake)
     monkeypatch.setattr(workers, "rollout_sleeps", lambda cfg: True)
+    monkeypatch.setenv("FORGEWEAVE_COLOCATED", "update")  # the plan put the update on this GPU: level 2
     tok = build_char_tokenizer()
     worker = RolloutWorker(_cfg(), model=build_tiny_model(tok, hidden=32, layers=1), tokenizer=tok)
     worker.generate(["1+1="], SamplingParams(max_new_tokens=2), version=0)
     worker.load_weights({}, 1)
-    assert fake.calls == ["generate", "sleep", "sync_weights"]
+    assert fake.calls == ["generate", "sleep 2", "sync_weights"]
 
 
 def test_plan_colocation_reaches_the_gpu_processes_environment():

@@ -1,6 +1,9 @@
 """forge.weight_group with real processes over gloo on 127.0.0.1: this test process is rank 0 (the trainer),
 receivers are spawned processes that save what they receive. Bit-identical tensors after the cast, several syncs
-over one group, a group rebuilt after a receiver was SIGKILLed, and the metadata-only plan."""
+over one group, a group rebuilt after a receiver was SIGKILLed, and the metadata-only plan. The ipc transport
+(colocated mode) the same way on the CPU: shared-memory buckets, handles and acks through the store, a dead receiver
+named after the group's timeout, a receiver elsewhere refused at connect. (Unrelated processes, two Ray actors,
+share buckets in tests/flows/test_weight_sync_ray.py.)"""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from forge.errors import UserError
 from forge.weight_group import WeightGroup, copy_into, make_plan, plan_for
 
 HOST = "127.0.0.1"
@@ -34,9 +38,15 @@ def expected(step: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights(step).items()}
 
 
-def _receiver(rank: int, world: int, port: int, plan, steps: int, out: str) -> None:
+def _receiver(rank: int, world: int, port: int, plan, steps: int, out: str, backend: str = "gloo",
+              place: str = "") -> None:  # fmt: skip
+    """Receive `steps` syncs and save each; `place`: pretend to be there (ipc's check at connect)."""
     torch.set_num_threads(1)
-    group = WeightGroup(rank, world, "gloo", timeout=timedelta(seconds=60))
+    if place:
+        import forge.weight_group
+
+        forge.weight_group.place = lambda device: place
+    group = WeightGroup(rank, world, backend, timeout=timedelta(seconds=60))
     group.connect(HOST, port, local_address=HOST)
     for step in range(steps):
         got: dict[str, torch.Tensor] = {}
@@ -45,32 +55,40 @@ def _receiver(rank: int, world: int, port: int, plan, steps: int, out: str) -> N
     group.close()
 
 
-def _start(world: int, port: int, plan, steps: int, out: Path) -> list[mp.Process]:
+def _start(world: int, port: int, plan, steps: int, out: Path, backend: str = "gloo",
+           place: str = "") -> list[mp.Process]:  # fmt: skip
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_receiver, args=(r, world, port, plan, steps, str(out)), daemon=True)
+    procs = [ctx.Process(target=_receiver, args=(r, world, port, plan, steps, str(out), backend, place), daemon=True)
              for r in range(1, world)]  # fmt: skip
     for p in procs:
         p.start()
     return procs
 
 
-def _host(world: int, timeout_s: float = 60) -> tuple[WeightGroup, int]:
-    group = WeightGroup(0, world, "gloo", timeout=timedelta(seconds=timeout_s))
+def _host(world: int, timeout_s: float = 60, backend: str = "gloo") -> tuple[WeightGroup, int]:
+    group = WeightGroup(0, world, backend, timeout=timedelta(seconds=timeout_s))
     return group, group.host(HOST)
 
 
-def test_receivers_get_bit_identical_tensors_over_several_syncs(tmp_path):
+def _shm_files() -> list[str]:
+    """This process's shared-memory files (torch's file_system strategy names them torch_<pid>_...)."""
+    return [f for f in os.listdir("/dev/shm") if f.startswith(f"torch_{os.getpid()}_")]
+
+
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_receivers_get_bit_identical_tensors_over_several_syncs(tmp_path, backend):
     dtype = torch.bfloat16
     plan = plan_for(weights(0).items(), dtype, bucket_bytes=1024)  # several buckets: 800 bf16 elements > 1 kB
     assert len(plan.buckets) > 2 and plan.buckets[-1][0] == "bfloat16"
-    group, port = _host(3)
-    procs = _start(3, port, plan, 3, tmp_path)
+    group, port = _host(3, backend=backend)
+    procs = _start(3, port, plan, 3, tmp_path, backend)
     group.connect(HOST, port, local_address=HOST)
     for step in range(3):
         assert group.send(plan, weights(step).items()) == plan.nbytes
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
+    assert not _shm_files(), "ipc: a bucket outlived its sync"  # each is freed once both receivers acked it
     group.close()
     for rank in (1, 2):
         for step in range(3):
@@ -109,6 +127,29 @@ def test_a_group_is_rebuilt_after_a_receiver_is_killed(tmp_path):
         assert all(torch.equal(got[k], v) for k, v in expected(7, torch.float32).items())
 
 
+def test_ipc_a_dead_receiver_is_named_after_the_timeout_and_one_elsewhere_is_refused(tmp_path):
+    one = [("w", torch.randn(8, 8))]
+    plan = plan_for(one, torch.float32)  # one bucket: rank 1 gets the whole sync
+    group, port = _host(3, timeout_s=60, backend="ipc")
+    procs = _start(3, port, plan, 1, tmp_path, "ipc")
+    group.connect(HOST, port, local_address=HOST)
+    group.timeout = timedelta(seconds=3)  # joining took the spawned processes' start-up; the sync gets 3 s
+    os.kill(procs[1].pid, signal.SIGKILL)  # rank 2
+    procs[1].join(timeout=10)
+    with pytest.raises(RuntimeError, match=r"rank 0 waited 3 s to have bucket 0 of sync 0 acked, no word from rank 2 "):
+        group.send(plan, one)
+    procs[0].join(timeout=30)
+    assert procs[0].exitcode == 0  # rank 1 got its sync: only the dead rank is missing
+    group.close()
+    group, port = _host(2, timeout_s=30, backend="ipc")
+    procs = _start(2, port, plan, 1, tmp_path, "ipc", place="otherhost/boot/GPU-1")
+    with pytest.raises(UserError, match=r"^weight group \(ipc\): rank 1 is on otherhost/boot/GPU-1, rank 0 on "):
+        group.connect(HOST, port, local_address=HOST)
+    procs[0].join(timeout=30)
+    assert procs[0].exitcode != 0  # the receiver refused itself too
+    group.close()
+
+
 def test_copy_into_loads_in_place_and_a_tied_head_follows():
     from torch import nn
 
@@ -130,7 +171,7 @@ def test_plan_is_metadata_and_bad_input_is_one_line():
         make_plan([], torch.float32, bucket_bytes=0)
     with pytest.raises(ValueError, match="needs world >= 2"):
         WeightGroup(0, 1)
-    with pytest.raises(ValueError, match="backend must be gloo or nccl"):
+    with pytest.raises(ValueError, match="backend must be gloo, nccl or ipc"):
         WeightGroup(0, 2, backend="mpi")
 
 

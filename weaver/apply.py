@@ -189,6 +189,34 @@ def placement_bundles(specs: list[ActorSpec]) -> tuple[list[Bundle], list[int]]:
     return bundles, index
 
 
+def weight_transport(setting: str, sender: ActorSpec, receivers: list[ActorSpec]) -> str:
+    """How weights go from update rank 0 (`sender`) to the rollout processes (`receivers`): 'ipc' (CUDA IPC
+    handles: only where the receiver is on the sender's very GPU) or 'group' (a broadcast). `setting`
+    (rollout.weight_transport): auto = ipc when every receiver shares the sender's one GPU (the plan's pool, host and
+    device), else group; ipc on the CPU is allowed (one host: shared memory). Some receivers on the sender's GPU
+    and others not cannot be served by either: PlanError, as is ipc asked for with a GPU receiver elsewhere.
+
+    >>> up, gen = ActorSpec("update", 0, "g", "h", (0,)), ActorSpec("rollout", 0, "g", "h", (0,))
+    >>> weight_transport("auto", up, [gen]), weight_transport("auto", up, [replace(gen, devices=(1,))])
+    ('ipc', 'group')
+    >>> weight_transport("auto", replace(up, devices=()), [replace(gen, devices=())])
+    'group'
+    """
+    shared = [bool(sender.devices) and len(sender.devices) == 1 and (r.pool, r.host, r.devices) ==
+              (sender.pool, sender.host, sender.devices) for r in receivers]  # fmt: skip
+    if any(shared) and not all(shared):
+        on = [i for i, s in enumerate(shared) if s]
+        raise PlanError(f"rollout.weight_transport: rollout replicas {on} share update rank 0's GPU and the others "
+                        "do not: plan them all on it or all elsewhere", "rollout")  # fmt: skip
+    if setting == "ipc" and sender.devices and not all(shared):
+        where = f"{sender.pool}/{sender.host}/{sender.devices}"
+        raise PlanError(f"rollout.weight_transport=ipc needs every rollout replica on update rank 0's GPU ({where}): "
+                        "set it to group or auto", "rollout")  # fmt: skip
+    if setting == "auto":
+        return "ipc" if receivers and all(shared) else "group"
+    return setting
+
+
 def with_gpu_ids(spec: ActorSpec, ids: dict[int, str]) -> ActorSpec:
     """`spec` seeing the GPUs Ray reserved for its devices (`ids`: the plan's index in its pool -> Ray's GPU id on
     the node): its CUDA_VISIBLE_DEVICES lists them in the plan's order.

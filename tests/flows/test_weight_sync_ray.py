@@ -3,11 +3,14 @@ is in Ray's object store, asserted from Ray's own state (`flows.ray_exec.object_
 which `ray memory` and `ray.util.state.list_objects` read; list_objects itself needs the dashboard, whose packages
 the main venv's Ray lacks). The same run with the object-store path (`RayStages.group = False`) is the control:
 there the check sees rank 0's weights (the tiny preset's fp32 model is ~2 MB), so the assertion can fail. Both runs
-also give the same metrics."""
+also give the same metrics, and so does (on-policy) the same run over the ipc transport
+(`rollout.weight_transport=ipc`: shared-memory buckets mapped by the rollout actor, a process unrelated to the update
+rank's, both Ray workers; on a GPU these are CUDA IPC handles)."""
 
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import ray
@@ -51,9 +54,10 @@ class WatchedObjectStore(Watched):
     group = False
 
 
-def _run(stages, run_dir, staleness: int) -> tuple[int, list[dict]]:
+def _run(stages, run_dir, staleness: int, transport: str = "auto") -> tuple[int, list[dict]]:
     """(the largest object seen, the train/reward metrics) of a 3-step tiny run."""
     cfg = tiny()
+    cfg.rollout.weight_transport = transport
     cfg.steps, cfg.eval.every, cfg.checkpoint.every = 3, 100, 100
     cfg.orchestration.execution, cfg.tracking.mlflow, cfg.pools = "ray", False, copy.deepcopy(POOLS)
     cfg.algo.max_staleness = staleness
@@ -70,6 +74,13 @@ def test_no_object_over_1mb_in_the_object_store_and_the_same_numbers(local_ray, 
     """On-policy and one step off (the receives queue behind the generate calls in flight)."""
     largest, by_group = _run(Watched, tmp_path / "group", staleness)
     assert largest <= MB
+    if staleness == 0:
+        largest, by_ipc = _run(Watched, tmp_path / "ipc", staleness, transport="ipc")
+        assert largest <= MB and by_ipc == by_group
+        places = json.loads((tmp_path / "ipc" / "workers.json").read_text())
+        assert (
+            places["update"][0]["weight_group"]["backend"] == places["rollout"][0]["weight_group"]["backend"] == "ipc"
+        )
     largest, by_store = _run(WatchedObjectStore, tmp_path / "store", staleness)
     assert largest > MB, "the check did not see the weights on the object-store path"
     assert by_group == by_store

@@ -81,3 +81,33 @@ def test_hf_rollout_on_cuda_samples_on_the_device():
     model = model.cuda()
     ro = HFBackend(model, tok).generate(PROMPTS, SamplingParams(max_new_tokens=4, n=2, seed=1))
     assert ro.num_completions == 6 and (ro.sampling_logprobs[ro.completion_mask.bool()] < 0).all()
+
+
+def test_ipc_weight_group_on_one_gpu_is_bit_exact():
+    """Colocated mode's transport on the GPU (forge/weight_group.py, backend ipc): rank 0 packs bf16 buckets on
+    cuda:0 and shares them by CUDA IPC handle; a spawned receiver process on the same GPU maps them, clones, and
+    must hold the sender's cast bit for bit over two syncs; the buckets are freed after the acks."""
+    import tempfile
+    from pathlib import Path
+
+    from forge.weight_group import plan_for
+    from tests.test_weight_group import HOST, _host, _start, expected, weights
+
+    with tempfile.TemporaryDirectory() as out:
+        plan = plan_for(weights(0).items(), torch.bfloat16, bucket_bytes=1024)
+        group, port = _host(2, backend="ipc")
+        assert group.device.type == "cuda"
+        procs = _start(2, port, plan, 2, Path(out), "ipc")
+        group.connect(HOST, port, local_address=HOST)
+        before = torch.cuda.memory_allocated()
+        for step in range(2):
+            group.send(plan, ((k, v.cuda()) for k, v in weights(step).items()))
+        procs[0].join(timeout=120)
+        assert procs[0].exitcode == 0
+        torch.cuda.ipc_collect()
+        assert torch.cuda.memory_allocated() <= before  # no bucket outlived its sync
+        group.close()
+        for step in range(2):
+            got = torch.load(Path(out) / f"rank1-step{step}.pt", map_location="cpu")
+            want = expected(step, torch.bfloat16)
+            assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want), step

@@ -2,7 +2,15 @@
 
 import pytest
 
-from weaver.apply import actor_specs, placement_bundles, ray_pool_cpus, with_gpu_ids, with_ray_cpus
+from weaver.apply import (
+    ActorSpec,
+    actor_specs,
+    placement_bundles,
+    ray_pool_cpus,
+    weight_transport,
+    with_gpu_ids,
+    with_ray_cpus,
+)
 from weaver.errors import PlanError
 from weaver.plan import plan, stage_needs
 from weaver.pools import Pool
@@ -83,6 +91,28 @@ def test_colocated_stages_share_one_gpu_bundle_and_its_gpus_map_in_the_plans_ord
     ids = dict(zip(bundles[0].devices, ["4", "5", "6", "7"], strict=True))  # Ray reserved the node's GPUs 4-7
     seen = [with_gpu_ids(s, ids).env["CUDA_VISIBLE_DEVICES"] for s in specs]
     assert seen == ["4", "5", "6", "7", "4,5", "6,7", ""]
+
+
+def test_weight_transport_is_ipc_only_where_every_engine_shares_rank_0s_gpu():
+    """One GPU: the plan colocates update and rollout on it, so auto picks CUDA IPC; engines on GPUs of their own
+    get the broadcast group; a mix of the two, or ipc asked for with an engine elsewhere, is one line."""
+    one = [CPU, Pool("gpu", "gpu", (0,), host="node-a", memory_gib=140)]
+    p = plan(stage_needs(B // 2, gpu=True), one)
+    sender, receivers = actor_specs(p, "update", CORES)[0], actor_specs(p, "rollout", CORES)
+    assert receivers[0].devices == sender.devices == (0,)
+    assert (
+        weight_transport("auto", sender, receivers) == "ipc" and weight_transport("group", sender, receivers) == "group"
+    )
+    p = plan(stage_needs(4 * B, rollout_replicas=0, update_processes=4, gpu=True), EIGHT)
+    sender, receivers = actor_specs(p, "update", CORES)[0], actor_specs(p, "rollout", CORES)
+    assert weight_transport("auto", sender, receivers) == "group"
+    with pytest.raises(PlanError, match=r"^rollout.weight_transport=ipc needs every rollout replica on update rank 0"):
+        weight_transport("ipc", sender, receivers)
+    here, there = ActorSpec("rollout", 0, "gpu", "node-a", (0,)), ActorSpec("rollout", 1, "gpu", "node-a", (1,))
+    with pytest.raises(PlanError, match=r"replicas \[0\] share update rank 0's GPU and the others do not"):
+        weight_transport("auto", ActorSpec("update", 0, "gpu", "node-a", (0,)), [here, there])
+    cpu = ActorSpec("update", 0, "cpu", "box", ())
+    assert weight_transport("ipc", cpu, [ActorSpec("rollout", 0, "cpu", "box", ())]) == "ipc"  # shared memory
 
 
 def test_ray_cpu_asks_fit_the_nodes_even_where_pools_declare_more_cores():
