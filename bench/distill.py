@@ -1,7 +1,8 @@
 """On-policy distillation on this CPU: GRPO alone, distillation alone, and both, from the same untrained student.
 
 Student: the preset's model (SmolLM2-135M-Instruct for `smollm2-arith`, as `make demo` starts from). Teacher: a
-stronger checkpoint with the same tokenizer, e.g. one `make demo` wrote (runs/NAME/checkpoints/step-000010).
+stronger checkpoint with the same tokenizer: one `make demo` wrote (runs/NAME/checkpoints/step-000010; GRPO trained
+it, so GRPO reaches it as fast as anything), or one bench/sft_teacher.py fine-tuned on the train split's answers.
 Three runs in this process (`forge.recipes.grpo.run`, plain mode, no checkpoints), same seed, same prompts, same
 steps, the greedy held-out eval every `--eval-every` steps:
 
