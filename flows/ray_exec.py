@@ -24,7 +24,9 @@ GPUs Ray reserved, the plan's devices mapped onto them in order, as CUDA_VISIBLE
 and the plan's thread count. Bundles are spread over their pool's nodes (`SPREAD`), so rollout replicas are.
 
 Weights move once per step through the weight group (`forge.weight_group`, started with the actors): update rank 0
-hosts it, rollout actor i joins as rank 1 + i*TP; the driver submits the receives, then the send, and only the plan
+hosts it, rollout actor i joins as rank 1 + i*TP (colocated, `rollout.weight_transport` ipc: one group per GPU, each
+update rank hosting one for the rollout actors on its own GPU; `weaver.apply.weight_transport` says which); the
+driver submits the receives, then the sends, and only the plan
 (names, shapes, bucket layout) crosses Ray — the object store carries no weights (`group = False` keeps the old
 object-store path, as a control for tests and bench/weight_sync.py). The rollouts stay where the rollout actor put
 them (several replicas' parts are merged and put once); the reward actor and the update ranks read that copy, and
@@ -72,6 +74,7 @@ from forge.rollout.base import SamplingParams, concat_rollouts
 from forge.stages import WorkerLost
 from weaver.apply import (
     ActorSpec,
+    WeightRoutes,
     actor_specs,
     driver_env,
     pool_resource,
@@ -244,34 +247,45 @@ class RayStages:
         cfg.env.openenv_max_sessions = replica_sessions(self.cfg.env, episodes, replicas)
         return cfg
 
-    def _transport(self) -> str:
-        """'ipc' or 'group' (rollout.weight_transport; auto: ipc when every rollout actor shares update rank 0's GPU
-        in the plan, `weaver.apply.weight_transport`); a plan that mixes the two is one line, before any actor."""
+    def _transport(self) -> WeightRoutes | None:
+        """Which weight groups carry the weights (rollout.weight_transport, `weaver.apply.weight_transport`): one
+        broadcast group hosted by update rank 0, or (ipc) one group per update rank that shares its GPU with rollout
+        actors; None on the object-store path. A plan that mixes colocated and separate engines is one line, before
+        any actor starts."""
         if not self.group:
-            return "store"
+            return None
         try:
-            return weight_transport(self.cfg.rollout.weight_transport, self.reservation.of("update")[0],
+            return weight_transport(self.cfg.rollout.weight_transport, self.reservation.of("update"),
                                     self.reservation.of("rollout"))  # fmt: skip
         except PlanError as e:
             raise UserError(str(e)) from None
 
     def _start_weight_group(self) -> None:
-        """Update rank 0 hosts the weight group (`forge.weight_group`) on its node; rollout actor i joins as ranks
-        1 + i*TP onwards, over a broadcast group or, colocated (`self.transport` ipc), CUDA IPC handles. Only the
-        plan (names, shapes, bucket layout) crosses Ray. Rebuilt with the actors."""
-        rank0, rollouts = self.actors["update"][0], self.actors["rollout"]
+        """Each hosting update rank (`self.transport.groups`: rank 0 alone for the broadcast group; under ipc every
+        rank that shares its GPU with rollout actors) opens a weight group (`forge.weight_group`) on its node; its
+        rollout actors join it, the k-th as ranks 1 + k*TP onwards, over a broadcast (gloo/NCCL) or, colocated, CUDA
+        IPC handles. Only the plan (names, shapes, bucket layout) crosses Ray. Rebuilt with the actors."""
+        assert self.transport is not None
+        ranks, rollouts = self.actors["update"], self.actors["rollout"]
         tp = self.cfg.rollout.tensor_parallel_size if self.cfg.rollout.backend == "vllm" else 1  # ranks per engine
-        addr, world = self.places["update"][0]["node_ip"], 1 + tp * len(rollouts)
-        backend = "ipc" if self.transport == "ipc" else ""  # '': gloo on CPU, NCCL on CUDA
-        plan, port = self._get([rank0.call.remote("host_weight_group", addr, world, backend)], "update")[0]
-        ips = [p["node_ip"] for p in self.places["rollout"]]
-        joins = [a.call.remote("join_weight_group", 1 + i * tp, world, addr, port, plan, ips[i], backend)
-                 for i, a in enumerate(rollouts)]  # fmt: skip
-        self._get([rank0.call.remote("connect_weight_group", addr, port), *joins], "update")
+        backend = "ipc" if self.transport.transport == "ipc" else ""  # '': gloo on CPU, NCCL on CUDA
+        groups = self.transport.groups
+        addrs = {r: self.places["update"][r]["node_ip"] for r in groups}
+        hosts = [
+            ranks[r].call.remote("host_weight_group", addrs[r], 1 + tp * len(g), backend) for r, g in groups.items()
+        ]
+        hosted = dict(zip(groups, self._get(hosts, "update"), strict=True))  # rank -> (plan, port)
+        ips, calls = [p["node_ip"] for p in self.places["rollout"]], []
+        for r, members in groups.items():
+            (plan, port), world = hosted[r], 1 + tp * len(members)
+            calls.append(ranks[r].call.remote("connect_weight_group", addrs[r], port))
+            calls += [rollouts[i].call.remote("join_weight_group", 1 + k * tp, world, addrs[r], port, plan, ips[i],
+                                              backend) for k, i in enumerate(members)]  # fmt: skip
+        self._get(calls, "update")
 
     def _publish(self, version: int) -> float:
-        """Rank 0's current weights to every rollout actor (every rank joins: a collective under FSDP); seconds from
-        the call to the last actor's load."""
+        """The current weights to every rollout actor, from rank 0 (or under ipc from the rank on its GPU; every rank
+        joins: a collective under FSDP); seconds from the call to the last actor's load."""
         if self.group:
             t0 = time.perf_counter()
             receives, sends = self._sync_calls(version)

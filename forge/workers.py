@@ -16,7 +16,8 @@ node Weaver planned for its stage. Nothing here knows which: no Ray, no Prefect.
 - `TeacherWorker`: the distillation teacher (`reward.teacher`, loaded once): `logprobs(rollouts)` -> [N, T].
 - `TrainerWorker`: one update rank (rank r of a world of N: a torch.distributed group, gloo on CPU, NCCL on GPU,
   with Accelerate inside); `step` trains on the rank's share of a batch (and returns the new weights on rank 0 if
-  asked); rank 0 hosts the weight group and `send_weights` broadcasts them to the rollout workers;
+  asked); rank 0 hosts the weight group and `send_weights` broadcasts them to the rollout workers (colocated, ipc:
+  every rank hosts the group of the rollout workers on its GPU);
   `save` starts a checkpoint (every rank snapshots and writes its own shard, in a background thread by default)
   and `wait_saved` waits for it.
 
@@ -392,8 +393,8 @@ class TrainerWorker:
         # the checkpoint writer's DCP collectives run on a gloo group of their own, so they never interleave with
         # training's on the default group; made now, while every rank is here (None with one process)
         self.checkpoint_group = torch.distributed.new_group(backend="gloo") if world > 1 else None
-        self.weight_group: WeightGroup | None = None  # rank 0 in Ray mode hosts it (`host_weight_group`)
-        self.group_member: dict | None = None  # rank 0's place in it (rank, world, address, port), for workers.json
+        self.weight_group: WeightGroup | None = None  # Ray mode: rank 0's, any rank's under ipc (`host_weight_group`)
+        self.group_member: dict | None = None  # its place in the group it hosts (rank, world, ...), for workers.json
         self.releases = releases_memory(torch.cuda.is_available(), os.environ.get("FORGEWEAVE_COLOCATED", ""))
 
     @property
@@ -421,10 +422,11 @@ class TrainerWorker:
         return {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
 
     def host_weight_group(self, address: str, world: int, backend: str = "") -> tuple[WeightPlan, int]:
-        """Rank 0: open the weight group's store on `address` for `world` members (this rank and the rollout
-        engines' workers; `backend`: `forge.weight_group`'s, '' = gloo/NCCL, ipc when colocated); returns (the plan
-        of what each sync sends, the port). `connect_weight_group` next."""
-        assert self.rank == 0, "the weight group is hosted by update rank 0"
+        """Open a weight group's store on `address` for `world` members (this rank and the rollout engines' workers
+        it feeds; `backend`: `forge.weight_group`'s, '' = gloo/NCCL, ipc when colocated); returns (the plan of what
+        each sync sends, the port). `connect_weight_group` next. Rank 0 hosts the broadcast group; under ipc any rank
+        hosts the group of the engines on its own GPU (each rank holds the full weights at a publish)."""
+        assert self.rank == 0 or backend == "ipc", "only update rank 0 hosts a broadcast weight group"
         self.weight_group = WeightGroup(0, world, backend)
         shapes = self.trainer.publish_shapes()
         self.weight_plan = make_plan(shapes, publish_dtype(self.cfg, shapes[0][1]))
@@ -433,13 +435,15 @@ class TrainerWorker:
         return self.weight_plan, port
 
     def connect_weight_group(self, address: str, port: int) -> None:
-        """Rank 0: wait for every member of the weight group (`RolloutWorker.join_weight_group`) to join."""
+        """The hosting rank: wait for every member of its weight group (`RolloutWorker.join_weight_group`) to join."""
         self.weight_group.connect(address, port, local_address=address)
 
     def send_weights(self) -> int:
-        """Broadcast the current weights to the weight group (rank 0; FSDP: every rank gathers each parameter in turn
-        with it; DDP ranks other than 0 do nothing: no host copy). Returns the bytes rank 0 sent (0 elsewhere)."""
-        if self.rank == 0:
+        """Send the current weights through this rank's weight group, if it hosts one (rank 0; under ipc every rank
+        with engines on its GPU); returns the bytes sent (0 without a group). Under FSDP every rank gathers each
+        parameter in turn (a collective), so a rank without a group still drains the stream; a DDP rank without one
+        does nothing (no host copy). DDP ranks hold identical full replicas, so any rank's stream is the policy."""
+        if self.weight_group is not None:
             return self.weight_group.send(self.weight_plan, self.trainer.publish_tensors())
         if self.trainer.fsdp:
             for _ in self.trainer.publish_tensors():

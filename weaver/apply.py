@@ -189,32 +189,75 @@ def placement_bundles(specs: list[ActorSpec]) -> tuple[list[Bundle], list[int]]:
     return bundles, index
 
 
-def weight_transport(setting: str, sender: ActorSpec, receivers: list[ActorSpec]) -> str:
-    """How weights go from update rank 0 (`sender`) to the rollout processes (`receivers`): 'ipc' (CUDA IPC
-    handles: only where the receiver is on the sender's very GPU) or 'group' (a broadcast). `setting`
-    (rollout.weight_transport): auto = ipc when every receiver shares the sender's one GPU (the plan's pool, host and
-    device), else group; ipc on the CPU is allowed (one host: shared memory). Some receivers on the sender's GPU
-    and others not cannot be served by either: PlanError, as is ipc asked for with a GPU receiver elsewhere.
+@dataclass(frozen=True)
+class WeightRoutes:
+    """How weights go from the update ranks to the rollout replicas (`weight_transport`)."""
 
-    >>> up, gen = ActorSpec("update", 0, "g", "h", (0,)), ActorSpec("rollout", 0, "g", "h", (0,))
-    >>> weight_transport("auto", up, [gen]), weight_transport("auto", up, [replace(gen, devices=(1,))])
-    ('ipc', 'group')
-    >>> weight_transport("auto", replace(up, devices=()), [replace(gen, devices=())])
-    'group'
+    transport: str
+    """'group' (one broadcast group that update rank 0 hosts) or 'ipc' (CUDA IPC handles; shared memory on the CPU)."""
+    groups: dict[int, tuple[int, ...]]
+    """Update rank -> the rollout replicas in the weight group it hosts (ranks that feed none are left out)."""
+
+
+def weight_transport(setting: str, senders: list[ActorSpec], receivers: list[ActorSpec]) -> WeightRoutes:
+    """How weights go from the update ranks (`senders`, rank order) to the rollout replicas (`receivers`), and which
+    replicas each rank feeds. `setting` (rollout.weight_transport): `group` = one broadcast group hosted by update
+    rank 0 with every replica in it; `ipc` = one group per update rank that shares its GPU with replicas (its pool,
+    host and single device), each replica in the group of the rank on its GPU (every rank holds the full weights at
+    a publish: DDP its replica, FSDP gathers each parameter on every rank); `auto` = ipc when every replica shares
+    an update rank's GPU, else group. On the CPU (no process has a device) auto is group, and ipc (shared memory,
+    every process on one host: how the tests run it) puts replica i with rank i % ranks.
+    PlanError (one line): some replicas on update ranks' GPUs and others not (any setting); ipc asked for with a
+    replica on no update rank's GPU; a colocated tensor-parallel engine (its workers span several GPUs) under
+    auto or ipc — not built.
+
+    >>> up = [ActorSpec("update", r, "g", "h", (r,)) for r in range(2)]
+    >>> gen = [ActorSpec("rollout", i, "g", "h", (i,)) for i in range(2)]
+    >>> weight_transport("auto", up, gen)
+    WeightRoutes(transport='ipc', groups={0: (0,), 1: (1,)})
+    >>> weight_transport("auto", up, [replace(g, devices=(g.index + 2,)) for g in gen])
+    WeightRoutes(transport='group', groups={0: (0, 1)})
+    >>> cpu = [replace(s, devices=()) for s in [*up, *gen]]
+    >>> weight_transport("auto", cpu[:2], cpu[2:]).transport, weight_transport("ipc", cpu[:1], cpu[2:]).groups
+    ('group', {0: (0, 1)})
     """
-    shared = [bool(sender.devices) and len(sender.devices) == 1 and (r.pool, r.host, r.devices) ==
-              (sender.pool, sender.host, sender.devices) for r in receivers]  # fmt: skip
-    if any(shared) and not all(shared):
-        on = [i for i, s in enumerate(shared) if s]
-        raise PlanError(f"rollout.weight_transport: rollout replicas {on} share update rank 0's GPU and the others "
-                        "do not: plan them all on it or all elsewhere", "rollout")  # fmt: skip
-    if setting == "ipc" and sender.devices and not all(shared):
-        where = f"{sender.pool}/{sender.host}/{sender.devices}"
-        raise PlanError(f"rollout.weight_transport=ipc needs every rollout replica on update rank 0's GPU ({where}): "
-                        "set it to group or auto", "rollout")  # fmt: skip
-    if setting == "auto":
-        return "ipc" if receivers and all(shared) else "group"
-    return setting
+    everyone = list(range(len(receivers)))
+    gpu = any(s.devices for s in [*senders, *receivers])
+    home = [_gpu_home(r, senders) for r in receivers]  # the update rank whose one GPU the replica has, else None
+    if gpu:
+        _check_colocation(setting, senders, receivers, home)
+    if setting == "group" or (setting == "auto" and not (gpu and receivers and None not in home)):
+        return WeightRoutes("group", {0: tuple(everyone)})
+    if not gpu:
+        home = [i % max(1, len(senders)) for i in everyone]
+    groups = {r: tuple(i for i in everyone if home[i] == r) for r in range(len(senders))}
+    return WeightRoutes("ipc", {r: g for r, g in groups.items() if g})
+
+
+def _gpu_home(receiver: ActorSpec, senders: list[ActorSpec]) -> int | None:
+    """The update rank whose single GPU `receiver` has as its only device (same pool and host), else None."""
+    for rank, s in enumerate(senders):
+        if len(s.devices) == 1 and (receiver.pool, receiver.host, receiver.devices) == (s.pool, s.host, s.devices):
+            return rank
+    return None
+
+
+def _check_colocation(setting: str, senders: list[ActorSpec], receivers: list[ActorSpec],
+                      home: list[int | None]) -> None:  # fmt: skip
+    """`weight_transport`'s one-line refusals on GPUs (see there)."""
+    on = [i for i, h in enumerate(home) if h is not None]
+    if on and len(on) < len(receivers):
+        raise PlanError(f"rollout.weight_transport: rollout replicas {on} share an update rank's GPU and the others "
+                        "do not: plan them all on the update ranks' GPUs or all elsewhere", "rollout")  # fmt: skip
+    used = {(s.pool, s.host, d) for s in senders for d in s.devices}
+    spans = [r.index for r in receivers if len(r.devices) > 1 and any((r.pool, r.host, d) in used for d in r.devices)]
+    if spans and setting != "group":
+        raise PlanError(f"rollout.weight_transport: rollout replicas {spans} are tensor-parallel engines on the update "
+                        "ranks' GPUs: colocated weight sync for engines spanning several GPUs is not built (set "
+                        "rollout.tensor_parallel_size=1 or give rollout GPUs of its own)", "rollout")  # fmt: skip
+    if setting == "ipc" and len(on) < len(receivers):
+        raise PlanError("rollout.weight_transport=ipc needs every rollout replica on the GPU of an update rank (same "
+                        "pool, host and device): set it to group or auto", "rollout")  # fmt: skip
 
 
 def with_gpu_ids(spec: ActorSpec, ids: dict[int, str]) -> ActorSpec:

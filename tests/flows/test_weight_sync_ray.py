@@ -5,7 +5,9 @@ the main venv's Ray lacks). The same run with the object-store path (`RayStages.
 there the check sees rank 0's weights (the tiny preset's fp32 model is ~2 MB), so the assertion can fail. Both runs
 also give the same metrics, and so does (on-policy) the same run over the ipc transport
 (`rollout.weight_transport=ipc`: shared-memory buckets mapped by the rollout actor, a process unrelated to the update
-rank's, both Ray workers; on a GPU these are CUDA IPC handles)."""
+rank's, both Ray workers; on a GPU these are CUDA IPC handles). The on-policy runs have 2 update ranks and 2 hf
+replicas: over ipc that is one group per rank (replica i fed by rank i, as on a node whose GPU i both share), so
+rank 1's own DDP replica of the weights must be the policy too."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from flows.ray_exec import RayStages, object_sizes
 from forge.presets import tiny
 from forge.recipes.grpo import run as grpo_run
 from forge.tracking import read_metrics
-from tests.flows.test_ray_exec import POOLS
+from tests.flows.test_ray_exec import POOLS, Unbalanced
 
 pytestmark = pytest.mark.slow
 MB = 1 << 20
@@ -41,9 +43,14 @@ def _largest_object() -> int:
 
 class Watched(RayStages):
     """RayStages that looks at the object store whenever the driver waits on its actors (weights in flight, if
-    any, are referenced then), keeping the largest object seen."""
+    any, are referenced then), keeping the largest object seen. The replicas' split is pinned (`EvenSplit`), so runs
+    with two replicas compare number for number."""
 
     largest = 0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.balancer = Unbalanced(len(self.actors["rollout"]))
 
     def _get(self, refs, stage, timeout=None):
         Watched.largest = max(Watched.largest, _largest_object())
@@ -54,12 +61,15 @@ class WatchedObjectStore(Watched):
     group = False
 
 
-def _run(stages, run_dir, staleness: int, transport: str = "auto") -> tuple[int, list[dict]]:
-    """(the largest object seen, the train/reward metrics) of a 3-step tiny run."""
+def _run(stages, run_dir, staleness: int, width: int, transport: str = "auto") -> tuple[int, list[dict]]:
+    """(the largest object seen, the train/reward metrics) of a 3-step tiny run with `width` update ranks and as many
+    rollout replicas."""
     cfg = tiny()
     cfg.rollout.weight_transport = transport
+    cfg.update.num_processes = cfg.rollout.replicas = width
     cfg.steps, cfg.eval.every, cfg.checkpoint.every = 3, 100, 100
     cfg.orchestration.execution, cfg.tracking.mlflow, cfg.pools = "ray", False, copy.deepcopy(POOLS)
+    cfg.pools[0]["cpu_cores"] = width  # gen: a core per replica
     cfg.algo.max_staleness = staleness
     Watched.largest = 0
     _, plan = plan_run(cfg)
@@ -69,18 +79,22 @@ def _run(stages, run_dir, staleness: int, transport: str = "auto") -> tuple[int,
     return Watched.largest, [{k: v for k, v in r.items() if k.startswith(("train/", "reward/"))} for r in rows]
 
 
-@pytest.mark.parametrize("staleness", [0, 1])
-def test_no_object_over_1mb_in_the_object_store_and_the_same_numbers(local_ray, tmp_path, staleness):
-    """On-policy and one step off (the receives queue behind the generate calls in flight)."""
-    largest, by_group = _run(Watched, tmp_path / "group", staleness)
+@pytest.mark.parametrize(("staleness", "width"), [(0, 2), (1, 1)])
+def test_no_object_over_1mb_in_the_object_store_and_the_same_numbers(local_ray, tmp_path, staleness, width):
+    """On-policy (2 ranks, 2 replicas; also over ipc) and one step off (the receives queue behind the generate calls
+    in flight)."""
+    largest, by_group = _run(Watched, tmp_path / "group", staleness, width)
     assert largest <= MB
     if staleness == 0:
-        largest, by_ipc = _run(Watched, tmp_path / "ipc", staleness, transport="ipc")
+        largest, by_ipc = _run(Watched, tmp_path / "ipc", staleness, width, transport="ipc")
         assert largest <= MB and by_ipc == by_group
         places = json.loads((tmp_path / "ipc" / "workers.json").read_text())
-        assert (
-            places["update"][0]["weight_group"]["backend"] == places["rollout"][0]["weight_group"]["backend"] == "ipc"
-        )
-    largest, by_store = _run(WatchedObjectStore, tmp_path / "store", staleness)
+        hosts = [w["weight_group"] for w in places["update"]]
+        assert [(h["rank"], h["world"], h["backend"]) for h in hosts] == [(0, 2, "ipc"), (0, 2, "ipc")]
+        assert [w["weight_group"] for w in places["rollout"]] == [{**h, "rank": 1} for h in hosts]
+        assert hosts[0]["port"] != hosts[1]["port"]
+        group = json.loads((tmp_path / "group" / "workers.json").read_text())
+        assert group["update"][0]["weight_group"]["world"] == 3 and group["update"][1]["weight_group"] is None
+    largest, by_store = _run(WatchedObjectStore, tmp_path / "store", staleness, width)
     assert largest > MB, "the check did not see the weights on the object-store path"
     assert by_group == by_store

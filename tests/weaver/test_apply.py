@@ -4,6 +4,7 @@ import pytest
 
 from weaver.apply import (
     ActorSpec,
+    WeightRoutes,
     actor_specs,
     placement_bundles,
     ray_pool_cpus,
@@ -93,26 +94,42 @@ def test_colocated_stages_share_one_gpu_bundle_and_its_gpus_map_in_the_plans_ord
     assert seen == ["4", "5", "6", "7", "4,5", "6,7", ""]
 
 
-def test_weight_transport_is_ipc_only_where_every_engine_shares_rank_0s_gpu():
-    """One GPU: the plan colocates update and rollout on it, so auto picks CUDA IPC; engines on GPUs of their own
-    get the broadcast group; a mix of the two, or ipc asked for with an engine elsewhere, is one line."""
+def test_weight_transport_is_ipc_only_where_every_engine_shares_an_update_ranks_gpu():
+    """One GPU: the plan colocates update and rollout on it, so auto picks CUDA IPC; two GPUs with 2 update ranks and
+    2 replicas colocated: one ipc group per GPU, each rank feeding the replica on its own GPU; engines on GPUs of
+    their own get the broadcast group; a mix of the two, ipc asked for with an engine elsewhere, or a colocated
+    tensor-parallel engine (its workers span several GPUs: not built) is one line."""
     one = [CPU, Pool("gpu", "gpu", (0,), host="node-a", memory_gib=140)]
     p = plan(stage_needs(B // 2, gpu=True), one)
-    sender, receivers = actor_specs(p, "update", CORES)[0], actor_specs(p, "rollout", CORES)
-    assert receivers[0].devices == sender.devices == (0,)
-    assert (
-        weight_transport("auto", sender, receivers) == "ipc" and weight_transport("group", sender, receivers) == "group"
-    )
+    senders, receivers = actor_specs(p, "update", CORES), actor_specs(p, "rollout", CORES)
+    assert receivers[0].devices == senders[0].devices == (0,)
+    assert weight_transport("auto", senders, receivers) == WeightRoutes("ipc", {0: (0,)})
+    assert weight_transport("group", senders, receivers) == WeightRoutes("group", {0: (0,)})
+    two = [CPU, Pool("gpu", "gpu", (0, 1), host="node-a", memory_gib=140)]
+    p = plan(stage_needs(B // 2, rollout_replicas=2, update_processes=2, gpu=True), two)
+    senders, receivers = actor_specs(p, "update", CORES), actor_specs(p, "rollout", CORES)
+    assert [s.devices for s in senders] == [r.devices for r in receivers] == [(0,), (1,)]
+    assert weight_transport("auto", senders, receivers) == WeightRoutes("ipc", {0: (0,), 1: (1,)})
+    assert weight_transport("ipc", senders, receivers[::-1]).groups == {0: (1,), 1: (0,)}  # by GPU, not by index
+    p = plan(stage_needs(B // 2, update_processes=2, gpu=True, rollout_tp=2), two)
+    tp2 = actor_specs(p, "rollout", CORES, per_process_devices=2)
+    assert tp2[0].devices == (0, 1)
+    for setting in ("auto", "ipc"):
+        with pytest.raises(PlanError, match=r"^rollout.weight_transport: rollout replicas \[0\] are tensor-parallel"):
+            weight_transport(setting, senders, tp2)
     p = plan(stage_needs(4 * B, rollout_replicas=0, update_processes=4, gpu=True), EIGHT)
-    sender, receivers = actor_specs(p, "update", CORES)[0], actor_specs(p, "rollout", CORES)
-    assert weight_transport("auto", sender, receivers) == "group"
-    with pytest.raises(PlanError, match=r"^rollout.weight_transport=ipc needs every rollout replica on update rank 0"):
-        weight_transport("ipc", sender, receivers)
-    here, there = ActorSpec("rollout", 0, "gpu", "node-a", (0,)), ActorSpec("rollout", 1, "gpu", "node-a", (1,))
-    with pytest.raises(PlanError, match=r"replicas \[0\] share update rank 0's GPU and the others do not"):
-        weight_transport("auto", ActorSpec("update", 0, "gpu", "node-a", (0,)), [here, there])
-    cpu = ActorSpec("update", 0, "cpu", "box", ())
-    assert weight_transport("ipc", cpu, [ActorSpec("rollout", 0, "cpu", "box", ())]) == "ipc"  # shared memory
+    senders, receivers = actor_specs(p, "update", CORES), actor_specs(p, "rollout", CORES)
+    assert weight_transport("auto", senders, receivers) == WeightRoutes("group", {0: tuple(range(len(receivers)))})
+    with pytest.raises(PlanError, match=r"^rollout.weight_transport=ipc needs every rollout replica on the GPU of an"):
+        weight_transport("ipc", senders, receivers)
+    here, there = ActorSpec("rollout", 0, "gpu", "node-a", (1,)), ActorSpec("rollout", 1, "gpu", "node-a", (5,))
+    ranks = [ActorSpec("update", r, "gpu", "node-a", (r,)) for r in range(2)]
+    with pytest.raises(PlanError, match=r"replicas \[0\] share an update rank's GPU and the others do not"):
+        weight_transport("auto", ranks, [here, there])
+    cpu = [ActorSpec("update", r, "cpu", "box", ()) for r in range(2)]
+    gen = [ActorSpec("rollout", i, "cpu", "box", ()) for i in range(3)]
+    assert weight_transport("ipc", cpu, gen) == WeightRoutes("ipc", {0: (0, 2), 1: (1,)})  # shared memory: i % ranks
+    assert weight_transport("auto", cpu, gen).transport == "group"
 
 
 def test_ray_cpu_asks_fit_the_nodes_even_where_pools_declare_more_cores():
