@@ -250,7 +250,8 @@ def _check_colocation(setting: str, senders: list[ActorSpec], receivers: list[Ac
         raise PlanError(f"rollout.weight_transport: rollout replicas {on} share an update rank's GPU and the others "
                         "do not: plan them all on the update ranks' GPUs or all elsewhere", "rollout")  # fmt: skip
     used = {(s.pool, s.host, d) for s in senders for d in s.devices}
-    spans = [r.index for r in receivers if len(r.devices) > 1 and any((r.pool, r.host, d) in used for d in r.devices)]
+    on_used = [bool({(r.pool, r.host, d) for d in r.devices} & used) for r in receivers]
+    spans = [i for i, r in enumerate(receivers) if len(r.devices) > 1 and on_used[i]]
     if spans and setting != "group":
         raise PlanError(f"rollout.weight_transport: rollout replicas {spans} are tensor-parallel engines on the update "
                         "ranks' GPUs: colocated weight sync for engines spanning several GPUs is not built (set "

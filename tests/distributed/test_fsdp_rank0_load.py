@@ -8,7 +8,8 @@ given, so each loads the policy itself (the tiny random Llama, built from the ru
 weights, every model `fsdp.shard` is given must be on the meta device, the reference model's parameters must be
 shards, and after two updates both ranks' full weights, the loss and the KL must equal those of a 2-rank trainer
 whose ranks both built the model and a full reference copy (the path before this change): same values, same float
-ops, so compared exactly.
+ops, so compared exactly. Then each rank sends its weights through an ipc weight group of its own (colocated mode on
+several GPUs: each rank feeds the engines on its GPU), and what each group's receiver gets is the full weights.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import socket
+import threading
 from pathlib import Path
 
 import torch
@@ -26,6 +28,7 @@ from torch.distributed.tensor import DTensor
 import forge.workers as workers
 from forge.distributed import fsdp
 from forge.models import load_policy
+from forge.weight_group import WeightGroup
 from tests.grpo_parts import Trainer, TrainerWorker
 from tests.test_trainer import make_batch, make_cfg
 
@@ -57,13 +60,35 @@ def _rank(rank: int, port: int, root: str) -> None:
                        accelerator=w.trainer.accelerator)  # fmt: skip
     base_stats = [baseline.update(*make_batch(w.tokenizer)) for _ in range(2)][-1]
     base_weights = baseline.full_weights()
+    received = _through_own_ipc_group(w)
     if rank == 0:
         save_file(meta_loaded, Path(root) / "rank0_load.safetensors")
         save_file(base_weights, Path(root) / "all_load.safetensors")
     Path(root, f"rank{rank}.json").write_text(json.dumps({
         "asked": asked, "on_meta": sharded_on_meta, "ref_sharded": ref_sharded, "loss": stats.loss,
         "base_loss": base_stats.loss, "kl": stats.kl_ref, "base_kl": base_stats.kl_ref}))  # fmt: skip
+    save_file(received, Path(root) / f"ipc{rank}.safetensors")
     w.close()
+
+
+def _through_own_ipc_group(w) -> dict[str, torch.Tensor]:
+    """Colocated on several GPUs, each rank hosts an ipc weight group for the engines on its own GPU: this rank hosts
+    one and a thread of this process joins it as its engine; the rank's `send_weights` (its `publish_tensors`, a
+    gather per parameter on both ranks at once) goes through it. Returns what the thread received."""
+    plan, port = w.host_weight_group("127.0.0.1", 2, "ipc")
+    got: dict[str, torch.Tensor] = {}
+
+    def engine() -> None:
+        g = WeightGroup(1, 2, "ipc")
+        g.connect("127.0.0.1", port)
+        g.receive(plan, lambda pairs: got.update((k, v.clone()) for k, v in pairs))
+
+    t = threading.Thread(target=engine)
+    t.start()
+    w.connect_weight_group("127.0.0.1", port)
+    w.send_weights()
+    t.join()
+    return got
 
 
 def test_only_rank_0_loads_weights_and_training_is_unchanged(tmp_path):
@@ -79,3 +104,7 @@ def test_only_rank_0_loads_weights_and_training_is_unchanged(tmp_path):
     assert r0["kl"] == r0["base_kl"] and r1["kl"] == r1["base_kl"] and r0["kl"] != 0
     a, b = load_file(tmp_path / "rank0_load.safetensors"), load_file(tmp_path / "all_load.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # each rank's own ipc group carried the full, current weights (a tied copy once), rank 1's as well as rank 0's
+    for r in (0, 1):
+        got = load_file(tmp_path / f"ipc{r}.safetensors")
+        assert got and set(a) - set(got) <= {"lm_head.weight"} and all(torch.equal(got[k], a[k]) for k in got)
