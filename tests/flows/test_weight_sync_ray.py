@@ -7,12 +7,14 @@ also give the same metrics, and so does (on-policy) the same run over the ipc tr
 (`rollout.weight_transport=ipc`: shared-memory buckets mapped by the rollout actor, a process unrelated to the update
 rank's, both Ray workers; on a GPU these are CUDA IPC handles). The on-policy runs have 2 update ranks and 2 hf
 replicas: over ipc that is one group per rank (replica i fed by rank i, as on a node whose GPU i both share), so
-rank 1's own DDP replica of the weights must be the policy too."""
+rank 1's own DDP replica of the weights must be the policy too; a replica killed there rebuilds both groups."""
 
 from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
 
 import pytest
 import ray
@@ -44,7 +46,7 @@ def _largest_object() -> int:
 class Watched(RayStages):
     """RayStages that looks at the object store whenever the driver waits on its actors (weights in flight, if
     any, are referenced then), keeping the largest object seen. The replicas' split is pinned (`EvenSplit`), so runs
-    with two replicas compare number for number."""
+    with two replicas compare number for number (as tests/flows/test_ray_exec.py's `EvenSplit`)."""
 
     largest = 0
 
@@ -59,6 +61,19 @@ class Watched(RayStages):
 
 class WatchedObjectStore(Watched):
     group = False
+
+
+class KillsReplica1(Watched):
+    """Watched that SIGKILLs rollout replica 1's process as version 2's sync is submitted (its rank then waits for
+    an ack that never comes): the loop rebuilds the actors and with them every weight group."""
+
+    before: list[dict] = []  # where the workers (and their groups) were when it was killed
+
+    def _sync_calls(self, version: int):
+        if version == 2 and not self.before:
+            self.before.append(self.where())
+            os.kill(self.before[0]["rollout"][1]["pid"], signal.SIGKILL)
+        return super()._sync_calls(version)
 
 
 def _run(stages, run_dir, staleness: int, width: int, transport: str = "auto") -> tuple[int, list[dict]]:
@@ -81,18 +96,22 @@ def _run(stages, run_dir, staleness: int, width: int, transport: str = "auto") -
 
 @pytest.mark.parametrize(("staleness", "width"), [(0, 2), (1, 1)])
 def test_no_object_over_1mb_in_the_object_store_and_the_same_numbers(local_ray, tmp_path, staleness, width):
-    """On-policy (2 ranks, 2 replicas; also over ipc) and one step off (the receives queue behind the generate calls
-    in flight)."""
+    """On-policy (2 ranks, 2 replicas; also over ipc, where replica 1 is SIGKILLed in a sync and the run recovers to
+    the same numbers) and one step off (the receives queue behind the generate calls in flight)."""
     largest, by_group = _run(Watched, tmp_path / "group", staleness, width)
     assert largest <= MB
     if staleness == 0:
-        largest, by_ipc = _run(Watched, tmp_path / "ipc", staleness, width, transport="ipc")
+        KillsReplica1.before = []
+        largest, by_ipc = _run(KillsReplica1, tmp_path / "ipc", staleness, width, transport="ipc")
         assert largest <= MB and by_ipc == by_group
-        places = json.loads((tmp_path / "ipc" / "workers.json").read_text())
-        hosts = [w["weight_group"] for w in places["update"]]
-        assert [(h["rank"], h["world"], h["backend"]) for h in hosts] == [(0, 2, "ipc"), (0, 2, "ipc")]
-        assert [w["weight_group"] for w in places["rollout"]] == [{**h, "rank": 1} for h in hosts]
-        assert hosts[0]["port"] != hosts[1]["port"]
+        (before,), after = KillsReplica1.before, json.loads((tmp_path / "ipc" / "workers.json").read_text())
+        for places in (before, after):  # one group per rank, replica i in rank i's
+            hosts = [w["weight_group"] for w in places["update"]]
+            assert [(h["rank"], h["world"], h["backend"]) for h in hosts] == [(0, 2, "ipc"), (0, 2, "ipc")]
+            assert [w["weight_group"] for w in places["rollout"]] == [{**h, "rank": 1} for h in hosts]
+            assert hosts[0]["port"] != hosts[1]["port"]
+        ports = [{w["weight_group"]["port"] for w in places["update"]} for places in (before, after)]
+        assert not ports[0] & ports[1]  # rebuilt
         group = json.loads((tmp_path / "group" / "workers.json").read_text())
         assert group["update"][0]["weight_group"]["world"] == 3 and group["update"][1]["weight_group"] is None
     largest, by_store = _run(WatchedObjectStore, tmp_path / "store", staleness, width)
