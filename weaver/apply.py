@@ -208,7 +208,8 @@ def weight_transport(setting: str, senders: list[ActorSpec], receivers: list[Act
     an update rank's GPU, else group. On the CPU (no process has a device) auto is group, and ipc (shared memory,
     every process on one host: how the tests run it) puts replica i with rank i % ranks.
     PlanError (one line): some replicas on update ranks' GPUs and others not (any setting); ipc asked for with a
-    replica on no update rank's GPU; a colocated tensor-parallel engine (its workers span several GPUs) under
+    replica on no update rank's GPU; group asked for with a replica on rank 0's GPU (NCCL refuses two ranks of one
+    group on one GPU); a colocated tensor-parallel engine (its workers span several GPUs) under
     auto or ipc — not built.
 
     >>> up = [ActorSpec("update", r, "g", "h", (r,)) for r in range(2)]
@@ -256,6 +257,9 @@ def _check_colocation(setting: str, senders: list[ActorSpec], receivers: list[Ac
         raise PlanError(f"rollout.weight_transport: rollout replicas {spans} are tensor-parallel engines on the update "
                         "ranks' GPUs: colocated weight sync for engines spanning several GPUs is not built (set "
                         "rollout.tensor_parallel_size=1 or give rollout GPUs of its own)", "rollout")  # fmt: skip
+    if setting == "group" and (clash := [i for i, h in enumerate(home) if h == 0]):
+        raise PlanError(f"rollout.weight_transport=group: rollout replicas {clash} share update rank 0's GPU, where "
+                        "NCCL refuses two ranks of one group: set it to auto or ipc", "rollout")  # fmt: skip
     if setting == "ipc" and len(on) < len(receivers):
         raise PlanError("rollout.weight_transport=ipc needs every rollout replica on the GPU of an update rank (same "
                         "pool, host and device): set it to group or auto", "rollout")  # fmt: skip

@@ -104,7 +104,12 @@ def test_weight_transport_is_ipc_only_where_every_engine_shares_an_update_ranks_
     senders, receivers = actor_specs(p, "update", CORES), actor_specs(p, "rollout", CORES)
     assert receivers[0].devices == senders[0].devices == (0,)
     assert weight_transport("auto", senders, receivers) == WeightRoutes("ipc", {0: (0,)})
-    assert weight_transport("group", senders, receivers) == WeightRoutes("group", {0: (0,)})
+    with pytest.raises(
+        PlanError,
+        match=r"^rollout.weight_transport=group: rollout replicas \[0\] share update rank "
+        r"0's GPU, where NCCL refuses two ranks of one group: set it to auto or ipc$",
+    ):
+        weight_transport("group", senders, receivers)
     two = [CPU, Pool("gpu", "gpu", (0, 1), host="node-a", memory_gib=140)]
     p = plan(stage_needs(B // 2, rollout_replicas=2, update_processes=2, gpu=True), two)
     senders, receivers = actor_specs(p, "update", CORES), actor_specs(p, "rollout", CORES)
