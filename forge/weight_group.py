@@ -35,6 +35,7 @@ device check (scripts/gpu_check.py); on the CPU the same protocol runs in the te
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import pickle
 import socket
@@ -248,7 +249,7 @@ class WeightGroup:
         for index in range(len(plan.buckets)):
             key = f"{sync}/{index}"
             self._wait(store, {key: 0}, f"receive bucket {index} of sync {sync}")
-            bucket = rebuild(pickle.loads(store.get(key)), self.device)
+            bucket = rebuild(load_handle(store.get(key)), self.device)
             load([(s.name, bucket[s.offset : s.offset + _numel(s)].view(s.shape)) for s in _in_bucket(plan, index)])
             del bucket
             if self.device.type == "cuda":  # the copies out of the sender's memory are done before it is freed
@@ -327,6 +328,40 @@ def rebuild(shared: tuple, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":  # reduce_tensor's args: (..., dtype, device index, handle, ...)
         args = (*args[:6], device.index, *args[7:])
     return fn(*args)
+
+
+_HANDLE_GLOBALS = {
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),  # what reduce_tensor names for a CUDA tensor
+    ("torch", "Tensor"),
+    ("torch", "Size"),
+    ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"),
+    ("forge.weight_group", "_rebuild_cpu"),
+}
+
+
+class _HandleUnpickler(pickle.Unpickler):
+    """Unpickles a bucket handle and nothing else: the store is a TCP port on the node, so a payload written there by
+    another process must not run code here. Only the rebuild functions, torch's tensor/storage/Size classes and
+    dtypes resolve; any other global is refused."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _HANDLE_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"weight group (ipc): a handle may not name {module}.{name}")
+
+
+def load_handle(data: bytes) -> tuple:
+    """The (rebuild, args) that `share` made, from the store's bytes (`_HandleUnpickler`: no other code runs).
+
+    >>> import os
+    >>> load_handle(pickle.dumps((os.system, ("true",))))
+    Traceback (most recent call last):
+    _pickle.UnpicklingError: weight group (ipc): a handle may not name posix.system
+    """
+    return _HandleUnpickler(io.BytesIO(data)).load()
 
 
 def _rebuild_cpu(handle: tuple, dtype: str, numel: int) -> torch.Tensor:

@@ -195,3 +195,19 @@ def test_trainer_publishes_each_weight_once_and_a_copy_matches_it():
     copy, _ = load_policy(cfg.model, seed=cfg.seed + 1)
     copy_into(copy)(sent)
     assert all(torch.equal(v, every[k]) for k, v in copy.state_dict().items())
+
+
+def test_an_ipc_handle_loads_only_the_rebuild_globals():
+    """The store's bytes are unpickled with a whitelist: a CUDA handle's shape (reduce_tensor's globals) loads, a
+    payload naming any other callable is refused before it runs."""
+    import pickle
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    from forge.weight_group import load_handle
+
+    cuda_like = (rebuild_cuda_tensor, (torch.Tensor, torch.Size([3]), (1,), 0, torch.UntypedStorage, torch.bfloat16, 0,
+                                       b"h", 6, 0, False, b"r", 0, b"e", True))  # fmt: skip
+    assert load_handle(pickle.dumps(cuda_like)) == cuda_like
+    with pytest.raises(pickle.UnpicklingError, match="a handle may not name builtins.eval"):
+        load_handle(pickle.dumps((eval, ("1",))))
