@@ -109,8 +109,11 @@ def main() -> None:
     ap.add_argument("--epochs", type=float, default=1.0)
     ap.add_argument("--lr", type=float, default=5e-5)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--reply", default="{answer}",
-                    help="the reply it learns: {answer} and {expr} (the prompt's 'a op b'), e.g. '{expr} = {answer}'")
+    ap.add_argument(
+        "--reply",
+        default="{answer}",
+        help="the reply it learns: {answer} and {expr} (the prompt's 'a op b'), e.g. '{expr} = {answer}'",
+    )
     ap.add_argument("--eval-rows", type=int, default=200)
     ap.add_argument("--set", action="append", default=[], dest="sets", help="an override key=value (repeatable)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -125,6 +128,8 @@ def main() -> None:
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores, bf16 units: {bf16_units()}; preset {args.preset}, "
           f"{args.epochs} epoch(s), lr {args.lr}, batch {args.batch}, overrides {args.sets}", flush=True)  # fmt: skip
     out = Path(args.out)
+    if out.exists() and not (out / "config.json").is_file():  # it is replaced whole at the end: never a user's folder
+        sys.exit(f"sft_teacher: --out '{out}' exists and is not a model directory: pick a new path")
     info = train(cfg, args, out)
     evals = [f"eval.max_problems={args.eval_rows}", "eval.k=0", *args.sets]
     report = evaluate_checkpoint_dir(out, args.preset, evals, out=out / "eval.json")
