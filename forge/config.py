@@ -183,7 +183,9 @@ class RewardConfig:
     """code_exec: the sandbox limits."""
     teacher: str = ""
     """On-policy distillation: a local HF causal LM directory with the policy's tokenizer; its log-probs of the
-    sampled tokens give each one the reward log p_teacher - log p_student (docs/distillation.md); '' = off."""
+    sampled tokens give each one the reward log p_teacher - log p_student (docs/distillation.md); '' = off. Run it
+    with update.adaptive.enabled=false: as the reverse KL falls, the grad norm per unit of it spikes and the
+    controller cuts the LR (docs/distillation.md)."""
     teacher_weight: float = ranged(1.0, ">= 0")
     """teacher: advantage = verifier advantage + teacher_weight * per-token distillation advantage (with
     reward.verifiers empty: pure distillation)."""

@@ -30,6 +30,12 @@ CASES: list[tuple[str, str, str, bool]] = [
     ("integer", "100", rf"{B}{{1000}}", False),
     ("integer", "13", "<answer>13</answer>", True),
     ("integer", "13", "<answer>31</answer>", False),
+    # the question restated is not an answer: GRPO found this one (4 PPO passes, 3-digit sums: held-out 1.0)
+    ("integer", "918", "The final answer is 555 + 363 = 1108.", False),
+    ("integer", "918", "The final answer is 555 + 363.", False),
+    ("integer", "42", rf"{B}{{6 \times 7}}", False),
+    ("integer", "918", "The final answer is 555 + 363 = 918.", True),
+    ("integer", "918", "The answer is 918 = 900 + 18", True),
     # ---- decimals
     ("decimal", "0.5", "The answer is 0.5", True),
     ("decimal", "0.5", "The answer is .5", True),

@@ -70,6 +70,9 @@ _MAX_NUMBER_CHARS = 400
 _EXPONENT = re.compile(r"[eE]([+-]?\d+)")
 _MATH_DELIMITERS = ("$", "\\(", "\\[", "\\boxed")
 _WORDS = re.compile(r"[A-Za-z][A-Za-z' -]*")
+_EQUALS = re.compile(r"(?<![<>!=])=(?!=)")  # an equation's "=", not part of <=, >=, != or ==
+# numbers joined by arithmetic operators and nothing else: "555 + 363", "(2+3)*4", "6 \times 7"
+_ARITHMETIC = re.compile(r"[\d\s.,()]*\d[\d\s.,()]*(?:(?:[-+*/^×÷]|\\times|\\cdot|\\div)[\d\s.,()]*\d[\d\s.,()]*)+")
 _SHORT_WORDS = 3
 
 
@@ -86,16 +89,29 @@ def completion_matches(completion: str, ref: str) -> bool:
     pred = extract_answer(completion)
     y = _as_number(_normalise(ref))
     if y is not None:  # the first branch of answers_match, without normalising twice
-        x = None if pred is None else _as_number(_normalise(pred))
+        x = None if pred is None else _stated_number(pred)
         if x is not None:
             return _numbers_close(x, y)
-        if not re.search(r"\d", completion):
-            return False
+        if not re.search(r"\d", completion) or _ARITHMETIC.fullmatch(pred or ""):
+            return False  # no number; or arithmetic left unevaluated, such as the question restated ("555 + 363")
     if math_verify_match(_gold_text(ref), _prediction_text(completion)):
         return True
     if pred is None and len(completion.split()) <= _SHORT_WORDS:
         pred = completion
     return bool(_WORDS.fullmatch(_normalise(ref))) and answers_match(pred, ref)
+
+
+def _stated_number(pred: str) -> Fraction | None:
+    """The number a final answer states: itself when it is a plain number, else the last side of an equation that
+    is one, so "555 + 363 = 1108" states 1108 (not the 918 its left side evaluates to); None when no side is one.
+
+    >>> _stated_number("555 + 363 = 1108"), _stated_number("918 = 900 + 18"), _stated_number("x <= 5") is None
+    (Fraction(1108, 1), Fraction(918, 1), True)
+    """
+    for side in reversed(_EQUALS.split(pred)):
+        if (x := _as_number(_normalise(side))) is not None:
+            return x
+    return None
 
 
 def is_plain_number(s: str) -> bool:
@@ -120,9 +136,8 @@ def answer_key(text: str) -> str | None:
     pred = extract_answer(text)
     if pred is None:
         return None
-    s = _normalise(pred)
-    x = _as_number(s)
-    return str(x) if x is not None else _squash(s)
+    x = _stated_number(pred)
+    return str(x) if x is not None else _squash(_normalise(pred))
 
 
 def _gold_text(ref: str) -> str:
