@@ -19,7 +19,10 @@ r"""Final-answer checking for math-style tasks: a fast path for plain numbers, m
 
 `extract_answer` pulls one final answer out of a completion, trying in order: the last balanced `\boxed{...}`
 (or `\fbox{...}`), the last `<answer>...</answer>`, the last "answer is X" / "Answer: X", then the last number
-in the text. `answers_match` compares a prediction with a reference: numerically when both are plain numbers,
+in the text; an answer that is an equation states its last side that is a plain number ("555 + 363 = 1108" states
+1108). With a plain-number reference, arithmetic left unevaluated ("555 + 363": the question restated) never
+matches: math-verify would evaluate it, and GRPO learnt "The final answer is a + b = anything" from that (3-digit
+sums, 4 PPO passes per step: held-out pass@1 1.0 in 16 steps, before this rule). `answers_match` compares a prediction with a reference: numerically when both are plain numbers,
 symbolically with sympy when both are short, safe expressions, otherwise as normalised strings.
 
 Numbers are bounded: a number with an exponent beyond 400 or over 400 characters is compared as text (building
@@ -89,7 +92,7 @@ def completion_matches(completion: str, ref: str) -> bool:
     pred = extract_answer(completion)
     y = _as_number(_normalise(ref))
     if y is not None:  # the first branch of answers_match, without normalising twice
-        x = None if pred is None else _stated_number(pred)
+        x = None if pred is None else _as_number(_normalise(pred))
         if x is not None:
             return _numbers_close(x, y)
         if not re.search(r"\d", completion) or _ARITHMETIC.fullmatch(pred or ""):
@@ -99,19 +102,6 @@ def completion_matches(completion: str, ref: str) -> bool:
     if pred is None and len(completion.split()) <= _SHORT_WORDS:
         pred = completion
     return bool(_WORDS.fullmatch(_normalise(ref))) and answers_match(pred, ref)
-
-
-def _stated_number(pred: str) -> Fraction | None:
-    """The number a final answer states: itself when it is a plain number, else the last side of an equation that
-    is one, so "555 + 363 = 1108" states 1108 (not the 918 its left side evaluates to); None when no side is one.
-
-    >>> _stated_number("555 + 363 = 1108"), _stated_number("918 = 900 + 18"), _stated_number("x <= 5") is None
-    (Fraction(1108, 1), Fraction(918, 1), True)
-    """
-    for side in reversed(_EQUALS.split(pred)):
-        if (x := _as_number(_normalise(side))) is not None:
-            return x
-    return None
 
 
 def is_plain_number(s: str) -> bool:
@@ -136,8 +126,9 @@ def answer_key(text: str) -> str | None:
     pred = extract_answer(text)
     if pred is None:
         return None
-    x = _stated_number(pred)
-    return str(x) if x is not None else _squash(_normalise(pred))
+    s = _normalise(pred)
+    x = _as_number(s)
+    return str(x) if x is not None else _squash(s)
 
 
 def _gold_text(ref: str) -> str:
@@ -158,13 +149,29 @@ def extract_answer(text: str) -> str | None:
     '\\frac{3}{4}'
     >>> extract_answer("<answer> 12 </answer>"), extract_answer("The answer is 42."), extract_answer("2+3=5")
     ('12', '42', '5')
+    >>> extract_answer("The final answer is 555 + 363 = 1108."), extract_answer("The answer is 555 + 363.")
+    ('1108', '555 + 363')
     >>> extract_answer("I have no idea") is None
     True
     """
     for found in (_last_boxed(text), _last_tagged(text), _answer_is(text), _last_number(text)):
         if found is not None and (cleaned := _clean(found)):
-            return cleaned
+            return _stated_side(cleaned)
     return None
+
+
+def _stated_side(answer: str) -> str:
+    """What an answer that is an equation states: its last side that is a plain number ("555 + 363 = 1108" states
+    1108, not the 918 its left side evaluates to); the answer unchanged when no side is one.
+
+    >>> _stated_side("555 + 363 = 1108"), _stated_side("918 = 900 + 18"), _stated_side("x <= 5")
+    ('1108', '918', 'x <= 5')
+    """
+    sides = _EQUALS.split(answer)
+    for side in reversed(sides if len(sides) > 1 else []):
+        if _as_number(_normalise(side)) is not None:
+            return _clean(side)
+    return answer
 
 
 def _last_boxed(text: str) -> str | None:
