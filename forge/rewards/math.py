@@ -22,8 +22,9 @@ r"""Final-answer checking for math-style tasks: a fast path for plain numbers, m
 in the text; an answer that is an equation states its last side that is a plain number ("555 + 363 = 1108" states
 1108). With a plain-number reference, arithmetic left unevaluated ("555 + 363": the question restated) never
 matches: math-verify would evaluate it, and GRPO learnt "The final answer is a + b = anything" from that (3-digit
-sums, 4 PPO passes per step: held-out pass@1 1.0 in 16 steps, before this rule). `answers_match` compares a prediction with a reference: numerically when both are plain numbers,
-symbolically with sympy when both are short, safe expressions, otherwise as normalised strings.
+sums, 4 PPO passes per step: held-out pass@1 1.0 in 16 steps, before this rule). `answers_match` compares a
+prediction with a reference: numerically when both are plain numbers, symbolically with sympy when both are short,
+safe expressions, otherwise as normalised strings.
 
 Numbers are bounded: a number with an exponent beyond 400 or over 400 characters is compared as text (building
 it exactly could take hours). Sympy has no timeout here, so the symbolic path only runs on strings under 100 characters made of digits,
