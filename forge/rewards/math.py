@@ -75,8 +75,11 @@ _EXPONENT = re.compile(r"[eE]([+-]?\d+)")
 _MATH_DELIMITERS = ("$", "\\(", "\\[", "\\boxed")
 _WORDS = re.compile(r"[A-Za-z][A-Za-z' -]*")
 _EQUALS = re.compile(r"(?<![<>!=])=(?!=)")  # an equation's "=", not part of <=, >=, != or ==
-# numbers joined by arithmetic operators and nothing else: "555 + 363", "(2+3)*4", "6 \times 7"
-_ARITHMETIC = re.compile(r"[\d\s.,()]*\d[\d\s.,()]*(?:(?:[-+*/^×÷]|\\times|\\cdot|\\div)[\d\s.,()]*\d[\d\s.,()]*)+")
+# unevaluated arithmetic ("555 + 363", "(2+3)*4", "6 \times 7"): only these characters, and an operator between two
+# digits; two linear scans (one pattern with nested quantifiers took minutes on a 100,000-digit answer)
+_LATEX_OPERATORS = re.compile(r"\\(?:times|cdot|div)")
+_ARITHMETIC_CHARS = re.compile(r"[\d\s.,()+\-*/^×÷]+")
+_ARITHMETIC_OPERATOR = re.compile(r"\d[\s)]*[-+*/^×÷][\s(]*\d")
 _SHORT_WORDS = 3
 
 
@@ -96,13 +99,23 @@ def completion_matches(completion: str, ref: str) -> bool:
         x = None if pred is None else _as_number(_normalise(pred))
         if x is not None:
             return _numbers_close(x, y)
-        if not re.search(r"\d", completion) or _ARITHMETIC.fullmatch(pred or ""):
+        if not re.search(r"\d", completion) or _unevaluated(pred or ""):
             return False  # no number; or arithmetic left unevaluated, such as the question restated ("555 + 363")
     if math_verify_match(_gold_text(ref), _prediction_text(completion)):
         return True
     if pred is None and len(completion.split()) <= _SHORT_WORDS:
         pred = completion
     return bool(_WORDS.fullmatch(_normalise(ref))) and answers_match(pred, ref)
+
+
+def _unevaluated(answer: str) -> bool:
+    r"""Whether `answer` is numbers joined by arithmetic operators and nothing else.
+
+    >>> _unevaluated("555 + 363"), _unevaluated(r"6 \times 7"), _unevaluated("-5"), _unevaluated("x + 1")
+    (True, True, False, False)
+    """
+    s = _LATEX_OPERATORS.sub("*", answer)
+    return bool(_ARITHMETIC_CHARS.fullmatch(s) and _ARITHMETIC_OPERATOR.search(s))
 
 
 def is_plain_number(s: str) -> bool:
