@@ -69,7 +69,7 @@ from forge.data import train_row_count
 from forge.env.openenv import SERVER_PYTHON, replica_sessions
 from forge.errors import UserError
 from forge.models import load_tokenizer
-from forge.records import RolloutRequest, Rollouts, ScoredBatch, UpdateStats
+from forge.records import RolloutRequest, Rollouts, ScoredBatch, TeacherTopK, UpdateStats
 from forge.rollout.base import SamplingParams, concat_rollouts
 from forge.stages import WorkerLost
 from weaver.apply import (
@@ -364,14 +364,17 @@ class RayStages:
         batch = self._get([scored], "reward")[0]
         return dataclasses.replace(batch, reward_metrics={**batch.reward_metrics, "perf/teacher_s": seconds})
 
-    def update(self, rollouts: Rollouts, advantages: torch.Tensor) -> UpdateStats:
+    def update(self, rollouts: Rollouts, advantages: torch.Tensor, teacher: TeacherTopK | None = None) -> UpdateStats:
         """One step on every rank; rank 0's new weights go to the rollout actors. On-policy the loop waits for them
         to load; asynchronous (`algo.max_staleness` > 0) the loads queue behind the generate calls in flight and
-        `sync_seconds` is the rollout actors' own load time of the previous version."""
+        `sync_seconds` is the rollout actors' own load time of the previous version. `teacher` (the teacher's top
+        k, reward.teacher_topk) goes by `ray.put` like the advantages."""
         ro_ref, adv_ref = self._ref(rollouts), ray.put(advantages)
+        top_ref = None if teacher is None else ray.put(teacher)
         if self.group:
-            return self._update_by_group(ro_ref, adv_ref)
-        calls = [a.call.options(num_returns=2).remote("step", ro_ref, adv_ref, True) for a in self.actors["update"]]
+            return self._update_by_group(ro_ref, adv_ref, top_ref)
+        calls = [a.call.options(num_returns=2).remote("step", ro_ref, adv_ref, True, top_ref)
+                 for a in self.actors["update"]]  # fmt: skip
         stats = self._get([c[0] for c in calls], "update")[0]  # every rank: a dead one is named, not a peer's error
         if self.cfg.algo.max_staleness > 0:
             self._loads += [a.call.remote("load_weights", calls[0][1], stats.policy_version)
@@ -380,11 +383,12 @@ class RayStages:
             return dataclasses.replace(stats, sync_seconds=self._load_seconds)
         return dataclasses.replace(stats, sync_seconds=self._load(calls[0][1], stats.policy_version))
 
-    def _update_by_group(self, ro_ref, adv_ref) -> UpdateStats:
+    def _update_by_group(self, ro_ref, adv_ref, top_ref=None) -> UpdateStats:
         """`update` with the weight group: every rank steps, then rank 0 broadcasts. On-policy, `sync_seconds` is the
         whole publish -> loaded path; asynchronous, the receives queue behind the generate calls in flight (the
         sends wait in the collective for them) and `sync_seconds` is the last finished sync's receive time."""
-        stats = self._get([a.call.remote("step", ro_ref, adv_ref, False) for a in self.actors["update"]], "update")
+        stats = self._get([a.call.remote("step", ro_ref, adv_ref, False, top_ref) for a in self.actors["update"]],
+                          "update")  # fmt: skip
         stats = stats[0][0]
         if self.cfg.algo.max_staleness > 0:
             receives, sends = self._sync_calls(stats.policy_version)

@@ -192,6 +192,12 @@ class RewardConfig:
     teacher_discount: float = ranged(0.0, "in [0, 1]", "(0 = token-local)")
     """teacher: 0 = each token's own reward (token-local); gamma in (0, 1] = the discounted return over the
     completion's later sampled tokens."""
+    teacher_topk: int = ranged(0, ">= 0", "(0 = off)")
+    """teacher: k > 0 = instead of rewarding the sampled token only, the update minimises the reverse KL between the
+    student's and the teacher's next-token distributions at every sampled position, over the teacher's k most likely
+    tokens and one bucket for the rest (GKD-style; weight reward.teacher_weight). It names the digit the student
+    should have sampled, where the sampled-token reward only says its own was unlikely. Token-local: needs
+    reward.teacher_discount=0."""
 
     def check(self, prefix: str) -> None:
         w, n = self.weights, len(self.verifiers)
@@ -201,6 +207,8 @@ class RewardConfig:
         require(bool(self.verifiers) or bool(self.teacher), f"{prefix}verifiers", why)
         why = "is empty, but reward.aggregate=ensemble combines verifiers: name them (or use aggregate=weighted)"
         require(bool(self.verifiers) or self.aggregate != "ensemble", f"{prefix}verifiers", why)
+        why = "is set, but the top-k divergence is token-local: set reward.teacher_discount=0 (or teacher_topk=0)"
+        require(not self.teacher_topk or self.teacher_discount == 0, f"{prefix}teacher_topk", why)
 
 
 @dataclass(kw_only=True)

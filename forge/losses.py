@@ -12,6 +12,7 @@ batch was split:
   horizon_mean    sum m L / (N * T_max)           Dr. GRPO
   token_mean      sum m L / sum m                 DAPO, CISPO
 `sequence_log_ratio` is GSPO's one ratio per sequence; `k3_kl` the KL estimator to the reference policy;
+`topk_reverse_kl` the exact reverse KL to a distillation teacher over its top k tokens (`reward.teacher_topk`);
 `importance_weights` the truncated token-level correction (TIS) for tokens sampled by another policy mu (an older
 version, or the same weights in another engine): w_t = min(exp(logp_old_t - logp_mu_t), C), stop-gradient,
 the correction of Yao et al. 2025 ("Your efficient RL framework secretly brings you off-policy RL training"), as
@@ -47,6 +48,7 @@ class LossOutput:
     kl_ref: torch.Tensor | None  # [n, T] k3 KL to the reference policy (beta > 0), else None
     clipped_low: torch.Tensor  # [n, T] bool
     clipped_high: torch.Tensor  # [n, T] bool
+    distill: torch.Tensor | None = None  # [n, T] the weighted divergence to a teacher's top k (detached), else None
 
 
 def clipped_objective(ratio, adv, logp, cfg: AlgoConfig):
@@ -97,6 +99,29 @@ def k3_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     """
     d = ref_logp.detach() - logp
     return torch.exp(d) - d - 1
+
+
+# the smallest probability the top-k divergence's rest bucket is given: 1 - sum(top k) is only known to ~1e-7 in fp32
+REST_FLOOR = 1e-8
+
+
+def topk_reverse_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+    """Reverse KL(student || teacher) at each position over k + 1 buckets: the teacher's k most likely tokens and one
+    for the rest of the vocabulary. [n, T, k] log-probs of those tokens -> [n, T], >= 0, with the gradient through
+    `student_logp`. Merging tokens into one bucket never raises a KL, so it is a lower bound of the full one, equal
+    to it once the rest holds no mass; it is 0 only where the two agree on every bucket.
+
+    >>> same = torch.log(torch.tensor([[[0.5, 0.25]]]))
+    >>> float(topk_reverse_kl(same, same))
+    0.0
+    >>> round(float(topk_reverse_kl(torch.log(torch.tensor([[[0.25, 0.5]]])), same)), 4)  # 0.25 ln .5 + .5 ln 2
+    0.1733
+    """
+    teacher_logp = teacher_logp.detach()
+    q, p = student_logp.exp(), teacher_logp.exp()  # [n, T, k]
+    q_rest = (1 - q.sum(-1)).clamp(min=REST_FLOOR)  # [n, T]
+    p_rest = (1 - p.sum(-1)).clamp(min=REST_FLOOR)
+    return (q * (student_logp - teacher_logp)).sum(-1) + q_rest * (q_rest.log() - p_rest.log())
 
 
 def importance_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, cap: float) -> torch.Tensor:

@@ -102,6 +102,21 @@ class ScoredBatch:
     verifier_errored: dict[str, int] = field(default_factory=dict)  # verifier name -> items it raised on / scored badly
     reward_metrics: dict[str, float] = field(default_factory=dict)  # the aggregation's own `reward/...` figures
     ensemble_report: dict | None = None  # on steps the label-free ensemble was refit: its report
+    teacher_topk: TeacherTopK | None = None  # reward.teacher_topk > 0: the distribution the update pulls toward
+
+
+@dataclass(frozen=True)
+class TeacherTopK:
+    """The teacher's k most likely next tokens at every completion position (`reward.teacher_topk`), at the sampling
+    temperature: the update adds `weight` times the student's reverse KL to them (`forge.losses.topk_reverse_kl`)."""
+
+    ids: torch.Tensor  # [N, T, k] token ids
+    logp: torch.Tensor  # [N, T, k] the teacher's log-probs of them
+    weight: float  # reward.teacher_weight
+
+    def rows(self, rows: slice, width: int, device) -> TeacherTopK:
+        """Rows `rows`, cut to a micro-batch's `width` tokens, on `device`."""
+        return TeacherTopK(self.ids[rows, :width].to(device), self.logp[rows, :width].to(device), self.weight)
 
 
 @dataclass(frozen=True)
@@ -124,6 +139,7 @@ class UpdateStats:
     is_truncated_frac: float = 0.0  # tis: share of tokens whose importance weight hit algo.is_cap
     skipped: int = 0  # optimizer steps (PPO passes) skipped because the loss or gradient norm was not finite
     kl_ref: float = 0.0  # k3 KL to the reference policy (algo.beta > 0; 0 otherwise)
+    teacher_kl: float = 0.0  # reward.teacher_topk: the weighted top-k reverse KL per token, before the first pass
 
 
 @dataclass(frozen=True)
@@ -139,6 +155,7 @@ class MicroBatch:
     old_logp: torch.Tensor | None = None  # [n, T] pi_old, fixed before the first of several PPO passes
     ref_logp: torch.Tensor | None = None  # [n, T] the reference policy's (algo.beta > 0)
     loss_mask: torch.Tensor | None = None  # [n, T] 1 on the tokens the loss counts (sampled); None = completion_mask
+    teacher: TeacherTopK | None = None  # [n, T, k] the teacher's top k (reward.teacher_topk > 0)
 
     @property
     def train_mask(self) -> torch.Tensor:
@@ -158,6 +175,7 @@ class MicroStats:
     entropy: float
     logprob_diff: float  # |log pi_old - log mu|: trainer vs sampler
     is_truncated: float  # tokens whose importance weight hit algo.is_cap
+    teacher_kl: float = 0.0  # the weighted top-k reverse KL to the teacher (reward.teacher_topk)
 
     @classmethod
     def of(cls, res: LossOutput, entropy, old, mb: MicroBatch, weight, cap: float) -> MicroStats:
@@ -171,4 +189,5 @@ class MicroStats:
             entropy=float(entropy[m].sum()),
             logprob_diff=float((old - mb.sampler_logp).abs()[m].sum()),
             is_truncated=float((weight[m] >= cap).sum()) if weight is not None else 0.0,
+            teacher_kl=float(res.distill[m].sum()) if res.distill is not None else 0.0,
         )

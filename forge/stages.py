@@ -33,7 +33,7 @@ from forge.checkpoint import SaveReport
 from forge.config import RunConfig
 from forge.data import train_row_count
 from forge.errors import UserError
-from forge.records import RolloutRequest, Rollouts, ScoredBatch, UpdateStats
+from forge.records import RolloutRequest, Rollouts, ScoredBatch, TeacherTopK, UpdateStats
 from forge.workers import RewardWorker, RolloutWorker, TrainerWorker
 
 if TYPE_CHECKING:
@@ -88,8 +88,9 @@ class Stages(Protocol):
         """Per-verifier scores, rewards and group advantages of step `step`'s rollouts of `rows`."""
         ...
 
-    def update(self, rollouts: Rollouts, advantages: torch.Tensor) -> UpdateStats:
-        """One update; the rollout workers then hold the new weights (`sync_seconds`: moving them)."""
+    def update(self, rollouts: Rollouts, advantages: torch.Tensor, teacher: TeacherTopK | None = None) -> UpdateStats:
+        """One update; the rollout workers then hold the new weights (`sync_seconds`: moving them). `teacher`: the
+        teacher's top k, whose reverse KL the loss adds (reward.teacher_topk)."""
         ...
 
     def evaluate(self, rows: list[dict], step: int, probe: bool = False) -> dict:
@@ -150,8 +151,8 @@ class LocalStages:
     def reward(self, rows: list[dict], rollouts: Rollouts, step: int) -> ScoredBatch:
         return self.reward_worker.score(rows, rollouts, step)
 
-    def update(self, rollouts: Rollouts, advantages: torch.Tensor) -> UpdateStats:
-        stats, _ = self.trainer.step(rollouts, advantages, publish=False)
+    def update(self, rollouts: Rollouts, advantages: torch.Tensor, teacher: TeacherTopK | None = None) -> UpdateStats:
+        stats, _ = self.trainer.step(rollouts, advantages, publish=False, teacher=teacher)
         self.rollout_worker.load_weights(None, stats.policy_version)  # the same module: nothing moves
         return stats
 

@@ -64,7 +64,7 @@ from forge.losses import StepTotals
 from forge.lr import AdaptiveLR, scheduled_lr
 from forge.models import is_peft, merged_weights
 from forge.precision import update_bf16
-from forge.records import MicroBatch, MicroStats, Rollouts, UpdateStats
+from forge.records import MicroBatch, MicroStats, Rollouts, TeacherTopK, UpdateStats
 from forge.shared_prefix import (
     PackingCost,
     completion_lengths,
@@ -88,6 +88,7 @@ def _loss_mask(ro: Rollouts, rows: slice, width: int, device) -> torch.Tensor | 
 class TokenLogprobs:
     logp: torch.Tensor  # [n, T] log-prob of each completion token
     entropy: torch.Tensor  # [n, T] entropy of the predictive distribution (detached)
+    extra: torch.Tensor | None = None  # [n, T, k] log-probs of the `extra_ids` asked for (the teacher's top k)
 
 
 # fp32 elements of one chunk of [n, t, vocab] log-softmax (256 MiB): bounds the log-prob temporaries at any length
@@ -109,6 +110,7 @@ def token_logprobs(
     completion_only: bool = True,
     chunk_elements: int = LOGPROB_CHUNK_ELEMENTS,
     packing: PackingCost | None = None,
+    extra_ids: torch.Tensor | None = None,
 ) -> TokenLogprobs:
     """Per-token log-probs of `completion_ids` given the left-padded prompts. Shapes [n, P] and [n, T].
 
@@ -116,7 +118,8 @@ def token_logprobs(
     (`chunk_elements` fp32 values each), recomputed in the backward pass when there are several, so no
     [n, T, vocab] fp32 tensor is ever held: per row the values are those of one full log-softmax. With `packing`
     (the model's cost model), the rows are packed into one padding-free row in which each group's prompt is
-    computed once (`forge.shared_prefix`) where that costs fewer FLOPs."""
+    computed once (`forge.shared_prefix`) where that costs fewer FLOPs. `extra_ids` [n, T, k]: also the log-probs of
+    those tokens at each completion position (`TokenLogprobs.extra`)."""
     n, T = completion_ids.shape
     if packing is not None and completion_only and packing.fits(prompt_ids.shape[1] + T):
         spans = group_spans(prompt_ids, prompt_mask)
@@ -128,19 +131,48 @@ def token_logprobs(
             dtype = next(model.parameters()).dtype
             with autocast_context(prompt_ids.device.type, autocast_bf16):
                 logits = packed_logits(model, packed, packing.mask_kind, dtype)  # [1, C, vocab]
-            flat = chunked_logprobs(logits, packed.targets, temperature, chunk_elements)  # [1, C]
+            extra = None if extra_ids is None else extra_ids[packed.taken][None]  # [1, C, k]
+            flat = chunked_logprobs(logits, packed.targets, temperature, chunk_elements, extra)  # [1, C]
             return TokenLogprobs(
                 logp=flat.logp.new_zeros(n, T).masked_scatter(packed.taken, flat.logp[0]),
                 entropy=flat.entropy.new_zeros(n, T).masked_scatter(packed.taken, flat.entropy[0]),
+                extra=None if extra is None else unpack_rows(flat.extra[0], packed.taken),
             )
+    logits = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, autocast_bf16,
+                               completion_only)  # fmt: skip
+    return chunked_logprobs(logits, completion_ids, temperature, chunk_elements, extra_ids)
+
+
+def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, autocast_bf16: bool = False,
+                      completion_only: bool = True) -> torch.Tensor:  # fmt: skip
+    """[n, T, vocab] the model's logits at every completion position (position t predicts token t), in its compute
+    dtype, over the left-padded prompts and right-padded completions."""
+    T = completion_ids.shape[1]
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [n, P+T]
     attention = torch.cat([prompt_mask, completion_mask], dim=1)
     position_ids = (attention.long().cumsum(dim=1) - 1).clamp(min=0)
     kwargs = {"logits_to_keep": T + 1} if completion_only else {}
     with autocast_context(input_ids.device.type, autocast_bf16):
         logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, **kwargs).logits
-    logits = logits[:, -(T + 1) : -1]  # [n, T, vocab], position t predicts token t
-    return chunked_logprobs(logits, completion_ids, temperature, chunk_elements)
+    return logits[:, -(T + 1) : -1]
+
+
+@torch.no_grad()
+def chunked_topk(logits, k: int, temperature: float = 1.0, chunk_elements: int = LOGPROB_CHUNK_ELEMENTS):
+    """The k largest values of log_softmax(logits / temperature) at each position and their token ids, over chunks
+    of positions (no [n, T, vocab] fp32 tensor held). [n, T, V] -> ([n, T, k], [n, T, k])."""
+    n, T, vocab = logits.shape
+    step = max(1, chunk_elements // max(1, n * vocab))
+    parts = [torch.log_softmax(logits[:, t : t + step].float() / temperature, dim=-1).topk(k, dim=-1)
+             for t in range(0, T, step)]  # fmt: skip
+    return torch.cat([p.values for p in parts], dim=1), torch.cat([p.indices for p in parts], dim=1)
+
+
+def unpack_rows(flat: torch.Tensor, taken: torch.Tensor) -> torch.Tensor:
+    """[C, k] values of the packed positions back to [n, T, k] (0 where `taken` [n, T] is False)."""
+    out = flat.new_zeros(*taken.shape, flat.shape[-1])
+    out[taken] = flat
+    return out
 
 
 def update_seed(seed: int, step: int, rank: int) -> int:
@@ -158,8 +190,10 @@ def autocast_context(device_type: str, bf16: bool):
     return torch.autocast(device_type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
-def chunked_logprobs(logits, ids, temperature: float = 1.0, chunk_elements: int = LOGPROB_CHUNK_ELEMENTS):
-    """log_softmax(logits / temperature) at `ids` and the entropy, over chunks of positions. [n, T, V], [n, T]."""
+def chunked_logprobs(logits, ids, temperature: float = 1.0, chunk_elements: int = LOGPROB_CHUNK_ELEMENTS,
+                     extra_ids: torch.Tensor | None = None) -> TokenLogprobs:  # fmt: skip
+    """log_softmax(logits / temperature) at `ids` and the entropy, over chunks of positions. [n, T, V], [n, T]; and
+    at `extra_ids` [n, T, k] when given."""
     n, T, vocab = logits.shape
     step = max(1, chunk_elements // max(1, n * vocab))
     # one chunk is kept for backward like any activation; several are recomputed there, or all would be kept
@@ -167,21 +201,27 @@ def chunked_logprobs(logits, ids, temperature: float = 1.0, chunk_elements: int 
     parts = []
     for t in range(0, T, step):
         chunk, chunk_ids = logits[:, t : t + step], ids[:, t : t + step]
+        extra = None if extra_ids is None else extra_ids[:, t : t + step]
         if recompute:
-            parts.append(checkpoint(_chunk_logprobs, chunk, chunk_ids, temperature, use_reentrant=False))
+            parts.append(checkpoint(_chunk_logprobs, chunk, chunk_ids, temperature, extra, use_reentrant=False))
         else:
-            parts.append(_chunk_logprobs(chunk, chunk_ids, temperature))
-    logp = torch.cat([p[0] for p in parts], dim=1) if len(parts) > 1 else parts[0][0]
-    entropy = torch.cat([p[1] for p in parts], dim=1) if len(parts) > 1 else parts[0][1]
-    return TokenLogprobs(logp=logp, entropy=entropy)
+            parts.append(_chunk_logprobs(chunk, chunk_ids, temperature, extra))
+    logp, entropy, extra = (_join(list(p)) for p in zip(*parts, strict=True))
+    return TokenLogprobs(logp=logp, entropy=entropy, extra=extra)
 
 
-def _chunk_logprobs(chunk, ids, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _join(chunks: list) -> torch.Tensor | None:
+    """The chunks' [n, t, ...] tensors along positions (one chunk as it is; None when none was asked for)."""
+    return None if chunks[0] is None else chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
+
+
+def _chunk_logprobs(chunk, ids, temperature: float, extra_ids=None) -> tuple[torch.Tensor, ...]:
     logsm = torch.log_softmax(chunk.float() / temperature, dim=-1)  # [n, t, vocab] fp32
     logp = logsm.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    extra = None if extra_ids is None else logsm.gather(-1, extra_ids)  # [n, t, k]
     with torch.no_grad():
         entropy = -(logsm.exp() * logsm).sum(-1)
-    return logp, entropy
+    return logp, entropy, extra
 
 
 def make_accelerator(timeout: timedelta | None = None) -> Accelerator:
@@ -247,14 +287,15 @@ class Trainer:
         base = scheduled_lr(self.cfg.update, self.step, self.total_steps)
         return base * (self.adaptive.scale if self.cfg.update.adaptive.enabled else 1.0)
 
-    def update(self, rollouts: Rollouts, advantages: torch.Tensor) -> UpdateStats:
+    def update(self, rollouts: Rollouts, advantages: torch.Tensor, teacher: TeacherTopK | None = None) -> UpdateStats:
         """One update on this rank's share of the step's rows: `update.num_iterations` passes of the micro-batches
-        through `micro_update` (the recipe's math), one optimizer step each. `advantages`: [N], or [N, T] per token."""
+        through `micro_update` (the recipe's math), one optimizer step each. `advantages`: [N], or [N, T] per token;
+        `teacher`: the teacher's top k at every position, whose reverse KL the loss adds (reward.teacher_topk)."""
         start, lr = time.perf_counter(), self.current_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         torch.manual_seed(update_seed(self.cfg.seed, self.step + 1, self.accelerator.process_index))
-        micro = self._micro_batches(rollouts, advantages, self._my_rows(rollouts.num_completions))
+        micro = self._micro_batches(rollouts, advantages, self._my_rows(rollouts.num_completions), teacher)
         totals = StepTotals(sequences=rollouts.num_completions, tokens=int(rollouts.loss_mask.sum()),
                             max_len=self.cfg.rollout.max_new_tokens)  # fmt: skip
         passes = [self._one_pass(micro, totals) for _ in range(self.cfg.update.num_iterations)]
@@ -271,7 +312,8 @@ class Trainer:
         return UpdateStats(
             loss=mean("loss"), kl_old=kl_old, kl_ref=kl_ref, clip_frac_low=mean("clip_low"),
             clip_frac_high=mean("clip_high"), entropy=passes[0]["entropy"], logprob_diff=passes[0]["logprob_diff"],
-            is_truncated_frac=passes[0]["is_truncated"], grad_norm=mean("grad_norm"), lr=lr, lr_scale=scale,
+            is_truncated_frac=passes[0]["is_truncated"], teacher_kl=passes[0]["teacher_kl"], grad_norm=mean("grad_norm"),
+            lr=lr, lr_scale=scale,
             tokens=totals.tokens, seconds=time.perf_counter() - start, policy_version=self.policy_version,
             skipped=skipped,
         )  # fmt: skip
@@ -284,7 +326,8 @@ class Trainer:
         start = rank * size + min(rank, extra)
         return range(start, start + size + (rank < extra))
 
-    def _micro_batches(self, ro: Rollouts, advantages: torch.Tensor, rows: range) -> list[MicroBatch]:
+    def _micro_batches(self, ro: Rollouts, advantages: torch.Tensor, rows: range,
+                       teacher: TeacherTopK | None = None) -> list[MicroBatch]:  # fmt: skip
         """The rank's rows in micro-batches of update.micro_batch_size, with pi_old's log-probs when several PPO
         passes need them fixed and the reference's when algo.beta > 0."""
         size, device, out = self.cfg.update.micro_batch_size, self.accelerator.device, []
@@ -295,23 +338,26 @@ class Trainer:
             mb = MicroBatch(ro.prompt_ids[sl].to(device), ro.prompt_mask[sl].to(device),
                             ro.completion_ids[sl, :width].to(device), ro.completion_mask[sl, :width].to(device),
                             adv, ro.sampling_logprobs[sl, :width].to(device),
-                            loss_mask=_loss_mask(ro, sl, width, device))  # fmt: skip
+                            loss_mask=_loss_mask(ro, sl, width, device),
+                            teacher=None if teacher is None else teacher.rows(sl, width, device))  # fmt: skip
             old = self._fixed_logprobs(mb, self.model) if self.cfg.update.num_iterations > 1 else None
             ref = self._reference_logprobs(mb) if self.cfg.algo.beta > 0 else None
             out.append(dataclasses.replace(mb, old_logp=old, ref_logp=ref))
         return out
 
-    def _logprobs(self, model, mb: MicroBatch) -> TokenLogprobs:
+    def _logprobs(self, model, mb: MicroBatch, teacher_tokens: bool = True) -> TokenLogprobs:
+        """The model's log-probs of the micro-batch's tokens (and of the teacher's top k when it has them)."""
         # attention covers every real token (mb.completion_mask); the loss mask only selects what is trained
         return token_logprobs(
             model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
             temperature=self.cfg.rollout.temperature, autocast_bf16=self.autocast_bf16,
             completion_only=self.cfg.update.logits_completion_only, packing=self.packing,
+            extra_ids=mb.teacher.ids if teacher_tokens and mb.teacher is not None else None,
         )  # fmt: skip
 
     @torch.no_grad()
     def _fixed_logprobs(self, mb: MicroBatch, model) -> torch.Tensor:
-        return self._logprobs(model, mb).logp
+        return self._logprobs(model, mb, teacher_tokens=False).logp
 
     def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         """The reference policy's log-probs: its own model, or (LoRA) the policy under peft's `disable_adapter`."""

@@ -13,7 +13,8 @@ node Weaver planned for its stage. Nothing here knows which: no Ray, no Prefect.
   ensemble; forge/rewards/aggregate.py) -> group advantages (`score`); with `reward.teacher`, plus the teacher's
   per-token distillation advantage ([N, T]; forge/rewards/teacher.py): in-process the teacher is loaded once in
   this worker; in Ray mode a `TeacherWorker` of its own scores the rollouts and `score` gets its log-probs.
-- `TeacherWorker`: the distillation teacher (`reward.teacher`, loaded once): `logprobs(rollouts)` -> [N, T].
+- `TeacherWorker`: the distillation teacher (`reward.teacher`, loaded once): `logprobs(rollouts)` -> [N, T] (and
+  [N, T, k] top k with `reward.teacher_topk`).
 - `TrainerWorker`: one update rank (rank r of a world of N: a torch.distributed group, gloo on CPU, NCCL on GPU,
   with Accelerate inside); `step` trains on the rank's share of a batch (and returns the new weights on rank 0 if
   asked); rank 0 hosts the weight group and `send_weights` broadcasts them to the rollout workers (colocated, ipc:
@@ -64,7 +65,7 @@ from forge.config import RunConfig
 from forge.distributed import state as dist_state
 from forge.evaluate import evaluate
 from forge.models import default_device, is_peft, load_policy
-from forge.records import Rollouts, ScoredBatch, UpdateStats
+from forge.records import Rollouts, ScoredBatch, TeacherTopK, UpdateStats
 from forge.rewards.aggregate import majority_rewards, mean_scores
 from forge.rewards.registry import resolve_verifiers
 from forge.rewards.score import score_completions, unscored
@@ -72,6 +73,7 @@ from forge.rollout import SamplingParams, make_backend
 from forge.weight_group import WeightGroup, WeightPlan, copy_into, make_plan
 
 if TYPE_CHECKING:
+    from forge.rewards.teacher import TeacherScores
     from forge.trainer import MicroUpdate
 
 # a rank waits in a collective while the other ranks are still busy (slow micro-batches, a checkpoint)
@@ -253,11 +255,12 @@ class RewardWorker:
 
             self.teacher = Teacher(cfg)
 
-    def score(self, rows: list[dict], rollouts: Rollouts, step: int,
-              teacher_logp: torch.Tensor | None = None) -> ScoredBatch:  # fmt: skip
+    def score(
+        self, rows: list[dict], rollouts: Rollouts, step: int, teacher: TeacherScores | None = None
+    ) -> ScoredBatch:
         """Score step `step`'s completions; safe to repeat for the same step (the ensemble replaces its entry).
-        `teacher_logp`: [N, T] the teacher's log-probs of the sampled tokens (`TeacherWorker.logprobs`), when a
-        teacher worker of its own computed them; else, with `reward.teacher`, this worker's teacher does."""
+        `teacher`: the teacher's log-probs of the sampled tokens (`TeacherWorker.logprobs`), when a teacher worker
+        of its own computed them; else, with `reward.teacher`, this worker's teacher does."""
         g = rollouts.group_size
         result = score_completions(
             self.verifiers,
@@ -285,31 +288,33 @@ class RewardWorker:
             rewards = mean_scores(result.scores)
         if failed.any():
             rewards = rewards.masked_fill(failed, 0.0)
-        advantages = group_advantages(rewards, g, self.cfg.algo.advantage)  # [N]
-        if self.cfg.reward.teacher:  # + weight * the teacher's per-token advantage: [N, T]
-            advantages, distill = self.distill(advantages, rollouts, teacher_logp)
+        advantages, topk = group_advantages(rewards, g, self.cfg.algo.advantage), None  # [N]
+        if self.cfg.reward.teacher:  # + weight * the teacher's per-token advantage: [N, T]; or its top k
+            advantages, topk, distill = self.distill(advantages, rollouts, teacher)
             extra = {**extra, **distill}
         return ScoredBatch(result.names, result.scores, rewards, advantages, result.failures,
                            verifier_errors=result.errors, verifier_errored=result.errored, reward_metrics=extra,
-                           ensemble_report=report)  # fmt: skip
+                           ensemble_report=report, teacher_topk=topk)  # fmt: skip
 
-    def distill(self, advantages: torch.Tensor, rollouts: Rollouts,
-                teacher_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
-        """The [N, T] advantages with the teacher's term (forge/rewards/teacher.py) and `distill/reverse_kl`; with
-        this worker's own teacher (no `teacher_logp` given) also its seconds (`perf/teacher_s`; in Ray mode the
-        driver times the teacher actor's call)."""
+    def distill(self, advantages: torch.Tensor, rollouts: Rollouts, teacher: TeacherScores | None = None
+                ) -> tuple[torch.Tensor, TeacherTopK | None, dict[str, float]]:  # fmt: skip
+        """The [N, T] advantages with the teacher's term (forge/rewards/teacher.py), its top k for the update
+        (reward.teacher_topk: then the top-k divergence in the loss replaces the sampled-token term) and
+        `distill/reverse_kl`; with this worker's own teacher (no `teacher` given) also its seconds
+        (`perf/teacher_s`; in Ray mode the driver times the teacher actor's call)."""
         from forge.rewards.teacher import distill_advantages
 
         timed = {}
-        if teacher_logp is None:
+        if teacher is None:
             if self.teacher is None:
                 raise RuntimeError("this reward worker holds no teacher: pass the teacher worker's log-probs")
             start = time.perf_counter()
-            teacher_logp = self.teacher.logprobs(rollouts)  # [N, T]
+            teacher = self.teacher.logprobs(rollouts)
             timed = {"perf/teacher_s": time.perf_counter() - start}
         r = self.cfg.reward
-        combined, metrics = distill_advantages(advantages, teacher_logp, rollouts, r.teacher_weight, r.teacher_discount)
-        return combined, {**metrics, **timed}
+        weight = 0.0 if r.teacher_topk else r.teacher_weight  # 0 * a non-finite log-prob still skips the step
+        combined, metrics = distill_advantages(advantages, teacher.logp, rollouts, weight, r.teacher_discount)
+        return combined, teacher.topk(r.teacher_weight), {**metrics, **timed}
 
     def trainer_state(self, step: int):
         """What TRL passes reward functions as `trainer_state`: a transformers TrainerState. While step `step` is
@@ -345,8 +350,8 @@ class TeacherWorker:
         _init_process(cfg)
         self.teacher = Teacher(cfg)
 
-    def logprobs(self, rollouts: Rollouts) -> torch.Tensor:
-        """[N, T] the teacher's log-prob of every completion token (`forge.rewards.teacher.Teacher.logprobs`)."""
+    def logprobs(self, rollouts: Rollouts) -> TeacherScores:
+        """The teacher's log-prob of every completion token, and its top k (`forge.rewards.teacher.Teacher`)."""
         return self.teacher.logprobs(rollouts)
 
     def where(self) -> dict:
@@ -401,12 +406,12 @@ class TrainerWorker:
     def policy_version(self) -> int:
         return self.trainer.policy_version
 
-    def step(self, rollouts: Rollouts, advantages: torch.Tensor,
-             publish: bool = True) -> tuple[UpdateStats, dict[str, torch.Tensor] | None]:  # fmt: skip
+    def step(self, rollouts: Rollouts, advantages: torch.Tensor, publish: bool = True,
+             teacher: TeacherTopK | None = None) -> tuple[UpdateStats, dict[str, torch.Tensor] | None]:  # fmt: skip
         """Train on this rank's share of the step; (stats, the new full weights on CPU on rank 0 if `publish`).
         Colocated with a rollout engine on CUDA (`releases`), the rank then releases its gradients and cached blocks
         (`release_memory`) before the engine wakes for the sync."""
-        stats = self.trainer.update(rollouts, advantages)
+        stats = self.trainer.update(rollouts, advantages, teacher)
         if self.releases:
             release_memory(self.trainer.optimizer)
         return stats, self.weights() if publish else None

@@ -219,3 +219,27 @@ def test_chunked_attention_layers_are_not_packed(tok):
     model = tiny(tok)
     model.config.layer_types = ["chunked_attention", "full_attention"]
     assert PackingCost.of(model) is None
+
+
+def test_packed_teacher_token_logprobs_and_gradients_equal_the_plain_forward(tok, packed_calls):
+    """The log-probs of other tokens at each completion position (a distillation teacher's top k,
+    `TokenLogprobs.extra`), and the gradient through them, are those of the plain forward."""
+    ro = rollouts(tok)
+    m = ro.completion_mask.bool()
+    extra_ids = torch.randint(0, len(tok), (*ro.completion_ids.shape, 4), generator=torch.Generator().manual_seed(0))
+    weights = torch.linspace(-1.0, 1.0, extra_ids.numel()).reshape(extra_ids.shape)
+    got = {}
+    for packed in (False, True):
+        model = tiny(tok)
+        args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+        out = token_logprobs(model, *args, temperature=0.7, packing=PackingCost.of(model) if packed else None,
+                             extra_ids=extra_ids)  # fmt: skip
+        assert out.extra.shape == extra_ids.shape
+        (out.extra * weights * m[..., None]).sum().backward()
+        got[packed] = (out.extra.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    assert len(packed_calls) == 1
+    (plain, plain_grads), (packed, packed_grads) = got[False], got[True]
+    assert torch.allclose(packed[m], plain[m], atol=1e-5, rtol=0)
+    assert torch.equal(packed[~m], torch.zeros_like(packed[~m]))  # padding: nothing computed, nothing trained
+    for name, g in plain_grads.items():
+        assert torch.allclose(packed_grads[name], g, atol=1e-6, rtol=1e-4), name

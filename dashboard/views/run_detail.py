@@ -90,8 +90,10 @@ def curves(name: str) -> None:
         _grid([(title, charts.lines(frame, cols, title, points)) for title, cols, points in ENV_CURVES])
     if "distill/reverse_kl" in frame.columns:  # reward.teacher: on-policy distillation
         st.subheader("Distillation (teacher)")
-        _grid([("reverse KL to the teacher", charts.lines(frame, ["distill/reverse_kl"], "reverse KL to the "
-                                                           "teacher (mean over sampled tokens)")),
+        title, kl = "reverse KL to the teacher (mean over sampled tokens)", ["distill/reverse_kl"]
+        if "distill/topk_kl" in frame.columns:  # reward.teacher_topk: the divergence the loss minimises, beside it
+            title, kl = f"{title} and the weighted top-k one the loss minimises", [*kl, "distill/topk_kl"]
+        _grid([("reverse KL to the teacher", charts.lines(frame, kl, title)),
                ("by position", charts.position_profile(frame)),
                ("teacher seconds", charts.lines(frame, ["perf/teacher_s"], "teacher seconds per step"))])  # fmt: skip
 

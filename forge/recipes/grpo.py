@@ -81,6 +81,7 @@ from forge.losses import (
     sequence_log_ratio,
     sequence_mean,
     token_mean,
+    topk_reverse_kl,
 )
 from forge.metrics import (
     Stopwatch,
@@ -107,8 +108,9 @@ LOSSES = {
 
 
 def grpo_loss(logp, old_logp, advantages, mask, algo: AlgoConfig, totals: StepTotals, ref_logp=None,
-              is_weight=None) -> LossOutput:  # fmt: skip
-    """A micro-batch's share of the step's policy loss. [n, T] log-probs and mask, [n] or [n, T] advantages."""
+              is_weight=None, distill=None) -> LossOutput:  # fmt: skip
+    """A micro-batch's share of the step's policy loss. [n, T] log-probs and mask, [n] or [n, T] advantages;
+    `distill` [n, T]: a per-token divergence to a teacher, added to the loss as it is (reward.teacher_topk)."""
     mask, adv = mask.to(logp.dtype), advantages.to(logp.dtype)  # [n] one per completion, or [n, T] one per token
     adv = adv.unsqueeze(1) if adv.dim() == 1 else adv  # [n, 1]: on each of the completion's tokens; [n, T] as given
     log_ratio = (logp - old_logp.detach()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # [n, T]
@@ -124,10 +126,19 @@ def grpo_loss(logp, old_logp, advantages, mask, algo: AlgoConfig, totals: StepTo
         assert ref_logp is not None, "beta > 0 needs reference log-probs"
         kl_ref = k3_kl(ref_logp, logp)  # [n, T]
         per_token = per_token + algo.beta * kl_ref
+    if distill is not None:
+        per_token = per_token + distill
     kl_old = (ratio.detach() - 1) - log_ratio.detach()  # approximate KL to pi_old
     loss = normalise(per_token, mask, totals)
     m = mask.bool()
-    return LossOutput(loss, kl_old, None if kl_ref is None else kl_ref.detach(), low & m, high & m)
+    return LossOutput(
+        loss,
+        kl_old,
+        None if kl_ref is None else kl_ref.detach(),
+        low & m,
+        high & m,
+        None if distill is None else distill.detach(),
+    )
 
 
 def update_micro_batch(policy, mb: MicroBatch, algo: AlgoConfig, totals: StepTotals, backward) -> MicroStats:
@@ -138,7 +149,10 @@ def update_micro_batch(policy, mb: MicroBatch, algo: AlgoConfig, totals: StepTot
     out = policy(mb)  # log pi_theta of the sampled tokens and the entropy, [n, T]
     old = out.logp.detach() if mb.old_logp is None else mb.old_logp  # pi_old: the ratio is exactly 1 on pass 1
     weight = importance_weights(old, mb.sampler_logp, algo.is_cap) if algo.tis else None  # sampled by mu != pi_old
-    res = grpo_loss(out.logp, old, mb.advantages, mb.train_mask, algo, totals, mb.ref_logp, weight)
+    distill = None  # on-policy distillation, reward.teacher_topk: the reverse KL to the teacher's next-token odds
+    if mb.teacher is not None:
+        distill = mb.teacher.weight * topk_reverse_kl(out.extra, mb.teacher.logp)  # [n, T]
+    res = grpo_loss(out.logp, old, mb.advantages, mb.train_mask, algo, totals, mb.ref_logp, weight, distill)
     backward(res.loss)
     return MicroStats.of(res, out.entropy, old, mb, weight, algo.is_cap)
 
@@ -206,7 +220,7 @@ def grpo_step(step: int, state: LoopState, cfg: RunConfig, work: Stages, runner:
     if reason := stop_reason(state, scores, cfg):  # a verifier or the environment failing on every item
         raise UserError(reason)
     with clock("update"):  # 3. log-probs -> ratio -> loss -> backward -> step (update_micro_batch); new weights out
-        stats = runner(Stage.UPDATE, step, work.update, rollouts, scores.advantages)
+        stats = runner(Stage.UPDATE, step, work.update, rollouts, scores.advantages, scores.teacher_topk)
     if reason := stop_reason(state := update_streak(state, stats), scores, cfg):  # too many non-finite updates
         raise UserError(reason)
     report = None

@@ -13,6 +13,13 @@ to the verifiers' group advantage: A_t = A_verifiers + reward.teacher_weight * A
 (`forge.advantages`); with no verifiers A_verifiers is 0 (pure distillation). Nothing is normalised per group: the
 reverse KL is already on an absolute scale.
 
+`reward.teacher_topk` = k > 0 replaces that sampled-token reward (GKD, Agarwal et al. 2024, with the divergence cut to
+the teacher's top k): the teacher also returns its k most likely tokens at each sampled position, and the update adds
+`teacher_weight` times the exact reverse KL between the student's and the teacher's next-token distributions over
+those k tokens and one bucket for the rest (`forge.losses.topk_reverse_kl`) to each sampled token's loss. The
+sampled-token reward only says the student's own token was unlikely; the divergence names the ones the teacher
+expected. `distill/reverse_kl` is still reported (from the sampled tokens), beside `distill/topk_kl`.
+
 Where this departs from the recipes it follows (Agarwal et al. 2024, "On-policy distillation of language models";
 Gu et al. 2024, MiniLLM; Thinking Machines' "On-policy distillation", 2025): log p_student is the rollout's own
 sampling log-prob (the behaviour policy mu, over logits / rollout.temperature), not a recomputation by the trainer,
@@ -26,6 +33,7 @@ it counts any non-finite step (`update.max_skipped_steps`); it is never trained 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,7 +42,20 @@ from forge.config import RunConfig
 from forge.errors import UserError
 from forge.models import _load, check_model_dir, default_device, load_tokenizer
 from forge.precision import update_bf16
-from forge.records import Rollouts
+from forge.records import Rollouts, TeacherTopK
+
+
+@dataclass(frozen=True)
+class TeacherScores:
+    """What the teacher says of a step's rollouts."""
+
+    logp: torch.Tensor  # [N, T] its log-prob of every sampled token
+    topk_ids: torch.Tensor | None = None  # [N, T, k] its k most likely tokens at each position (reward.teacher_topk)
+    topk_logp: torch.Tensor | None = None  # [N, T, k] their log-probs
+
+    def topk(self, weight: float) -> TeacherTopK | None:
+        """The top k as the update takes it (None without reward.teacher_topk)."""
+        return None if self.topk_ids is None else TeacherTopK(self.topk_ids, self.topk_logp, weight)
 
 
 class Teacher:
@@ -52,22 +73,28 @@ class Teacher:
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.bf16 = update_bf16(cfg.update.autocast_bf16, self.device.type)
         self.batch_size, self.temperature = cfg.rollout.batch_size, cfg.rollout.temperature
+        self.k = cfg.reward.teacher_topk
 
     @torch.no_grad()
-    def logprobs(self, ro: Rollouts) -> torch.Tensor:
-        """[N, T] the teacher's log-prob of every completion token at the sampling temperature (rollout.temperature,
-        the one the student's sampling log-probs have), teacher-forced over the whole episode (every real token
-        attended); read only where `ro.loss_mask` is 1."""
-        from forge.trainer import token_logprobs
+    def logprobs(self, ro: Rollouts) -> TeacherScores:
+        """The teacher's log-prob of every completion token at the sampling temperature (rollout.temperature, the
+        one the student's sampling log-probs have), teacher-forced over the whole episode (every real token
+        attended), and with reward.teacher_topk its top k at each position; read only where `ro.loss_mask` is 1."""
+        from forge.trainer import chunked_logprobs, chunked_topk, completion_logits
 
-        out = []
+        logp, ids, top = [], [], []
         for i in range(0, ro.num_completions, self.batch_size):
             sl = slice(i, i + self.batch_size)
             args = (ro.prompt_ids[sl], ro.prompt_mask[sl], ro.completion_ids[sl], ro.completion_mask[sl])
-            res = token_logprobs(self.model, *(a.to(self.device) for a in args), temperature=self.temperature,
-                                 autocast_bf16=self.bf16)  # fmt: skip
-            out.append(res.logp.float().cpu())
-        return torch.cat(out)
+            logits = completion_logits(self.model, *(a.to(self.device) for a in args), self.bf16)  # [n, T, V]
+            logp.append(chunked_logprobs(logits, args[2].to(self.device), self.temperature).logp.float().cpu())
+            if self.k:
+                values, indices = chunked_topk(logits, self.k, self.temperature)
+                top.append(values.cpu())
+                ids.append(indices.cpu())
+        if not self.k:
+            return TeacherScores(torch.cat(logp))
+        return TeacherScores(torch.cat(logp), torch.cat(ids), torch.cat(top))
 
 
 def check_teacher_dir(path: str) -> str:

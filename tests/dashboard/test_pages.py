@@ -186,3 +186,9 @@ def test_a_distillation_run_shows_the_reverse_kl_by_step_and_by_position(runs_co
     assert got == pytest.approx({**{("step 1", f"quarter {q}"): q for q in range(1, 5)},
                                  **{("step 12", f"quarter {q}"): q / 12 for q in range(1, 5)}})  # fmt: skip
     assert "teacher seconds per step" in shown
+    for r in rows[1:]:  # reward.teacher_topk: the top-k divergence the loss minimises, drawn beside it
+        r["distill/topk_kl"] = 0.5 / r["step"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    title = "reverse KL to the teacher (mean over sampled tokens) and the weighted top-k one the loss minimises"
+    kl = charts(open_page(runs_copy, monkeypatch, "run_detail"))[title][0]
+    assert set(kl["metric"]) == {"distill/reverse_kl", "distill/topk_kl"}

@@ -67,12 +67,12 @@ def losing(cluster: Cluster, node, at_step: int):
     before: list[dict] = []  # where the workers were when the node went
 
     class LosesANode(RayStages):
-        def update(self, rollouts, advantages):
+        def update(self, rollouts, advantages, teacher=None):
             if not before and self.policy_version == at_step - 1:
                 self.wait_saved()  # the checkpoint before is durable first: its background save is no race
                 before.append(self.where())
                 cluster.remove_node(node, allow_graceful=False)
-            return super().update(rollouts, advantages)
+            return super().update(rollouts, advantages, teacher)
 
     LosesANode.before = before
     return LosesANode

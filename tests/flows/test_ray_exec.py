@@ -289,9 +289,9 @@ SLOW_S = 1.0
 class SlowUpdate(RayStages):
     """A trainer made slow on purpose: each update starts SLOW_S late (the rollouts already started run on)."""
 
-    def update(self, rollouts, advantages):
+    def update(self, rollouts, advantages, teacher=None):
         time.sleep(SLOW_S)
-        return super().update(rollouts, advantages)
+        return super().update(rollouts, advantages, teacher)
 
 
 def async_cfg(steps: int = 4):

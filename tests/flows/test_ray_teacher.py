@@ -3,10 +3,13 @@
 The simulated two-node cluster of tests/flows/test_ray_exec.py (pool `gen`: prep, rollout, reward, evaluate; pool
 `train`: update), one update rank. The plan puts the `teacher` stage beside update (rule 8 of weaver/plan.py), so
 its actor runs on the `train` node; the reward actor loads no teacher and reads the teacher actor's [N, T]
-log-probs by reference. The teacher is the tiny student edited to prefer one token (tests/rewards/test_teacher.py's
-`prefers`); pure distillation (no verifier) must raise the student's probability of that token and lower the reverse
-KL, and the first steps must equal the same run in this process (teacher inside the reward worker), though the Ray
-run's teacher actor is killed at step 3 (the loop rebuilds every actor and resumes from the checkpoint at step 2).
+log-probs and [N, T, k] top k by reference, and the driver hands the top k to the update actor. The teacher is the
+tiny student edited to prefer one token (tests/rewards/test_teacher.py's `prefers`); pure distillation (no verifier,
+the top-k divergence: reward.teacher_topk = 8, the path with the most to carry between actors; the sampled-token
+reward alone is the same path without the top k) must raise the student's probability of that token and lower the
+reverse KL, and the first steps must equal the same run in this process (teacher inside the reward worker), though
+the Ray run's teacher actor is killed at step 3 (the loop rebuilds every actor and resumes from the checkpoint at
+step 2).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def distill_cfg(tmp_path, steps: int, execution: str):
     cfg.eval.every, cfg.eval.k, cfg.eval.max_problems, cfg.eval.verifiers = 0, 0, 4, ["format_integer"]
     cfg.checkpoint.every = 2  # the killed teacher's run resumes from step 2
     cfg.reward.verifiers = []
-    cfg.reward.teacher = str(tmp_path / "teacher")
+    cfg.reward.teacher, cfg.reward.teacher_topk = str(tmp_path / "teacher"), 8
     return cfg
 
 
@@ -136,7 +139,7 @@ def assert_same_steps(ray_dir, local_dir) -> None:
     ray_rows, local_rows = ([{k: v for k, v in m.items() if not k.startswith("eval/")} for m in rows]
                             for rows in (metrics(ray_dir)[: SAME + 1], metrics(local_dir)))  # fmt: skip
     assert [m["step"] for m in ray_rows] == [m["step"] for m in local_rows] == list(range(SAME + 1))
-    assert "distill/reverse_kl" in ray_rows[SAME] and "train/loss" in ray_rows[SAME]
+    assert {"distill/reverse_kl", "distill/topk_kl", "train/loss"} <= ray_rows[SAME].keys()
     for x, y in zip(ray_rows, local_rows, strict=True):
         assert x.keys() == y.keys()
         for k in x:

@@ -17,6 +17,7 @@ import torch
 
 from forge.config import ConfigError, RunConfig
 from forge.errors import UserError
+from forge.losses import topk_reverse_kl
 from forge.models import build_char_tokenizer, build_tiny_model, load_policy
 from forge.rewards.teacher import discounted_returns
 from forge.trainer import token_logprobs
@@ -93,6 +94,42 @@ def test_teacher_equal_to_student_gives_zero_reverse_kl_and_zero_gradient(tok, s
     assert torch.equal(batch.advantages, torch.zeros_like(batch.advantages))
     stats = Trainer(copy.deepcopy(student), cfg, total_steps=1).update(ro, batch.advantages)
     assert stats.grad_norm == 0.0 and stats.skipped == 0  # the distillation term has no gradient
+
+
+def test_topk_divergence_equal_teacher_zero_and_full_vocabulary_exact(tok, student, tmp_path):
+    """reward.teacher_topk: the sampled-token term leaves the advantages and the update adds the teacher's top-k
+    reverse KL. A teacher equal to the student: 0 and no gradient (against a far teacher's). With k = the whole
+    vocabulary (no rest bucket) it is the exact reverse KL, sum_v q (log q - log p), at every loss token."""
+    ro = on_policy(student, make_rollouts(tok))
+    m = ro.loss_mask.bool()
+    stats = {}
+    for name, teacher in (("same", student), ("far", prefers(student, tok, X))):
+        cfg = distill_cfg(save(teacher, tok, tmp_path / name), teacher_topk=8, teacher_weight=0.5)
+        batch = RewardWorker(cfg).score(rows(), ro, 1)
+        top = batch.teacher_topk
+        assert top.ids.shape == top.logp.shape == (*ro.completion_ids.shape, 8) and top.weight == 0.5
+        assert torch.equal(batch.advantages, torch.zeros_like(batch.advantages))  # replaced by the loss term
+        stats[name] = Trainer(copy.deepcopy(student), cfg, total_steps=1).update(ro, batch.advantages, top)
+    assert stats["same"].teacher_kl == pytest.approx(0.0, abs=1e-6) and stats["far"].teacher_kl > 0.3  # weighted 0.5
+    assert stats["same"].grad_norm < 1e-4 * stats["far"].grad_norm, (stats["same"].grad_norm, stats["far"])
+
+    teacher, vocab = prefers(student, tok, X), len(tok)
+    cfg = distill_cfg(save(teacher, tok, tmp_path / "all"), teacher_topk=vocab)
+    top = RewardWorker(cfg).score(rows(), ro, 1).teacher_topk
+    args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+    every = torch.arange(vocab).expand(*ro.completion_ids.shape, vocab)
+    with torch.no_grad():
+        q, p = (token_logprobs(model, *args, extra_ids=every).extra for model in (student, teacher))  # [N, T, V]
+        student_top = token_logprobs(student, *args, extra_ids=top.ids).extra
+    exact = (q.exp() * (q - p)).sum(-1)
+    torch.testing.assert_close(topk_reverse_kl(student_top, top.logp)[m], exact[m], atol=1e-5, rtol=1e-4)
+    assert exact[m].min() > 1.0
+
+
+def test_topk_distillation_needs_a_token_local_objective():
+    with pytest.raises(ConfigError, match=r"'reward.teacher_topk' is set, but .* reward.teacher_discount=0") as e:
+        distill_cfg("t", teacher_topk=4, teacher_discount=0.9).validate()
+    assert "\n" not in str(e.value)
 
 
 def test_reward_is_the_log_ratio_on_sampled_tokens_weighted_beside_verifiers(tok, student, tmp_path):
@@ -207,3 +244,27 @@ def test_distillation_raises_the_preferred_tokens_probability(tmp_path):
     assert before < 0.05 and after > 0.3, (before, after)
     kl = reverse_kls(tmp_path / "run")
     assert len(kl) == 30 and kl[-1] < kl[0] / 2, kl
+
+
+def test_topk_distillation_names_the_token_the_sampled_reward_has_to_find(tmp_path):
+    """The same run with reward.teacher_topk = 8, 10 steps: the divergence names X at every position, so p(X) rises
+    at once (measured 0.010 -> 0.53; 1.000 after 30 steps), where the sampled-token reward has not moved yet (0.010
+    -> 0.010; 0.82 after 30 steps) because X must first be sampled to be rewarded."""
+    from forge.api import train
+
+    after = {}
+    for k in (0, 8):
+        cfg = run_cfg(10)
+        cfg.reward.teacher_topk = k
+        start, tok = load_policy(cfg.model, seed=cfg.seed)
+        cfg.reward.teacher = save(prefers(start, tok, X, gap=2.0), tok, tmp_path / f"teacher-{k}")
+        train(cfg, run_dir=tmp_path / f"run-{k}", progress=False)
+        end, _ = load_policy(dataclasses.replace(cfg.model, path=str(tmp_path / f"run-{k}/checkpoints/step-000010")))
+        prompts = tok(["1+2=", "4+4=", "3+5=", "0+6="], return_tensors="pt")
+        with torch.no_grad():
+            after[k] = float(end.eval()(**prompts).logits[:, -1].softmax(-1)[:, tok.convert_tokens_to_ids(X)].mean())
+        metrics = [json.loads(line) for line in (tmp_path / f"run-{k}/metrics.jsonl").read_text().splitlines()]
+        assert ("distill/topk_kl" in metrics[1]) == (k > 0)  # [0]: the eval before step 1
+    assert after[8] > 0.3 and after[0] < 0.05, after
+    kl = reverse_kls(tmp_path / "run-8")
+    assert kl[-1] < kl[0] / 2, kl
