@@ -158,14 +158,20 @@ def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion
 
 
 @torch.no_grad()
-def chunked_topk(logits, k: int, temperature: float = 1.0, chunk_elements: int = LOGPROB_CHUNK_ELEMENTS):
-    """The k largest values of log_softmax(logits / temperature) at each position and their token ids, over chunks
-    of positions (no [n, T, vocab] fp32 tensor held). [n, T, V] -> ([n, T, k], [n, T, k])."""
+def chunked_topk(logits, k: int, temperature: float = 1.0, tokens: int | None = None,
+                 chunk_elements: int = LOGPROB_CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The k largest values of log_softmax(logits / temperature) at each position and their token ids, among the
+    first `tokens` ids (a tokenizer's; the output layer may have padding rows past it), over chunks of positions (no
+    [n, T, vocab] fp32 tensor held). [n, T, V] -> ([n, T, k], [n, T, k])."""
     n, T, vocab = logits.shape
     step = max(1, chunk_elements // max(1, n * vocab))
-    parts = [torch.log_softmax(logits[:, t : t + step].float() / temperature, dim=-1).topk(k, dim=-1)
-             for t in range(0, T, step)]  # fmt: skip
-    return torch.cat([p.values for p in parts], dim=1), torch.cat([p.indices for p in parts], dim=1)
+    values, ids = [], []
+    for t in range(0, T, step):
+        logsm = torch.log_softmax(logits[:, t : t + step].float() / temperature, dim=-1)
+        top = logsm[..., :tokens].topk(k, dim=-1)
+        values.append(top.values)
+        ids.append(top.indices)
+    return torch.cat(values, dim=1), torch.cat(ids, dim=1)
 
 
 def unpack_rows(flat: torch.Tensor, taken: torch.Tensor) -> torch.Tensor:

@@ -73,7 +73,10 @@ class Teacher:
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.bf16 = update_bf16(cfg.update.autocast_bf16, self.device.type)
         self.batch_size, self.temperature = cfg.rollout.batch_size, cfg.rollout.temperature
-        self.k = cfg.reward.teacher_topk
+        self.k, self.vocab = cfg.reward.teacher_topk, len(student_tok)  # top-k ids: the policy's tokens only
+        if self.k > self.vocab:
+            raise UserError(f"reward.teacher_topk={self.k} is more than the tokenizer's {self.vocab} tokens: "
+                            "lower it (16 covers nearly all of a trained teacher's mass)")  # fmt: skip
 
     @torch.no_grad()
     def logprobs(self, ro: Rollouts) -> TeacherScores:
@@ -89,7 +92,7 @@ class Teacher:
             logits = completion_logits(self.model, *(a.to(self.device) for a in args), self.bf16)  # [n, T, V]
             logp.append(chunked_logprobs(logits, args[2].to(self.device), self.temperature).logp.float().cpu())
             if self.k:
-                values, indices = chunked_topk(logits, self.k, self.temperature)
+                values, indices = chunked_topk(logits, self.k, self.temperature, self.vocab)
                 top.append(values.cpu())
                 ids.append(indices.cpu())
         if not self.k:

@@ -190,6 +190,8 @@ def test_bad_teachers_are_one_line_errors(tok, student, tmp_path):
     with pytest.raises(UserError, match="different tokenizer from the policy's") as e:
         RewardWorker(distill_cfg(save(student, other, tmp_path / "other")))
     assert "\n" not in str(e.value) and "other" in str(e.value)
+    with pytest.raises(UserError, match=r"reward.teacher_topk=1000 is more than the tokenizer's \d+ tokens"):
+        RewardWorker(distill_cfg(save(student, tok, tmp_path / "same"), teacher_topk=1000))
     with pytest.raises(ConfigError, match="reward.verifiers"):  # no verifier and no teacher: nothing to learn from
         distill_cfg("").validate()
     with pytest.raises(ConfigError, match="reward.aggregate=ensemble combines verifiers"):
