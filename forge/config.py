@@ -198,6 +198,11 @@ class RewardConfig:
     tokens and one bucket for the rest (GKD-style; weight reward.teacher_weight). It names the digit the student
     should have sampled, where the sampled-token reward only says its own was unlikely. Token-local: needs
     reward.teacher_discount=0."""
+    teacher_divergence: Literal["reverse", "forward"] = "reverse"
+    """teacher_topk: which KL over the k + 1 buckets. reverse = KL(student || teacher), mode-seeking, as the sampled-token
+    reward; forward = KL(teacher || student), the teacher's cross-entropy on the student's own samples (GKD's
+    "supervised KD" on-policy): its gradient stays strong where the student is confidently wrong, where the reverse
+    KL's fades with the student's probability of the teacher's token."""
 
     def check(self, prefix: str) -> None:
         w, n = self.weights, len(self.verifiers)

@@ -12,7 +12,8 @@ batch was split:
   horizon_mean    sum m L / (N * T_max)           Dr. GRPO
   token_mean      sum m L / sum m                 DAPO, CISPO
 `sequence_log_ratio` is GSPO's one ratio per sequence; `k3_kl` the KL estimator to the reference policy;
-`topk_reverse_kl` the exact reverse KL to a distillation teacher over its top k tokens (`reward.teacher_topk`);
+`topk_reverse_kl` / `topk_forward_kl` the exact KL to a distillation teacher over its top k tokens
+(`reward.teacher_topk`, `reward.teacher_divergence`);
 `importance_weights` the truncated token-level correction (TIS) for tokens sampled by another policy mu (an older
 version, or the same weights in another engine): w_t = min(exp(logp_old_t - logp_mu_t), C), stop-gradient,
 the correction of Yao et al. 2025 ("Your efficient RL framework secretly brings you off-policy RL training"), as
@@ -122,6 +123,28 @@ def topk_reverse_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> t
     q_rest = (1 - q.sum(-1)).clamp(min=REST_FLOOR)  # [n, T]
     p_rest = (1 - p.sum(-1)).clamp(min=REST_FLOOR)
     return (q * (student_logp - teacher_logp)).sum(-1) + q_rest * (q_rest.log() - p_rest.log())
+
+
+def topk_forward_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+    """Forward KL(teacher || student) over the same k + 1 buckets as `topk_reverse_kl`, [n, T, k] -> [n, T], >= 0:
+    the teacher's cross-entropy on the student's buckets minus its entropy. Its gradient in the student's logits is
+    q - p per bucket, as large as the student is wrong however sure it is.
+
+    >>> same = torch.log(torch.tensor([[[0.5, 0.25]]]))
+    >>> float(topk_forward_kl(same, same))
+    0.0
+    >>> round(float(topk_forward_kl(torch.log(torch.tensor([[[0.25, 0.5]]])), same)), 4)  # .5 ln 2 + .25 ln .5
+    0.1733
+    """
+    teacher_logp = teacher_logp.detach()
+    q, p = student_logp.exp(), teacher_logp.exp()  # [n, T, k]
+    q_rest = (1 - q.sum(-1)).clamp(min=REST_FLOOR)  # [n, T]
+    p_rest = (1 - p.sum(-1)).clamp(min=REST_FLOOR)
+    return (p * (teacher_logp - student_logp)).sum(-1) + p_rest * (p_rest.log() - q_rest.log())
+
+
+# reward.teacher_divergence -> the top-k divergence the update adds
+TOPK_DIVERGENCES = {"reverse": topk_reverse_kl, "forward": topk_forward_kl}
 
 
 def importance_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, cap: float) -> torch.Tensor:

@@ -108,15 +108,17 @@ class ScoredBatch:
 @dataclass(frozen=True)
 class TeacherTopK:
     """The teacher's k most likely next tokens at every completion position (`reward.teacher_topk`), at the sampling
-    temperature: the update adds `weight` times the student's reverse KL to them (`forge.losses.topk_reverse_kl`)."""
+    temperature: the update adds `weight` times the student's KL to them (`forge.losses.TOPK_DIVERGENCES`)."""
 
     ids: torch.Tensor  # [N, T, k] token ids
     logp: torch.Tensor  # [N, T, k] the teacher's log-probs of them
     weight: float  # reward.teacher_weight
+    divergence: str = "reverse"  # reward.teacher_divergence: forge.losses.TOPK_DIVERGENCES
 
     def rows(self, rows: slice, width: int, device) -> TeacherTopK:
         """Rows `rows`, cut to a micro-batch's `width` tokens, on `device`."""
-        return TeacherTopK(self.ids[rows, :width].to(device), self.logp[rows, :width].to(device), self.weight)
+        ids, logp = self.ids[rows, :width].to(device), self.logp[rows, :width].to(device)
+        return TeacherTopK(ids, logp, self.weight, self.divergence)
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,7 @@ class UpdateStats:
     is_truncated_frac: float = 0.0  # tis: share of tokens whose importance weight hit algo.is_cap
     skipped: int = 0  # optimizer steps (PPO passes) skipped because the loss or gradient norm was not finite
     kl_ref: float = 0.0  # k3 KL to the reference policy (algo.beta > 0; 0 otherwise)
-    teacher_kl: float = 0.0  # reward.teacher_topk: the weighted top-k reverse KL per token, before the first pass
+    teacher_kl: float = 0.0  # reward.teacher_topk: the weighted top-k KL per token, before the first pass
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,7 @@ class MicroStats:
     entropy: float
     logprob_diff: float  # |log pi_old - log mu|: trainer vs sampler
     is_truncated: float  # tokens whose importance weight hit algo.is_cap
-    teacher_kl: float = 0.0  # the weighted top-k reverse KL to the teacher (reward.teacher_topk)
+    teacher_kl: float = 0.0  # the weighted top-k KL to the teacher (reward.teacher_topk)
 
     @classmethod
     def of(cls, res: LossOutput, entropy, old, mb: MicroBatch, weight, cap: float) -> MicroStats:

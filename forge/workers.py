@@ -314,7 +314,7 @@ class RewardWorker:
         r = self.cfg.reward
         weight = 0.0 if r.teacher_topk else r.teacher_weight  # 0 * a non-finite log-prob still skips the step
         combined, metrics = distill_advantages(advantages, teacher.logp, rollouts, weight, r.teacher_discount)
-        return combined, teacher.topk(r.teacher_weight), {**metrics, **timed}
+        return combined, teacher.topk(r.teacher_weight, r.teacher_divergence), {**metrics, **timed}
 
     def trainer_state(self, step: int):
         """What TRL passes reward functions as `trainer_state`: a transformers TrainerState. While step `step` is

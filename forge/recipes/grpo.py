@@ -70,6 +70,7 @@ from forge.loop import (
 )
 from forge.losses import (
     MAX_LOG_RATIO,
+    TOPK_DIVERGENCES,
     LossOutput,
     StepTotals,
     cispo_objective,
@@ -81,7 +82,6 @@ from forge.losses import (
     sequence_log_ratio,
     sequence_mean,
     token_mean,
-    topk_reverse_kl,
 )
 from forge.metrics import (
     Stopwatch,
@@ -149,9 +149,9 @@ def update_micro_batch(policy, mb: MicroBatch, algo: AlgoConfig, totals: StepTot
     out = policy(mb)  # log pi_theta of the sampled tokens and the entropy, [n, T]
     old = out.logp.detach() if mb.old_logp is None else mb.old_logp  # pi_old: the ratio is exactly 1 on pass 1
     weight = importance_weights(old, mb.sampler_logp, algo.is_cap) if algo.tis else None  # sampled by mu != pi_old
-    distill = None  # on-policy distillation, reward.teacher_topk: the reverse KL to the teacher's next-token odds
+    distill = None  # on-policy distillation, reward.teacher_topk: the KL to the teacher's next-token odds
     if mb.teacher is not None:
-        distill = mb.teacher.weight * topk_reverse_kl(out.extra, mb.teacher.logp)  # [n, T]
+        distill = mb.teacher.weight * TOPK_DIVERGENCES[mb.teacher.divergence](out.extra, mb.teacher.logp)  # [n, T]
     res = grpo_loss(out.logp, old, mb.advantages, mb.train_mask, algo, totals, mb.ref_logp, weight, distill)
     backward(res.loss)
     return MicroStats.of(res, out.entropy, old, mb, weight, algo.is_cap)

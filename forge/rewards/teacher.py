@@ -16,7 +16,8 @@ reverse KL is already on an absolute scale.
 `reward.teacher_topk` = k > 0 replaces that sampled-token reward (GKD, Agarwal et al. 2024, with the divergence cut to
 the teacher's top k): the teacher also returns its k most likely tokens at each sampled position, and the update adds
 `teacher_weight` times the exact reverse KL between the student's and the teacher's next-token distributions over
-those k tokens and one bucket for the rest (`forge.losses.topk_reverse_kl`) to each sampled token's loss. The
+those k tokens and one bucket for the rest (`forge.losses.topk_reverse_kl`; or the forward KL,
+`reward.teacher_divergence`) to each sampled token's loss. The
 sampled-token reward only says the student's own token was unlikely; the divergence names the ones the teacher
 expected. `distill/reverse_kl` is still reported (from the sampled tokens), beside `distill/topk_kl`.
 
@@ -53,9 +54,9 @@ class TeacherScores:
     topk_ids: torch.Tensor | None = None  # [N, T, k] its k most likely tokens at each position (reward.teacher_topk)
     topk_logp: torch.Tensor | None = None  # [N, T, k] their log-probs
 
-    def topk(self, weight: float) -> TeacherTopK | None:
+    def topk(self, weight: float, divergence: str) -> TeacherTopK | None:
         """The top k as the update takes it (None without reward.teacher_topk)."""
-        return None if self.topk_ids is None else TeacherTopK(self.topk_ids, self.topk_logp, weight)
+        return None if self.topk_ids is None else TeacherTopK(self.topk_ids, self.topk_logp, weight, divergence)
 
 
 class Teacher:

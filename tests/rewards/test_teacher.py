@@ -17,7 +17,7 @@ import torch
 
 from forge.config import ConfigError, RunConfig
 from forge.errors import UserError
-from forge.losses import topk_reverse_kl
+from forge.losses import TOPK_DIVERGENCES
 from forge.models import build_char_tokenizer, build_tiny_model, load_policy
 from forge.rewards.teacher import discounted_returns
 from forge.trainer import token_logprobs
@@ -96,18 +96,22 @@ def test_teacher_equal_to_student_gives_zero_reverse_kl_and_zero_gradient(tok, s
     assert stats.grad_norm == 0.0 and stats.skipped == 0  # the distillation term has no gradient
 
 
-def test_topk_divergence_equal_teacher_zero_and_full_vocabulary_exact(tok, student, tmp_path):
+@pytest.mark.parametrize("divergence", ["reverse", "forward"])
+def test_topk_divergence_equal_teacher_zero_and_full_vocabulary_exact(tok, student, tmp_path, divergence):
     """reward.teacher_topk: the sampled-token term leaves the advantages and the update adds the teacher's top-k
-    reverse KL. A teacher equal to the student: 0 and no gradient (against a far teacher's). With k = the whole
-    vocabulary (no rest bucket) it is the exact reverse KL, sum_v q (log q - log p), at every loss token."""
+    KL. A teacher equal to the student: 0 and no gradient (against a far teacher's). With k = the whole vocabulary
+    (no rest bucket) it is the exact KL, sum_v q (log q - log p) (reverse) or sum_v p (log p - log q) (forward), at
+    every loss token."""
     ro = on_policy(student, make_rollouts(tok))
     m = ro.loss_mask.bool()
     stats = {}
     for name, teacher in (("same", student), ("far", prefers(student, tok, X))):
-        cfg = distill_cfg(save(teacher, tok, tmp_path / name), teacher_topk=8, teacher_weight=0.5)
+        cfg = distill_cfg(save(teacher, tok, tmp_path / name), teacher_topk=8, teacher_weight=0.5,
+                          teacher_divergence=divergence)  # fmt: skip
         batch = RewardWorker(cfg).score(rows(), ro, 1)
         top = batch.teacher_topk
         assert top.ids.shape == top.logp.shape == (*ro.completion_ids.shape, 8) and top.weight == 0.5
+        assert top.divergence == divergence
         assert torch.equal(batch.advantages, torch.zeros_like(batch.advantages))  # replaced by the loss term
         stats[name] = Trainer(copy.deepcopy(student), cfg, total_steps=1).update(ro, batch.advantages, top)
     assert stats["same"].teacher_kl == pytest.approx(0.0, abs=1e-6) and stats["far"].teacher_kl > 0.3  # weighted 0.5
@@ -121,8 +125,8 @@ def test_topk_divergence_equal_teacher_zero_and_full_vocabulary_exact(tok, stude
     with torch.no_grad():
         q, p = (token_logprobs(model, *args, extra_ids=every).extra for model in (student, teacher))  # [N, T, V]
         student_top = token_logprobs(student, *args, extra_ids=top.ids).extra
-    exact = (q.exp() * (q - p)).sum(-1)
-    torch.testing.assert_close(topk_reverse_kl(student_top, top.logp)[m], exact[m], atol=1e-5, rtol=1e-4)
+    exact = (q.exp() * (q - p)).sum(-1) if divergence == "reverse" else (p.exp() * (p - q)).sum(-1)
+    torch.testing.assert_close(TOPK_DIVERGENCES[divergence](student_top, top.logp)[m], exact[m], atol=1e-5, rtol=1e-4)
     assert exact[m].min() > 1.0
 
 
