@@ -10,6 +10,7 @@ steps, the greedy held-out eval every `--eval-every` steps:
 - `distill`: no verifier, `reward.teacher` (per-token reverse KL as the reward, docs/distillation.md);
 - `topk`:    no verifier, `reward.teacher` with `reward.teacher_topk=16` (the reverse KL to the teacher's top 16
              next tokens at every sampled position, in the loss), at lr 5e-5 (see MODES);
+- `topk_forward`: the same with the forward KL (`reward.teacher_divergence=forward`);
 - `both`:    the verifiers and the teacher (`reward.teacher_weight`).
 
 Both teacher modes run at a constant LR (`update.adaptive.enabled=false`, see MODES); `--set` applies to every mode
@@ -21,7 +22,8 @@ some step s_d, and GRPO needs at least 2 * s_d steps to reach X (or never within
 `--out`/results.jsonl; a mode already recorded there with the same settings is reused.
 
 Usage: python bench/distill.py --teacher runs/demo/checkpoints/step-000010 [--steps 10] [--eval-every 2]
-       [--eval-rows 100] [--seed 0] [--modes grpo,distill,both] [--out /tmp/distill-bench] [--set key=value ...]
+       [--eval-rows 100] [--seed 0] [--modes grpo,distill,both,topk,topk_forward] [--out /tmp/distill-bench]
+       [--set key=value ...]
        (smoke run: --preset tiny --teacher DIR_OF_A_TINY_MODEL --steps 2)
 """
 
@@ -52,8 +54,9 @@ MODES = {
     # an exact divergence with no sampling noise, so SFT's step size (bench/sft_teacher.py's lr): measured on 3-digit
     # sums, 1e-5 (the preset's, GRPO's) gave 0.51 at step 20
     "topk": lambda teacher: [*MODES["distill"](teacher), "reward.teacher_topk=16", "update.lr=5e-5"],
+    "topk_forward": lambda teacher: [*MODES["topk"](teacher), "reward.teacher_divergence=forward"],
 }
-ALONE = ("distill", "topk")  # the modes where the teacher is the only signal: what acceptance 3 measures
+ALONE = ("distill", "topk", "topk_forward")  # the modes where the teacher is the only signal: acceptance 3's
 
 
 def eval_sets(args) -> list[str]:
@@ -114,7 +117,7 @@ def verdict(results: dict, teacher: float) -> list[str]:
         lines.append(f"  {m:8s} reaches it at step {s}" if s is not None else f"  {m:8s} does not reach it")
     alone = [m for m in ALONE if m in steps]
     if not alone or "grpo" not in steps:
-        return lines + ["verdict: none: run the grpo mode and a distillation mode (distill or topk; --modes)"]
+        return lines + ["verdict: none: run the grpo mode and a distillation mode (distill, topk, topk_forward; --modes)"]
     g, budget = steps["grpo"], max(results["grpo"]["pass"])
     for m in alone:
         d = steps[m]

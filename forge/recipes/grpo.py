@@ -27,6 +27,8 @@ Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024), each a config ke
 10. multi-turn episodes (`env.environment_factory`, `env.tools`; forge/env): one token sequence per episode; the loss
    counts only the tokens the policy sampled (`Rollouts.loss_mask`), environment and tool tokens are attended to
    only, and an episode cut by a limit is left out of the loss (`env.mask_truncated` = True).
+11. on-policy distillation (`reward.teacher`; forge/rewards/teacher.py): a teacher's per-token log-ratio as [N, T]
+   advantages, or with `reward.teacher_topk` the KL to its top k next tokens added to each sampled token's loss.
 
 Randomness is derived, never carried: step t's rollout is seeded from (seed, t) (`forge.rollout.base.rollout_seed`) and
 the update's dropout from (seed, t, rank) (`forge.trainer.update_seed`), so a retried, resumed or recovered step samples
@@ -131,14 +133,8 @@ def grpo_loss(logp, old_logp, advantages, mask, algo: AlgoConfig, totals: StepTo
     kl_old = (ratio.detach() - 1) - log_ratio.detach()  # approximate KL to pi_old
     loss = normalise(per_token, mask, totals)
     m = mask.bool()
-    return LossOutput(
-        loss,
-        kl_old,
-        None if kl_ref is None else kl_ref.detach(),
-        low & m,
-        high & m,
-        None if distill is None else distill.detach(),
-    )
+    kl_ref, distill = (None if x is None else x.detach() for x in (kl_ref, distill))  # reported, not trained
+    return LossOutput(loss, kl_old, kl_ref, low & m, high & m, distill)
 
 
 def update_micro_batch(policy, mb: MicroBatch, algo: AlgoConfig, totals: StepTotals, backward) -> MicroStats:
