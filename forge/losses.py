@@ -49,7 +49,6 @@ class LossOutput:
     kl_ref: torch.Tensor | None  # [n, T] k3 KL to the reference policy (beta > 0), else None
     clipped_low: torch.Tensor  # [n, T] bool
     clipped_high: torch.Tensor  # [n, T] bool
-    distill: torch.Tensor | None = None  # [n, T] the weighted divergence to a teacher's top k (detached), else None
 
 
 def clipped_objective(ratio, adv, logp, cfg: AlgoConfig):

@@ -115,6 +115,13 @@ class TeacherTopK:
     weight: float  # reward.teacher_weight
     divergence: str = "reverse"  # reward.teacher_divergence: forge.losses.TOPK_DIVERGENCES
 
+    def kl(self, student_logp: torch.Tensor) -> torch.Tensor:
+        """[n, T] `weight` times the KL (`divergence`) between the student's log-probs of these tokens, [n, T, k], and
+        the teacher's (`forge.losses.TOPK_DIVERGENCES`)."""
+        from forge.losses import TOPK_DIVERGENCES
+
+        return self.weight * TOPK_DIVERGENCES[self.divergence](student_logp, self.logp)
+
     def rows(self, rows: slice, width: int, device) -> TeacherTopK:
         """Rows `rows`, cut to a micro-batch's `width` tokens, on `device`."""
         ids, logp = self.ids[rows, :width].to(device), self.logp[rows, :width].to(device)
@@ -180,7 +187,7 @@ class MicroStats:
     teacher_kl: float = 0.0  # the weighted top-k KL to the teacher (reward.teacher_topk)
 
     @classmethod
-    def of(cls, res: LossOutput, entropy, old, mb: MicroBatch, weight, cap: float) -> MicroStats:
+    def of(cls, res: LossOutput, entropy, old, mb: MicroBatch, weight, cap: float, distill=None) -> MicroStats:
         m = mb.train_mask.bool()
         return cls(
             loss=float(res.loss.detach()),
@@ -191,5 +198,5 @@ class MicroStats:
             entropy=float(entropy[m].sum()),
             logprob_diff=float((old - mb.sampler_logp).abs()[m].sum()),
             is_truncated=float((weight[m] >= cap).sum()) if weight is not None else 0.0,
-            teacher_kl=float(res.distill[m].sum()) if res.distill is not None else 0.0,
+            teacher_kl=float(distill.detach()[m].sum()) if distill is not None else 0.0,
         )

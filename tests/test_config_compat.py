@@ -154,7 +154,7 @@ def test_a_config_yaml_of_the_previous_release_loads_to_the_same_values(capsys):
 
 # keys that release did not have; a saved config gets the default
 ADDED_SINCE = ["orchestration.reserve_timeout_s", "reward.teacher", "reward.teacher_weight", "reward.teacher_discount",
-               "reward.teacher_topk",
+               "reward.teacher_topk", "reward.teacher_divergence",
                "rollout.weight_transport"]  # fmt: skip
 
 

@@ -144,9 +144,9 @@ def test_chunked_logprobs_hold_one_chunk_of_fp32_at_a_time(monkeypatch):
     widths = []
     real = trainer_mod._chunk_logprobs
 
-    def spy(chunk, ids, temperature):
+    def spy(chunk, ids, temperature, extra_ids=None):
         widths.append(tuple(chunk.shape))
-        return real(chunk, ids, temperature)
+        return real(chunk, ids, temperature, extra_ids)
 
     monkeypatch.setattr(trainer_mod, "_chunk_logprobs", spy)
     logits = torch.randn(2, 7, 40, dtype=torch.bfloat16)

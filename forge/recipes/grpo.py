@@ -27,8 +27,6 @@ Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024), each a config ke
 10. multi-turn episodes (`env.environment_factory`, `env.tools`; forge/env): one token sequence per episode; the loss
    counts only the tokens the policy sampled (`Rollouts.loss_mask`), environment and tool tokens are attended to
    only, and an episode cut by a limit is left out of the loss (`env.mask_truncated` = True).
-11. on-policy distillation (`reward.teacher`; forge/rewards/teacher.py): a teacher's per-token log-ratio as [N, T]
-   advantages, or with `reward.teacher_topk` the KL to its top k next tokens added to each sampled token's loss.
 
 Randomness is derived, never carried: step t's rollout is seeded from (seed, t) (`forge.rollout.base.rollout_seed`) and
 the update's dropout from (seed, t, rank) (`forge.trainer.update_seed`), so a retried, resumed or recovered step samples
@@ -72,7 +70,6 @@ from forge.loop import (
 )
 from forge.losses import (
     MAX_LOG_RATIO,
-    TOPK_DIVERGENCES,
     LossOutput,
     StepTotals,
     cispo_objective,
@@ -111,8 +108,7 @@ LOSSES = {
 
 def grpo_loss(logp, old_logp, advantages, mask, algo: AlgoConfig, totals: StepTotals, ref_logp=None,
               is_weight=None, distill=None) -> LossOutput:  # fmt: skip
-    """A micro-batch's share of the step's policy loss. [n, T] log-probs and mask, [n] or [n, T] advantages;
-    `distill` [n, T]: a per-token divergence to a teacher, added to the loss as it is (reward.teacher_topk)."""
+    """A micro-batch's share of the step's policy loss. [n, T] log-probs, mask and distill, [n] or [n, T] advantages."""
     mask, adv = mask.to(logp.dtype), advantages.to(logp.dtype)  # [n] one per completion, or [n, T] one per token
     adv = adv.unsqueeze(1) if adv.dim() == 1 else adv  # [n, 1]: on each of the completion's tokens; [n, T] as given
     log_ratio = (logp - old_logp.detach()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # [n, T]
@@ -121,20 +117,15 @@ def grpo_loss(logp, old_logp, advantages, mask, algo: AlgoConfig, totals: StepTo
     ratio = torch.exp(log_ratio)
     objective, normalise = LOSSES[algo.loss]
     per_token, low, high = objective(ratio, adv, logp, algo)  # [n, T]
-    if is_weight is not None:  # off-policy tokens: truncated importance weight pi_old / mu
-        per_token = per_token * is_weight.detach()
-    kl_ref = None
-    if algo.beta > 0:
-        assert ref_logp is not None, "beta > 0 needs reference log-probs"
-        kl_ref = k3_kl(ref_logp, logp)  # [n, T]
-        per_token = per_token + algo.beta * kl_ref
-    if distill is not None:
-        per_token = per_token + distill
+    per_token = per_token if is_weight is None else per_token * is_weight.detach()  # off-policy: pi_old / mu, cut
+    assert algo.beta == 0 or ref_logp is not None, "beta > 0 needs reference log-probs"
+    kl_ref = k3_kl(ref_logp, logp) if algo.beta > 0 else None  # [n, T]
+    per_token = per_token if kl_ref is None else per_token + algo.beta * kl_ref
+    per_token = per_token if distill is None else per_token + distill  # a teacher's top-k KL (reward.teacher_topk)
     kl_old = (ratio.detach() - 1) - log_ratio.detach()  # approximate KL to pi_old
     loss = normalise(per_token, mask, totals)
     m = mask.bool()
-    kl_ref, distill = (None if x is None else x.detach() for x in (kl_ref, distill))  # reported, not trained
-    return LossOutput(loss, kl_old, kl_ref, low & m, high & m, distill)
+    return LossOutput(loss, kl_old, None if kl_ref is None else kl_ref.detach(), low & m, high & m)
 
 
 def update_micro_batch(policy, mb: MicroBatch, algo: AlgoConfig, totals: StepTotals, backward) -> MicroStats:
@@ -145,12 +136,10 @@ def update_micro_batch(policy, mb: MicroBatch, algo: AlgoConfig, totals: StepTot
     out = policy(mb)  # log pi_theta of the sampled tokens and the entropy, [n, T]
     old = out.logp.detach() if mb.old_logp is None else mb.old_logp  # pi_old: the ratio is exactly 1 on pass 1
     weight = importance_weights(old, mb.sampler_logp, algo.is_cap) if algo.tis else None  # sampled by mu != pi_old
-    distill = None  # on-policy distillation, reward.teacher_topk: the KL to the teacher's next-token odds
-    if mb.teacher is not None:
-        distill = mb.teacher.weight * TOPK_DIVERGENCES[mb.teacher.divergence](out.extra, mb.teacher.logp)  # [n, T]
+    distill = None if mb.teacher is None else mb.teacher.kl(out.extra)  # [n, T]: KL to a teacher's top k, weighted
     res = grpo_loss(out.logp, old, mb.advantages, mb.train_mask, algo, totals, mb.ref_logp, weight, distill)
     backward(res.loss)
-    return MicroStats.of(res, out.entropy, old, mb, weight, algo.is_cap)
+    return MicroStats.of(res, out.entropy, old, mb, weight, algo.is_cap, distill)
 
 
 def run(cfg: RunConfig, run_dir: Path, resume: bool = False, tracker: Tracker | None = None, progress: bool = True,
