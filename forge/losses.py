@@ -105,6 +105,13 @@ def k3_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
 REST_FLOOR = 1e-8
 
 
+def topk_buckets(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The k + 1 buckets both top-k KLs sum over: q, p [n, T, k] (the probabilities of the teacher's k tokens) and
+    q_rest, p_rest [n, T] (the rest of the vocabulary's mass, at least REST_FLOOR)."""
+    q, p = student_logp.exp(), teacher_logp.exp()
+    return q, p, (1 - q.sum(-1)).clamp(min=REST_FLOOR), (1 - p.sum(-1)).clamp(min=REST_FLOOR)
+
+
 def topk_reverse_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
     """Reverse KL(student || teacher) at each position over k + 1 buckets: the teacher's k most likely tokens and one
     for the rest of the vocabulary. [n, T, k] log-probs of those tokens -> [n, T], >= 0, with the gradient through
@@ -118,9 +125,7 @@ def topk_reverse_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> t
     0.1733
     """
     teacher_logp = teacher_logp.detach()
-    q, p = student_logp.exp(), teacher_logp.exp()  # [n, T, k]
-    q_rest = (1 - q.sum(-1)).clamp(min=REST_FLOOR)  # [n, T]
-    p_rest = (1 - p.sum(-1)).clamp(min=REST_FLOOR)
+    q, p, q_rest, p_rest = topk_buckets(student_logp, teacher_logp)
     return (q * (student_logp - teacher_logp)).sum(-1) + q_rest * (q_rest.log() - p_rest.log())
 
 
@@ -136,9 +141,7 @@ def topk_forward_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> t
     0.1733
     """
     teacher_logp = teacher_logp.detach()
-    q, p = student_logp.exp(), teacher_logp.exp()  # [n, T, k]
-    q_rest = (1 - q.sum(-1)).clamp(min=REST_FLOOR)  # [n, T]
-    p_rest = (1 - p.sum(-1)).clamp(min=REST_FLOOR)
+    q, p, q_rest, p_rest = topk_buckets(student_logp, teacher_logp)
     return (p * (teacher_logp - student_logp)).sum(-1) + p_rest * (p_rest.log() - q_rest.log())
 
 
