@@ -17,9 +17,8 @@ reverse KL is already on an absolute scale.
 the teacher's top k): the teacher also returns its k most likely tokens at each sampled position, and the update adds
 `teacher_weight` times the exact reverse KL between the student's and the teacher's next-token distributions over
 those k tokens and one bucket for the rest (`forge.losses.topk_reverse_kl`; or the forward KL,
-`reward.teacher_divergence`) to each sampled token's loss. The
-sampled-token reward only says the student's own token was unlikely; the divergence names the ones the teacher
-expected. `distill/reverse_kl` is still reported (from the sampled tokens), beside `distill/topk_kl`.
+`reward.teacher_divergence`) to each sampled token's loss. The sampled-token reward only says the student's own
+token was unlikely; the divergence names the ones the teacher expected. `distill/reverse_kl` is still reported (from the sampled tokens), beside `distill/topk_kl`.
 
 Where this departs from the recipes it follows (Agarwal et al. 2024, "On-policy distillation of language models";
 Gu et al. 2024, MiniLLM; Thinking Machines' "On-policy distillation", 2025): log p_student is the rollout's own
