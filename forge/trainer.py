@@ -158,20 +158,24 @@ def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion
 
 
 @torch.no_grad()
-def chunked_topk(logits, k: int, temperature: float = 1.0, tokens: int | None = None,
-                 chunk_elements: int = LOGPROB_CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The k largest values of log_softmax(logits / temperature) at each position and their token ids, among the
-    first `tokens` ids (a tokenizer's; the output layer may have padding rows past it), over chunks of positions (no
-    [n, T, vocab] fp32 tensor held). [n, T, V] -> ([n, T, k], [n, T, k])."""
+def chunked_scores(logits, ids, temperature: float = 1.0, k: int = 0, tokens: int | None = None,
+                   chunk_elements: int = LOGPROB_CHUNK_ELEMENTS) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """A frozen scorer's view of sampled tokens, one log_softmax(logits / temperature) per chunk of positions (no
+    [n, T, vocab] fp32 tensor held, no entropy): the log-prob at `ids` [n, T]; with k > 0 also the k largest
+    log-probs among the first `tokens` ids (a tokenizer's; the output layer may have padding rows past it) and those
+    ids. [n, T, V] -> [n, T] (, [n, T, k], [n, T, k])."""
     n, T, vocab = logits.shape
     step = max(1, chunk_elements // max(1, n * vocab))
-    values, ids = [], []
+    parts, values, top_ids = [], [], []
     for t in range(0, T, step):
         logsm = torch.log_softmax(logits[:, t : t + step].float() / temperature, dim=-1)
-        top = logsm[..., :tokens].topk(k, dim=-1)
-        values.append(top.values)
-        ids.append(top.indices)
-    return torch.cat(values, dim=1), torch.cat(ids, dim=1)
+        parts.append(logsm.gather(-1, ids[:, t : t + step].unsqueeze(-1)).squeeze(-1))
+        if k:
+            top = logsm[..., :tokens].topk(k, dim=-1)
+            values.append(top.values)
+            top_ids.append(top.indices)
+    logp = torch.cat(parts, dim=1)
+    return (logp, torch.cat(values, dim=1), torch.cat(top_ids, dim=1)) if k else (logp,)
 
 
 def unpack_rows(flat: torch.Tensor, taken: torch.Tensor) -> torch.Tensor:

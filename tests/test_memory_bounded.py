@@ -13,7 +13,7 @@ from forge.config import EvalConfig, RolloutConfig
 from forge.evaluate import evaluate
 from forge.models import build_char_tokenizer, build_tiny_model
 from forge.rollout import SamplingParams, make_backend
-from forge.trainer import chunked_logprobs
+from forge.trainer import chunked_logprobs, chunked_scores
 
 torch.set_num_threads(1)
 PROMPTS = ["1+2=", "33+4=", "5+5="]
@@ -136,6 +136,24 @@ def test_chunked_logprobs_equal_the_full_log_softmax_with_gradients():
     for a, b in zip(results["full"], results["chunked"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert not results["chunked"][1].requires_grad  # entropy is reported, never trained on
+
+
+def test_chunked_scores_equal_the_full_log_softmax_and_its_top_k_among_the_tokenizer_ids():
+    torch.manual_seed(0)
+    n, T, vocab, tokens = 3, 10, 50, 45  # 5 padding rows past the tokenizer's ids
+    logits = torch.randn(n, T, vocab)
+    logits[..., tokens:] += 10.0  # the padding rows are the largest: the top k must skip them
+    ids = torch.randint(0, tokens, (n, T))
+    logsm = torch.log_softmax(logits / 0.8, dim=-1)
+    want = logsm[..., :tokens].topk(4, dim=-1)
+    for chunk in (None, n * vocab * 3):  # one chunk; 3 positions per chunk (4 chunks)
+        kw = {} if chunk is None else {"chunk_elements": chunk}
+        logp, values, top_ids = chunked_scores(logits, ids, 0.8, 4, tokens, **kw)
+        torch.testing.assert_close(logp, logsm.gather(-1, ids.unsqueeze(-1)).squeeze(-1))
+        torch.testing.assert_close(values, want.values)
+        assert torch.equal(top_ids, want.indices) and int(top_ids.max()) < tokens
+        (only,) = chunked_scores(logits, ids, 0.8, **kw)  # k = 0: the sampled tokens' log-probs alone
+        torch.testing.assert_close(only, logp)
 
 
 def test_chunked_logprobs_hold_one_chunk_of_fp32_at_a_time(monkeypatch):

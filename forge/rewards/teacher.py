@@ -83,18 +83,18 @@ class Teacher:
         """The teacher's log-prob of every completion token at the sampling temperature (rollout.temperature, the
         one the student's sampling log-probs have), teacher-forced over the whole episode (every real token
         attended), and with reward.teacher_topk its top k at each position; read only where `ro.loss_mask` is 1."""
-        from forge.trainer import chunked_logprobs, chunked_topk, completion_logits
+        from forge.trainer import chunked_scores, completion_logits
 
         logp, ids, top = [], [], []
         for i in range(0, ro.num_completions, self.batch_size):
             sl = slice(i, i + self.batch_size)
             args = (ro.prompt_ids[sl], ro.prompt_mask[sl], ro.completion_ids[sl], ro.completion_mask[sl])
             logits = completion_logits(self.model, *(a.to(self.device) for a in args), self.bf16)  # [n, T, V]
-            logp.append(chunked_logprobs(logits, args[2].to(self.device), self.temperature).logp.float().cpu())
+            scores = chunked_scores(logits, args[2].to(self.device), self.temperature, self.k, self.vocab)
+            logp.append(scores[0].float().cpu())
             if self.k:
-                values, indices = chunked_topk(logits, self.k, self.temperature, self.vocab)
-                top.append(values.cpu())
-                ids.append(indices.cpu())
+                top.append(scores[1].cpu())
+                ids.append(scores[2].cpu())
         if not self.k:
             return TeacherScores(torch.cat(logp))
         return TeacherScores(torch.cat(logp), torch.cat(ids), torch.cat(top))
