@@ -21,8 +21,8 @@ issue 32's acceptance 3: distillation closes >= 80% of the student -> teacher ga
 some step s_d, and GRPO needs at least 2 * s_d steps to reach X (or never within the budget: said so). Results go to
 `--out`/results.jsonl; a mode already recorded there with the same settings is reused.
 
-Usage: python bench/distill.py --teacher runs/demo/checkpoints/step-000010 [--steps 10] [--eval-every 2]
-       [--eval-rows 100] [--seed 0] [--modes grpo,distill,both,topk,topk_forward] [--out /tmp/distill-bench]
+Usage: python bench/distill.py --teacher runs/demo/checkpoints/step-000010 [--steps 10] [--grpo-steps 20]
+       [--eval-every 2] [--eval-rows 100] [--seed 0] [--modes grpo,distill,both,topk,topk_forward] [--out /tmp/distill-bench]
        [--set key=value ...]
        (smoke run: --preset tiny --teacher DIR_OF_A_TINY_MODEL --steps 2)
 """
@@ -59,6 +59,12 @@ MODES = {
 ALONE = ("distill", "topk", "topk_forward")  # the modes where the teacher is the only signal: acceptance 3's
 
 
+def mode_sets(mode: str, args) -> list[str]:
+    """A mode's own overrides: MODES', and GRPO's own budget when --grpo-steps gives one."""
+    own = MODES[mode](args.teacher)
+    return own + [f"steps={args.grpo_steps}"] if mode == "grpo" and args.grpo_steps else own
+
+
 def eval_sets(args) -> list[str]:
     return [f"seed={args.seed}", f"eval.max_problems={args.eval_rows}", "eval.k=0", *args.sets]
 
@@ -72,7 +78,7 @@ def run_mode(mode: str, args, progress: bool) -> dict:
 
     # --set comes last: it may override a mode's own settings
     sets = [f"steps={args.steps}", f"eval.every={args.eval_every}", "checkpoint.every=0", "tracking.mlflow=false",
-            *MODES[mode](args.teacher), *eval_sets(args)]  # fmt: skip
+            *mode_sets(mode, args), *eval_sets(args)]  # fmt: skip
     cfg = apply_overrides(get_preset(args.preset), sets)
     run_dir = Path(tempfile.mkdtemp(prefix=f"distill-{mode}-"))
     t0 = time.perf_counter()
@@ -139,8 +145,8 @@ def table(results: dict, n: int) -> str:
     steps = sorted({s for r in results.values() for s in r["pass"]})
     head = "| step | " + " | ".join(f"{m} pass@1" for m in modes) + " |"
     rows = [head, "|" + "---|" * (len(modes) + 1)]
-    rows += [f"| {s} | " + " | ".join(f"{results[m]['pass'].get(s, float('nan')):.3f}" for m in modes) + " |"
-             for s in steps]  # fmt: skip
+    rows += [f"| {s} | " + " | ".join(f"{results[m]['pass'][s]:.3f}" if s in results[m]["pass"] else ""
+                                      for m in modes) + " |" for s in steps]  # fmt: skip
     rows.append("| s/step (median) | " + " | ".join(f"{results[m]['s_per_step']:.1f}" for m in modes) + " |")
     rows.append(f"(SE of a pass@1 near 0.5 over {n} rows: {stderr(0.5, n):.3f})")
     return "\n".join(rows)
@@ -151,6 +157,8 @@ def main() -> None:
     ap.add_argument("--teacher", required=True, help="the teacher's model directory (a checkpoint make demo wrote)")
     ap.add_argument("--preset", default="smollm2-arith")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--grpo-steps", type=int, default=None,
+                    help="GRPO's budget (default: --steps); twice --steps answers whether GRPO needs twice the steps")  # fmt: skip
     ap.add_argument("--eval-every", type=int, default=2)
     ap.add_argument("--eval-rows", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
@@ -169,7 +177,7 @@ def main() -> None:
     key = [args.preset, str(Path(args.teacher).resolve()), args.steps, args.eval_every, args.eval_rows, args.seed,
            args.sets]  # fmt: skip
     old = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-    own = {m: f(args.teacher) for m, f in MODES.items()}  # a record is reused only with its mode's current settings
+    own = {m: mode_sets(m, args) for m in MODES}  # a record is reused only with its mode's current settings
     done = {r["mode"]: r for r in old if r["key"] == key and r.get("sets", []) == own.get(r["mode"], [])}
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; preset {args.preset}, teacher {args.teacher}, seed "
           f"{args.seed}, {args.steps} steps, eval every {args.eval_every} on {args.eval_rows} held-out rows, "
