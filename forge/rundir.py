@@ -182,9 +182,11 @@ class RunLock:
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            last = _last_status.get(str(self.run_dir))
-            if last is not None and last.get("state") == "running":
-                with _status_lock:
+            # read and write under the lock: a "failed" or "finished" written between the two must not be
+            # overwritten with the "running" read before it
+            with _status_lock:
+                last = _last_status.get(str(self.run_dir))
+                if last is not None and last.get("state") == "running":
                     try:
                         write_json(self.run_dir / "status.json", {**last, "heartbeat": time.time()})
                     except OSError:  # a full disk: the loop's own writes report it
@@ -247,8 +249,8 @@ def write_status(run_dir: Path, state: str, step: int = 0, error: str = "") -> N
               "heartbeat": now}  # fmt: skip
     if error:
         status["error"] = error
-    _last_status[str(run_dir)] = status
     with _status_lock:
+        _last_status[str(run_dir)] = status
         write_json(run_dir / "status.json", status)
 
 

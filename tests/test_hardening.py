@@ -272,6 +272,40 @@ def test_a_second_process_is_refused_naming_the_live_pid_and_a_killed_one_is_sta
     lock.release()
 
 
+def test_the_heartbeat_never_writes_running_back_over_failed(tmp_path, monkeypatch):
+    """A run stopped (SIGTERM) between the heartbeat's read of the last status and its write: status.json must end
+    "failed", not the "running" the heartbeat had read (seen in CI under load: a stopped run left "running")."""
+    import threading
+
+    import forge.rundir as rd
+
+    read, wrote = threading.Event(), threading.Event()
+
+    class Racing(dict):  # the heartbeat's first read of "running" waits for the run to write "failed"
+        armed = True
+
+        def get(self, key, default=None):
+            value = super().get(key, default)
+            if self.armed and value is not None and value["state"] == "running":
+                self.armed = False
+                read.set()
+                wrote.wait(2.0)  # the fixed heartbeat holds the lock here: the failed write waits for it instead
+            return value
+
+    monkeypatch.setattr(rd, "HEARTBEAT_S", 0.01)
+    monkeypatch.setattr(rd, "_last_status", Racing())
+    lock = rd.RunLock.acquire(tmp_path)
+    try:
+        rd.write_status(tmp_path, "running", step=3)
+        assert read.wait(10)
+        rd.write_status(tmp_path, "failed", step=3, error="SystemExit: 143")
+        wrote.set()
+        time.sleep(0.2)  # more beats: none may write
+        assert json.loads((tmp_path / "status.json").read_text())["state"] == "failed"
+    finally:
+        lock.release()
+
+
 @pytest.mark.parametrize("name", ["../x", "/abs/run", "a/b", "..", ".hidden", "", "a\\b"])
 def test_run_names_must_be_one_plain_component(name):
     from forge.rundir import check_run_name
