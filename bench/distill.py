@@ -22,8 +22,8 @@ some step s_d, and GRPO needs at least 2 * s_d steps to reach X (or never within
 `--out`/results.jsonl; a mode already recorded there with the same settings is reused.
 
 Usage: python bench/distill.py --teacher runs/demo/checkpoints/step-000010 [--steps 10] [--grpo-steps 20]
-       [--eval-every 2] [--eval-rows 100] [--seed 0] [--modes grpo,distill,both,topk,topk_forward] [--out /tmp/distill-bench]
-       [--set key=value ...]
+       [--eval-every 2] [--eval-rows 100] [--seed 0] [--modes grpo,distill,both,topk,topk_forward]
+       [--out /tmp/distill-bench] [--set key=value ...]
        (smoke run: --preset tiny --teacher DIR_OF_A_TINY_MODEL --steps 2)
 """
 
