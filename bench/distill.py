@@ -168,6 +168,8 @@ def main() -> None:
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.grpo_steps is not None and args.grpo_steps < 1:
+        sys.exit(f"distill: --grpo-steps {args.grpo_steps} is not a step count: pass at least 1 (or leave it out)")
     if not (Path(args.teacher) / "config.json").is_file():
         sys.exit(f"distill: --teacher '{args.teacher}' is not a model directory: run `make demo` and pass "
                  "runs/NAME/checkpoints/step-000010 (or any local model with the student's tokenizer)")  # fmt: skip

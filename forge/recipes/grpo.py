@@ -27,6 +27,7 @@ Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024), each a config ke
 10. multi-turn episodes (`env.environment_factory`, `env.tools`; forge/env): one token sequence per episode; the loss
    counts only the tokens the policy sampled (`Rollouts.loss_mask`), environment and tool tokens are attended to
    only, and an episode cut by a limit is left out of the loss (`env.mask_truncated` = True).
+11. on-policy distillation (`reward.teacher`): a teacher's log-ratio as [N, T] advantages, or its top-k KL in the loss.
 
 Randomness is derived, never carried: step t's rollout is seeded from (seed, t) (`forge.rollout.base.rollout_seed`) and
 the update's dropout from (seed, t, rank) (`forge.trainer.update_seed`), so a retried, resumed or recovered step samples
