@@ -25,6 +25,7 @@ class StepTimer(TrainerCallback):
 
     def __init__(self) -> None:
         self.seconds: list[float] = []
+        self.rewards: list[float] = []  # the batch's mean reward at each step, as TRL logs it
         self._t = 0.0
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -32,6 +33,10 @@ class StepTimer(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.seconds.append(time.perf_counter() - self._t)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "reward" in logs:
+            self.rewards.append(float(logs["reward"]))
 
 
 def grpo_args(a: argparse.Namespace) -> GRPOConfig:
@@ -84,7 +89,7 @@ def main() -> None:
     trainer.train()
     trainer.save_model(f"{a.out}/model")
     tok.save_pretrained(f"{a.out}/model")
-    print("TRL-RESULT " + json.dumps({"step_s": timer.seconds}), flush=True)
+    print("TRL-RESULT " + json.dumps({"step_s": timer.seconds, "rewards": timer.rewards}), flush=True)
 
 
 if __name__ == "__main__":
