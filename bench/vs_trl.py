@@ -177,6 +177,7 @@ def measured(side: str, cfg, root: Path, sets: list[str], args) -> dict:
         print(f"{side}, seed {cfg.seed}: the result measured {old['measured']} ({stored})", flush=True)
         return old["result"]
     print(f"{side}, seed {cfg.seed}: measuring", flush=True)
+    root.mkdir(parents=True, exist_ok=True)
     res = run_trl(cfg, root, args.trl_venv, sets) if side == TRL else run_forgeweave(cfg, root)
     res["commit"] = git_commit()
     save_result(stored, {"key": key, "measured": time.strftime("%Y-%m-%d %H:%M"), "result": res})
