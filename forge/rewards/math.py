@@ -183,11 +183,10 @@ def extract_answer(text: str) -> str | None:
     >>> extract_answer("I have no idea") is None
     True
     """
-    for found in (_final_answer_after_boxed(text), _last_boxed(text), _last_tagged(text), _answer_is(text)):
-        if found is not None and (cleaned := _clean(found)):
+    for find in (_final_answer_after_boxed, _last_boxed, _last_tagged, _answer_is, _last_number):
+        if (found := find(text)) is not None and (cleaned := _clean(found)):
             return _stated_side(cleaned)
-    found = _last_number(text)
-    return _stated_side(_clean(found)) if found and _clean(found) else None
+    return None
 
 
 def _stated_side(answer: str) -> str:
