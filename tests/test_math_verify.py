@@ -111,6 +111,8 @@ def test_fast_path_gives_the_old_verdict_on_arithmetic_completions_without_math_
         ("0.7500001", "0.75", True),  # within 1e-6 relative
         ("0.7501", "0.75", False),
         ("no idea", "5", False),  # no digit: no match, math-verify is not asked
+        ("So $x = 57$.", "57", True),  # the math the last number sits in: x = 57 states 57
+        ("So $x = 555 + 363$.", "918", False),  # the question restated, in math: unevaluated, math-verify is not asked
     ],
 )
 def test_fast_path_hand_computed(completion, ref, expected, monkeypatch):
