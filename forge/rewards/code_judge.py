@@ -36,7 +36,8 @@ from typing import Any, Literal
 _MAX_DEPTH = 100  # nesting of a value; the sandbox refuses deeper ones too
 _SUSPICIOUS = re.compile(
     r"__(?:eq|ne|bool|hash)__|\b__builtins__\b|\bbuiltins\b|_getframe|\binspect\b|\bgc\b|\bf_(?:back|locals|globals)\b"
-    r"|\bsys\s*\.\s*exit\b|\bos\s*\.\s*_exit\b|\bSystemExit\b|\b(?:exit|quit)\s*\(|\bctypes\b|/proc/self"
+    r"|\bsys\s*\.\s*(?:exit|modules)\b|\bos\s*\.\s*(?:_exit|kill|write|dup2?)\b|\bSystemExit\b|\b(?:exit|quit)\s*\("
+    r"|\bctypes\b|/proc/self"
 )
 
 
@@ -209,9 +210,10 @@ def same(check: Check, payload: str) -> bool:
 
 def suspicious(completion: str) -> bool:
     r"""Whether a completion names one of the tools of a forgery: an `__eq__`/`__ne__`/`__bool__`/`__hash__`
-    override, `builtins`, frame or object introspection (`sys._getframe`, `inspect`, `gc`, `f_back`, `f_locals`,
-    `f_globals`), an early exit (`sys.exit`, `os._exit`, `SystemExit`, `exit()`), `ctypes` or `/proc/self`. A cheap
-    text match (comments and strings count too), for the `reward/code_exec/suspicious` metric only.
+    override, `builtins`, introspection (`sys._getframe`, `inspect`, `gc`, `f_back`, `f_locals`, `f_globals`,
+    `sys.modules`), an early exit (`sys.exit`, `os._exit`, `os.kill`, `SystemExit`, `exit()`), raw fd writes
+    (`os.write`, `os.dup`, `os.dup2`, `/proc/self`) or `ctypes`. A cheap text match (comments and strings count
+    too), for the `reward/code_exec/suspicious` metric only.
 
     >>> suspicious("def f(x):\n    return x + 3"), suspicious("class A:\n    def __eq__(self, o): return True")
     (False, True)
