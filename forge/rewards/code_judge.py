@@ -61,8 +61,8 @@ class Check:
 
 @functools.lru_cache(maxsize=4096)
 def checks_for(tests: tuple[str, ...], trusted: bool = False) -> tuple[Check, ...] | None:
-    """The checks for a suite's tests, or None when one is free-form (not `assert <expr> == <expr>`) in a suite not
-    marked trusted, or expects a literal of a type the sandbox cannot send back (complex).
+    """The checks for a suite's tests, or None when one is free-form (not `assert <expr> == <expr>`, or comparing
+    with a literal the judge does not compare, such as a complex number) in a suite not marked trusted.
 
     >>> [c.kind for c in checks_for(("assert f(2) == 5", "assert 'a' == g()", "assert f(1) == g(1)"))]
     ['value', 'value', 'pair']
@@ -82,8 +82,8 @@ def rewrite(test: str) -> Check | None:
 
     >>> rewrite("assert f(2) == [1, (2, 3)]")
     Check(kind='value', expr='f(2)', expected='', want=('list', (('num', 1), ('tuple', (('num', 2), ('num', 3))))))
-    >>> rewrite("assert f(x) is None").want, rewrite("assert f(x) != 5")
-    (('none',), None)
+    >>> rewrite("assert f(x) is None").want, rewrite("assert f(x) != 5"), rewrite("assert f(x) == 1j")
+    (('none',), None, None)
     """
     try:
         body = ast.parse(test, mode="exec").body
@@ -101,10 +101,19 @@ def rewrite(test: str) -> Check | None:
         return None
     for expr, literal in ((left, right), (right, left)):
         try:
-            return Check("value", ast.unparse(expr), want=canonical(ast.literal_eval(literal)))
+            value = ast.literal_eval(literal)
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             continue
+        return _value_check(expr, value)
     return Check("pair", ast.unparse(left), expected=ast.unparse(right))
+
+
+def _value_check(expr: ast.expr, value: Any) -> Check | None:
+    """A value check; None (free-form) for a literal the judge does not compare (complex, Ellipsis)."""
+    try:
+        return Check("value", ast.unparse(expr), want=canonical(value))
+    except (TypeError, ValueError):
+        return None
 
 
 def canonical(value: Any, depth: int = 0) -> tuple:
