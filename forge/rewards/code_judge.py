@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import ast
 import functools
+import itertools
 import json
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 _MAX_DEPTH = 100  # nesting of a value; the sandbox refuses deeper ones too
+_NAN_IDS = itertools.count()
 _SUSPICIOUS = re.compile(
     r"__(?:eq|ne|bool|hash)__|\b__builtins__\b|\bbuiltins\b|_getframe|\binspect\b|\bgc\b|\bf_(?:back|locals|globals)\b"
     r"|\bsys\s*\.\s*(?:exit|modules)\b|\bos\s*\.\s*(?:_exit|kill|write|dup2?)\b|\bSystemExit\b|\b(?:exit|quit)\s*\("
@@ -117,8 +119,11 @@ def _value_check(expr: ast.expr, value: Any) -> Check | None:
 
 
 def canonical(value: Any, depth: int = 0) -> tuple:
-    """A value as a hashable tree that compares type-strictly (see the module docstring); TypeError for a type the
-    judge does not compare, ValueError past the nesting limit.
+    """A value as a tree of tuples that compares type-strictly (see the module docstring): (kind, value) with one
+    kind for int and float ("num"), sets and dicts as sorted tuples of elements / (key, value) pairs. Two trees of
+    one kind always order, so sorting works where hashing would not be safe: a forged set of ints whose hashes all
+    collide would cost forge quadratic time. TypeError for a type the judge does not compare, ValueError past the
+    nesting limit.
 
     >>> nan = float("nan")
     >>> canonical(True) == canonical(1), canonical(1) == canonical(1.0), canonical(nan) == canonical(nan)
@@ -132,7 +137,7 @@ def canonical(value: Any, depth: int = 0) -> tuple:
     if kind is bool:
         return ("bool", value)
     if kind is float and value != value:
-        return ("nan", object())  # a fresh object: NaN equals nothing
+        return ("nan", next(_NAN_IDS))  # a fresh number: NaN equals nothing
     if kind is int or kind is float:
         return ("num", value)
     if kind is str or kind is bytes:
@@ -144,9 +149,9 @@ def _canonical_container(value: Any, kind: type, depth: int) -> tuple:
     if kind is list or kind is tuple:
         return (kind.__name__, tuple(canonical(x, depth) for x in value))
     if kind is set or kind is frozenset:
-        return ("set", frozenset(canonical(x, depth) for x in value))
+        return ("set", tuple(sorted(canonical(x, depth) for x in value)))
     if kind is dict:
-        return ("dict", frozenset((canonical(k, depth), canonical(v, depth)) for k, v in value.items()))
+        return ("dict", tuple(sorted((canonical(k, depth), canonical(v, depth)) for k, v in value.items())))
     raise TypeError(f"a {kind.__name__} is not a value the judge compares")
 
 
@@ -181,9 +186,9 @@ def _from_wire(node: Any, depth: int) -> tuple:
     if type(items) is not list:
         raise ValueError("a container's items must be a JSON array")
     if tag == "d":
-        return ("dict", frozenset(_wire_entry(x, depth + 1) for x in items))
+        return ("dict", tuple(sorted(_wire_entry(x, depth + 1) for x in items)))
     values = (_from_wire(x, depth + 1) for x in items)
-    return ("tuple", tuple(values)) if tag == "t" else ("set", frozenset(values))
+    return ("tuple", tuple(values)) if tag == "t" else ("set", tuple(sorted(values)))
 
 
 def _wire_entry(item: Any, depth: int) -> tuple[tuple, tuple]:

@@ -102,3 +102,15 @@ def test_result_lines_in_order_or_forged():
     for lines in forged:
         assert read_results(lines, checks) == (0, "forged", "", ""), lines
     assert read_results(["loaded", "done", "output 6869"], (), want_output=True) == (0, "ok", "", "hi")
+
+
+def test_a_forged_set_of_colliding_hashes_costs_no_quadratic_time():
+    """Every multiple of 2**61 - 1 hashes to 0; sets and dicts are compared sorted, never hashed, so 20,000 of them
+    (as a program writing on the result channel could send) decode at once."""
+    import time
+
+    ints = [i * (2**61 - 1) for i in range(20_000)]
+    start = time.perf_counter()
+    forged = decode('{"s": [%s]}' % ", ".join(map(str, reversed(ints))))  # noqa: UP031
+    assert time.perf_counter() - start < 2.0  # a Python set of them takes seconds to build
+    assert forged == ("set", tuple(("num", i) for i in ints))
