@@ -41,7 +41,7 @@ def step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: di
         m[f"reward/{name}/mean"] = mean
         m[f"reward/{name}/failures"] = float(batch.verifier_failures[name])
         m[f"reward/{name}/errors"] = float(batch.verifier_errored.get(name, 0))
-    m.update(batch.reward_metrics)  # e.g. reward/majority_share
+    m.update(batch.reward_metrics)  # e.g. reward/majority_share, reward/code_exec/suspicious
     if batch.teacher_topk is not None:  # the top-k reverse KL the update minimised (weighted), per sampled token
         m["distill/topk_kl"] = stats.teacher_kl
     m.update(

@@ -100,7 +100,8 @@ class ScoredBatch:
     verifier_failures: dict[str, int]  # verifier name -> items it raised on or returned None for
     verifier_errors: dict[str, str] = field(default_factory=dict)  # verifier name -> first error text (if any)
     verifier_errored: dict[str, int] = field(default_factory=dict)  # verifier name -> items it raised on / scored badly
-    reward_metrics: dict[str, float] = field(default_factory=dict)  # the aggregation's own `reward/...` figures
+    # the aggregation's own `reward/...` figures; reward/code_exec/suspicious with code_exec among the verifiers
+    reward_metrics: dict[str, float] = field(default_factory=dict)
     ensemble_report: dict | None = None  # on steps the label-free ensemble was refit: its report
     teacher_topk: TeacherTopK | None = None  # reward.teacher_topk > 0: the distribution the update pulls toward
 

@@ -67,6 +67,7 @@ from forge.evaluate import evaluate
 from forge.models import default_device, is_peft, load_policy
 from forge.records import Rollouts, ScoredBatch, TeacherTopK, UpdateStats
 from forge.rewards.aggregate import majority_rewards, mean_scores
+from forge.rewards.code_judge import count_suspicious
 from forge.rewards.registry import resolve_verifiers
 from forge.rewards.score import score_completions, unscored
 from forge.rollout import SamplingParams, make_backend
@@ -292,6 +293,8 @@ class RewardWorker:
         if self.cfg.reward.teacher:  # + weight * the teacher's per-token advantage: [N, T]; or its top k
             advantages, topk, distill = self.distill(advantages, rollouts, teacher)
             extra = {**extra, **distill}
+        if "code_exec" in result.names:  # completions that reach for a forgery's tools (they score 0 regardless)
+            extra = {**extra, "reward/code_exec/suspicious": float(count_suspicious(rollouts.texts))}
         return ScoredBatch(result.names, result.scores, rewards, advantages, result.failures,
                            verifier_errors=result.errors, verifier_errored=result.errored, reward_metrics=extra,
                            ensemble_report=report, teacher_topk=topk)  # fmt: skip

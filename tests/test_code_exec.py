@@ -67,7 +67,7 @@ def test_parse_tests_forms():
     spec = ce.parse_tests({"prefix": "def f(x): return ", "tests": ["assert f(0) == 0"]})
     assert spec == ce.CodeTests(("assert f(0) == 0",), "def f(x): return ")
     cases = ce.parse_tests('{"entry": "g", "cases": [[[1, 2], 3], [["a", "b"], "ab"]]}')
-    assert cases.tests == ("assert g(*[1, 2]) == 3", 'assert g(*["a", "b"]) == "ab"')
+    assert cases.tests == ("assert g(*[1, 2]) == 3", "assert g(*['a', 'b']) == 'ab'")  # Python literals, not JSON
     for bad in ("not json", "[]", '{"tests": [1]}', '{"entry": "1x", "cases": [[[1], 1]]}', "3", '{"prefix": 1}'):
         assert ce.parse_tests(bad) is None, bad
 
@@ -137,7 +137,7 @@ def test_fork_is_capped_and_daemons_die_with_the_run(clean_machine):
         "except OSError:\n    pass\n"
     )
     limits = ce.SandboxLimits(timeout_s=5.0, per_test_s=4.0, max_procs=8)
-    tests = ce.CodeTests(("assert forks >= 3", "assert forks < 8"))
+    tests = ce.CodeTests(("assert forks >= 3", "assert forks < 8"), trusted=True)  # free-form: a trusted suite
     result = ce.run_sandboxed(program, tests, limits, MODE)
     assert (result.passed, result.total) == (2, 2), result  # it forked, and was stopped below 8 processes
 
@@ -281,8 +281,9 @@ def test_task_reference_solutions_pass_and_a_constant_scores_its_share(clean_mac
                             {"answer": [r["answer"] for r in rows] * 2})  # fmt: skip
     scores = res.scores[:, 0].tolist()
     assert scores[:100] == [1.0] * 100
-    # `return 0` passes exactly the asserts whose expected value equals 0 (False == 0 in Python)
-    expected = [sum(eval(t.split(" == ")[1]) == 0 for t in json.loads(r["answer"])["tests"]) / 5 for r in rows]
+    # `return 0` passes exactly the asserts whose expected value is the int 0 (False == 0 in Python, not to the judge)
+    wants = [[eval(t.split(" == ")[1]) for t in json.loads(r["answer"])["tests"]] for r in rows]
+    expected = [sum(type(w) is int and w == 0 for w in ws) / 5 for ws in wants]
     assert scores[100:] == pytest.approx(expected) and max(expected) < 1.0
 
 
@@ -307,7 +308,7 @@ def test_a_run_dies_with_the_process_that_started_it(clean_machine, tmp_path):
 
     script = (
         "from forge.rewards import code_exec as ce\n"
-        "ce.run_sandboxed('import time\\ntime.sleep(120)', ce.CodeTests(('assert 1',)), "
+        "ce.run_sandboxed('import time\\ntime.sleep(120)', ce.CodeTests(('assert 1 == 1',)), "
         "ce.SandboxLimits(timeout_s=100.0, per_test_s=100.0), ce.probe_isolation())\n"
     )
     parent = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(Path.cwd())})

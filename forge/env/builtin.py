@@ -55,6 +55,8 @@ def answer(status: str, detail: str, output: str, limit_s: float) -> str:
         why = detail
     elif status == "timeout":
         why = "the program ran past the sandbox's time limit and was killed"
+    elif status == "forged":
+        why = "the program wrote on the sandbox's own result channel"
     elif status == "setup_failed":
         why = f"the sandbox could not start ({detail[:200]})"
     else:

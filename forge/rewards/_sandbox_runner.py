@@ -8,14 +8,22 @@ Reads one JSON request on stdin, then (mode "root" or "userns"):
     mounts a fresh size-capped tmpfs on /tmp (the work dir) and read-only empty ones on /var/tmp and /dev/shm,
     a fresh /proc; forks W and exits when W does, which makes the kernel kill everything left in the namespace.
   W: rlimits, no_new_privs, drops to an unprivileged uid (root mode: a fresh uid per slot; userns mode: a nested
-    user namespace), points fd 1/2 at a capped file, execs the program, then each test; one line per test
-    ("<nonce> <i> <0|1>") goes to the results fd, written as soon as the test ends; with `output_kb` in the request
-    (the `python` tool), then what the program printed, as "<nonce> output <hex>".
+    user namespace), points fd 1/2 at a capped file, then writes "ready" on the results fd, execs the program
+    ("loaded" or "load <error>") and evaluates each check, writing its VALUE as JSON ("<i> <json>", or "<i> !")
+    as soon as it ends, then "done"; with `output_kb` in the request (the `python` tool), then what the program
+    printed, as "output <hex>". W never sees an expected value and judges nothing: forge compares the values
+    (forge/rewards/code_judge.py), and reads any line out of this order as a forgery.
+
+The program shares W's interpreter, so it could rewrite anything here; what W needs after the program has run
+(compile, exec, eval, os.write, the timer, the JSON encoder's pieces) is bound before it runs, so patching
+builtins or this module does not reach it, and the encoder calls no method of the program's objects. That is
+hygiene, not a boundary: the boundary is that the expected values never enter this process.
 
 Mode "none" (no namespaces; only with reward.code_exec.allow_network) skips the namespaces and mounts and runs W in a
 temporary directory with the same rlimits. `{"probe": true}` sets everything up and reports "ok" without running code.
 """
 
+import _json
 import ctypes
 import json
 import os
@@ -179,25 +187,35 @@ def _worker(req: dict, results: int) -> None:
     _run_tests(req, results)
 
 
-def _report(results: int, nonce: str, what: str) -> None:
-    try:
-        os.write(results, f"{nonce} {what}\n".encode())
-    except OSError:
-        pass  # the program closed our fd: the tests it did not report count as failed
+def _line_writer(results: int):
+    """A function writing one line on the results fd, bound now to os.write and str.encode: a program that later
+    replaces os.write (or closes the fd) cannot make it write elsewhere, only fail (a missing line fails its test)."""
+    write, encode = os.write, str.encode
+
+    def line(text: str) -> None:
+        data = encode(text + "\n", "ascii", "backslashreplace")
+        try:
+            while data:
+                data = data[write(results, data) :]
+        except OSError:
+            pass
+
+    return line
 
 
 def _run_tests(req: dict, results: int) -> None:
+    line = _line_writer(results)
     if req.get("output_kb"):  # printed lines in the order they were printed, stdout and stderr interleaved
         sys.stdout.reconfigure(line_buffering=True)
     try:
-        _run_program(req, results)
+        _run_program(req, line)
     finally:
         if req.get("output_kb"):
-            _report_output(req, results)
+            _report_output(req, line)
 
 
-def _report_output(req: dict, results: int) -> None:
-    """What the program printed (stdout and stderr, its first output_kb KiB) as one hex line: "<nonce> output <hex>"."""
+def _report_output(req: dict, line) -> None:
+    """What the program printed (stdout and stderr, its first output_kb KiB) as one hex line: "output <hex>"."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -208,40 +226,145 @@ def _report_output(req: dict, results: int) -> None:
             printed = f.read(int(req["output_kb"]) * 1024)
     except OSError:
         printed = b""
-    _report(results, req["nonce"], "output " + printed.hex())
+    line("output " + printed.hex())
 
 
-def _run_program(req: dict, results: int) -> None:
-    nonce, per_test = req["nonce"], float(req["per_test_s"])
+def _compile_check(check: dict) -> tuple | None:
+    """(kind, code, expected code) for one check of the request, compiled before the program can touch `compile`;
+    None for one that does not compile (it fails)."""
+    try:
+        if "stmt" in check:
+            return ("stmt", compile(check["stmt"], "<test>", "exec"), None)
+        expected = compile(check["expected"], "<test>", "eval") if check.get("expected") else None
+        return ("pair" if expected else "expr", compile(check["expr"], "<test>", "eval"), expected)
+    except BaseException:  # noqa: BLE001 - a test that does not compile fails
+        return None
+
+
+class _NoValue(Exception):
+    pass
+
+
+def encoder(max_chars: int = 1 << 20):
+    """encode(value) -> the value as JSON text, for a value built only of exact built-in types (None, bool, int,
+    float, str, bytes, list, tuple, dict, set, frozenset; tuples, sets, dicts and bytes tagged as {"t"|"s"|"d"|"b":
+    ...}, forge/rewards/code_judge.py decodes them); raises for anything else, nesting past 100 levels or text past
+    `max_chars`. It looks only at exact types (`type(v) is int`) and walks containers itself, so it never calls a
+    method of the program's objects (`__eq__`, `__repr__`, `__iter__`, `__hash__`...). What it uses is bound now,
+    before the program runs (built-in names are looked up when called; built-in types cannot be patched).
+
+    >>> encoder()([None, True, 2, 2.5, float("nan"), 'a"b', (1,), {"k": b"\\x01"}, {3}])
+    '[null, true, 2, 2.5, NaN, "a\\\\"b", {"t": [1]}, {"d": [["k", {"b": "01"}]]}, {"s": [3]}]'
+    """
+    kind, size, esc, join = type, len, _json.encode_basestring_ascii, "".join
+    int_repr, float_repr, to_hex, items = int.__repr__, float.__repr__, bytes.hex, dict.items
+    floats = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+    opening = {list: "[", tuple: '{"t": [', set: '{"s": [', frozenset: '{"s": [', dict: '{"d": ['}
+
+    def walk(v, depth: int, out: list) -> None:
+        t = kind(v)
+        if depth > 100:
+            raise _NoValue
+        if v is None:
+            out.append("null")
+        elif t is bool:
+            out.append("true" if v else "false")
+        elif t is int:
+            out.append(int_repr(v))
+        elif t is float:
+            out.append(floats.get(float_repr(v), float_repr(v)))
+        elif t is str:
+            out.append(esc(v))
+        elif t is bytes:
+            out.append('{"b": "' + to_hex(v) + '"}')
+        elif t is list or t is tuple or t is set or t is frozenset or t is dict:  # `is`: no __hash__ of t
+            out.append(opening[t])
+            container(items(v) if t is dict else v, t is dict, depth + 1, out)
+            out.append("]" if t is list else "]}")
+        else:
+            raise _NoValue
+
+    def container(values, pairs: bool, depth: int, out: list) -> None:
+        first = True
+        for x in values:  # an exact list, tuple, set, frozenset or dict view: C iteration, no program code
+            out.append("" if first else ", ")
+            first = False
+            if pairs:  # x: the (key, value) tuple the dict view made
+                out.append("[")
+                walk(x[0], depth, out)
+                out.append(", ")
+                walk(x[1], depth, out)
+                out.append("]")
+            else:
+                walk(x, depth, out)
+
+    def encode(value) -> str:
+        out: list = []
+        walk(value, 0, out)
+        text = join(out)
+        if size(text) > max_chars:
+            raise _NoValue
+        return text
+
+    return encode
+
+
+def _run_program(req: dict, line) -> None:
+    """Load the program, then evaluate each check and write its value: "ready", "loaded" (or "load <error>"), one
+    "<i> <JSON value>" per check ("<i> !" when it raised or its value cannot be sent), "done". The verdict is the
+    parent's (forge/rewards/code_judge.py): nothing here knows the expected values."""
+    checks = [_compile_check(c) for c in req.get("checks", [])]
+    check, count = _checker(float(req["per_test_s"])), enumerate
     sys.setrecursionlimit(10_000)
+    scope = {"__name__": "solution", "__builtins__": __builtins__}
+    line("ready")  # from here on an early exit is the program's doing, never a sandbox that failed to start
+    loaded = check(("load", req["program"], None), scope)
+    if loaded != "true":
+        line(f"load {loaded}")
+        return
+    line("loaded")
+    for i, c in count(checks):
+        line(f"{i} {check(c, scope) if c is not None else '!'}")
+    line("done")
+
+
+def _checker(per_test: float):
+    """check(compiled check, scope) -> its payload: the JSON of the value (a pair: of both values), "true" for a
+    statement that ran, "!" when it raised, timed out or gave a value `encoder` refuses. ("load", source, None)
+    loads the program: "true", or why it failed. Bound now to compile, exec, eval, the timer and the encoder,
+    before the program runs."""
+    build, run, evaluate, encode, describe = compile, exec, eval, encoder(), _describe
+    set_timer, on_signal, alarm_signal, real_timer = signal.setitimer, signal.signal, signal.SIGALRM, signal.ITIMER_REAL
 
     def alarm(signum, frame):
         raise _TestTimeout
 
-    scope = {"__name__": "solution", "__builtins__": __builtins__}
-    try:
-        signal.signal(signal.SIGALRM, alarm)
-        signal.setitimer(signal.ITIMER_REAL, per_test)
-        exec(compile(req["program"], "<completion>", "exec"), scope)
-        signal.setitimer(signal.ITIMER_REAL, 0)
-    except BaseException as e:  # noqa: BLE001 - anything the program does counts against it
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        _report(results, nonce, f"load {type(e).__name__}: {' '.join(str(e).split())[:200]}")
-        return
-    _report(results, nonce, "loaded")
-    for i, test in enumerate(req["tests"]):
+    def check(compiled: tuple, scope: dict) -> str:
+        how, code, expected = compiled
         try:
-            signal.signal(signal.SIGALRM, alarm)
-            signal.setitimer(signal.ITIMER_REAL, per_test)
-            exec(compile(test, f"<test {i}>", "exec"), scope)
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            ok = 1
-        except BaseException:  # noqa: BLE001
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            ok = 0
-        _report(results, nonce, f"{i} {ok}")
-    _report(results, nonce, "done")
-    sys.stdout.flush()
+            try:
+                on_signal(alarm_signal, alarm)
+                set_timer(real_timer, per_test)
+                if how in ("stmt", "load"):
+                    run(code if how == "stmt" else build(code, "<completion>", "exec"), scope)
+                    return "true"
+                value = encode(evaluate(code, scope))
+                return value if how == "expr" else "[" + value + ", " + encode(evaluate(expected, scope)) + "]"
+            finally:
+                set_timer(real_timer, 0)
+        except BaseException as e:  # noqa: BLE001 - anything the program does counts against it
+            return describe(e) if how == "load" else "!"
+
+    return check
+
+
+def _describe(e: BaseException) -> str:
+    """'<type>: <message>' on one line (both come from the program: anything may go wrong)."""
+    try:
+        text = f"{type(e).__name__}: {e}"
+        return " ".join(text.split())[:200] or "?"
+    except BaseException:  # noqa: BLE001
+        return "?"
 
 
 def _init(req: dict, alive: int) -> int:

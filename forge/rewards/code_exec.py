@@ -1,12 +1,12 @@
 r"""`code_exec`: run each completion's Python code against hidden tests in a sandboxed process; score = share passed.
 
-The answer column holds the hidden tests as JSON, in one of two forms:
+The answer column holds the hidden tests as JSON, in one of these forms:
 
-- a list of statements, each a test: `["assert f(2) == 5", "assert f(-1) == 2"]` (a test passes when it runs
-  without raising);
-- an object `{"tests": [...statements...], "prefix": "def f(x):\n    return "}`: `prefix` is code the completion
-  continues (HumanEval style: the prompt shows the signature and the completion is the body), or
-  `{"entry": "f", "cases": [[[2], 5], [[-1], 2]]}`: each case passes when `f(*args) == expected`.
+- a list of tests: `["assert f(2) == 5", "assert f(-1) == 2"]`;
+- an object `{"tests": [...], "prefix": "def f(x):\n    return "}`: `prefix` is code the completion continues
+  (HumanEval style: the prompt shows the signature and the completion is the body); `"suffix"` makes it
+  fill-in-the-middle; `"trusted": true` allows free-form tests (below);
+- `{"entry": "f", "cases": [[[2], 5], [[-1], 2]]}`: each case is the test `assert f(*args) == expected`.
 
 The program (`program_for`) is the completion's first fenced ```python (or ```py or bare ```) block, else the
 completion itself; with a `prefix`, prefix + the completion as it stands (it continues the code). Either is cut
@@ -14,9 +14,26 @@ after its longest run of leading lines that parses, so text after the code, or a
 limit, is dropped. With a `suffix` too, prefix + completion + suffix, uncut (fill-in-the-middle). Each distinct
 (program, tests) pair runs once, in its own process, at most `workers` at a time; the verifier remembers the
 scores of the last 100k pairs it ran, so a program sampled again is not run again (one whose result depends on
-randomness or time keeps its first score). Inside, one test at a time with its own time limit; a test passes when it raises nothing. The
-score is passed / total; 0.0 when the program fails to load, hangs, or breaks a limit; None when the answer is
-not a valid test spec (a data error: NaN in the scores, counted in `reward/code_exec/failures`).
+randomness or time keeps its first score).
+
+Judging happens here, not in the sandbox (forge/rewards/code_judge.py): the program shares its interpreter with
+the code that runs the tests, so it could forge anything judged there (an `__eq__` that always says yes, patched
+builtins, result lines written by hand). Each `assert <expr> == <literal>` is sent as `<expr>` alone; the sandbox
+sends back the value as JSON of exact built-in types (anything else is no value and fails), and it is compared
+here, type-strictly, with the expected literal, which never leaves this process. `assert <a> == <b>` with no
+literal side has both values sent back (the program can see those: weaker). Free-form tests (`assert
+is_sorted(f(x))`, a statement) run in the sandbox as before, only in a suite marked `"trusted": true`; in an
+untrusted one they make the row a data error. The result lines must come in one exact order; any line out of it
+(the program wrote on the results fd) scores the run 0. A test passes when its value matches (a free-form one:
+when it raises nothing), each with its own time limit. The score is passed / total; 0.0 when the program fails
+to load, hangs, or breaks a limit (it keeps the tests passed before); None when the answer is not a valid test
+spec (a data error: NaN in the scores, counted in `reward/code_exec/failures`).
+
+What this still trusts: that the expected values cannot be read from inside the sandbox some other way (it can
+read world-readable files: hidden tests kept in a world-readable file, as forge's shipped tasks are, could be
+found and echoed back); the values of pair checks and the verdicts of free-form tests in trusted suites, which
+come from the program's own interpreter; in mode "none" (no namespaces), that the program does not read forge's
+memory (it runs as the same user). `code_judge.suspicious` counts completions that reach for these tricks.
 
 Isolation (docs/code-exec.md has the threat model): new network (no interfaces but a down loopback), mount,
 PID, IPC and UTS namespaces; every mount read-only except a private size-capped tmpfs on /tmp that is the working
@@ -35,7 +52,6 @@ import math
 import os
 import queue
 import re
-import secrets
 import selectors
 import shutil
 import signal
@@ -50,12 +66,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from forge.errors import UserError
+from forge.rewards.code_judge import Check, checks_for, same
 
 Isolation = Literal["root", "userns", "none"]
 _RUNNER = Path(__file__).with_name("_sandbox_runner.py")
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 _UID_BASE = 1_900_000_000  # sandbox uids: no account uses them; one per concurrent slot so RLIMIT_NPROC is per run
-_RESULT_CAP = 1 << 16  # bytes of result lines read back; a program flooding the results fd gets nothing more
+_RESULT_CAP = 8 << 20  # bytes of result lines read back (values of up to 1 MiB each); a flood gets nothing more
+_ERR_CAP = 1 << 16  # bytes of the runner's stderr read back
 _MAX_TESTS = 1000
 _MEMO_SIZE = 100_000  # (program, tests) scores kept per verifier; cleared when full
 
@@ -98,6 +116,7 @@ class CodeTests:
     tests: tuple[str, ...]
     prefix: str = ""
     suffix: str = ""  # fill-in-the-middle: the program is prefix + completion + suffix
+    trusted: bool = False  # free-form tests allowed: judged inside the program's interpreter (forgeable)
 
 
 @dataclass(frozen=True)
@@ -106,8 +125,9 @@ class RunResult:
 
     passed: int
     total: int
-    status: Literal["ok", "load_error", "timeout", "crashed", "setup_failed"]
+    status: Literal["ok", "load_error", "timeout", "crashed", "setup_failed", "forged"]
     detail: str = ""  # load error type, or the runner's stderr when setup failed
+    # forged: the result lines broke the protocol (a line out of order, repeated or unknown): nothing passed
     output: str = ""  # what the program printed (stdout and stderr), when the request asked for it (`run_program`)
 
     @property
@@ -148,7 +168,12 @@ def program_for(completion: str, spec: CodeTests) -> str:
 
 
 def parse_tests(answer: Any) -> CodeTests | None:
-    """A CodeTests from the answer column's JSON (see the module docstring), or None when it is not one."""
+    """A CodeTests from the answer column's JSON (see the module docstring), or None when it is not one; a
+    free-form test (not `assert <expr> == <expr>`) in a suite without `"trusted": true` is not one either.
+
+    >>> parse_tests('{"tests": ["assert f(1) == 2"], "trusted": true}').trusted, parse_tests('["assert f(1)"]')
+    (True, None)
+    """
     try:
         spec = json.loads(answer) if isinstance(answer, str) else answer
     except ValueError:
@@ -157,22 +182,24 @@ def parse_tests(answer: Any) -> CodeTests | None:
         spec = {"tests": spec}
     if not isinstance(spec, dict):
         return None
-    prefix, suffix = spec.get("prefix", ""), spec.get("suffix", "")
+    prefix, suffix, trusted = spec.get("prefix", ""), spec.get("suffix", ""), spec.get("trusted", False)
     tests = spec.get("tests", [])
     if "cases" in spec:
         tests = _case_tests(spec.get("entry"), spec["cases"])
-    ok = (
-        isinstance(prefix, str) and isinstance(suffix, str) and isinstance(tests, list) and 0 < len(tests) <= _MAX_TESTS
-    )
-    return CodeTests(tuple(tests), prefix, suffix) if ok and all(isinstance(t, str) for t in tests) else None
+    ok = isinstance(prefix, str) and isinstance(suffix, str) and isinstance(trusted, bool)
+    if not (ok and isinstance(tests, list) and 0 < len(tests) <= _MAX_TESTS and all(isinstance(t, str) for t in tests)):
+        return None
+    found = CodeTests(tuple(tests), prefix, suffix, trusted)
+    return found if checks_for(found.tests, found.trusted) is not None else None
 
 
 def _case_tests(entry: Any, cases: Any) -> Any:
+    """`assert entry(*args) == expected` per case; repr, not JSON, so true/false/null are Python's literals."""
     if not (isinstance(entry, str) and entry.isidentifier() and isinstance(cases, list)):
         return None
     if not all(isinstance(c, list) and len(c) == 2 and isinstance(c[0], list) for c in cases):
         return None
-    return [f"assert {entry}(*{json.dumps(args)}) == {json.dumps(want)}" for args, want in cases]
+    return [f"assert {entry}(*{args!r}) == {want!r}" for args, want in cases]
 
 
 @functools.cache
@@ -181,7 +208,7 @@ def probe_isolation() -> Isolation:
     an unprivileged user namespace) or 'none'. Tries each for real once per process."""
     modes: list[Isolation] = ["root", "userns"] if os.geteuid() == 0 else ["userns"]
     for mode in modes:
-        req = {"probe": True, "nonce": "", "program": "", "tests": [], "per_test_s": 1.0}
+        req = {"probe": True, "program": "", "checks": [], "per_test_s": 1.0}
         result = _run_request(mode, req, SandboxLimits(), slot=0)
         if result.status == "ok":
             return mode
@@ -201,18 +228,20 @@ def require_isolation(allow_network: bool) -> Isolation:
 
 
 def run_sandboxed(program: str, spec: CodeTests, limits: SandboxLimits, mode: Isolation, slot: int = 0) -> RunResult:
-    """Run `program` (the whole program: see `program_for`), then each of spec.tests, in a fresh sandboxed process.
-    Never raises for bad code: whatever the program does shows in the RunResult."""
-    nonce = secrets.token_hex(16)
-    req = {"nonce": nonce, "program": program, "tests": list(spec.tests), "per_test_s": limits.per_test_s}
-    return _run_request(mode, req, limits, slot)
+    """Run `program` (the whole program: see `program_for`) in a fresh sandboxed process, evaluate each of
+    spec.tests' checks there and judge the values here (forge/rewards/code_judge.py). Never raises for bad code:
+    whatever the program does shows in the RunResult. A ValueError for a spec `parse_tests` would refuse."""
+    checks = checks_for(spec.tests, spec.trusted)
+    if checks is None:
+        raise ValueError("code_exec: free-form tests (not `assert <expr> == <expr>`) need a suite marked trusted")
+    req = {"program": program, "checks": [c.request() for c in checks], "per_test_s": limits.per_test_s}
+    return _run_request(mode, req, limits, slot, checks)
 
 
 def run_program(program: str, limits: SandboxLimits, mode: Isolation, output_kb: int = 8) -> RunResult:
     """Run `program` alone (no tests) in a fresh sandboxed process and read back its first `output_kb` KiB of
     printed output (the `python` tool, forge/env/builtin.py). Never raises for bad code."""
-    req = {"nonce": secrets.token_hex(16), "program": program, "tests": [], "per_test_s": limits.per_test_s,
-           "output_kb": output_kb}  # fmt: skip
+    req = {"program": program, "checks": [], "per_test_s": limits.per_test_s, "output_kb": output_kb}
     return _run_request(mode, req, limits, slot=limits.workers)  # a slot (uid) of its own beside code_exec's
 
 
@@ -292,7 +321,10 @@ def _slot_uid(slot: int) -> int:
     return _UID_BASE + (os.getpid() % 100_000) * 64 + slot
 
 
-def _run_request(mode: Isolation, req: dict, limits: SandboxLimits, slot: int) -> RunResult:
+def _run_request(
+    mode: Isolation, req: dict, limits: SandboxLimits, slot: int, checks: Sequence[Check] = ()
+) -> RunResult:
+    """Run the request in a sandbox and read its result lines against `checks` (whose expected values stay here)."""
     uid = _slot_uid(slot)
     req = {
         **req,
@@ -308,13 +340,13 @@ def _run_request(mode: Isolation, req: dict, limits: SandboxLimits, slot: int) -
     workdir = tempfile.mkdtemp(prefix="forge-code-") if mode == "none" else ""
     req["workdir"] = workdir
     try:
-        return _spawn(req, limits.timeout_s)
+        return _spawn(req, limits.timeout_s, checks)
     finally:
         if workdir:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _spawn(req: dict, timeout_s: float) -> RunResult:
+def _spawn(req: dict, timeout_s: float, checks: Sequence[Check]) -> RunResult:
     proc = subprocess.Popen(
         [sys.executable, "-I", "-S", "-B", str(_RUNNER), str(timeout_s)],
         stdin=subprocess.PIPE,
@@ -332,12 +364,13 @@ def _spawn(req: dict, timeout_s: float) -> RunResult:
         pass
     out, err, timed_out = _read_until(proc, time.monotonic() + timeout_s)
     _kill_group(proc)
-    return _parse(req, out, err, timed_out, proc.returncode)
+    return _parse(req, checks, out, err, timed_out, proc.returncode)
 
 
 def _read_until(proc: subprocess.Popen, deadline: float) -> tuple[bytes, bytes, bool]:
     """stdout and stderr (each capped) until both close or the deadline passes."""
     bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    caps = {proc.stdout: _RESULT_CAP, proc.stderr: _ERR_CAP}
     with selectors.DefaultSelector() as sel:
         for f in bufs:
             sel.register(f, selectors.EVENT_READ)
@@ -349,8 +382,8 @@ def _read_until(proc: subprocess.Popen, deadline: float) -> tuple[bytes, bytes, 
                 chunk = os.read(key.fd, 65536)
                 if not chunk:
                     sel.unregister(key.fileobj)
-                elif len(bufs[key.fileobj]) < _RESULT_CAP:
-                    bufs[key.fileobj] += chunk[: _RESULT_CAP - len(bufs[key.fileobj])]
+                elif len(bufs[key.fileobj]) < caps[key.fileobj]:
+                    bufs[key.fileobj] += chunk[: caps[key.fileobj] - len(bufs[key.fileobj])]
     try:
         proc.wait(timeout=max(0.1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
@@ -369,29 +402,50 @@ def _kill_group(proc: subprocess.Popen) -> None:
         f.close()
 
 
-def _parse(req: dict, out: bytes, err: bytes, timed_out: bool, returncode: int) -> RunResult:
+def _parse(req: dict, checks: Sequence[Check], out: bytes, err: bytes, timed_out: bool, returncode: int) -> RunResult:
     if req.get("probe"):
         ok = out.startswith(b"ok\n") and returncode == 0
         return RunResult(0, 0, "ok" if ok else "setup_failed", err.decode(errors="replace").strip())
-    total, passed, status, detail, output = len(req["tests"]), set(), "crashed", "", ""
-    prefix = req["nonce"] + " "
-    for line in out.decode(errors="replace").splitlines():
-        if not line.startswith(prefix):
-            continue
-        what = line[len(prefix) :].split()
-        if what[:1] == ["output"]:
-            output = _hex_text(what[1] if len(what) > 1 else "")
-        elif what[:1] == ["load"]:
-            status, detail = "load_error", " ".join(what[1:])
-        elif what == ["done"]:
-            status = "ok"
-        elif len(what) == 2 and what[0].isdigit() and what[1] == "1" and int(what[0]) < total:
-            passed.add(int(what[0]))
-    if status != "ok" and timed_out:
+    lines = out.decode("ascii", errors="replace").split("\n")[:-1]  # whole lines: a capped last one is dropped
+    if lines[:1] != ["ready"]:  # the program never ran: the sandbox failed to start, or died setting up
+        setup = returncode == 3 or b"sandbox setup failed" in err
+        detail = err.decode(errors="replace").strip()[-500:]
+        return RunResult(0, len(checks), "setup_failed" if setup else "timeout" if timed_out else "crashed", detail)
+    passed, status, detail, output = read_results(lines[1:], checks, bool(req.get("output_kb")))
+    if status == "crashed" and timed_out:
         status = "timeout"
-    if returncode == 3 or (status == "crashed" and b"sandbox setup failed" in err):
-        status, detail = "setup_failed", err.decode(errors="replace").strip()[-500:]
-    return RunResult(len(passed), total, status, detail, output)
+    return RunResult(passed, len(checks), status, detail, output)
+
+
+def read_results(lines: list[str], checks: Sequence[Check], want_output: bool = False) -> tuple[int, str, str, str]:
+    """(checks passed, status, load error, printed output) from the runner's result lines after "ready", which must
+    come in exactly this order: "loaded", "<i> <value>" for i = 0, 1, ... (judged by `same` as they come), "done",
+    with `want_output` an "output <hex>" last; or "load <error>" (then the output). A run cut short (timeout, exit,
+    crash) keeps the checks judged so far; any line out of this order (repeated, extra, unknown: the program wrote
+    on the results fd) makes the whole run 'forged', with nothing passed.
+
+    >>> from forge.rewards.code_judge import checks_for
+    >>> two = checks_for(("assert f(1) == 2", "assert f(2) == 4"))
+    >>> read_results(["loaded", "0 2", "1 5", "done"], two), read_results(["loaded", "0 2"], two)[:2]
+    ((1, 'ok', '', ''), (1, 'crashed'))
+    >>> read_results(["loaded", "0 2", "1 4", "done", "1 4"], two)[:2], read_results(["0 2", "loaded"], two)[:2]
+    ((0, 'forged'), (0, 'forged'))
+    """
+    passed, status, detail, output, at = 0, "crashed", "", "", 0
+    if lines[:1] == ["loaded"]:
+        at = 1
+        while at <= len(checks) and at < len(lines) and lines[at].startswith(f"{at - 1} "):
+            passed += same(checks[at - 1], lines[at][len(f"{at - 1} ") :])
+            at += 1
+        if at == len(checks) + 1 and lines[at : at + 1] == ["done"]:
+            status, at = "ok", at + 1
+    elif lines[:1] and lines[0].startswith("load "):
+        status, detail, at = "load_error", lines[0][len("load ") :], 1
+    if want_output and lines[at : at + 1] and lines[at].startswith("output "):
+        output, at = _hex_text(lines[at][len("output ") :]), at + 1
+    if at != len(lines):
+        return 0, "forged", "", ""
+    return passed, status, detail, output
 
 
 def _hex_text(hex_text: str) -> str:
