@@ -20,7 +20,7 @@ Judging happens here, not in the sandbox (forge/rewards/code_judge.py): the prog
 the code that runs the tests, so it could forge anything judged there (an `__eq__` that always says yes, patched
 builtins, result lines written by hand). Each `assert <expr> == <literal>` is sent as `<expr>` alone; the sandbox
 sends back the value as JSON of exact built-in types (anything else is no value and fails), and it is compared
-here, type-strictly, with the expected literal, which never leaves this process. `assert <a> == <b>` with no
+here, as Python compares built-in values, with the expected literal, which never leaves this process. `assert <a> == <b>` with no
 literal side has both values sent back (the program can see those: weaker). Free-form tests (`assert
 is_sorted(f(x))`, a statement) run in the sandbox as before, only in a suite marked `"trusted": true`; in an
 untrusted one they make the row a data error. The result lines must come in one exact order; any line out of it

@@ -14,10 +14,12 @@ line written by hand. So the sandbox only *evaluates*; the verdict is reached he
   it raises nothing). An untrusted suite with one is not a test spec (`checks_for` gives None).
 - The sandbox sends each value back as JSON built from exact built-in types only (`_sandbox_runner.py`); a value
   of any other type (a subclass of int, a class with its own `__eq__`) is no value, and its test fails.
-- `decode` and `same` compare here, type-strictly: None, bool, int/float, str, bytes, list, tuple, dict, set
-  (set and frozenset alike) each equal only their own kind, so True is not 1, [1] is not (1,) and "1" is not 1;
-  int and float compare by value (1 == 1.0, as in Python); NaN equals nothing, itself included; containers compare
-  element by element under the same rules (dicts as sets of key/value pairs, in any order).
+- `decode` and `same` compare here, as Python's `==` compares these exact built-in types: None, numbers (bool,
+  int and float by value: True == 1 == 1.0), str, bytes, list, tuple, dict and set (set and frozenset alike) each
+  equal only their own kind, so [1] is not (1,) and "1" is not 1; NaN equals nothing, itself included; containers
+  compare element by element under the same rules (dicts as sets of key/value pairs, in any order). An honest
+  program therefore scores what Python's own `assert` gave it; only values of other types (where `==` is the
+  program's own code) are refused.
 
 `suspicious` is a cheap flag for completions that reach for the tools of a forgery (`__eq__` overrides,
 `builtins`, frame introspection, `sys.exit`...). It judges nothing, only counts (`reward/code_exec/suspicious`):
@@ -119,7 +121,7 @@ def _value_check(expr: ast.expr, value: Any) -> Check | None:
 
 
 def canonical(value: Any, depth: int = 0) -> tuple:
-    """A value as a tree of tuples that compares type-strictly (see the module docstring): (kind, value) with one
+    """A value as a tree of tuples that compares as Python's `==` does on these types (see the module docstring): (kind, value) with one
     kind for int and float ("num"), sets and dicts as sorted tuples of elements / (key, value) pairs. Two trees of
     one kind always order, so sorting works where hashing would not be safe: a forged set of ints whose hashes all
     collide would cost forge quadratic time. TypeError for a type the judge does not compare, ValueError past the
@@ -127,7 +129,7 @@ def canonical(value: Any, depth: int = 0) -> tuple:
 
     >>> nan = float("nan")
     >>> canonical(True) == canonical(1), canonical(1) == canonical(1.0), canonical(nan) == canonical(nan)
-    (False, True, False)
+    (True, True, False)
     """
     if depth > _MAX_DEPTH:
         raise ValueError("nested too deep")
@@ -135,7 +137,7 @@ def canonical(value: Any, depth: int = 0) -> tuple:
     if value is None:
         return ("none",)
     if kind is bool:
-        return ("bool", value)
+        return ("num", int(value))  # True == 1, as in Python: an honest `n > 7` where 0/1 is expected passes
     if kind is float and value != value:
         return ("nan", next(_NAN_IDS))  # a fresh number: NaN equals nothing
     if kind is int or kind is float:
