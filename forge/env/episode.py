@@ -319,16 +319,21 @@ def close_environment(env: tuple) -> None:
 
 
 class EpisodeBackend:
-    """Evaluation's backend in a multi-turn run: `generate(prompts, params)` plays params.n episodes per prompt
-    (each prompt a row's model input, as `forge.evaluate` passes them) on the rollout backend (hf or vLLM)."""
+    """Evaluation's backend in a multi-turn run: `generate(prompts, params)` plays params.n episodes per prompt on
+    the rollout backend (hf or vLLM), each in its own row's environment. `forge.evaluate` passes the model inputs of
+    the first rows it was given, in order, so prompt i is row i: rows are matched by position, never by prompt
+    text, because games and most real environments give every row the same instruction and tell the instances
+    apart by the other columns (`reset(**row)`)."""
 
     def __init__(self, backend, tok, rows: list[dict], cfg: EnvConfig, env: tuple):
         self.backend, self.tok, self.cfg, self.env = backend, tok, cfg, env
-        self.rows = {r["model_input"]: r for r in rows}
+        self.rows = list(rows)
         self.policy_version = backend.policy_version
 
     def generate(self, prompts: list[str], params: SamplingParams) -> Rollouts:
         factory, functions, fmt = self.env
-        rows = [self.rows[p] for p in prompts]
+        rows = self.rows[: len(prompts)]
+        if [r["model_input"] for r in rows] != list(prompts):  # a caller that reorders would play the wrong rows
+            raise ValueError("EpisodeBackend.generate takes the model inputs of its first rows, in order")
         return run_episodes(self.backend.generate_ids, self.tok, rows, params, self.cfg, fmt, factory, functions,
                             self.policy_version)  # fmt: skip

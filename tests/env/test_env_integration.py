@@ -212,3 +212,25 @@ def test_evaluation_reports_first_and_final_turn_success(tok):
     # right at turn 1 / at turn 2 / never in 3 turns: first 1 of 3, final 2 of 3, turns (1 + 2 + 3) / 3
     assert (report["first_turn@1"], report["final_turn@1"], report["mean_turns"]) == (1 / 3, 2 / 3, 2.0)
     assert eval_metrics(report)["eval/first_turn@1"] == 1 / 3 and "eval/mean_turns" not in eval_metrics(report)
+
+
+def test_evaluation_plays_each_rows_own_environment_when_every_prompt_is_the_same(tok):
+    """Games give every row one instruction and tell the instances apart by the other columns (`reset(**row)`).
+    Each episode replies 1, 2, 3 until FeedbackEnv says it is right; the targets 1, 9, 2 and 3 are reached by rows
+    0, 2 and 3 within 3 turns (env_reward 1, 0, 1, 1: pass@1 0.75). Rows keyed by prompt text played row 3's
+    environment four times (pass@1 1.0), the defect issue 44 measured."""
+    from forge.env.episode import EpisodeBackend
+    from forge.evaluate import evaluate
+    from tests.env.test_episode import FeedbackEnv, replies
+
+    class Sampler:  # the rollout backend's part that episodes use
+        policy_version = 0
+        generate_ids = staticmethod(replies(tok, ["1", "2", "3"]))
+
+    rows = [{"prompt": "Guess the number", "model_input": "Guess the number", "answer": a} for a in "1923"]
+    cfg = RunConfig()
+    cfg.env.max_turns, cfg.eval.k, cfg.eval.verifiers = 3, 2, ["env_reward"]
+    env = (FeedbackEnv, [], ChatFormat(tok, use_template=False))
+    report = evaluate(EpisodeBackend(Sampler(), tok, rows, cfg.env, env), rows, cfg.eval, cfg.rollout, seed=1)
+    assert report["pass@1"] == 0.75 and report["pass@2"] == 0.75
+    assert [s["answer"] for s in report["samples"] if s["correct"]] == ["1", "2", "3"]
