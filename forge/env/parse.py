@@ -31,6 +31,10 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     'Error: malformed tool cal'
     >>> parse_tool_calls('The answer is 7.')
     []
+    >>> parse_tool_calls('<tool_call>' + '[' * 100_000)[0].error  # model output never ends the run
+    'Error: malformed tool call (JSON nested too deeply)'
+    >>> parse_tool_calls('{"name": "f", "arguments": "' + '[' * 100_000 + '"}')[0].error[:36]
+    "Error: the arguments of tool 'f' mus"
     """
     tagged = _TAGGED.findall(text)
     if tagged:
@@ -47,13 +51,15 @@ def _read(body: str) -> ToolCall:
     except json.JSONDecodeError as e:
         return ToolCall("", error=f"Error: malformed tool call (invalid JSON: {e.msg}); use "
                                   '{"name": ..., "arguments": {...}}')  # fmt: skip
+    except RecursionError:  # model output: ~1,000 nested brackets must not end the run
+        return ToolCall("", error="Error: malformed tool call (JSON nested too deeply)")
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return ToolCall("", error='Error: malformed tool call: expected {"name": ..., "arguments": {...}}')
     arguments = call.get("arguments", call.get("parameters", {}))
     if isinstance(arguments, str):  # some templates send the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             pass
     if not isinstance(arguments, dict):
         return ToolCall(call["name"], error=f"Error: the arguments of tool '{call['name']}' must be a JSON object")
