@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import tempfile
@@ -57,8 +58,24 @@ def space_for(path: str | Path, need: int):
         raise disk_full(path, e, need) from None
 
 
+@functools.cache
+def umask() -> int:
+    """This process's umask, read without changing it (`os.umask` sets it, a race with other threads' files).
+
+    >>> 0 <= umask() <= 0o777
+    True
+    """
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        status = Path("/proc/self/status").read_text().splitlines()
+        return int(next(x for x in status if x.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write `data` to `path` atomically (mode 0644)."""
+    """Write `data` to `path` atomically, with the mode a plain `open` would give it (0644 under umask 022, 0600
+    under 077: a user who keeps their files private keeps the run's private too)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -67,7 +84,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; artifacts are read by other processes (dashboard)
+        os.chmod(tmp, 0o666 & ~umask())  # mkstemp creates 0600; the dashboard, as the same user, reads them
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -361,7 +361,9 @@ def test_a_restored_aggregator_predicts_like_the_uninterrupted_one(model):
         return torch.tensor(scores, dtype=torch.float32)
 
     def agg():
-        return EnsembleAggregator(names, RewardEnsembleConfig(window_steps=8, refit_every=4, model=model, classes=3), seed=0)
+        return EnsembleAggregator(
+            names, RewardEnsembleConfig(window_steps=8, refit_every=4, model=model, classes=3), seed=0
+        )
 
     straight = agg()
     for step in (1, 2):
@@ -378,3 +380,15 @@ def test_a_restored_aggregator_predicts_like_the_uninterrupted_one(model):
     refit.load_state_dict({**state["aggregator"], "model": None})  # what an older checkpoint gives
     assert not torch.equal(want, refit(batch(3), 16, 3)[0])
     assert np.isfinite(got.numpy()).all()
+
+
+@pytest.mark.parametrize("mask, mode", [(0o077, 0o600), (0o022, 0o644)])
+def test_run_files_keep_the_users_umask(tmp_path, mask, mode):
+    """Atomic writes (config, eval reports, checkpoints' JSON) and appends (metrics) get what a plain `open` would
+    under the user's umask: 0600 under 077, where they were forced to 0644 (readable by every local user)."""
+    script = (
+        "import os, sys; os.umask(int(sys.argv[2], 8)); from pathlib import Path; from forge.io import "
+        "append_text, write_json; d = Path(sys.argv[1]); write_json(d / 'a.json', {}); append_text(d / 'b.jsonl', 'x')"
+    )
+    subprocess.run([sys.executable, "-c", script, str(tmp_path), oct(mask)[2:]], check=True)
+    assert {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()} == {"a.json": mode, "b.jsonl": mode}
