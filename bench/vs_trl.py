@@ -83,7 +83,7 @@ def git_commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
-def result_key(cfg, side: str, sets: list[str]) -> dict:
+def result_key(cfg, sets: list[str]) -> dict:
     """What a side's result depends on: the task's settings, the packages and the machine. Not forgeweave's code:
     each result records the commit it was measured at, and `--only forgeweave --fresh` measures it again."""
     import torch
@@ -93,7 +93,7 @@ def result_key(cfg, side: str, sets: list[str]) -> dict:
         "steps": cfg.steps, "prompts": r.prompts_per_step, "group": r.group_size, "tokens": r.max_new_tokens,
         "temperature": r.temperature, "lr": u.lr, "warmup": u.warmup_steps, "seed": cfg.seed,
         "eval_problems": cfg.eval.max_problems, "sets": sets, "packages": [torch.__version__, *TRL_SPECS],
-        "machine": [platform.machine(), os.cpu_count(), cpu_model()],
+        "machine": [platform.machine(), os.cpu_count(), cpu_model()], "evaluated_on": "the task's split",
     }  # fmt: skip
     return key
 
@@ -139,7 +139,33 @@ def run_forgeweave(cfg, root: Path) -> dict:
 
 
 def run_trl(cfg, root: Path, venv: Path, sets: list[str]) -> dict:
+    """TRL's side of one seed: trained in its venv (once: its model and step log stay in `root`), then evaluated
+    by forgeweave's evaluator on this seed's held-out split of the task (`sets`: every override of the task)."""
     from flows.evaluation import evaluate_checkpoint_dir
+    from forge.models import smollm2_dir
+
+    log = root / "trl-steps.json"
+    if not (log.is_file() and (root / "trl" / "model" / "config.json").is_file()):
+        t0 = time.perf_counter()
+        steps = train_trl(cfg, root, venv)
+        save_result(log, {**steps, "wall_s": time.perf_counter() - t0})
+    res = json.loads(log.read_text())
+    evals = [*sets, f"seed={cfg.seed}", f"eval.max_problems={cfg.eval.max_problems}"]
+    before = evaluate_checkpoint_dir(smollm2_dir(), PRESET, evals, out=root / "eval-base.json")
+    after = evaluate_checkpoint_dir(root / "trl" / "model", PRESET, evals, out=root / "eval-trl.json")
+    rewards = res.get("rewards") or [float("nan")]
+    first, last = (
+        res.get("reward_first10", statistics.mean(rewards[:10])),
+        res.get("reward_last10", statistics.mean(rewards[-10:])),
+    )
+    return {"step_s": statistics.median(res["step_s"][1:] or res["step_s"]), "detail": "generation + update in one step",
+            "reward_first10": first, "reward_last10": last,
+            "before": before["pass@1"], "after": after["pass@1"], "wall_s": res["wall_s"]}  # fmt: skip
+
+
+def train_trl(cfg, root: Path, venv: Path) -> dict:
+    """TRL's GRPOTrainer on this seed's training prompts (bench/trl_grpo.py in TRL's venv): its step times and
+    rewards; the trained model in root/trl/model."""
     from forge.data import build
     from forge.models import format_prompt_fn, load_tokenizer, smollm2_dir
 
@@ -155,30 +181,21 @@ def run_trl(cfg, root: Path, venv: Path, sets: list[str]) -> dict:
         f"--temperature={r.temperature}", f"--lr={u.lr}", f"--warmup-steps={u.warmup_steps}", f"--seed={cfg.seed}",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    t0 = time.perf_counter()
     out = subprocess.run([str(trl_python(venv)), str(ROOT / "bench" / "trl_grpo.py"), *args], env=env,
                          stdout=subprocess.PIPE, text=True, check=True).stdout  # fmt: skip
-    wall = time.perf_counter() - t0
-    res = json.loads(next(x for x in out.splitlines() if x.startswith("TRL-RESULT "))[11:])
-    evals = [*sets, f"seed={cfg.seed}", f"eval.max_problems={cfg.eval.max_problems}"]
-    before = evaluate_checkpoint_dir(smollm2_dir(), PRESET, evals, out=root / "eval-base.json")
-    after = evaluate_checkpoint_dir(root / "trl" / "model", PRESET, evals, out=root / "eval-trl.json")
-    rewards = res.get("rewards") or [float("nan")]
-    return {"step_s": statistics.median(res["step_s"][1:] or res["step_s"]), "detail": "generation + update in one step",
-            "reward_first10": statistics.mean(rewards[:10]), "reward_last10": statistics.mean(rewards[-10:]),
-            "before": before["pass@1"], "after": after["pass@1"], "wall_s": wall}  # fmt: skip
+    return json.loads(next(x for x in out.splitlines() if x.startswith("TRL-RESULT "))[11:])
 
 
-def measured(side: str, cfg, root: Path, sets: list[str], args) -> dict:
+def measured(side: str, cfg, root: Path, task: list[str], sets: list[str], args) -> dict:
     """One side's result for one seed: stored, or measured now and stored."""
-    stored, key = root / f"{'trl' if side == TRL else 'forgeweave'}-result.json", result_key(cfg, side, sets)
+    stored, key = root / f"{'trl' if side == TRL else 'forgeweave'}-result.json", result_key(cfg, sets)
     old = json.loads(stored.read_text()) if stored.is_file() and not args.fresh else {}
     if old.get("key") == key:
         print(f"{side}, seed {cfg.seed}: the result measured {old['measured']} ({stored})", flush=True)
         return old["result"]
     print(f"{side}, seed {cfg.seed}: measuring", flush=True)
     root.mkdir(parents=True, exist_ok=True)
-    res = run_trl(cfg, root, args.trl_venv, sets) if side == TRL else run_forgeweave(cfg, root)
+    res = run_trl(cfg, root, args.trl_venv, [*task, *sets]) if side == TRL else run_forgeweave(cfg, root)
     res["commit"] = git_commit()
     save_result(stored, {"key": key, "measured": time.strftime("%Y-%m-%d %H:%M"), "result": res})
     return res
@@ -254,7 +271,7 @@ def main() -> None:
         for side in sides:
             sets = [*args.set, *(args.fw_set if side == FW else [])]
             cfg = task_config(TASKS[args.task], args.steps, args.eval_problems, seed, sets)
-            results.setdefault(seed, {})[side] = measured(side, cfg, here, sets, args)
+            results.setdefault(seed, {})[side] = measured(side, cfg, here, TASKS[args.task], sets, args)
         table = report(args.task, args.steps, args.eval_problems, results)
         save_result(root / "table.json", {"seeds": {str(k): v for k, v in results.items()}})
         (root / "table.md").write_text(table + "\n")
