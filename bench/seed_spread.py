@@ -125,8 +125,9 @@ def trlapi_run(seed: int, tmp: Path, steps: int | None) -> dict:
     build_dataset.build(tmp / "arith-chat")
     build_dataset.tiny_chat_model(tmp / "tiny-chat")
     data = load_from_disk(str(tmp / "arith-chat"))
-    sets = [f"model.path={tmp / 'tiny-chat'}", f"steps={steps or 40}", "threads=1", "eval.every=0", "checkpoint.every=0",
-            "tracking.mlflow=false", "eval.k=0", "model.chat_template=true", "data.answer_column=target", f"seed={seed}"]  # fmt: skip
+    sets = [f"model.path={tmp / 'tiny-chat'}", f"steps={steps or 40}", "threads=1", "eval.every=0", "eval.k=0",
+            "checkpoint.every=0", "tracking.mlflow=false", "model.chat_template=true", "data.answer_column=target",
+            f"seed={seed}"]  # fmt: skip
     forge.train(preset="tiny", dataset=data["train"], eval_dataset=data["test"], progress=False,
                 reward_funcs=[reward_format, reward_correct], run_dir=tmp / "api", overrides=sets)  # fmt: skip
     rows = [r["reward/mean"] for r in read_metrics(tmp / "api" / "metrics.jsonl") if r["step"] > 0]
