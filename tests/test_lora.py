@@ -281,7 +281,9 @@ def test_lora_learns_on_a_pretrained_tiny_model(tmp_path: Path):
 
     Measured (2026-12-03, rollout seeds derived from (seed, step)): the adapter run starts where its base ended
     (B = 0: the same pass@1) and after 50 steps seeds 0-3 go 0.22 -> 0.36, 0.25 -> 0.42, 0.15 -> 0.44,
-    0.16 -> 0.56; its checkpoint holds only the adapter. The test runs seed 3, asks a gain of 0.15."""
+    0.16 -> 0.56 (gains 0.145, 0.164, 0.291, 0.400 on 55 sums); its checkpoint holds only the adapter. The test
+    runs seed 3 and asks a gain of 0.1, below the worst seed's 0.145 (8 of 55 sums); without learning the gain is
+    ~0 (the same greedy answers)."""
     from forge.presets import tiny
     from forge.recipes.grpo import run
     from forge.tracking import read_metrics
@@ -299,7 +301,7 @@ def test_lora_learns_on_a_pretrained_tiny_model(tmp_path: Path):
     lora = run(c, tmp_path / "lora", progress=False)
     before, after = lora["eval"]["initial"]["pass@1"], lora["eval"]["final"]["pass@1"]
     assert before == base["eval"]["final"]["pass@1"] and 0.1 < before < 0.6
-    assert after >= before + 0.15, (before, after)
+    assert after >= before + 0.1, (before, after)
     rewards = [r["reward/mean"] for r in read_metrics(tmp_path / "lora" / "metrics.jsonl") if "reward/mean" in r]
     assert sum(rewards[-10:]) > sum(rewards[:10])
     ckpt = tmp_path / "lora" / "checkpoints" / "step-000050"

@@ -4,7 +4,8 @@
 
 Learning, as measured on this machine (seed 0): through `forge.train`, 40 steps, the mean reward (reward_format +
 reward_correct) goes from 0.04 over steps 1-5 to 0.9 over steps 36-40 (asked: a rise of 0.5); through `forgeweave
-run`, 120 steps with the correctness reward weighted up, greedy pass@1 rises (numbers in that test).
+run`, 150 steps with the correctness reward weighted up and groups of 32, greedy pass@1 rises (numbers and the
+seed spread in each test's docstring).
 """
 
 from __future__ import annotations
@@ -52,29 +53,40 @@ def rise(run_dir: Path) -> float:
 
 @pytest.mark.slow
 def test_trl_example_learns_with_forgeweave_run(example, runs_dir):
-    """Correctness, not only the format: with reward.weights=[0.1,1.0] (the example README's advice) and 300 steps,
-    measured here (2026-12-03, rollout seeds derived from (seed, step)) with seed 3: reward_correct rises 0.180
-    (steps 1-10 -> 291-300), greedy pass@1 on the test split (decided by reward_correct: eval.verifiers' default)
-    0.00 -> 0.18; asked: a rise >= 0.08 and a gain >= 0.09.
+    """Correctness, not only the format: reward.weights=[0.1,1.0] (the example README's advice), groups of 32,
+    150 steps. Asked: reward_correct rises >= 0.05 (steps 1-10 -> 141-150) and greedy pass@1 on the test split
+    (decided by reward_correct: eval.verifiers' default) gains >= 0.05 (3 of 55 sums); without learning both stay
+    at 0 (chance: a random reply is rarely a bare integer, and the seeds that never find the sums keep 0.000).
 
-    Not every seed finds the answers on this random tiny model: correct sums are rare at the start, and once the
-    format is learned the samples narrow. Measured over 300 steps: seeds 1 and 3 learn (rise 0.167 and 0.180,
-    pass@1 0.18); seeds 0 and 2 keep reward_correct near 0 (format ~1) and pass@1 at 0. The test runs seed 3."""
+    Measured 2026-12-05 (`python bench/seed_spread.py --scenarios trl --seeds 0,1,2,3`, ~65-75 s a run here),
+    reward_correct rise / pass@1 after 150 steps, from 0.00: seed 0 0.086 / 0.07, 1 0.145 / 0.18, 2 0.140 / 0.18,
+    3 0.391 / 0.58. The test runs seed 2 (typical). Groups of 32 are what make every seed learn: correct sums are
+    rare at the start, and once the format is learned the samples narrow onto wrong integers (e.g. "099"). With the
+    default 16 x 16 and 300 steps (the same time) seeds 1 and 3 learned (rise 0.17 and 0.18, pass@1 0.18) while 0
+    and 2 kept reward_correct at ~0 and pass@1 at 0 (2026-12-03), as did seeds 0 and 2 with update.lr=2e-3, seed 0
+    with the adaptive LR off, and seed 1 with 8 x 32. With 16 x 32 and 300 steps (twice the time) the four seeds
+    reach pass@1 0.76, 0.89, 0.84, 0.80."""
     argv = ["run", "--preset", "tiny", "--name", "trl", "--runs-dir", str(runs_dir), "--quiet", "--no-prefect"]
-    sets = [*overrides(example), VERIFIERS, "reward.weights=[0.1,1.0]", "steps=300", "eval.every=150", "seed=3"]
+    sets = [*overrides(example), VERIFIERS, "reward.weights=[0.1,1.0]", "rollout.group_size=32", "steps=150",
+            "eval.every=150", "seed=2"]  # fmt: skip
     assert main(argv + [a for s in sets for a in ("--set", s)]) == 0
     rows = [r for r in read_metrics(runs_dir / "trl" / "metrics.jsonl") if r["step"] > 0]
     correct = [r["reward/reward_correct/mean"] for r in rows]
-    assert sum(correct[-10:]) / 10 - sum(correct[:10]) / 10 >= 0.08
+    assert sum(correct[-10:]) / 10 - sum(correct[:10]) / 10 >= 0.05
     evals = [r for r in read_metrics(runs_dir / "trl" / "metrics.jsonl") if "eval/pass@1" in r]
-    assert evals[0]["step"] == 0 and evals[-1]["step"] == 300
-    assert evals[-1]["eval/pass@1"] - evals[0]["eval/pass@1"] >= 0.09
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 150
+    assert evals[-1]["eval/pass@1"] - evals[0]["eval/pass@1"] >= 0.05
     cfg = yaml.safe_load((runs_dir / "trl" / "config.yaml").read_text())
     assert cfg["data"]["source"] == str(example / "arith-chat") and cfg["data"]["eval_split"] == "test"
 
 
 @pytest.mark.slow
 def test_trl_example_learns_with_forge_train(example, tmp_path):
+    """Measured 2026-12-05 (`python bench/seed_spread.py --scenarios trlapi --seeds 0,1,2,3,4,5,6,7`, ~12 s a run), mean
+    reward (reward_format + reward_correct) over steps 1-5 -> 36-40: seed 0 0.013 -> 0.982, 1 0.002 -> 0.970, 2 0.015
+    -> 0.988, 3 0.016 -> 0.977, 4 0.018 -> 0.986, 5 0.012 -> 0.973, 6 0.002 -> 0.974, 7 0.006 -> 0.982 (rises
+    0.961-0.976): the format is learnt, rarely the right sum. The test runs seed 0 and asks a rise of 0.5 (the worst
+    seed's: 0.961); chance (no learning) is a rise of 0."""
     from datasets import load_from_disk
     from trl_rewards import reward_correct, reward_format
 

@@ -267,8 +267,10 @@ def test_a_pool_no_node_offers_is_a_one_line_error(cluster, tmp_path):
 def test_ray_mode_tiny_run_learns_asynchronously(cluster, tmp_path):
     """The tiny preset with one-step-off asynchronous GRPO (max_staleness=1, TIS by default) still learns. One core
     per pool: rollout and update now run at the same time, and more threads than cores would make both crawl.
-    Measured (2026-12-03, rollout seeds derived from (seed, step)) for seeds 0-2: final pass@1 0.45, 0.44, 0.53
-    from < 0.1. The test runs seed 2, asks 0.35."""
+    Measured 2026-12-05 (this test with the seed changed, ~60 s a run) for seeds 0-4: final greedy pass@1 on the 55
+    sums 0.71, 0.27, 0.67, 0.73, 0.42, each from 0.00 (chance: ~0; seed 1's 0.27 repeated on a second run); on
+    2026-12-03, before later changes, seeds 0-2 gave 0.45, 0.44, 0.53. The test runs seed 2 and asks 0.2, below the
+    worst seed's 0.27."""
     cfg = tiny()
     cfg.orchestration.execution, cfg.tracking.mlflow, cfg.pools = "ray", False, copy.deepcopy(POOLS)
     cfg.pools[1]["cpu_cores"] = 1
@@ -276,7 +278,7 @@ def test_ray_mode_tiny_run_learns_asynchronously(cluster, tmp_path):
     cfg.algo.max_staleness, cfg.seed = 1, 2
     summary = run(cfg, tmp_path / "learn")
     assert summary["eval"]["initial"]["pass@1"] < 0.1
-    assert summary["eval"]["final"]["pass@1"] >= 0.35
+    assert summary["eval"]["final"]["pass@1"] >= 0.2
     stale = [m["rollout/staleness_max"] for m in _raw_metrics(tmp_path / "learn") if m["step"] > 0]
     assert max(stale) == 1 and stale.count(0) == 2  # the first step and the one after the checkpoint at 100
 

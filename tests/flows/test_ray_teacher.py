@@ -110,7 +110,14 @@ def test_the_teacher_is_an_actor_of_its_own_on_the_planned_node_rebuilt_when_los
 
 def test_ray_distillation_learns_the_teachers_token(runs):
     """Measured: reverse KL 6.7 (rising to 8.1 at step 3) -> 0.35 at step 9 -> 0.0 from step 10 on, and P(X) after the
-    prompts 0.010 -> 1.000 (at update.lr = 1e-2 the KL stays at ~6.7 for 20 steps: too slow for this test)."""
+    prompts 0.010 -> 1.000 (at update.lr = 1e-2 the KL stays at ~6.7 for 20 steps: too slow for this test).
+
+    Over seeds (2026-12-05; the seed draws the student and so the teacher edited from it), this test with the seed
+    changed (~57 s a run), P(X) before -> after and reverse KL first -> last: seed 0 0.010 -> 1.000, 6.72 -> 0.001;
+    1 0.008 -> 1.000, 6.70 -> 0.001; 2 0.011 -> 1.000, 6.25 -> 0.001; 3 0.011 -> 1.000, 6.69 -> 0.001. The same
+    config in this process (`python bench/seed_spread.py --scenarios rayteacher`, no kill) gives the same at seeds
+    0-7. Chance: P(X) = 1/99 = 0.010, the KL unchanged. The test runs seed 0 and asks P(X) > 0.9 and the KL below
+    half its first value."""
     cfg, d, _, (start, tok) = runs
     kl = reverse_kls(d)
     assert len(kl) == STEPS and kl[-1] < kl[0] / 2, kl
@@ -120,7 +127,7 @@ def test_ray_distillation_learns_the_teachers_token(runs):
     x = tok.convert_tokens_to_ids(X)
     with torch.no_grad():
         before, after = (float(m.eval()(**prompts).logits[:, -1].softmax(-1)[:, x].mean()) for m in (start, end))
-    assert before < 0.05 and after > 0.3, (before, after)
+    assert before < 0.05 and after > 0.9, (before, after)
     rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
     assert all(r["perf/teacher_s"] > 0 for r in rows if "distill/reverse_kl" in r)  # timed by the driver
 

@@ -234,8 +234,14 @@ def test_a_teacher_equal_to_the_sampling_policy_gives_zero_reverse_kl_in_a_run(t
 
 def test_distillation_raises_the_preferred_tokens_probability(tmp_path):
     """forge.train, pure distillation from a teacher that prefers X: the student's probability of X as the next
-    token after a few prompts rises from ~1/V (measured 0.010 -> 0.82 in 30 steps), and the reverse KL falls
-    (measured 6.7 -> 1.0)."""
+    token after a few prompts rises from ~1/V (chance: 1/99 = 0.010) in 30 steps, and the reverse KL falls.
+
+    Measured 2026-12-05 (`python bench/seed_spread.py --scenarios teacher --seeds 0,1,2,3,4,5,6,7`, ~7 s a run; the seed
+    draws the student and so the teacher edited from it), p(X) before -> after and reverse KL first -> last step:
+    seed 0 0.010 -> 0.82, 6.7 -> 0.99; 1 0.008 -> 0.96, 6.7 -> 0.03; 2 0.011 -> 0.99, 6.2 -> 0.02; 3 0.011 -> 0.98,
+    6.7 -> 0.25; 4 0.010 -> 0.98, 6.7 -> 0.06; 5 0.009 -> 0.99, 6.5 -> -0.01; 6 0.011 -> 0.99, 6.5 -> 0.16;
+    7 0.009 -> 0.87, 6.7 -> 0.96. The test runs seed 0 (the worst) and asks p(X) > 0.6 and the KL below half its
+    first value (worst: 0.96 / 6.7)."""
     from forge.api import train
 
     cfg = run_cfg(30)
@@ -247,15 +253,22 @@ def test_distillation_raises_the_preferred_tokens_probability(tmp_path):
     x = tok.convert_tokens_to_ids(X)
     with torch.no_grad():
         before, after = (float(m.eval()(**prompts).logits[:, -1].softmax(-1)[:, x].mean()) for m in (start, end))
-    assert before < 0.05 and after > 0.3, (before, after)
+    assert before < 0.05 and after > 0.6, (before, after)
     kl = reverse_kls(tmp_path / "run")
     assert len(kl) == 30 and kl[-1] < kl[0] / 2, kl
 
 
 def test_topk_distillation_names_the_token_the_sampled_reward_has_to_find(tmp_path):
     """The same run with reward.teacher_topk = 8, 10 steps: the divergence names X at every position, so p(X) rises
-    at once (measured 0.010 -> 0.53; 1.000 after 30 steps), where the sampled-token reward has not moved yet (0.010
-    -> 0.010; 0.82 after 30 steps) because X must first be sampled to be rewarded."""
+    at once (measured 0.010 -> 0.53; 1.000 after 30 steps), where the sampled-token reward has barely moved yet
+    (0.010 -> 0.010; 0.82 after 30 steps) because X must first be sampled to be rewarded.
+
+    Measured 2026-12-05 (`python bench/seed_spread.py --scenarios topk --seeds 0,1,2,3,4,5,6,7`, ~8 s for both
+    runs), p(X) after 10 steps with the sampled-token reward / with the top 8, and the top-8 run's reverse KL first
+    -> last: seed 0 0.010 / 0.53, 6.7 -> 2.8; 1 0.029 / 0.55, 6.7 -> 3.5; 2 0.068 / 0.58, 6.2 -> 3.2; 3 0.039 / 0.57,
+    6.7 -> 3.2; 4 0.037 / 0.61, 6.7 -> 3.3; 5 0.048 / 0.61, 6.5 -> 3.1; 6 0.050 / 0.63, 6.5 -> 3.0; 7 0.022 /
+    0.63, 6.7 -> 2.9 (chance: p(X) = 1/99 = 0.010, the KL unchanged). Asked: the top 8 above 0.45 (worst 0.53),
+    the sampled-token reward below 0.1 (worst 0.068), the KL below 0.65 of its first value (worst 3.5 / 6.7 = 0.53)."""
     from forge.api import train
 
     after = {}
@@ -271,6 +284,6 @@ def test_topk_distillation_names_the_token_the_sampled_reward_has_to_find(tmp_pa
             after[k] = float(end.eval()(**prompts).logits[:, -1].softmax(-1)[:, tok.convert_tokens_to_ids(X)].mean())
         metrics = [json.loads(line) for line in (tmp_path / f"run-{k}/metrics.jsonl").read_text().splitlines()]
         assert ("distill/topk_kl" in metrics[1]) == (k > 0)  # [0]: the eval before step 1
-    assert after[8] > 0.3 and after[0] < 0.05, after
+    assert after[8] > 0.45 and after[0] < 0.1, after
     kl = reverse_kls(tmp_path / "run-8")
-    assert kl[-1] < kl[0] / 2, kl
+    assert kl[-1] < 0.65 * kl[0], kl
