@@ -14,17 +14,23 @@ SmolLM2-135M-Instruct on the `smollm2-arith` preset's task (its held-out split b
   venv exists.
 
 Each completion is scored by `math_answer`. Printed per variant: N, the success rate with its Wilson 95% interval,
-the ratio to generate's rate at the same precision and whether generate's rate lies in the variant's interval. The
-binomial interval treats the N samples as independent; on a fixed prompt set the samples are independent given the
-prompt, and the variance of the pooled rate is then at most p(1-p)/N, so the interval is conservative.
+the ratio to generate's rate at the same precision, whether generate's rate lies in the variant's interval, and
+Newcombe's 95% interval of the difference of the two rates. The binomial interval treats the N samples as
+independent; on a fixed prompt set the samples are independent given the prompt, and the variance of the pooled rate
+is then at most p(1-p)/N, so the interval is conservative. "In CI" is the issue's criterion: two identical samplers
+fail it ~17% of the time at equal N (the difference of two rates has sqrt(2) times one rate's SD), so the difference
+interval (0 inside for samplers that agree, 95% of the time) is the one to read.
 
 Token level: every sampled sequence is teacher-forced through the model in fp32, giving each sampled token's
-log-prob under softmax(logits / T) and the entropy H of that distribution. Printed: the mean and quantiles of the
-sampled tokens' log-probs, and the calibration gap mean(log p(x_t) + H_t) with its standard error: for a sampler
-that draws from exactly the fp32 distribution each term has mean 0 given its context (a martingale difference),
-so the gap is 0 within ~2 SE; a sharper sampler (a temperature applied twice, top-k truncation) has a positive gap,
-a flatter or noisier one a negative gap. For forgeweave's samplers also the mean and max |recorded log-prob - fp32
-teacher-forced log-prob|.
+distribution softmax(logits / T). Printed: the mean and quantiles of the sampled tokens' log-probs; the calibration
+gap mean(log p(x_t) + H_t) with its standard error (for a sampler that draws from exactly the fp32 distribution each
+term has mean 0 given its context, so the gap is 0 within ~2 SE; a sharper sampler, e.g. a temperature applied twice
+or top-k, has a positive gap, a flatter one a negative gap); and the randomised probability integral transform of
+every sampled token (the tokens in order of decreasing probability, u = the mass before the drawn token + v x its
+own, v uniform): for an exact sampler the u of all tokens are independent and uniform on [0, 1) (Rosenblatt), so
+their counts in 20 bins give a chi-square statistic with 19 dof, sensitive to any systematic departure. For
+forgeweave's samplers also the mean of (recorded log-prob - fp32 teacher-forced log-prob), an estimate of
+KL(sampler || fp32) per token, and its mean absolute value.
 
 Default size: 64 prompts x 8 samples (N = 512 per variant), ~10 min on one thread of a 2-core machine. Rerun:
   OMP_NUM_THREADS=1 python bench/sampling_parity.py [--prompts 64] [--samples 8] [--tokens 32] [--temperature 0.7]
@@ -54,6 +60,8 @@ PRESET = "smollm2-arith"
 VARIANTS = ("generate", "generate-bf16", "hf-fp32", "hf-bf16", "hf-plain", "vllm")
 Z95 = 1.959964  # two-sided 95% normal quantile
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
+PIT_BINS = 20
+PIT_CRITICAL = {0.001: 43.82, 0.05: 30.14}  # chi-square(19) upper quantiles (scipy.stats.chi2.isf)
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,7 @@ class Report:
     baseline: str = ""
     ratio: float | None = None
     baseline_in_interval: bool | None = None
+    diff95: tuple[float, float] | None = None  # Newcombe's 95% interval of rate - the baseline's rate
 
 
 def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -94,6 +103,16 @@ def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
     centre = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
     return centre - half, centre + half
+
+
+def newcombe(p1: float, ci1: tuple[float, float], p2: float, ci2: tuple[float, float]) -> tuple[float, float]:
+    """95% interval of p1 - p2 from the two Wilson intervals (Newcombe's hybrid score method, independent samples).
+
+    >>> [round(x, 4) for x in newcombe(0.5, wilson(50, 100), 0.4, wilson(40, 100))]
+    [-0.0373, 0.2321]
+    """
+    d = p1 - p2
+    return d - math.hypot(p1 - ci1[0], ci2[1] - p2), d + math.hypot(ci1[1] - p1, p2 - ci2[0])
 
 
 def n_to_separate(p: float, ratio: float = 1.5, z: float = Z95) -> int:
@@ -170,7 +189,8 @@ def sample_forge(backend, prompts: list[str], args) -> Samples:
     mask = ro.completion_mask.bool()
     tokens = [ids[m].tolist() for ids, m in zip(ro.completion_ids, mask, strict=True)]
     logprobs = [lp[m].tolist() for lp, m in zip(ro.sampling_logprobs, mask, strict=True)]
-    precision = "bf16" if getattr(backend, "autocast_bf16", False) else "fp32"
+    bf16 = getattr(backend, "autocast_bf16", False) or getattr(backend, "dtype", None) == torch.bfloat16  # hf, vllm
+    precision = "bf16" if bf16 else "fp32"
     return Samples(tokens, logprobs, seconds, precision)
 
 
@@ -199,57 +219,94 @@ def draw(name: str, model, tok, prompts: list[str], args) -> Samples | None:
     if name.startswith("generate"):
         return sample_generate(model, tok, prompts, args, bf16=name.endswith("bf16"))
     if name == "vllm":
-        if args.emit:  # inside .venv-vllm
-            return sample_forge(make_backend("vllm", model, tok, rollout=RolloutConfig(backend="vllm")), prompts, args)
-        return sample_vllm(args)
+        if not args.emit:
+            return sample_vllm(args)
+        engine = make_backend("vllm", model, tok, rollout=RolloutConfig(backend="vllm"))  # inside .venv-vllm
+        engine.sync_weights({k: v.detach() for k, v in model.state_dict().items()}, 0)  # it starts from dummy weights
+        return sample_forge(engine, prompts, args)
     plain = name == "hf-plain"
     backend = HFBackend(model, tok, autocast_bf16=name == "hf-bf16", batch_size=args.batch_size,
                         shared_prefill=not plain, compact_every=0 if plain else RolloutConfig().compact_every)  # fmt: skip
     return sample_forge(backend, prompts, args)
 
 
-@torch.no_grad()
-def teacher_forced(model, tok, prompts: list[str], tokens: list[list[int]], args) -> tuple[torch.Tensor, ...]:
-    """fp32 log-prob of each sampled token under softmax(logits / T) and that distribution's entropy, flattened over
-    all rows' tokens in order ([sum of lengths] each), and each token's position in its completion. One group per
-    forward, packed (its prompt once: `forge.shared_prefix`), so the attention spans one group's tokens only."""
-    from forge.shared_prefix import PackingCost
-    from forge.trainer import token_logprobs
+@dataclass(frozen=True)
+class Forced:
+    """The fp32 teacher-forced view of one sampler's tokens, flattened over all rows' tokens in order ([tokens])."""
 
-    G = args.samples
-    logp, entropy, position = [], [], []
+    logp: torch.Tensor  # log-prob of the sampled token under softmax(logits / T), float64
+    entropy: torch.Tensor  # entropy of that distribution
+    pit: torch.Tensor  # randomised probability integral transform: uniform on [0, 1) for an exact sampler
+    position: torch.Tensor  # the token's place in its completion (0 = first)
+
+
+@torch.no_grad()
+def teacher_forced(model, tok, prompts: list[str], tokens: list[list[int]], args) -> Forced:
+    """Every sampled token's fp32 distribution given its prompt and prefix, one group per forward, packed (its prompt
+    once, padding-free: `forge.shared_prefix`), so the attention spans one group's tokens only."""
+    from forge.shared_prefix import PackingCost, pack, packed_logits
+
+    G, kind = args.samples, PackingCost.of(model).mask_kind
+    gen = torch.Generator().manual_seed(args.seed)
+    parts = []
     for i, prompt in enumerate(prompts):
-        enc = tok([prompt], return_tensors="pt", add_special_tokens=False)
+        enc = tok([prompt] * G, return_tensors="pt", add_special_tokens=False)
         rows = tokens[i * G : (i + 1) * G]
         width = max(len(r) for r in rows)
-        ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])  # [n, T]
+        ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])  # [G, T]
         mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-        out = token_logprobs(model, enc.input_ids.repeat_interleave(G, 0), enc.attention_mask.repeat_interleave(G, 0),
-                             ids, mask, temperature=args.temperature, packing=PackingCost.of(model))  # fmt: skip
-        m = mask.bool()
-        logp.append(out.logp[m])
-        entropy.append(out.entropy[m])
-        position.append(torch.arange(width).expand(len(rows), width)[m])
-    return torch.cat(logp).double(), torch.cat(entropy).double(), torch.cat(position)
+        packed = pack(enc.input_ids, enc.attention_mask, ids, mask, [(0, G)])
+        logits = packed_logits(model, packed, kind, torch.float32)[0]  # [C, V], C = the group's sampled tokens
+        logsm = torch.log_softmax(logits.float() / args.temperature, dim=-1).double()
+        target = packed.targets[0]
+        parts.append((*token_view(logsm, target, gen), torch.arange(width).expand(G, width)[mask.bool()]))
+    logp, entropy, pit, position = (torch.cat(x) for x in zip(*parts, strict=True))
+    return Forced(logp, entropy, pit, position)
 
 
-def token_figures(samples: Samples, logp: torch.Tensor, entropy: torch.Tensor, position: torch.Tensor) -> dict:
-    """The sampled tokens' teacher-forced log-prob distribution and the calibration gap (see the module docstring)."""
-    gap = logp + entropy  # [tokens] mean 0 for an exact sampler
-    first = position == 0
+def token_view(logsm: torch.Tensor, target: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """[C] the targets' log-probs, the entropies and the randomised PITs of the rows of `logsm` [C, V]: with the
+    tokens in order of decreasing probability, u = the mass before the target + v x its own, v uniform."""
+    probs = logsm.exp()
+    logp = logsm.gather(-1, target[:, None]).squeeze(-1)
+    entropy = -(probs * logsm).sum(-1)
+    above = (probs * (probs > probs.gather(-1, target[:, None]))).sum(-1)  # mass of the more likely tokens
+    ties = (probs == probs.gather(-1, target[:, None])).sum(-1)  # equal ones share the target's slot, at random
+    own = logp.exp()
+    u = above + torch.rand(len(target), generator=gen, dtype=torch.float64) * own * ties
+    return logp, entropy, u.clamp(0.0, 1.0 - 1e-12)
+
+
+def pit_chi_square(pit: torch.Tensor, bins: int = PIT_BINS) -> float:
+    """Pearson's statistic of the PITs in `bins` equal bins against uniform (chi-square with bins - 1 dof)."""
+    counts = torch.bincount((pit * bins).long(), minlength=bins).double()
+    expected = len(pit) / bins
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def token_figures(samples: Samples, f: Forced) -> dict:
+    """The sampled tokens' teacher-forced log-prob distribution, calibration gap and PIT (see the module docstring)."""
+    gap = f.logp + f.entropy  # [tokens] mean 0 for an exact sampler
+    first = f.position == 0
     out = {
-        "tokens": int(logp.numel()),
-        "mean": float(logp.mean()),
-        "quantiles": {str(q): float(logp.quantile(q)) for q in QUANTILES},
-        "mean_entropy": float(entropy.mean()),
+        "tokens": int(f.logp.numel()),
+        "mean": float(f.logp.mean()),
+        "quantiles": {str(q): float(f.logp.quantile(q)) for q in QUANTILES},
+        "mean_entropy": float(f.entropy.mean()),
         "gap": float(gap.mean()),
         "gap_se": float(gap.std() / math.sqrt(gap.numel())),
         "gap_first": float(gap[first].mean()),
         "gap_first_se": float(gap[first].std() / math.sqrt(int(first.sum()))),
+        "pit_chi2": pit_chi_square(f.pit),
+        "pit_chi2_first": pit_chi_square(f.pit[first]),
     }
     if samples.logprobs is not None:
-        diff = (torch.tensor([x for row in samples.logprobs for x in row], dtype=torch.float64) - logp).abs()
-        out["recorded_vs_fp32_mean_abs"], out["recorded_vs_fp32_max_abs"] = float(diff.mean()), float(diff.max())
+        diff = torch.tensor([x for row in samples.logprobs for x in row], dtype=torch.float64) - f.logp
+        out["recorded_minus_fp32_mean"] = float(diff.mean())  # estimates KL(sampler || fp32) where they differ
+        out["recorded_vs_fp32_mean_abs"], out["recorded_vs_fp32_max_abs"] = (
+            float(diff.abs().mean()),
+            float(diff.abs().max()),
+        )
     return out
 
 
@@ -279,27 +336,33 @@ def compare(reports: dict[str, Report]) -> None:
         b = reports[base]
         r.baseline, r.ratio = base, (r.rate / b.rate if b.rate else None)
         r.baseline_in_interval = r.wilson95[0] <= b.rate <= r.wilson95[1]
+        r.diff95 = newcombe(r.rate, r.wilson95, b.rate, b.wilson95)
 
 
 def print_table(reports: dict[str, Report], args) -> None:
     print(f"\n{'variant':<15}{'prec':>5}{'N':>6}{'success':>9}{'Wilson 95%':>18}{'vs':>15}{'ratio':>7}{'in CI':>7}"
-          f"{'s':>7}{'len':>6}{'eos':>6}")  # fmt: skip
+          f"{'diff 95% (Newcombe)':>22}{'s':>7}{'len':>6}{'eos':>6}")  # fmt: skip
     for name, r in reports.items():
         ci = f"[{r.wilson95[0]:.3f}, {r.wilson95[1]:.3f}]"
         ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
         inside = "" if r.baseline_in_interval is None else ("yes" if r.baseline_in_interval else "NO")
+        diff = "" if r.diff95 is None else f"[{r.diff95[0]:+.3f}, {r.diff95[1]:+.3f}]"
         print(f"{name:<15}{r.precision:>5}{r.n:>6}{r.rate:>9.3f}{ci:>18}{r.baseline:>15}{ratio:>7}{inside:>7}"
-              f"{r.seconds:>7.0f}{r.mean_tokens:>6.1f}{r.ended_with_eos:>6.2f}")  # fmt: skip
+              f"{diff:>22}{r.seconds:>7.0f}{r.mean_tokens:>6.1f}{r.ended_with_eos:>6.2f}")  # fmt: skip
     print(f"\nsampled tokens' fp32 teacher-forced log-probs at T={args.temperature} (gap = mean(log p + H), 0 for an "
-          "exact sampler; first = first completion token only)")  # fmt: skip
+          f"exact sampler; PIT X^2: 19 dof, {PIT_CRITICAL[0.05]} at p=0.05, {PIT_CRITICAL[0.001]} at p=0.001; first = "
+          "first completion token only; rec-fp32: the sampler's recorded log-prob minus the fp32 one)")  # fmt: skip
     head = "".join(f"{'q' + str(q):>8}" for q in QUANTILES)
-    print(f"{'variant':<15}{'tokens':>7}{'mean':>8}{head}{'gap ± SE':>18}{'first ± SE':>18}{'|rec-fp32|':>12}")
+    print(f"{'variant':<15}{'tokens':>7}{'mean':>8}{head}{'gap ± SE':>18}{'first ± SE':>18}{'PIT X^2':>9}"
+          f"{'first':>7}{'rec-fp32':>10}{'|rec-fp32|':>12}")  # fmt: skip
     for name, r in reports.items():
         t = r.logp
         quant = "".join(f"{t['quantiles'][str(q)]:>8.3f}" for q in QUANTILES)
         gap, first = f"{t['gap']:+.4f} ± {t['gap_se']:.4f}", f"{t['gap_first']:+.4f} ± {t['gap_first_se']:.4f}"
-        rec = f"{t['recorded_vs_fp32_mean_abs']:.1e}" if "recorded_vs_fp32_mean_abs" in t else ""
-        print(f"{name:<15}{t['tokens']:>7}{t['mean']:>8.3f}{quant}{gap:>18}{first:>18}{rec:>12}")
+        rec = (f"{t['recorded_minus_fp32_mean']:>+10.1e}{t['recorded_vs_fp32_mean_abs']:>12.1e}"
+               if "recorded_vs_fp32_mean_abs" in t else "")  # fmt: skip
+        print(f"{name:<15}{t['tokens']:>7}{t['mean']:>8.3f}{quant}{gap:>18}{first:>18}{t['pit_chi2']:>9.1f}"
+              f"{t['pit_chi2_first']:>7.1f}{rec}")  # fmt: skip
 
 
 def print_power(reports: dict[str, Report], n: int) -> dict:
@@ -356,7 +419,7 @@ def main() -> None:
         samples = draw(name, model, tok, prompts, args)
         if samples is None:
             continue
-        figures = token_figures(samples, *teacher_forced(model, tok, prompts, samples.tokens, args))
+        figures = token_figures(samples, teacher_forced(model, tok, prompts, samples.tokens, args))
         reports[name] = report(samples, score(tok, samples, raw, answers, args.samples), figures, tok.eos_token_id)
         r = reports[name]
         print(f"  {name}: {r.successes}/{r.n} = {r.rate:.3f} in {r.seconds:.0f} s", flush=True)
