@@ -281,9 +281,9 @@ def test_task_reference_solutions_pass_and_a_constant_scores_its_share(clean_mac
                             {"answer": [r["answer"] for r in rows] * 2})  # fmt: skip
     scores = res.scores[:, 0].tolist()
     assert scores[:100] == [1.0] * 100
-    # `return 0` passes exactly the asserts whose expected value is the int 0 (False == 0 in Python, not to the judge)
+    # `return 0` passes exactly the asserts whose expected value equals 0 (False, 0.0 too, as in Python)
     wants = [[eval(t.split(" == ")[1]) for t in json.loads(r["answer"])["tests"]] for r in rows]
-    expected = [sum(type(w) is int and w == 0 for w in ws) / 5 for ws in wants]
+    expected = [sum(type(w) in (int, bool, float) and w == 0 for w in ws) / 5 for ws in wants]
     assert scores[100:] == pytest.approx(expected) and max(expected) < 1.0
 
 
