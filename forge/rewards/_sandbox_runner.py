@@ -256,7 +256,7 @@ def encoder(max_chars: int = 1 << 20):
     >>> encoder()([None, True, 2, 2.5, float("nan"), 'a"b', (1,), {"k": b"\\x01"}, {3}])
     '[null, true, 2, 2.5, NaN, "a\\\\"b", {"t": [1]}, {"d": [["k", {"b": "01"}]]}, {"s": [3]}]'
     """
-    kind, size, esc, join = type, len, _json.encode_basestring_ascii, "".join
+    kind, size, esc, join, numbered = type, len, _json.encode_basestring_ascii, "".join, enumerate
     int_repr, float_repr, to_hex, items = int.__repr__, float.__repr__, bytes.hex, dict.items
     floats = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
     opening = {list: "[", tuple: '{"t": [', set: '{"s": [', frozenset: '{"s": [', dict: '{"d": ['}
@@ -285,10 +285,8 @@ def encoder(max_chars: int = 1 << 20):
             raise _NoValue
 
     def container(values, pairs: bool, depth: int, out: list) -> None:
-        first = True
-        for x in values:  # an exact list, tuple, set, frozenset or dict view: C iteration, no program code
-            out.append("" if first else ", ")
-            first = False
+        for i, x in numbered(values):  # an exact list, tuple, set, frozenset or dict view: C iteration, no program code
+            out.append(", " if i else "")
             if pairs:  # x: the (key, value) tuple the dict view made
                 out.append("[")
                 walk(x[0], depth, out)
