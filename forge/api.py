@@ -88,7 +88,7 @@ def train(
             cfg.env.environment_factory = env_specs[0]
         if tools is not None:
             cfg.env.tools = env_specs[1:]
-        run_dir = Path(run_dir) if run_dir else _default_run_dir(cfg)
+        run_dir = Path(run_dir) if run_dir else default_run_dir(cfg)
     cfg.validate()
     _check_in_process(cfg)
     with provided(functions):
@@ -188,7 +188,8 @@ def _resumed(run_dir, config, dataset, eval_dataset, overrides, specs) -> tuple[
     return cfg, run_dir
 
 
-def _default_run_dir(cfg: RunConfig) -> Path:
+def default_run_dir(cfg: RunConfig) -> Path:
+    """`$FORGEWEAVE_RUNS_DIR` (or ./runs) / `<preset>-<time>`."""
     runs = Path(os.environ.get("FORGEWEAVE_RUNS_DIR", "runs"))
     return runs / check_run_name(f"{cfg.preset or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}")
 

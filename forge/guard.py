@@ -20,19 +20,19 @@ reward rising (training simply got worse) does not fire: that is not the reward 
 Actions (`collapse.action`): "warn" reports; "rollback" asks the run to restore the best probe's checkpoint
 (weights, optimizer, reward state) and go on with new prompts: the steps since b start again, from the restored
 weights; after `max_rollbacks` rollbacks the next firing is a "stop", which ends the run with the best probe's
-weights; "off" never fires. The guard is pure: it computes, the recipe acts (`forge.recipes.grpo`), and its state
-travels in checkpoints (`state_dict` / `load_state_dict`), so a resumed run decides exactly as the uninterrupted one.
+weights; "off" never fires. The guard is pure data: each method returns a new guard, the recipe acts
+(`forge.recipes.grpo`) and keeps the guard in its loop state, and its state travels in checkpoints (`state_dict` /
+`loaded`), so a resumed run decides exactly as the uninterrupted one.
 
->>> g = CollapseGuard("rollback", drop=0.05, max_rollbacks=1)
->>> g.probe(0, 0.0) is None                             # step 0: the first best
+>>> g, event = CollapseGuard("rollback", drop=0.05, max_rollbacks=1).probe(0, 0.0)
+>>> event is None                                       # step 0: the first best
 True
->>> for step, reward in [(1, 0.2), (2, 0.3)]:
-...     g.observe(step, reward)
->>> g.probe(2, 0.40) is None                            # new best at step 2; R_at_b = (0.2 + 0.3) / 2 = 0.25
-True
->>> for step, reward in [(3, 0.5), (4, 0.7)]:
-...     g.observe(step, reward)
->>> event = g.probe(4, 0.20)                            # 0.40 - 0.20 > 0.05 and R_since = 0.6 > 0.25
+>>> g = g.observe(1, 0.2).observe(2, 0.3)
+>>> g, event = g.probe(2, 0.40)                         # new best at step 2; R_at_b = (0.2 + 0.3) / 2 = 0.25
+>>> event is None, g.best_step
+(True, 2)
+>>> g = g.observe(3, 0.5).observe(4, 0.7)
+>>> g, event = g.probe(4, 0.20)                         # 0.40 - 0.20 > 0.05 and R_since = 0.6 > 0.25
 >>> event.action, event.best_step, g.rollbacks
 ('rollback', 2, 1)
 >>> print(event.line())
@@ -100,51 +100,51 @@ class GuardEvent:
         return head
 
 
+@dataclass(frozen=True)
 class CollapseGuard:
-    """Tracks the best probe and the reward since it; `probe` decides at each probe step (rule: module docstring)."""
+    """The guard's state as data: the best probe and the reward since it. Every method that learns something returns
+    a new guard (`observe`, `probe`, `holding`); the loop keeps the current one in its `LoopState`."""
 
-    def __init__(self, action: Action = "warn", drop: float = 0.05, max_rollbacks: int = 2):
-        self.action, self.drop, self.max_rollbacks = action, drop, max_rollbacks
-        self.best_step: int | None = None  # None until the first probe
-        self.best = 0.0  # best probe pass@1 so far
-        self.reward_at_best: float | None = None  # R_at_b; None until a step's reward is known (b = 0)
-        self.since = [0.0, 0]  # sum and count of reward/mean over the steps since the best probe step
-        self.interval = [0.0, 0]  # the same since the last probe
-        self.held = [0, 0.0]  # [step, probe pass@1] of the weights the run holds: the last probe's, or the best's
-        self.rollbacks = 0
-        self.events: list[dict] = []  # every firing, as guard.jsonl lines
+    action: Action = "warn"
+    drop: float = 0.05
+    max_rollbacks: int = 2
+    best_step: int | None = None  # None until the first probe
+    best: float = 0.0  # best probe pass@1 so far
+    reward_at_best: float | None = None  # R_at_b; None until a step's reward is known (b = 0)
+    since: tuple[float, int] = (0.0, 0)  # sum and count of reward/mean over the steps since the best probe step
+    interval: tuple[float, int] = (0.0, 0)  # the same since the last probe
+    held: tuple[int, float | None] = (0, 0.0)  # (step, probe pass@1) of the weights the run holds
+    rollbacks: int = 0
+    events: tuple[dict, ...] = ()  # every firing, as guard.jsonl lines
 
     @classmethod
     def for_run(cls, cfg: CollapseConfig) -> CollapseGuard:
         """The guard collapse.action / drop / max_rollbacks ask for."""
         return cls(cfg.action, cfg.drop, cfg.max_rollbacks)
 
-    def observe(self, step: int, reward_mean: float) -> None:
-        """Record a training step's reward/mean (every step, in order)."""
-        if self.reward_at_best is None:
-            self.reward_at_best = reward_mean
-        for acc in (self.since, self.interval):
-            acc[0] += reward_mean
-            acc[1] += 1
+    def observe(self, step: int, reward_mean: float) -> CollapseGuard:
+        """The guard after a training step's reward/mean (every step, in order)."""
+        first = self.reward_at_best if self.reward_at_best is not None else reward_mean
+        return dataclasses.replace(self, reward_at_best=first, since=_add(self.since, reward_mean),
+                                   interval=_add(self.interval, reward_mean))  # fmt: skip
 
-    def probe(self, step: int, pass1: float) -> GuardEvent | None:
-        """Decide at a probe step: None, or the event (its action: warn, rollback or stop) the run must act on."""
+    def probe(self, step: int, pass1: float) -> tuple[CollapseGuard, GuardEvent | None]:
+        """Decide at a probe step: the guard after it, and None or the event (its action: warn, rollback or stop)
+        the run must act on."""
         event = self._fires(step, pass1)
-        self.held = [step, pass1]
+        g = dataclasses.replace(self, held=(step, pass1), interval=(0.0, 0))
         if event is None and (self.best_step is None or pass1 > self.best):
-            self.best_step, self.best = step, pass1
-            self.reward_at_best, self.since = _mean(self.interval), [0.0, 0]
-        self.interval = [0.0, 0]
+            g = dataclasses.replace(g, best_step=step, best=pass1, reward_at_best=_mean(self.interval), since=(0.0, 0))
         if event is not None:
-            self.events.append(dataclasses.asdict(event))
+            g = dataclasses.replace(g, events=(*g.events, dataclasses.asdict(event)), rollbacks=event.rollbacks)
             if event.action in ("rollback", "stop"):  # the run restores the best probe's weights
-                self.held, self.since = [step, self.best], [0.0, 0]
-        return event
+                g = dataclasses.replace(g, held=(step, self.best), since=(0.0, 0))
+        return g, event
 
-    def holding(self, step: int, pass1: float | None) -> None:
+    def holding(self, step: int, pass1: float | None) -> CollapseGuard:
         """After a firing at `step`, the run restored other weights than the best probe's (its checkpoint was
         damaged): their probe pass@1 `pass1` (None: unknown) is the score of the checkpoint written at `step`."""
-        self.held = [step, pass1]
+        return dataclasses.replace(self, held=(step, pass1))
 
     def metrics(self, event: GuardEvent | None) -> dict[str, float]:
         """`guard/fired` (0/1), `guard/rollbacks` and, for a rollback, `guard/rollback_to` of a probe step."""
@@ -172,12 +172,12 @@ class CollapseGuard:
         after = _mean(self.since)
         if not (self.best - pass1 > self.drop and after > self.reward_at_best):
             return None
-        action = self.action
+        action, rollbacks = self.action, self.rollbacks
         if action == "rollback":
-            action = "rollback" if self.rollbacks < self.max_rollbacks else "stop"
-            self.rollbacks += action == "rollback"
+            action = "rollback" if rollbacks < self.max_rollbacks else "stop"
+            rollbacks += action == "rollback"
         return GuardEvent(step, action, self.best_step, self.best, pass1, self.reward_at_best, after,
-                          self.rollbacks, self.max_rollbacks)  # fmt: skip
+                          rollbacks, self.max_rollbacks)  # fmt: skip
 
     def state_dict(self) -> dict:
         """Everything it decides on (JSON-ready), for the checkpoint payload."""
@@ -187,14 +187,21 @@ class CollapseGuard:
             "rollbacks": self.rollbacks, "events": [dict(e) for e in self.events],
         }  # fmt: skip
 
-    def load_state_dict(self, state: dict | None) -> None:
-        """Restore what `state_dict` gave (None: a checkpoint written without a probe; nothing changes)."""
+    def loaded(self, state: dict | None) -> CollapseGuard:
+        """This guard's settings with the state `state_dict` gave (None: a checkpoint written without a probe:
+        this guard unchanged)."""
         if state is None:
-            return
-        self.best_step, self.best, self.reward_at_best = state["best_step"], state["best"], state["reward_at_best"]
-        self.since, self.interval, self.held = list(state["since"]), list(state["interval"]), list(state["held"])
-        self.rollbacks, self.events = state["rollbacks"], [dict(e) for e in state["events"]]
+            return self
+        return dataclasses.replace(
+            self, best_step=state["best_step"], best=state["best"], reward_at_best=state["reward_at_best"],
+            since=tuple(state["since"]), interval=tuple(state["interval"]), held=tuple(state["held"]),
+            rollbacks=state["rollbacks"], events=tuple(dict(e) for e in state["events"]),
+        )  # fmt: skip
 
 
-def _mean(acc: list) -> float | None:
+def _add(acc: tuple[float, int], value: float) -> tuple[float, int]:
+    return acc[0] + value, acc[1] + 1
+
+
+def _mean(acc: tuple[float, int]) -> float | None:
     return acc[0] / acc[1] if acc[1] else None

@@ -133,14 +133,16 @@ def checked_staleness(step: int, trainer: int, sampled: list[int], cap: int) -> 
     return staleness
 
 
-def show_verifier_errors(batch: ScoredBatch, step: int, shown: set[tuple[str, str]]) -> None:
-    """Print each verifier error text once per run on stderr (`shown`: the (verifier, text) pairs printed so far)."""
+def show_verifier_errors(batch: ScoredBatch, step: int, shown: frozenset) -> frozenset:
+    """Print each verifier error text once per run on stderr; `shown`: the (verifier, text) pairs printed so far;
+    returns them with this step's."""
     for name, text in batch.verifier_errors.items():
         if (name, text) not in shown:
-            shown.add((name, text))
+            shown = shown | {(name, text)}
             n, bad = batch.scores.shape[0], batch.verifier_errored.get(name, 0)
             print(f"forgeweave: step {step}: verifier '{name}' erred on {bad} of {n} items: {error_line(text)}",
                   file=sys.stderr, flush=True)  # fmt: skip
+    return shown
 
 
 def error_line(text: str, limit: int = 300) -> str:

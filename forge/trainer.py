@@ -385,7 +385,7 @@ class Trainer:
         acc = dict.fromkeys(MICRO_SUMS, 0.0)
         for i, mb in enumerate(micro):
             with self._grad_sync(i == len(micro) - 1):
-                stats = self.micro_update(policy, mb, algo, totals, backward)
+                stats = self.micro_update(policy, mb, algo, totals, backward=backward)
             for k in acc:
                 acc[k] += getattr(stats, k)
         acc = self._sum_over_ranks(acc)  # before the step: every rank decides on the same global loss

@@ -13,10 +13,12 @@ import pytest
 
 from forge.config import ConfigError, DataConfig, RunConfig
 from forge.data import (
-    PromptSampler,
     load_rows,
+    next_row,
     prepare,
+    prompt_batch,
     read_split,
+    sampler_state,
     validate_rows,
 )
 from forge.errors import UserError
@@ -313,25 +315,27 @@ def test_write_json_is_atomic_and_leaves_no_temp(tmp_path):
 # ---------------------------------------------------------------- sampler
 
 
-def test_sampler_epochs_are_permutations_and_state_round_trips():
+def test_prompt_order_epochs_are_permutations_and_any_row_is_derived():
     rows = [{"id": str(i)} for i in range(7)]
-    sampler = PromptSampler(rows, seed=11)
-    first_epoch = [r["id"] for r in sampler.next_batch(7)]
+    first_epoch = [r["id"] for r in prompt_batch(rows, 11, 0, 7)]
     assert sorted(first_epoch) == [str(i) for i in range(7)]
-    sampler.next_batch(5)  # now mid-epoch 1
-    state = json.loads(json.dumps(sampler.state_dict()))  # must survive a checkpoint as JSON
-    assert (state["epoch"], state["cursor"]) == (1, 5)
-    expected = [sampler.next_batch(4) for _ in range(5)]  # crosses two epoch boundaries
-    resumed = PromptSampler(rows, seed=0)
-    resumed.load_state_dict(state)
-    assert [resumed.next_batch(4) for _ in range(5)] == expected
-    assert [r["id"] for r in PromptSampler(rows, seed=11).next_batch(7)] == first_epoch
+    # the old stateful sampler's order: batches of 4 from row 12 on cross two epoch boundaries
+    batches = [[r["id"] for r in prompt_batch(rows, 11, 12 + 4 * k, 4)] for k in range(5)]
+    assert [i for b in batches for i in b] == [r["id"] for r in prompt_batch(rows, 11, 12, 20)]
+    epoch2 = [r["id"] for r in prompt_batch(rows, 11, 14, 7)]
+    assert sorted(epoch2) == sorted(first_epoch) and epoch2 != first_epoch  # epoch 2: another permutation
+    assert prompt_batch(rows, 12, 0, 7) != prompt_batch(rows, 11, 0, 7)  # another seed, another order
+    got = prompt_batch(rows, 11, 0, 1)
+    got[0]["id"] = "changed"
+    assert rows[0]["id"] == "0" and prompt_batch(rows, 11, 0, 7)[0]["id"] == first_epoch[0]  # copies
 
 
-def test_sampler_rejects_state_for_other_data():
-    state = PromptSampler([{"id": "a"}, {"id": "b"}], seed=0).state_dict()
+def test_sampler_state_round_trips_and_rejects_state_for_other_data():
+    state = json.loads(json.dumps(sampler_state(11, 7, 12)))  # must survive a checkpoint as JSON
+    assert (state["epoch"], state["cursor"]) == (1, 5) and next_row(state, 7) == 12
+    assert next_row({"epoch": 2, "cursor": 3, "seed": 0}, 7) == 17  # an older checkpoint without num_rows
     with pytest.raises(UserError, match="2 training rows but the data has 1"):
-        PromptSampler([{"id": "a"}], seed=0).load_state_dict(state)
+        next_row(sampler_state(0, 2, 1), 1)
 
 
 # ---------------------------------------------------------------- typed columns, chat messages, datasets sources

@@ -190,19 +190,19 @@ def test_a_rollback_to_a_damaged_checkpoint_uses_the_newest_intact_one_before_it
             info = json.loads((root / f"step-{step:06d}" / name).read_text())
             (root / f"step-{step:06d}" / name).write_text(json.dumps({**info, "step": step, "eval_pass@1": 0.25}))
     (root / "step-000004" / "model.safetensors").write_bytes(b"\x08")
-    guard = CollapseGuard("rollback")
-    guard.best_step, guard.held = 4, [6, 0.5]
+    guard = CollapseGuard("rollback", best_step=4, held=(6, 0.5))
 
     class Record:
         run_dir = tmp_path
 
-    assert rollback_target(6, Record, guard) == root / "step-000002"
+    ckpt, held = rollback_target(6, Record, guard)
+    assert ckpt == root / "step-000002"
     err = capsys.readouterr().err.strip()
     assert err == (
         "forgeweave: step 6: collapse guard: the best probe's checkpoint step-000004 has a damaged model.safetensors "
         "(truncated: 1 bytes, shorter than its header says): using step-000002, the newest intact checkpoint before it"
     )
-    assert guard.score_at(6) == 0.25  # the checkpoint written at step 6 is scored as the weights it holds
+    assert held.score_at(6) == 0.25 and guard.score_at(6) == 0.5  # step 6's checkpoint: the weights it holds
     shutil.rmtree(root / "step-000002")
     with pytest.raises(UserError, match="there is no checkpoint before it to roll back to: set collapse.action=warn"):
         rollback_target(6, Record, guard)

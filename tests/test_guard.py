@@ -17,17 +17,18 @@ from forge.guard import CollapseGuard
 from forge.resume import check_resume_changes
 
 
-def feed(guard: CollapseGuard, rewards: dict[int, float]) -> None:
+def feed(guard: CollapseGuard, rewards: dict[int, float]) -> CollapseGuard:
     for step, reward in rewards.items():
-        guard.observe(step, reward)
+        guard = guard.observe(step, reward)
+    return guard
 
 
 def warmed(action: str = "warn", **kw) -> CollapseGuard:
     """Best probe 0.40 at step 2 with R_at_b = mean(0.2, 0.3) = 0.25 (the probe interval (0, 2])."""
-    g = CollapseGuard(action, **kw)
-    assert g.probe(0, 0.0) is None
-    feed(g, {1: 0.2, 2: 0.3})
-    assert g.probe(2, 0.40) is None
+    g, event = CollapseGuard(action, **kw).probe(0, 0.0)
+    assert event is None
+    g, event = feed(g, {1: 0.2, 2: 0.3}).probe(2, 0.40)
+    assert event is None
     assert (g.best_step, g.best, g.reward_at_best) == (2, 0.40, pytest.approx(0.25))
     return g
 
@@ -36,65 +37,60 @@ def warmed(action: str = "warn", **kw) -> CollapseGuard:
 
 
 def test_fires_when_probe_falls_and_reward_rises():
-    g = warmed()
-    feed(g, {3: 0.5, 4: 0.7})  # R_since = (0.5 + 0.7) / 2 = 0.6 > 0.25; 0.40 - 0.20 = 0.20 > 0.05
-    event = g.probe(4, 0.20)
+    g = feed(warmed(), {3: 0.5, 4: 0.7})  # R_since = (0.5 + 0.7) / 2 = 0.6 > 0.25; 0.40 - 0.20 = 0.20 > 0.05
+    before = g
+    g, event = g.probe(4, 0.20)
+    assert before.events == () and before.held == (2, 0.40)  # a guard is data: probing returns a new one
     assert (event.action, event.step, event.best_step) == ("warn", 4, 2)
     assert (event.probe_before, event.probe_after) == (0.40, 0.20)
     assert (event.reward_before, event.reward_after) == (pytest.approx(0.25), pytest.approx(0.6))
     assert (
         event.line() == "forgeweave: step 4: collapse guard: probe pass@1 0.40 -> 0.20 while reward/mean 0.25 -> 0.60"
     )
-    assert g.events == [json.loads(json.dumps(e)) for e in g.events] and g.events[0]["action"] == "warn"
+    assert list(g.events) == [json.loads(json.dumps(e)) for e in g.events] and g.events[0]["action"] == "warn"
     assert g.metrics(event) == {"guard/fired": 1.0, "guard/rollbacks": 0.0}
 
 
 def test_no_fire_when_the_reward_fell_too():
-    g = warmed()
-    feed(g, {3: 0.2, 4: 0.1})  # R_since = 0.15 < 0.25: training got worse, the reward is not being gamed
-    assert g.probe(4, 0.0) is None
+    g = feed(warmed(), {3: 0.2, 4: 0.1})  # R_since = 0.15 < 0.25: training got worse, the reward is not being gamed
+    g, event = g.probe(4, 0.0)
+    assert event is None
     assert g.metrics(None) == {"guard/fired": 0.0, "guard/rollbacks": 0.0}
 
 
 def test_no_fire_within_the_allowed_drop():
-    g = warmed(drop=0.05)
-    feed(g, {3: 0.9, 4: 0.9})
-    assert g.probe(4, 0.36) is None  # 0.40 - 0.36 = 0.04 <= 0.05
-    feed(g, {5: 0.9, 6: 0.9})
-    assert g.probe(6, 0.34).action == "warn"  # 0.06 > 0.05; R_since = 0.9 over steps 3..6 (the best is still step 2)
+    g, event = feed(warmed(drop=0.05), {3: 0.9, 4: 0.9}).probe(4, 0.36)
+    assert event is None  # 0.40 - 0.36 = 0.04 <= 0.05
+    g, event = feed(g, {5: 0.9, 6: 0.9}).probe(6, 0.34)
+    assert event.action == "warn"  # 0.06 > 0.05; R_since = 0.9 over steps 3..6 (the best is still step 2)
 
 
 def test_best_is_the_first_probe_to_reach_it_and_warn_keeps_it():
-    g = warmed()
-    feed(g, {3: 0.4, 4: 0.4})
-    assert g.probe(4, 0.40) is None and g.best_step == 2  # an equal probe does not replace the best
-    feed(g, {5: 0.6, 6: 0.6})
-    assert g.probe(6, 0.50) is None and (g.best_step, g.best) == (6, 0.50)  # a higher one does
+    g, event = feed(warmed(), {3: 0.4, 4: 0.4}).probe(4, 0.40)
+    assert event is None and g.best_step == 2  # an equal probe does not replace the best
+    g, event = feed(g, {5: 0.6, 6: 0.6}).probe(6, 0.50)
+    assert event is None and (g.best_step, g.best) == (6, 0.50)  # a higher one does
     assert g.reward_at_best == pytest.approx(0.6)  # R_at_b: the interval (4, 6]
-    feed(g, {7: 0.9})
-    assert g.probe(7, 0.1).action == "warn"
-    feed(g, {8: 0.9})
-    assert g.probe(8, 0.1).action == "warn" and g.best_step == 6  # warn changes nothing: it fires again
+    g, event = feed(g, {7: 0.9}).probe(7, 0.1)
+    assert event.action == "warn"
+    g, event = feed(g, {8: 0.9}).probe(8, 0.1)
+    assert event.action == "warn" and g.best_step == 6  # warn changes nothing: it fires again
 
 
 def test_step0_best_compares_with_the_first_steps_reward():
-    g = CollapseGuard("warn")
-    g.probe(0, 0.5)  # a pretrained policy that starts best
-    feed(g, {1: 0.3, 2: 0.6, 3: 0.9})  # R_at_b = step 1's reward (sampled from the step-0 policy) = 0.3
-    event = g.probe(3, 0.1)  # R_since = (0.3 + 0.6 + 0.9) / 3 = 0.6 > 0.3
+    g, _ = CollapseGuard("warn").probe(0, 0.5)  # a pretrained policy that starts best
+    g = feed(g, {1: 0.3, 2: 0.6, 3: 0.9})  # R_at_b = step 1's reward (sampled from the step-0 policy) = 0.3
+    g, event = g.probe(3, 0.1)  # R_since = (0.3 + 0.6 + 0.9) / 3 = 0.6 > 0.3
     assert (event.best_step, event.reward_before, event.reward_after) == (0, 0.3, pytest.approx(0.6))
 
 
 def test_rollbacks_then_stop():
-    g = warmed("rollback", max_rollbacks=1)
-    feed(g, {3: 0.9, 4: 0.9})
-    event = g.probe(4, 0.0)
-    assert (event.action, g.rollbacks, g.held, g.since) == ("rollback", 1, [4, 0.40], [0.0, 0])
+    g, event = feed(warmed("rollback", max_rollbacks=1), {3: 0.9, 4: 0.9}).probe(4, 0.0)
+    assert (event.action, g.rollbacks, g.held, g.since) == ("rollback", 1, (4, 0.40), (0.0, 0))
     assert event.line().endswith("; rolled back to step 2 (rollback 1 of 1)")
     assert g.metrics(event) == {"guard/fired": 1.0, "guard/rollbacks": 1.0, "guard/rollback_to": 2.0}
     assert g.score_at(4) == 0.40 and g.score_at(2) is None  # the weights held at step 4 are the best's again
-    feed(g, {5: 0.3})  # after the rollback R_since starts again: 0.3 > 0.25
-    event = g.probe(5, 0.0)
+    g, event = feed(g, {5: 0.3}).probe(5, 0.0)  # after the rollback R_since starts again: 0.3 > 0.25
     assert event.action == "stop" and g.rollbacks == 1
     assert event.line().endswith("; stopping: the run ends with the weights of step 2")
     assert g.summary("why") == {
@@ -105,24 +101,20 @@ def test_rollbacks_then_stop():
 
 
 def test_off_never_fires_and_a_first_probe_never_does():
-    g = CollapseGuard("off")
-    assert g.probe(0, 1.0) is None
-    feed(g, {1: 0.9})
-    assert g.probe(1, 0.0) is None and g.best == 1.0
-    assert CollapseGuard("stop").probe(5, 0.0) is None
+    g, event = CollapseGuard("off").probe(0, 1.0)
+    assert event is None
+    g, event = feed(g, {1: 0.9}).probe(1, 0.0)
+    assert event is None and g.best == 1.0
+    assert CollapseGuard("stop").probe(5, 0.0)[1] is None
 
 
 def test_state_dict_round_trips_through_json():
-    g = warmed("rollback")
-    feed(g, {3: 0.6})
-    restored = CollapseGuard("rollback")
-    restored.load_state_dict(json.loads(json.dumps(g.state_dict())))
-    assert restored.state_dict() == g.state_dict()
-    feed(g, {4: 0.8})
-    feed(restored, {4: 0.8})
+    g = feed(warmed("rollback"), {3: 0.6})
+    restored = CollapseGuard("rollback").loaded(json.loads(json.dumps(g.state_dict())))
+    assert restored == g and restored.state_dict() == g.state_dict()
+    g, restored = feed(g, {4: 0.8}), feed(restored, {4: 0.8})
     assert restored.probe(4, 0.0) == g.probe(4, 0.0)
-    restored.load_state_dict(None)  # a checkpoint written without a probe: nothing changes
-    assert restored.state_dict() == g.state_dict()
+    assert restored.loaded(None) == restored  # a checkpoint written without a probe: nothing changes
 
 
 # ---------------------------------------------------------------- config

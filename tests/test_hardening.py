@@ -210,18 +210,19 @@ def test_a_checkpoint_with_a_nan_is_refused_and_latest_stays(tok, tmp_path):
 
 
 def test_too_many_skipped_steps_in_a_row_stop_the_run():
-    from forge.loop import LoopState, stop_reason, update_streak
+    from forge.loop import Limits, LoopState, stop_reason, update_streak
     from forge.records import ScoredBatch, UpdateStats
 
     batch = ScoredBatch(["v"], torch.ones(2, 1), torch.ones(2), torch.zeros(2), {"v": 0})
     skipped = UpdateStats(*([0.0] * 8), tokens=1, seconds=0.0, policy_version=1, skipped=1)
     ok = UpdateStats(*([0.0] * 8), tokens=1, seconds=0.0, policy_version=1)
     state, cfg = LoopState(), RunConfig()
+    limits = Limits(cfg.reward.max_failing_steps, cfg.update.max_skipped_steps)
     for step, stats in enumerate([skipped, skipped, ok, skipped, skipped], start=1):  # a good step resets the count
         state = update_streak(dataclasses.replace(state, step=step), stats)
-        assert stop_reason(state, batch, cfg) == ""
+        assert stop_reason(state, batch, limits) == ""
     state = update_streak(dataclasses.replace(state, step=6), skipped)
-    assert re.match(r"step 6: 3 updates in a row .*\(update.max_skipped_steps=3\)", stop_reason(state, batch, cfg))
+    assert re.match(r"step 6: 3 updates in a row .*\(update.max_skipped_steps=3\)", stop_reason(state, batch, limits))
 
 
 # ---------------------------------------------------------------- lock, status, names, pointers

@@ -14,13 +14,18 @@ import torch
 
 from forge.config import AlgoConfig
 from forge.losses import StepTotals
-from forge.recipes.grpo import grpo_loss as policy_loss
+from forge.recipes.grpo import grpo_loss
 
 torch.set_num_threads(1)
 
 LOSSES = ["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
 MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])  # [n=2, T=3]
 TOTALS = StepTotals(sequences=2, tokens=5, max_len=5)  # max_len != T so Dr. GRPO's horizon is visible
+
+
+def policy_loss(logp, old, adv, mask, algo, totals, ref_logp=None, **kw):
+    """grpo_loss with its settings passed in order (the cases below read better that way)."""
+    return grpo_loss(logp, old, adv, mask, algo=algo, totals=totals, ref_logp=ref_logp, **kw)
 
 
 def leaf(rows: list[list[float]]) -> torch.Tensor:

@@ -111,7 +111,7 @@ def test_logprobs_are_deterministic_so_first_ratio_is_exactly_one(tok, model):
     # with old = logp.detach() the ratio is 1: no clipping, zero approx KL, loss = -aggregated advantage
     adv = torch.tensor([1.0, -1.0, 0.5, 0.5, 2.0, -2.0])
     totals = StepTotals(sequences=6, tokens=int(m.sum()), max_len=T)
-    out = grpo_loss(first, first.detach(), adv, ro.completion_mask, make_cfg().algo, totals)
+    out = grpo_loss(first, first.detach(), adv, ro.completion_mask, algo=make_cfg().algo, totals=totals)
     assert not out.clipped_low.any() and not out.clipped_high.any()
     assert torch.equal(out.kl_old, torch.zeros_like(out.kl_old)) and out.kl_ref is None
     # grpo: every token's L = -A_i, so each sequence mean is -A_i and the loss is -mean(A) = -(1/6)
@@ -119,7 +119,7 @@ def test_logprobs_are_deterministic_so_first_ratio_is_exactly_one(tok, model):
     # dapo (token mean), lengths [2, 1, 3, 4, 2, 2]: -(2*1 - 1 + 3*0.5 + 4*0.5 + 2*2 - 2*2) / 14 = -4.5 / 14
     cfg = make_cfg()
     cfg.algo.loss = "dapo"
-    out = grpo_loss(first, first.detach(), adv, ro.completion_mask, cfg.algo, totals)
+    out = grpo_loss(first, first.detach(), adv, ro.completion_mask, algo=cfg.algo, totals=totals)
     assert out.loss.item() == pytest.approx(-4.5 / 14, abs=1e-7)
 
 

@@ -10,9 +10,9 @@ of `{"role", "content"}` chat messages. One module per concern, pure ones first:
 - `prepare`: the stage: `build` (pure: splits, model_input, typed columns, manifest) and `write_prepared`
   (run_dir/data/{train,eval,probe}.parquet and manifest.json, atomically); `prepare` does both;
 - `store`: read a prepared run's data back and check its content hash (`read_split`, `check_data_hash`, ...);
-- `sampler`: `PromptSampler`, the seeded per-epoch order training rows are drawn in (resumable).
+- `sampler`: `prompt_batch`, the seeded per-epoch order training rows are drawn in (row i from (seed, i)).
 
-The names below are re-exported here: `from forge.data import prepare, read_split, PromptSampler` is the way in.
+The names below are re-exported here: `from forge.data import prepare, read_split, prompt_batch` is the way in.
 """
 
 from __future__ import annotations
@@ -20,14 +20,16 @@ from __future__ import annotations
 from typing import Any
 
 from forge.data.prepare import PreparedData, build, prepare, write_prepared
-from forge.data.sampler import PromptSampler
+from forge.data.sampler import next_row, prompt_batch, sampler_state
 from forge.data.sources import is_dataset_dict, load_rows, quiet_datasets, source_label, strict_json_loads
 from forge.data.store import check_data_hash, content_hash, read_probe, read_split, train_row_count
 from forge.data.validate import check_column_types, validate_rows
 
 __all__ = [
     "PreparedData",
-    "PromptSampler",
+    "next_row",
+    "prompt_batch",
+    "sampler_state",
     "build",
     "check_column_types",
     "check_data_hash",

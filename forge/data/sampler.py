@@ -1,58 +1,54 @@
-"""Deterministic prompt order for training: `PromptSampler` draws rows in a seeded permutation per epoch.
+"""Deterministic prompt order for training: row i of the endless order is a pure function of (seed, i).
 
-Its state is two integers (epoch, cursor), so a resumed run continues with exactly the batches it would have drawn.
+Epoch e visits the rows in the permutation seeded by (seed, e); `prompt_batch(rows, seed, start, n)` is rows
+start..start+n-1 of that order, so a step's prompts are derived from (seed, step) as its rollout seed is, and nothing
+is carried: the loop asks for step t's batch at index `offset + (t - 1) * B` (the offset is 0 unless a resumed run
+changed the batch size B). A checkpoint records the next row as (epoch, cursor) (`sampler_state`), the format the
+earlier stateful sampler wrote, so old checkpoints resume unchanged.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
 from forge.errors import UserError
 
 
-class PromptSampler:
-    """Endless deterministic sampler: epoch e visits the rows in the permutation seeded by (seed, e).
+@functools.lru_cache(maxsize=4)
+def _permutation(seed: int, epoch: int, count: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(count)
 
-    The state is (epoch, cursor) plus the seed and row count it applies to, so `load_state_dict` restores exactly
-    the future sequence without replaying the past.
+
+def prompt_batch(rows: list[dict], seed: int, start: int, n: int) -> list[dict]:
+    """Rows start..start+n-1 (copies) of the endless order; a batch repeats a row only if n > len(rows).
+
+    >>> rows = [{"id": i} for i in range(3)]
+    >>> epoch0 = [r["id"] for r in prompt_batch(rows, 7, 0, 3)]
+    >>> sorted(epoch0), [r["id"] for r in prompt_batch(rows, 7, 1, 2)] == epoch0[1:]
+    ([0, 1, 2], True)
     """
+    if not rows:
+        raise ValueError("prompt_batch needs at least one row")
+    if n < 0 or start < 0:
+        raise ValueError(f"start and n must be >= 0, got {start}, {n}")
+    count = len(rows)
+    return [dict(rows[_permutation(seed, i // count, count)[i % count]]) for i in range(start, start + n)]
 
-    def __init__(self, rows: list[dict], seed: int) -> None:
-        if not rows:
-            raise ValueError("PromptSampler needs at least one row")
-        self._rows = list(rows)
-        self._seed = seed
-        self._epoch = 0
-        self._cursor = 0
-        self._order = self._permutation(0)
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self._seed, epoch]).permutation(len(self._rows))
+def sampler_state(seed: int, num_rows: int, next_row: int) -> dict:
+    """The checkpoint's record of the prompt order: the next row to draw as (epoch, cursor), JSON-ready."""
+    return {"epoch": next_row // num_rows, "cursor": next_row % num_rows, "seed": seed, "num_rows": num_rows}
 
-    def next_batch(self, n: int) -> list[dict]:
-        """The next n rows (copies), crossing epoch boundaries; a batch can repeat a row only if n > len(rows)."""
-        if n < 0:
-            raise ValueError(f"batch size must be >= 0, got {n}")
-        batch = []
-        while len(batch) < n:
-            if self._cursor == len(self._rows):
-                self._epoch, self._cursor = self._epoch + 1, 0
-                self._order = self._permutation(self._epoch)
-            take = min(n - len(batch), len(self._rows) - self._cursor)
-            batch += [dict(self._rows[i]) for i in self._order[self._cursor : self._cursor + take]]
-            self._cursor += take
-        return batch
 
-    def state_dict(self) -> dict:
-        return {"epoch": self._epoch, "cursor": self._cursor, "seed": self._seed, "num_rows": len(self._rows)}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore a state_dict; raises UserError if it was saved for a different number of rows."""
-        saved_rows = state.get("num_rows", len(self._rows))
-        if saved_rows != len(self._rows):
-            raise UserError(
-                f"sampler state is for {saved_rows} training rows but the data has {len(self._rows)}; "
-                "resume with the run's own data/train.parquet"
-            )
-        self._seed, self._epoch, self._cursor = int(state["seed"]), int(state["epoch"]), int(state["cursor"])
-        self._order = self._permutation(self._epoch)
+def next_row(state: dict, num_rows: int) -> int:
+    """The index of the next row a checkpoint's `sampler_state` names; raises UserError if it was saved for a
+    different number of rows."""
+    saved_rows = state.get("num_rows", num_rows)
+    if saved_rows != num_rows:
+        raise UserError(
+            f"sampler state is for {saved_rows} training rows but the data has {num_rows}; "
+            "resume with the run's own data/train.parquet"
+        )
+    return int(state["epoch"]) * num_rows + int(state["cursor"])

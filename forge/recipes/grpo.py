@@ -1,12 +1,14 @@
 """GRPO, top to bottom: prep, then [rollout -> reward -> update -> (evaluate, probe, checkpoint)] x steps.
 
-`run(cfg, run_dir)` is the only step loop in forgeweave; `update_micro_batch` and `grpo_loss` are the update math,
-which the trainer (`forge.trainer`) calls for each micro-batch while it keeps micro-batching, gradient sync,
-clipping and the optimizer. Every stage call goes through one seam, `runner(Stage.X, step, fn, *args)`, with `fn`
-a method of a `Stages` object (`forge.stages`): plain mode calls it, the Prefect flow makes it a task run, and
-under Ray the methods are calls on long-lived actors Weaver placed. Bookkeeping (the run record, the schedule,
-stop rules) is `forge.loop`, outside the seam. Variants are config: `algo.loss` picks an objective and a
-normaliser from `LOSSES`, `algo.advantage` an estimator (`forge.advantages`).
+`run(cfg, run_dir)` is the only step loop in forgeweave (`python -m forge.recipes.grpo --preset tiny` runs it alone,
+no Prefect, no Ray); `update_micro_batch` and `grpo_loss` are the update math, which the trainer (`forge.trainer`)
+calls for each micro-batch while it keeps micro-batching, gradient sync, clipping and the optimizer. Every stage call
+goes through one seam, `runner(Stage.X, step, fn, *args)`, with `fn` a method of a `Stages` object (`forge.stages`):
+plain mode calls it, the Prefect flow makes it a task run, and under Ray the methods are calls on long-lived actors
+Weaver placed. The run's context is one frozen `Run`, all that changes one `LoopState` (`forge.loop`), and every
+helper here is `f(run, state, step) -> LoopState`; what is built from the config is `forge.recipes.compose`.
+Variants are config: `algo.loss` picks an objective and a normaliser from `LOSSES`, `algo.advantage` an estimator
+(`forge.advantages`).
 
 Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024), each a config key:
 1. no KL term by default (`algo.beta` = 0.0: no reference model is loaded); with beta > 0 it is the k3 estimator.
@@ -29,12 +31,13 @@ Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024), each a config ke
    only, and an episode cut by a limit is left out of the loss (`env.mask_truncated` = True).
 11. on-policy distillation (`reward.teacher`): a teacher's log-ratio as [N, T] advantages, or its top-k KL in the loss.
 
-Randomness is derived, never carried: step t's rollout is seeded from (seed, t) (`forge.rollout.base.rollout_seed`) and
-the update's dropout from (seed, t, rank) (`forge.trainer.update_seed`), so a retried, resumed or recovered step samples
-and trains what the uninterrupted one did and no RNG state is saved. Collapse guard (`collapse.probe_source`): greedy
-pass@1 on a probe set the reward never sees; when it falls while reward/mean rises the run warns, rolls back to the
-best-probe checkpoint or stops (`collapse.action`). Faults: a `WorkerLost` rebuilds the stages and continues from the
-last checkpoint (`orchestration.max_restarts`).
+Randomness is derived, never carried: step t's prompts are rows (t - 1) * B .. t * B - 1 of a seeded order
+(`forge.data.prompt_batch`), its rollout is seeded from (seed, t) (`forge.rollout.base.rollout_seed`) and the update's
+dropout from (seed, t, rank) (`forge.trainer.update_seed`), so a retried, resumed or recovered step samples and trains
+what the uninterrupted one did and no RNG state or data cursor is carried. Collapse guard (`collapse.probe_source`):
+greedy pass@1 on a probe set the reward never sees; when it falls while reward/mean rises the run warns, rolls back
+to the best-probe checkpoint or stops (`collapse.action`). Faults: a `WorkerLost` rebuilds the stages and continues
+from the last checkpoint (`orchestration.max_restarts`).
 
 Run directory: config.yaml (+ config_changes.jsonl), plan.json, status.json, data/, metrics.jsonl, samples.jsonl,
 eval/step-NNNNNN.json, eval/probe-step-NNNNNN.json, checkpoints/step-NNNNNN/ + latest, ensemble/step-NNNNNN.json,
@@ -54,16 +57,15 @@ from forge.config import AlgoConfig, RunConfig
 from forge.errors import UserError
 from forge.guard import CollapseGuard
 from forge.loop import (
-    Data,
     LoopState,
-    RunRecord,
-    Schedule,
+    Run,
     collect_saved,
     environment_streak,
-    prepare_data,
     recover,
+    request_of,
     restore,
     rollback_target,
+    sampler_payload,
     say,
     stop_reason,
     update_streak,
@@ -91,10 +93,10 @@ from forge.metrics import (
     show_verifier_errors,
     step_metrics,
 )
-from forge.records import MicroBatch, MicroStats, RolloutRequest
-from forge.rollout.base import SamplingParams, rollout_seed
+from forge.recipes.compose import RunRecord, loop_context, prepare_data
+from forge.records import MicroBatch, MicroStats
 from forge.rundir import progress_bar, update_bar
-from forge.stages import LocalStages, Stage, StageRunner, Stages, StagesFactory, WorkerLost, call_stage
+from forge.stages import LocalStages, Stage, StageRunner, StagesFactory, WorkerLost, call_stage
 from forge.tracking import Tracker
 
 # algo.loss -> (per-token objective, normaliser over the step): the variants differ in these two pieces only
@@ -107,7 +109,7 @@ LOSSES = {
 }
 
 
-def grpo_loss(logp, old_logp, advantages, mask, algo: AlgoConfig, totals: StepTotals, ref_logp=None,
+def grpo_loss(logp, old_logp, advantages, mask, *, algo: AlgoConfig, totals: StepTotals, ref_logp=None,
               is_weight=None, distill=None) -> LossOutput:  # fmt: skip
     """A micro-batch's share of the step's policy loss. [n, T] log-probs, mask and distill, [n] or [n, T] advantages."""
     mask, adv = mask.to(logp.dtype), advantages.to(logp.dtype)  # [n] one per completion, or [n, T] one per token
@@ -129,7 +131,7 @@ def grpo_loss(logp, old_logp, advantages, mask, algo: AlgoConfig, totals: StepTo
     return LossOutput(loss, kl_old, None if kl_ref is None else kl_ref.detach(), low & m, high & m)
 
 
-def update_micro_batch(policy, mb: MicroBatch, algo: AlgoConfig, totals: StepTotals, backward) -> MicroStats:
+def update_micro_batch(policy, mb: MicroBatch, algo: AlgoConfig, totals: StepTotals, *, backward) -> MicroStats:
     """The GRPO update of one micro-batch: log-probs -> ratio -> loss -> backward. `policy(mb)` gives the current
     log-probs [n, T] (every real token attended); the loss, its normalisers, the importance weights, entropy, KL
     and the log-prob diff count only `mb.train_mask` (sampled tokens: environment and tool tokens carry no loss).
@@ -138,163 +140,158 @@ def update_micro_batch(policy, mb: MicroBatch, algo: AlgoConfig, totals: StepTot
     old = out.logp.detach() if mb.old_logp is None else mb.old_logp  # pi_old: the ratio is exactly 1 on pass 1
     weight = importance_weights(old, mb.sampler_logp, algo.is_cap) if algo.tis else None  # sampled by mu != pi_old
     distill = None if mb.teacher is None else mb.teacher.kl(out.extra)  # [n, T]: KL to a teacher's top k, weighted
-    res = grpo_loss(out.logp, old, mb.advantages, mb.train_mask, algo, totals, mb.ref_logp, weight, distill)
+    res = grpo_loss(out.logp, old, mb.advantages, mb.train_mask, algo=algo, totals=totals, ref_logp=mb.ref_logp,
+                    is_weight=weight, distill=distill)
     backward(res.loss)
     return MicroStats.of(res, out.entropy, old, mb, weight, algo.is_cap, distill)
 
 
-def run(cfg: RunConfig, run_dir: Path, resume: bool = False, tracker: Tracker | None = None, progress: bool = True,
+def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False, tracker: Tracker | None = None, progress: bool = True,
         plan: dict | None = None, stages: StagesFactory = LocalStages, runner: StageRunner = call_stage,
         **summary_extra) -> dict:  # fmt: skip
     """Train with GRPO and return summary.json's content. Raises UserError for problems a user can fix.
     `stages(cfg, run_dir, plan, update_fn)` builds the workers (in-process by default); `runner` runs each stage."""
     cfg, run_dir = cfg.validate(), Path(run_dir)
-    record = RunRecord(cfg, run_dir, resume, tracker, plan)
+    record = RunRecord(cfg, run_dir, resume, tracker=tracker, plan=plan)
     with record.failed_on_error():
         resume = record.resume_from is not None  # stopped before its first checkpoint: from step 0
         if not resume:
             record.fresh()
             runner(Stage.PREPARE, 0, prepare_data, cfg, run_dir)  # data/{train,eval,probe}.parquet, manifest
-        data = Data.read(cfg, run_dir)
-        sched = Schedule.of(cfg)
-        guard = CollapseGuard.for_run(cfg.collapse) if sched.probe_every else None
-        work, restarts, ahead = start(stages, cfg, run_dir, plan, record), 0, {}
+        build = lambda: loop_context(cfg, stages(cfg, run_dir, plan, update_micro_batch), runner, record)  # noqa: E731
+        run_ = build()
         try:
-            state = restore(record.resume_from, work, data, record, guard) if resume else \
-                first_eval(cfg, work, runner, data, record, guard, sched)  # fmt: skip
-            first = (state, guard.state_dict() if guard else None)  # what a recovery before any checkpoint redoes
-            bar = progress_bar(cfg.steps, state.step, progress)
+            guard = CollapseGuard.for_run(cfg.collapse) if run_.sched.probe_every else None
+            state = restore(run_, LoopState(guard=guard), record.resume_from) if resume else first_eval(run_, guard)
+            first, bar = state, progress_bar(cfg.steps, state.step, progress)  # first: what a recovery redoes
             while state.step < cfg.steps and not state.stopped:
                 try:
-                    state = grpo_step(state.step + 1, state, cfg, work, runner, data, record, guard, sched, ahead)
+                    state = grpo_step(run_, state, state.step + 1)
                     update_bar(bar, state.last_reward, state.last_eval)
                 except WorkerLost as lost:  # rebuild the workers; continue from the last checkpoint
-                    restarts += 1
-                    if restarts > cfg.orchestration.max_restarts:
-                        raise UserError(
-                            f"{lost} (after {restarts - 1} restarts; orchestration.max_restarts="
-                            f"{cfg.orchestration.max_restarts}); continue with --resume"
-                        ) from lost
-                    say(f"forgeweave: {lost}; restarting the workers ({restarts}/{cfg.orchestration.max_restarts})")
-                    work.close()
-                    work, ahead = start(stages, cfg, run_dir, plan, record), {}
-                    state = recover(first, work, data, record, guard)
+                    state = dataclasses.replace(state, restarts=state.restarts + 1, ahead=())
+                    if state.restarts > (cap := cfg.orchestration.max_restarts):
+                        raise UserError(f"{lost} (after {state.restarts - 1} restarts; orchestration.max_restarts="
+                                        f"{cap}); continue with --resume") from lost  # fmt: skip
+                    say(f"forgeweave: {lost}; restarting the workers ({state.restarts}/{cap})")
+                    run_.work.close()
+                    run_ = build()
+                    state = recover(run_, state, first)
             if bar is not None:
                 bar.close()
-            state = collect_saved(state, work, record)
+            state = collect_saved(run_, state)
         finally:
-            work.close()  # also on Ctrl-C / SIGTERM: no process outlives the run
-        extra = {**summary_extra, "restarts": restarts, **(guard.summary(state.stopped) if guard else {})}
+            run_.work.close()  # also on Ctrl-C / SIGTERM: no process outlives the run
+        extra = {**summary_extra, "restarts": state.restarts}
+        extra.update(state.guard.summary(state.stopped) if state.guard else {})
         if state.saved is not None:
             extra["checkpoint"] = {"async_save": cfg.checkpoint.async_save, "bytes": state.saved.bytes,
                                    "last": Path(state.saved.path).name}  # fmt: skip
         return record.finish(state, extra)
 
 
-def grpo_step(step: int, state: LoopState, cfg: RunConfig, work: Stages, runner: StageRunner, data: Data,
-              record: RunRecord, guard: CollapseGuard | None, sched: Schedule, ahead: dict) -> LoopState:  # fmt: skip
+def grpo_step(run: Run, state: LoopState, step: int) -> LoopState:
     """One GRPO step; returns the loop state after it."""
-    clock = Stopwatch()
-    request = next_request(step, cfg, work, data, sched, ahead)  # B prompts (and up to k later steps started)
+    clock, record = Stopwatch(), run.record
+    state = start_rollouts(run, state, step)  # B prompts from (seed, step) (and up to k later steps started)
+    request = next(r for r in state.ahead if r.step == step)
+    state = dataclasses.replace(state, step=step, ahead=tuple(r for r in state.ahead if r.step != step))
     with clock("rollout"):  # 1. G samples for each of B prompts, from a policy <= k versions old
-        rollouts = runner(Stage.ROLLOUT, step, work.rollout, request)
-    stale = checked_staleness(step, work.policy_version, sampled_versions(rollouts), cfg.algo.max_staleness)
+        rollouts = run.runner(Stage.ROLLOUT, step, run.work.rollout, request)
+    stale = checked_staleness(step, run.work.policy_version, sampled_versions(rollouts), run.max_staleness)
     with clock("reward"):  # 2. verifiers -> reward -> group-relative advantages
-        scores = runner(Stage.REWARD, step, work.reward, request.rows, rollouts, step)
-    show_verifier_errors(scores, step, record.shown_errors)
-    state = verifier_streaks(environment_streak(dataclasses.replace(state, step=step), rollouts), scores)
-    if reason := stop_reason(state, scores, cfg):  # a verifier or the environment failing on every item
+        scores = run.runner(Stage.REWARD, step, run.work.reward, request.rows, rollouts, step)
+    state = dataclasses.replace(state, shown_errors=show_verifier_errors(scores, step, state.shown_errors))
+    state = verifier_streaks(environment_streak(state, rollouts), scores)
+    if reason := stop_reason(state, scores, run.limits):  # a verifier or the environment failing on every item
         raise UserError(reason)
     with clock("update"):  # 3. log-probs -> ratio -> loss -> backward -> step (update_micro_batch); new weights out
-        stats = runner(Stage.UPDATE, step, work.update, rollouts, scores.advantages, scores.teacher_topk)
-    if reason := stop_reason(state := update_streak(state, stats), scores, cfg):  # too many non-finite updates
+        stats = run.runner(Stage.UPDATE, step, run.work.update, rollouts, scores.advantages, scores.teacher_topk)
+    if reason := stop_reason(state := update_streak(state, stats), scores, run.limits):  # non-finite updates
         raise UserError(reason)
     report = None
-    if sched.eval_due(step):  # 4. held-out pass@1 on schedule
+    if run.sched.eval_due(step):  # 4. held-out pass@1 on schedule
         with clock("evaluate"):
-            report = runner(Stage.EVALUATE, step, work.evaluate, data.eval, step)
+            report = run.runner(Stage.EVALUATE, step, run.work.evaluate, run.data.eval, step)
         record.eval_report(report)
         state = dataclasses.replace(state, last_eval=report)
     metrics = {**step_metrics(rollouts, scores, stats, clock.laps, clock.elapsed(), stale),
                **eval_metrics(report or {})}  # fmt: skip
-    state = dataclasses.replace(state.timed(clock.laps), last_reward=metrics["reward/mean"])
-    if guard is not None:
-        guard.observe(step, metrics["reward/mean"])
-    record.step(step, metrics, request.rows, rollouts, scores)
-    if sched.probe_due(step):  # 5. labelled probe -> collapse guard: warn, roll back or stop
-        state = probe(step, state, cfg, work, runner, data, record, guard)
-    if sched.checkpoint_due(step):  # 6. weights, optimizer, data cursor, loop state; atomically
-        state = checkpoint(step, state, cfg, work, runner, data, record, guard)
+    guard = state.guard.observe(step, metrics["reward/mean"]) if state.guard else None
+    state = dataclasses.replace(state.timed(clock.laps), last_reward=metrics["reward/mean"], guard=guard)
+    record.step(step, metrics, rows=request.rows, rollouts=rollouts, batch=scores)
+    if run.sched.probe_due(step):  # 5. labelled probe -> collapse guard: warn, roll back or stop
+        state = probe(run, state, step)
+    if run.sched.checkpoint_due(step):  # 6. weights, optimizer, loop state (the prompt order's next row); atomically
+        state = checkpoint(run, state, step)
     return state
 
 
-def next_request(step: int, cfg: RunConfig, work: Stages, data: Data, sched: Schedule, ahead: dict) -> RolloutRequest:
-    """Step `step`'s rollout request; asynchronous GRPO also starts those of up to algo.max_staleness later steps
-    from the policy the trainer holds now, never past the next checkpoint (in-flight work is drained there)."""
-    r = cfg.rollout
-    for s in range(step, min(step + cfg.algo.max_staleness, sched.next_checkpoint(step)) + 1):
-        if s not in ahead:
-            rows = data.sampler.next_batch(r.prompts_per_step)
-            params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.group_size, rollout_seed(cfg.seed, s))
-            ahead[s] = RolloutRequest(s, rows, [row["model_input"] for row in rows], params, work.policy_version)
-            work.prefetch(ahead[s])
-    return ahead.pop(step)
+def start_rollouts(run: Run, state: LoopState, step: int) -> LoopState:
+    """The state with step `step`'s rollout request started; asynchronous GRPO also starts those of up to
+    algo.max_staleness later steps from the policy the trainer holds now, never past the next checkpoint (in-flight
+    work is drained there). A request is started once (`prefetch`, on Ray) and kept in `state.ahead` until its step."""
+    started = {r.step for r in state.ahead}
+    last = min(step + run.max_staleness, run.sched.next_checkpoint(step))
+    new = tuple(request_of(run, state, s) for s in range(step, last + 1) if s not in started)
+    for request in new:
+        run.work.prefetch(request)
+    return dataclasses.replace(state, ahead=(*state.ahead, *new))
 
 
-def probe(step, state, cfg, work, runner, data, record, guard) -> LoopState:
+def probe(run: Run, state: LoopState, step: int) -> LoopState:
     """Greedy pass@1 on the probe rows; the guard decides; a firing is printed and logged, maybe restored from."""
-    report = runner(Stage.PROBE, step, work.evaluate, data.probe[: cfg.collapse.probe_max_problems], step, True)
-    record.eval_report(report, probe=True)
-    event = guard.probe(step, report["pass@1"])
-    record.probe(step, report, guard.metrics(event), guard.events)
-    state = state.timed({"probe": report["seconds"]})
+    rows = run.data.probe[: run.probe_rows]
+    report = run.runner(Stage.PROBE, step, run.work.evaluate, rows, step, True)
+    run.record.eval_report(report, probe=True)
+    guard, event = state.guard.probe(step, report["pass@1"])
+    run.record.probe(step, report, guard.metrics(event), list(guard.events))
+    state = dataclasses.replace(state.timed({"probe": report["seconds"]}), guard=guard)
     if event is None:
         return state
     say(event.line())
     if event.action in ("rollback", "stop"):  # the best probe's weights, optimizer, reward state (and eval)
-        state = collect_saved(state, work, record)  # it may still be in flight; retention keeps it
-        ckpt = rollback_target(step, record, guard)  # the best probe's, or the newest intact one before it
+        state = collect_saved(run, state)  # it may still be in flight; retention keeps it
+        ckpt, guard = rollback_target(step, run.record, state.guard)  # the best probe's, or the newest intact before
         saved = load_state(ckpt)
-        work.restore(ckpt, saved.get("aggregator"))  # new prompts and rollout seeds go on
-        if (saved.get("last_eval") or {}).get("step") == saved["step"]:
-            state = dataclasses.replace(state, last_eval=saved["last_eval"])
+        run.work.restore(ckpt, saved.get("aggregator"))  # new prompts and rollout seeds go on
+        last = saved["last_eval"] if (saved.get("last_eval") or {}).get("step") == saved["step"] else state.last_eval
+        state = dataclasses.replace(state, guard=guard, last_eval=last)
     stopped = event.line().removeprefix("forgeweave: ") if event.action == "stop" else ""
     return dataclasses.replace(state, stopped=stopped)
 
 
-def checkpoint(step, state, cfg, work, runner, data, record, guard) -> LoopState:
+def checkpoint(run: Run, state: LoopState, step: int) -> LoopState:
     """Start checkpoint `step` once the previous one is durable (at most one in flight); written in the background
     (`checkpoint.async_save`) or waited for here."""
-    start = time.perf_counter()
-    state = collect_saved(state, work, record)
+    start_s = time.perf_counter()
+    state = collect_saved(run, state)
     last = state.last_eval
     score = last["pass@1"] if last and last.get("step") == step else None
-    score = guard.score_at(step) if guard else score  # retention: the best by probe pass@1 if probed
-    payload = {**state.payload(), "sampler": data.sampler.state_dict(), "aggregator": work.reward_state(),
-               "data_hash": data.hash, "guard": guard.state_dict() if guard else None}  # fmt: skip
-    runner(Stage.CHECKPOINT, step, work.save, record.run_dir / "checkpoints", step, payload, score)
-    state = dataclasses.replace(state, saving=(step, time.perf_counter() - start))
-    state = state if cfg.checkpoint.async_save else collect_saved(state, work, record)
-    return state.timed({"checkpoint": time.perf_counter() - start})
+    score = state.guard.score_at(step) if state.guard else score  # retention: the best by probe pass@1 if probed
+    payload = {**state.payload(), "sampler": sampler_payload(run, state, step), "aggregator": run.work.reward_state(),
+               "data_hash": run.data.hash}  # fmt: skip
+    run.runner(Stage.CHECKPOINT, step, run.work.save, run.record.run_dir / "checkpoints", step, payload, score)
+    state = dataclasses.replace(state, saving=(step, time.perf_counter() - start_s))
+    state = state if run.async_save else collect_saved(run, state)
+    return state.timed({"checkpoint": time.perf_counter() - start_s})
 
 
-def start(stages: StagesFactory, cfg: RunConfig, run_dir: Path, plan: dict | None, record: RunRecord) -> Stages:
-    """The workers (update ranks, rollout engines, reward), recorded in workers.json and the tracker."""
-    work = stages(cfg, run_dir, plan, update_micro_batch)
-    record.started_workers(work.where())
-    record.track_start()
-    return work
-
-
-def first_eval(cfg, work, runner, data, record, guard, sched) -> LoopState:
+def first_eval(run: Run, guard: CollapseGuard | None) -> LoopState:
     """Step 0: the initial evaluation; with a probe set the guard's first best (and a checkpoint to roll back to)."""
-    report = runner(Stage.EVALUATE, 0, work.evaluate, data.eval, 0)
-    record.eval_report(report)
-    record.log(eval_metrics(report), 0)
-    state = LoopState(initial_eval=report, last_eval=report).timed({"evaluate": report["seconds"]})
+    report = run.runner(Stage.EVALUATE, 0, run.work.evaluate, run.data.eval, 0)
+    run.record.eval_report(report)
+    run.record.log(eval_metrics(report), 0)
+    state = LoopState(initial_eval=report, last_eval=report, guard=guard).timed({"evaluate": report["seconds"]})
     if guard is not None:
-        state = probe(0, state, cfg, work, runner, data, record, guard)
-        if sched.restores:
-            state = checkpoint(0, state, cfg, work, runner, data, record, guard)
-    record.status("running", 0)
+        state = probe(run, state, 0)
+        if run.sched.restores:
+            state = checkpoint(run, state, 0)
+    run.record.status("running", 0)
     return state
+
+
+if __name__ == "__main__":  # python -m forge.recipes.grpo --preset tiny: the recipe alone, no Prefect, no Ray
+    from forge.recipes.cli import main
+
+    main(run)

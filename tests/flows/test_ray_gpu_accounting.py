@@ -22,8 +22,8 @@ from flows import ray_reserve
 from flows.planning import plan_run
 from flows.ray_exec import RayStages
 from forge.errors import UserError
-from forge.loop import prepare_data
 from forge.presets import tiny
+from forge.recipes.compose import prepare_data
 from forge.recipes.grpo import update_micro_batch
 from weaver.apply import Bundle
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from forge.data import PromptSampler, read_split
+from forge.data import prompt_batch, read_split
 from forge.presets import tiny
 from forge.recipes.grpo import run
 from forge.rollout import SamplingParams
@@ -33,11 +33,11 @@ def synchronous_by_hand(cfg, run_dir) -> dict[str, torch.Tensor]:
     trainer = TrainerWorker(cfg)
     rollout = RolloutWorker(cfg, model=trainer.trainer.unwrapped, tokenizer=trainer.tokenizer)
     reward = RewardWorker(cfg)
-    sampler = PromptSampler(read_split(run_dir, "train"), seed=cfg.seed)
+    train = read_split(run_dir, "train")
     r = cfg.rollout
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, n=r.group_size)
     for step in range(1, cfg.steps + 1):
-        rows = sampler.next_batch(r.prompts_per_step)
+        rows = prompt_batch(train, cfg.seed, (step - 1) * r.prompts_per_step, r.prompts_per_step)
         ro = rollout.generate([row["model_input"] for row in rows], params, trainer.policy_version)
         trainer.step(ro, reward.score(rows, ro, step).advantages, publish=False)
         rollout.load_weights(None, trainer.policy_version)
