@@ -32,14 +32,13 @@ import copy
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from forge.config import ConfigError, RunConfig, apply_overrides, load_yaml, overlay
 from forge.errors import UserError
-from forge.rundir import INPUTS, check_run_name, claim_run_dir
+from forge.rundir import INPUTS, claim_run_dir, default_run_dir
 from forge.tracking import Tracker
 
 TrackerFactory = Callable[[RunConfig, Path], Tracker | None]
@@ -88,7 +87,7 @@ def train(
             cfg.env.environment_factory = env_specs[0]
         if tools is not None:
             cfg.env.tools = env_specs[1:]
-        run_dir = Path(run_dir) if run_dir else default_run_dir(cfg)
+        run_dir = Path(run_dir) if run_dir else default_run_dir(cfg.preset)
     cfg.validate()
     _check_in_process(cfg)
     with provided(functions):
@@ -187,11 +186,6 @@ def _resumed(run_dir, config, dataset, eval_dataset, overrides, specs) -> tuple[
         )
     return cfg, run_dir
 
-
-def default_run_dir(cfg: RunConfig) -> Path:
-    """`$FORGEWEAVE_RUNS_DIR` (or ./runs) / `<preset>-<time>`."""
-    runs = Path(os.environ.get("FORGEWEAVE_RUNS_DIR", "runs"))
-    return runs / check_run_name(f"{cfg.preset or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 def _check_in_process(cfg: RunConfig) -> None:

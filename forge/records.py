@@ -19,7 +19,21 @@ import torch
 
 if TYPE_CHECKING:
     from forge.losses import LossOutput
-    from forge.rollout import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a rollout call samples (`forge.rollout.base.RolloutBackend.generate`)."""
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    n: int = 1  # completions per prompt (G)
+    seed: int | None = None  # sampling seed chosen by the caller (None: the process's RNG); greedy ignores it
+    batch_size: int | None = None  # sequences per generate() call (hf); None: the backend's own (rollout.batch_size)
+    # this call's first row in its step, when the Ray adapter splits a step between replicas (it also shifts `seed` by
+    # it); an unseeded multi-turn call offsets its one RNG draw likewise (forge.env.episode.episode_seeds)
+    first_row: int = 0
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,12 @@ def check_run_name(name: str) -> str:
     return name
 
 
+def default_run_dir(preset: str) -> Path:
+    """`$FORGEWEAVE_RUNS_DIR` (or ./runs) / `<preset>-<time>` (`run-<time>` without a preset)."""
+    runs = Path(os.environ.get("FORGEWEAVE_RUNS_DIR", "runs"))
+    return runs / check_run_name(f"{preset or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
 def claim_run_dir(run_dir: Path, resume: bool) -> None:
     """`check_run_dir`, then create the directory when new."""
     check_run_dir(run_dir, resume)

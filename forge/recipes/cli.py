@@ -9,10 +9,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from forge.api import default_run_dir
 from forge.config import ConfigError, apply_overrides
 from forge.errors import UserError
 from forge.presets import PRESETS, compose
+from forge.rundir import default_run_dir
 
 
 def main(run: Callable[..., dict], argv: list[str] | None = None) -> None:
@@ -27,7 +27,7 @@ def main(run: Callable[..., dict], argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     try:
         cfg = apply_overrides(compose(args.preset, None), args.set)
-        run_dir = args.run_dir or default_run_dir(cfg)
+        run_dir = args.run_dir or default_run_dir(cfg.preset)
         summary = run(cfg, run_dir, resume=args.resume, progress=not args.no_progress)
     except (UserError, ConfigError) as e:
         sys.exit(f"forgeweave: {e}")

@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from forge.records import Episodes, Rollouts
+from forge.records import Episodes, Rollouts, SamplingParams
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    n: int = 1  # completions per prompt (G)
-    seed: int | None = None  # sampling seed chosen by the caller (None: the process's RNG); greedy ignores it
-    batch_size: int | None = None  # sequences per generate() call (hf); None: the backend's own (rollout.batch_size)
-    # this call's first row in its step, when the Ray adapter splits a step between replicas (it also shifts `seed` by
-    # it); an unseeded multi-turn call offsets its one RNG draw likewise (forge.env.episode.episode_seeds)
-    first_row: int = 0
+__all__ = ["SamplingParams", "rollout_seed", "RolloutBackend"]
 
 
 def rollout_seed(seed: int, step: int) -> int:
