@@ -49,6 +49,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -72,6 +73,7 @@ from forge.models import load_tokenizer
 from forge.records import RolloutRequest, Rollouts, ScoredBatch, TeacherTopK, UpdateStats
 from forge.rollout.base import SamplingParams, concat_rollouts
 from forge.stages import WorkerLost
+from forge.weight_group import SECRET_ENV
 from weaver.apply import (
     ActorSpec,
     WeightRoutes,
@@ -152,6 +154,7 @@ class RayStages:
         self.pad_id = load_tokenizer(cfg.model).pad_token_id
         self.teacher = _has_teacher(cfg, self.plan)
         _check_pools(self.plan, self.run_dir)
+        os.environ[SECRET_ENV] = secrets.token_hex(32)  # this run's weight-group secret: every actor's environment
         try:
             self.reservation = self._reserve(cores)
             self.transport = self._transport()

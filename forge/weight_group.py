@@ -30,14 +30,27 @@ bucket (mapping the sender's memory, no copy), hands views of it to `load` — w
 memory goes back to the sender after the ack — then acks. Every member checks at connect that it is on rank 0's host
 and device (`place`), else one line. The CUDA lines (handle, device index, `ipc_collect`) have run only through the
 device check (scripts/gpu_check.py); on the CPU the same protocol runs in the tests.
+
+Trust: the members share a per-run secret (`weight_secret`: $FORGEWEAVE_WEIGHT_SECRET, made by the driver and handed
+to its stage processes in their environment, never in argv). The store listens only on the address it is hosted on
+(a socket bound there first and handed to torch: torch's own store binds every interface), and under ipc on
+127.0.0.1. At connect every member proves it holds the secret (an HMAC of rank 0's fresh nonce and its rank) and
+rank 0 proves it back, before any process group forms or any handle is read; every value the ipc transport puts in
+the store (handles, acks) carries an HMAC of its key and bytes, checked before it is used, and a handle is accepted
+only if it is the one rebuild the sender's device produces, for exactly the dtype and size of its bucket in the
+`WeightPlan`. Not covered: the bytes of a gloo/NCCL broadcast travel unsigned over the group's own connections (a
+peer cannot join without the secret, but the transport is not encrypted).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import io
 import os
 import pickle
+import secrets
 import socket
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
@@ -51,6 +64,8 @@ from forge.errors import UserError
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 BUCKET_BYTES = 64 << 20
 BACKENDS = ("gloo", "nccl", "ipc")
+SECRET_ENV = "FORGEWEAVE_WEIGHT_SECRET"
+MAC_BYTES = 32
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], None]
 
@@ -116,6 +131,23 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def weight_secret() -> bytes:
+    """The run's weight-group secret: $FORGEWEAVE_WEIGHT_SECRET (hex), made here (and put in this process's
+    environment, which child processes and the stage actors the driver starts inherit) if it is not set yet."""
+    value = os.environ.get(SECRET_ENV, "")
+    if not value:
+        value = os.environ[SECRET_ENV] = secrets.token_hex(32)
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise UserError(f"${SECRET_ENV} must be hex (it is made by forgeweave; unset it to get a fresh one)") from None
+
+
+def mac(secret: bytes, key: str, data: bytes) -> bytes:
+    """HMAC-SHA256 of a store value `data` under store key `key`."""
+    return hmac.new(secret, key.encode() + b"\0" + data, hashlib.sha256).digest()
+
+
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
@@ -125,11 +157,12 @@ class WeightGroup:
     receivers call `connect` with rank 0's address and port. Every member's `connect` blocks until all have come."""
 
     def __init__(self, rank: int, world: int, backend: str = "", timeout: timedelta = DEFAULT_TIMEOUT,
-                 device: torch.device | None = None):  # fmt: skip
+                 device: torch.device | None = None, secret: bytes | None = None):  # fmt: skip
         """`backend`: gloo, nccl or ipc (handles through the store; see the module docstring); '' = gloo on CPU,
         nccl on CUDA. `device`: where this member's buckets live; by default the current CUDA device under NCCL (and
         under ipc when CUDA is available), else the CPU. A CUDA device with gloo (which stages each bucket through
-        host memory) is how scripts/gpu_check.py runs two members on one GPU, where NCCL refuses two ranks."""
+        host memory) is how scripts/gpu_check.py runs two members on one GPU, where NCCL refuses two ranks.
+        `secret`: the members' shared secret (default `weight_secret()`)."""
         if world < 2 or not 0 <= rank < world:
             raise ValueError(f"weight group: rank {rank} of world {world} (needs world >= 2)")
         self.rank, self.world = rank, world
@@ -137,6 +170,7 @@ class WeightGroup:
         if self.backend not in BACKENDS:
             raise ValueError(f"weight group: backend must be gloo, nccl or ipc, got {self.backend!r}")
         self.timeout = timeout
+        self.secret = secret if secret is not None else weight_secret()
         self.store: dist.TCPStore | None = None
         self.pg = None
         self.syncs = 0  # ipc: syncs sent or received so far (the store keys' prefix)
@@ -146,17 +180,28 @@ class WeightGroup:
         self.device = device or torch.device("cpu")
 
     def host(self, address: str, port: int = 0) -> int:
-        """Rank 0: open the TCP store on `address` (port 0: a free one); returns the port the receivers connect to."""
+        """Rank 0: open the TCP store on `address` only (ipc: on 127.0.0.1; port 0: a free one); returns the port the
+        receivers connect to."""
         assert self.rank == 0, "only rank 0 hosts the weight group's store"
+        address = "127.0.0.1" if self.backend == "ipc" else address
+        listener = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((address, port))
+        listener.listen(128)
+        port = listener.getsockname()[1]  # the store owns the socket from here (it closes it)
         self.store = dist.TCPStore(address, port, self.world, is_master=True, timeout=self.timeout,
-                                   wait_for_workers=False)  # fmt: skip
+                                   wait_for_workers=False, master_listen_fd=listener.detach())  # fmt: skip
+        self.store.set("auth/nonce", secrets.token_bytes(16))
         return self.store.port
 
     def connect(self, address: str, port: int, local_address: str = "") -> None:
         """Join the group at rank 0's `address:port` (blocks until every member has joined, within the timeout).
-        `local_address`: the address this member's gloo transport binds ($GLOO_SOCKET_IFNAME wins if set)."""
+        `local_address`: the address this member's gloo transport binds ($GLOO_SOCKET_IFNAME wins if set). Every
+        member proves the run's secret first (`_authenticate`)."""
         if self.store is None:
+            address = "127.0.0.1" if self.backend == "ipc" else address  # ipc: every member is on rank 0's host
             self.store = dist.TCPStore(address, port, self.world, is_master=False, timeout=self.timeout)
+        self._authenticate()
         if self.backend == "ipc":
             self._check_places()
             return
@@ -176,6 +221,33 @@ class WeightGroup:
 
     def _ipc_store(self) -> dist.Store:
         return dist.PrefixStore("forgeweave-ipc", self.store)
+
+    def _authenticate(self) -> None:
+        """Each member writes an HMAC of rank 0's nonce and its rank; rank 0 checks every one before the group forms,
+        and every member checks rank 0's: a process without the run's secret can neither join nor pose as rank 0."""
+        self._wait(self.store, {"auth/nonce": 0}, "read rank 0's nonce")
+        nonce = self.store.get("auth/nonce")
+        self.store.set(f"auth/{self.rank}", mac(self.secret, f"auth/{self.rank}", nonce))
+        members = [0] if self.rank else range(self.world)
+        self._wait(self.store, {f"auth/{r}": r for r in members}, "prove the run's secret")
+        for r in members:
+            if not hmac.compare_digest(self.store.get(f"auth/{r}"), mac(self.secret, f"auth/{r}", nonce)):
+                raise UserError(
+                    f"weight group: rank {r} does not hold this run's secret (${SECRET_ENV}): another process "
+                    f"answered on the group's port, or the members were started by different runs; rebuild the group"
+                )
+
+    def _put(self, store: dist.Store, key: str, data: bytes) -> None:
+        store.set(key, mac(self.secret, key, data) + data)
+
+    def _get_signed(self, store: dist.Store, key: str) -> bytes:
+        """A value `_put` wrote, its HMAC checked: a forged or altered value stops the sync with one line."""
+        raw = store.get(key)
+        data = raw[MAC_BYTES:]
+        if not hmac.compare_digest(raw[:MAC_BYTES], mac(self.secret, key, data)):
+            raise RuntimeError(f"weight group (ipc): rank {self.rank}: the store's value under {key!r} is not signed "
+                               "with this run's secret (written by another process): refusing it")  # fmt: skip
+        return data
 
     def _check_places(self) -> None:
         """ipc: every member publishes its `place` and waits for the others'; rank 0 refuses a group with a member
@@ -232,9 +304,11 @@ class WeightGroup:
             if bucket.is_cuda:  # the receivers read the bytes as soon as they see the handle
                 torch.cuda.synchronize(bucket.device)
             key = f"{sync}/{index}"
-            store.set(key, pickle.dumps(share(bucket)))
+            self._put(store, key, pickle.dumps(share(bucket)))
             acks = {f"{key}/ack/{r}": r for r in range(1, self.world)}
             self._wait(store, acks, f"have bucket {index} of sync {sync} acked")
+            for k in acks:
+                self._get_signed(store, k)
             for k in (key, *acks):
                 store.delete_key(k)
             del bucket
@@ -249,12 +323,14 @@ class WeightGroup:
         for index in range(len(plan.buckets)):
             key = f"{sync}/{index}"
             self._wait(store, {key: 0}, f"receive bucket {index} of sync {sync}")
-            bucket = rebuild(load_handle(store.get(key)), self.device)
+            raw = self._get_signed(store, key)
+            handle = checked_handle(load_handle(raw, self.device.type), plan.buckets[index], self.device)
+            bucket = rebuild(handle, self.device)
             load([(s.name, bucket[s.offset : s.offset + _numel(s)].view(s.shape)) for s in _in_bucket(plan, index)])
             del bucket
             if self.device.type == "cuda":  # the copies out of the sender's memory are done before it is freed
                 torch.cuda.synchronize(self.device)
-            store.set(f"{key}/ack/{self.rank}", b"1")
+            self._put(store, f"{key}/ack/{self.rank}", b"1")
         return plan.nbytes
 
     def receive(self, plan: WeightPlan, load: Loader) -> int:
@@ -330,38 +406,66 @@ def rebuild(shared: tuple, device: torch.device) -> torch.Tensor:
     return fn(*args)
 
 
+# what `share` pickles, per kind of sender memory: the rebuild function and the classes its arguments name
 _HANDLE_GLOBALS = {
-    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),  # what reduce_tensor names for a CUDA tensor
-    ("torch", "Tensor"),
-    ("torch", "Size"),
-    ("torch.storage", "UntypedStorage"),
-    ("torch.storage", "TypedStorage"),
-    ("forge.weight_group", "_rebuild_cpu"),
+    "cuda": {
+        ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),  # what reduce_tensor names for a CUDA tensor
+        ("torch", "Tensor"),
+        ("torch", "Size"),
+        ("torch.storage", "UntypedStorage"),
+        ("torch.storage", "TypedStorage"),
+    },
+    "cpu": {("forge.weight_group", "_rebuild_cpu")},
 }
 
 
 class _HandleUnpickler(pickle.Unpickler):
-    """Unpickles a bucket handle and nothing else: the store is a TCP port on the node, so a payload written there by
-    another process must not run code here. Only the rebuild functions, torch's tensor/storage/Size classes and
-    dtypes resolve; any other global is refused."""
+    """Unpickles a bucket handle and nothing else: only the globals `share` names for the receiver's kind of memory
+    (and, for CUDA, dtypes) resolve; any other global is refused, so a value that passed the HMAC check still runs
+    no other code."""
+
+    def __init__(self, data: bytes, kind: str):
+        super().__init__(io.BytesIO(data))
+        self.allowed = _HANDLE_GLOBALS[kind]
 
     def find_class(self, module: str, name: str):
-        if (module, name) in _HANDLE_GLOBALS or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        ):
+        dtype = self.allowed is _HANDLE_GLOBALS["cuda"] and module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                            torch.dtype)  # fmt: skip
+        if (module, name) in self.allowed or dtype:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"weight group (ipc): a handle may not name {module}.{name}")
 
 
-def load_handle(data: bytes) -> tuple:
-    """The (rebuild, args) that `share` made, from the store's bytes (`_HandleUnpickler`: no other code runs).
+def load_handle(data: bytes, kind: str = "cpu") -> tuple:
+    """The (rebuild, args) that `share` made for a bucket in `kind` memory ("cpu" or "cuda"), from the store's bytes
+    (`_HandleUnpickler`: no other code runs).
 
     >>> import os
     >>> load_handle(pickle.dumps((os.system, ("true",))))
     Traceback (most recent call last):
     _pickle.UnpicklingError: weight group (ipc): a handle may not name posix.system
     """
-    return _HandleUnpickler(io.BytesIO(data)).load()
+    return _HandleUnpickler(data, "cuda" if kind == "cuda" else "cpu").load()
+
+
+def checked_handle(shared: tuple, bucket: tuple[str, int], device: torch.device) -> tuple:
+    """`shared` if it is the handle `share` makes for a bucket of the plan's (dtype, numel) on `device`'s kind of
+    memory (a CPU shared-memory file, or a CUDA IPC handle of exactly that size), else ValueError: a receiver maps no
+    other memory and calls no other rebuild."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    (dtype, numel), (fn, args) = bucket, shared
+    nbytes = numel * _dtype(dtype).itemsize
+    if device.type == "cuda":
+        ok = fn is rebuild_cuda_tensor and len(args) > 8 and tuple(args[1]) == (numel,) and args[5] == _dtype(dtype)
+        ok = ok and args[8] == nbytes and args[3] == 0
+    else:
+        handle = args[0] if fn is _rebuild_cpu and len(args) == 3 and isinstance(args[0], tuple) else ()
+        ok = len(handle) == 3 and all(isinstance(h, (str, bytes)) for h in handle[:2]) and handle[2] == nbytes
+        ok = ok and args[1:] == (dtype, numel)
+    if not ok:
+        raise ValueError(f"weight group (ipc): a handle that is not the sender's bucket ({dtype} x {numel}): refused")
+    return shared
 
 
 def _rebuild_cpu(handle: tuple, dtype: str, numel: int) -> torch.Tensor:

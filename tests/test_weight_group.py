@@ -198,8 +198,9 @@ def test_trainer_publishes_each_weight_once_and_a_copy_matches_it():
 
 
 def test_an_ipc_handle_loads_only_the_rebuild_globals():
-    """The store's bytes are unpickled with a whitelist: a CUDA handle's shape (reduce_tensor's globals) loads, a
-    payload naming any other callable is refused before it runs."""
+    """The store's bytes are unpickled with a whitelist per kind of memory: a CUDA handle's shape (reduce_tensor's
+    globals) loads on a CUDA receiver and is refused on a CPU one; a payload naming any other callable is refused
+    before it runs."""
     import pickle
 
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -208,6 +209,83 @@ def test_an_ipc_handle_loads_only_the_rebuild_globals():
 
     cuda_like = (rebuild_cuda_tensor, (torch.Tensor, torch.Size([3]), (1,), 0, torch.UntypedStorage, torch.bfloat16, 0,
                                        b"h", 6, 0, False, b"r", 0, b"e", True))  # fmt: skip
-    assert load_handle(pickle.dumps(cuda_like)) == cuda_like
-    with pytest.raises(pickle.UnpicklingError, match="a handle may not name builtins.eval"):
-        load_handle(pickle.dumps((eval, ("1",))))
+    assert load_handle(pickle.dumps(cuda_like), "cuda") == cuda_like
+    with pytest.raises(pickle.UnpicklingError, match="may not name torch.multiprocessing.reductions.rebuild_cuda"):
+        load_handle(pickle.dumps(cuda_like), "cpu")
+    for kind in ("cpu", "cuda"):
+        with pytest.raises(pickle.UnpicklingError, match="a handle may not name builtins.eval"):
+            load_handle(pickle.dumps((eval, ("1",))), kind)
+
+
+# ---------------------------------------------------------------- trust: the secret, the bound store, signed values
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses a TCP socket of this host listens on at `port` (from /proc/net/tcp{,6})."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, hexport = local.split(":")
+            if state == "0A" and int(hexport, 16) == port:
+                found.add(addr)
+    return found
+
+
+def _impostor(world: int, port: int, out: str) -> None:
+    """A process that joins with another secret: it must be refused, and must refuse rank 0 in turn."""
+    group = WeightGroup(1, world, "ipc", timeout=timedelta(seconds=20), secret=b"not the run's secret")
+    try:
+        group.connect(HOST, port)
+    except UserError as e:
+        Path(out, "impostor.txt").write_text(str(e))
+
+
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_the_store_listens_only_where_it_is_hosted(backend):
+    group = WeightGroup(0, 2, backend, timeout=timedelta(seconds=5))
+    port = group.host(HOST)
+    assert _listening(port) == {"0100007F"}  # 127.0.0.1 only; torch's own store would listen on every interface
+    group.close()
+
+
+def test_a_member_without_the_runs_secret_is_refused_both_ways(tmp_path):
+    group, port = _host(2, timeout_s=20, backend="ipc")
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=_impostor, args=(2, port, str(tmp_path)), daemon=True)
+    proc.start()
+    with pytest.raises(UserError, match=r"rank 1 does not hold this run's secret \(\$FORGEWEAVE_WEIGHT_SECRET\)"):
+        group.connect(HOST, port)
+    proc.join(timeout=60)
+    assert "rank 0 does not hold this run's secret" in (tmp_path / "impostor.txt").read_text()
+    group.close()
+
+
+def test_ipc_values_are_signed_and_a_handle_must_be_the_senders_bucket():
+    from forge.weight_group import _rebuild_cpu, checked_handle, mac, share, shareable
+
+    group = WeightGroup(0, 2, "ipc", timeout=timedelta(seconds=5), secret=b"k")
+    group.store = torch.distributed.HashStore()
+    group._put(group.store, "0/0", b"payload")
+    assert group._get_signed(group.store, "0/0") == b"payload"
+    group.store.set("0/1", mac(b"other", "0/1", b"x") + b"x")  # written by a process without the secret
+    with pytest.raises(RuntimeError, match="not signed with this run's secret"):
+        group._get_signed(group.store, "0/1")
+    group.store.set("0/2", mac(b"k", "0/0", b"payload") + b"payload")  # a signed value replayed under another key
+    with pytest.raises(RuntimeError, match="under '0/2' is not signed"):
+        group._get_signed(group.store, "0/2")
+    bucket = shareable(6, torch.bfloat16, torch.device("cpu"))
+    handle = share(bucket)
+    assert checked_handle(handle, ("bfloat16", 6), torch.device("cpu")) is handle
+    (manager, name, size), dtype, numel = handle[1]
+    bad = [("bfloat16", 7), ("float32", 6)]  # another size or dtype than the plan's bucket
+    for b in bad:
+        with pytest.raises(ValueError, match="not the sender's bucket"):
+            checked_handle(handle, b, torch.device("cpu"))
+    for args in [((manager, name, 1 << 40), dtype, numel), ((manager, name, size), dtype, 1 << 40)]:  # map 1 TB?
+        with pytest.raises(ValueError, match="not the sender's bucket"):
+            checked_handle((_rebuild_cpu, args), ("bfloat16", 6), torch.device("cpu"))
+    with pytest.raises(ValueError, match="not the sender's bucket"):  # a CUDA handle where the sender is on the CPU
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        checked_handle((rebuild_cuda_tensor, handle[1]), ("bfloat16", 6), torch.device("cpu"))

@@ -80,13 +80,13 @@ def pool_resource(pool: str) -> str:
     return f"pool:{pool}"
 
 
-DRIVER_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_")
+DRIVER_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "FORGEWEAVE_WEIGHT_SECRET")
 
 
 def driver_env(environ: dict[str, str]) -> dict[str, str]:
     """The variables of the driver's environment `environ` that every stage process must see too: NCCL's and gloo's
-    settings (`NCCL_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME`, `NCCL_IB_DISABLE`, `NCCL_DEBUG`, ...) and torch's NCCL
-    switches (`TORCH_NCCL_*`). A Ray worker inherits the environment of its node's raylet, not the driver's: on a
+    settings (`NCCL_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME`, `NCCL_IB_DISABLE`, `NCCL_DEBUG`, ...), torch's NCCL
+    switches (`TORCH_NCCL_*`) and the run's weight-group secret (`FORGEWEAVE_WEIGHT_SECRET`, forge/weight_group.py). A Ray worker inherits the environment of its node's raylet, not the driver's: on a
     cluster, a variable set only where `forgeweave run` runs would otherwise never reach the update ranks or the
     engines, whose process groups would then pick their own (often the wrong) network interface.
 
