@@ -12,6 +12,11 @@ cut by `rollout.max_new_tokens` ends the episode as in single-turn (finish reaso
 TRL: TRL ends an episode that runs out of its completion budget without marking it; here it is counted
 (`env/truncated`) and masked by default.
 
+The transcript (`Episodes.transcripts`, samples.jsonl, MLflow's sample tables, the dashboard) records the episode
+after the row's prompt: reset's first observation (a TRL class's `reset` text, an OpenEnv server's reset observation)
+as a segment of role "environment" when there is one (its tokens are part of the prompt, loss mask 0), then the
+policy's turns ("assistant"), tool answers ("tool") and feedback ("user"); only assistant segments are trained.
+
 Feedback on a reply (an extension of TRL's contract, where a turn without a tool call always ends the episode): an
 environment with a method `on_reply(reply: str) -> str | None` is called with the text of such a turn; a str is the
 environment's answer, appended as a user turn (the chat template's diff, loss mask 0), and the episode goes on
@@ -52,6 +57,7 @@ from forge.rollout.base import SamplingParams, cat_padded
 
 # (token contexts, params with n=1, one seed per context or None) -> [(sampled tokens, their log-probs)]
 Sampler = Callable[[list[list[int]], SamplingParams, "list[int] | None"], list[tuple[list[int], list[float]]]]
+OBSERVATION_ROLE = "environment"  # the transcript segment of reset's first observation (part of the prompt)
 REPLY_HOOK = "on_reply"  # optional environment method: feedback on a reply without a tool call (or None)
 TURN_SEED_STRIDE = 1 << 24  # seed distance between an episode's turns: more episodes than this in one call collide
 
@@ -101,6 +107,8 @@ def start_episode(row: dict, factory: Callable | None, functions: list[Tool], fm
     prompt, messages = fmt.prompt(row, [t.schema for t in tools], observation)
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     ep = Episode(env, {t.name: t for t in tools}, prompt, ids, messages)
+    if observation:  # in the prompt's tokens (never trained): its own segment, so a reader sees what came first
+        ep.transcript.append({"role": OBSERVATION_ROLE, "content": observation})
     if isinstance(env, OpenEnvEpisode) and env.failure:
         ep.fail(env.failure)
     ep.seconds = time.perf_counter() - t0

@@ -307,3 +307,24 @@ def test_a_bad_on_reply_gets_one_line(tok):
         play_feedback(tok, ["1"], env=Raises)
     with pytest.raises(UserError, match="Number.on_reply returned a int: return a str"):
         play_feedback(tok, ["1"], env=Number)
+
+
+def test_the_first_observation_is_the_transcripts_first_segment(tok):
+    """Issue 44: what `reset` returns follows the prompt in the model's input (TRL appends it to the last user
+    message) and is recorded as the transcript's first segment, role "environment"; its tokens are the prompt's,
+    never trained. An environment whose reset returns None adds no segment."""
+
+    class Observed(CounterEnv):
+        def reset(self, **kwargs):
+            super().reset(**kwargs)
+            return " Add to reach it."
+
+    rows = [{"prompt": "3?", "model_input": "3?", "answer": "3"}]
+    ro = run_episodes(scripted(tok, [CALL, "3"]), tok, rows, SamplingParams(max_new_tokens=64, n=1, seed=0),
+                      EnvConfig(max_turns=3, max_tokens=400), ChatFormat(tok, use_template=False), Observed, [],
+                      version=5)  # fmt: skip
+    assert ro.prompts[0].endswith("3? Add to reach it.")
+    segments = ro.episodes.transcripts[0]
+    assert segments[0] == {"role": "environment", "content": " Add to reach it."}
+    assert [s["role"] for s in segments] == ["environment", "assistant", "tool", "assistant"]
+    assert [s["role"] for s in play(tok, [CALL, "3"]).episodes.transcripts[0]] == ["assistant", "tool", "assistant"]
