@@ -67,6 +67,7 @@ class Episodes:
     # them as TRL's `environments=`); in Ray mode they travel pickled with the record to the reward actor
     failures: list[str] = field(default_factory=list)  # why the environment failed each episode ('' = it did not):
     # a failed episode is out of the loss (masked) and unscored by the reward stage
+    cut_turns: list[int] = field(default_factory=list)  # policy turns cut by rollout.max_new_tokens (no eos sampled)
 
     @staticmethod
     def concat(parts: list[Episodes | None]) -> Episodes | None:

@@ -35,6 +35,7 @@ ENV_CURVES = [
     ("turns, tool calls and tool errors per episode", ["env/turns", "env/tool_calls", "env/tool_errors"], False),
     ("share of episodes truncated; share of episode tokens trained", ["env/truncated", "env/sampled_frac"], False),
     ("seconds in the environment and tools per episode", ["env/seconds"], False),
+    ("share of policy turns cut by rollout.max_new_tokens", ["env/cut_frac"], False),
 ]
 TOOL_AVATAR = ":material/build:"
 ENV_AVATAR = ":material/public:"  # the environment's first observation (reset), part of the prompt

@@ -45,6 +45,10 @@ class EnvConfig:
     """Wall-clock seconds an episode may run (sampling and tools); one past it is cut after its current turn."""
     mask_truncated: bool = True
     """Take episodes cut by a limit out of the loss (their loss mask is 0); they are still counted (env/truncated)."""
+    cut_reply: Literal["end", "continue"] = "end"
+    """A policy turn cut by rollout.max_new_tokens (counted: env/cut_frac): 'end' ends the episode there (finish
+    reason length, as single-turn and TRL); 'continue' reads it as a reply: its tool calls are answered, or it goes
+    to on_reply (or an OpenEnv text action), and the episode goes on."""
 
     @property
     def openenv(self) -> str:

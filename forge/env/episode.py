@@ -8,9 +8,11 @@ otherwise each call is answered (`forge.env.tools.call_tool`: errors become the 
 appended as the chat template's tokens (`forge.env.chat`) with loss mask 0 and sampling log-prob 0. Limits:
 `env.max_turns` policy turns, `env.max_tokens` tokens after the prompt, `env.episode_timeout_s` seconds (checked
 after each turn); an episode cut by one is truncated, and with `env.mask_truncated` its loss mask is all 0. A turn
-cut by `rollout.max_new_tokens` ends the episode as in single-turn (finish reason "length", trained). Departure from
-TRL: TRL ends an episode that runs out of its completion budget without marking it; here it is counted
-(`env/truncated`) and masked by default.
+cut by `rollout.max_new_tokens` (no eos sampled) is counted (`Episodes.cut_turns`, the metric `env/cut_frac`) and, by
+default (`env.cut_reply=end`), ends the episode as in single-turn (finish reason "length", trained, not truncated);
+with `env.cut_reply=continue` it is read as a finished reply: its tool calls are answered, or it goes to `on_reply`
+(or an OpenEnv text action), and the episode goes on. Departure from TRL: TRL ends an episode that runs out of its
+completion budget without marking it; here it is counted (`env/truncated`) and masked by default.
 
 The transcript (`Episodes.transcripts`, samples.jsonl, MLflow's sample tables, the dashboard) records the episode
 after the row's prompt: reset's first observation (a TRL class's `reset` text, an OpenEnv server's reset observation)
@@ -76,6 +78,7 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)  # 0 off the sampled tokens
     transcript: list[dict] = field(default_factory=list)
     turns: int = 0
+    cuts: int = 0  # turns cut by rollout.max_new_tokens (no eos sampled)
     calls: int = 0
     errors: int = 0
     seconds: float = 0.0
@@ -126,6 +129,8 @@ def end_episode(ep: Episode) -> None:
 def play_turn(ep: Episode, new: list[int], logprobs: list[float], cfg: EnvConfig, budget: int, fmt: ChatFormat,
               tok, version: int) -> None:  # fmt: skip
     """Append one sampled segment to `ep`, answer its tool calls, and decide whether the episode goes on."""
+    cut = not new or new[-1] != tok.eos_token_id  # rollout.max_new_tokens stopped the turn
+    ep.cuts += cut
     if len(ep.ids) + len(new) > budget:  # the token budget cuts the segment
         new, logprobs, ep.truncated = new[: budget - len(ep.ids)], logprobs[: budget - len(ep.ids)], True
     ended = bool(new) and new[-1] == tok.eos_token_id
@@ -134,11 +139,11 @@ def play_turn(ep: Episode, new: list[int], logprobs: list[float], cfg: EnvConfig
     text = tok.decode(new, skip_special_tokens=True)
     ep.transcript.append({"role": "assistant", "content": text, "policy_version": version})
     calls = parse_tool_calls(text)
-    if ep.truncated or not ended:
+    if ep.truncated or (cut and cfg.cut_reply == "end"):
         ep.done, ep.finish = True, "length"
         return
     if not calls:
-        _on_reply(ep, text, cfg, budget, fmt)
+        _on_reply(ep, text, cfg, budget, fmt, ended)
         return
     late = cfg.episode_timeout_s and time.perf_counter() - ep.started > cfg.episode_timeout_s
     if ep.turns >= cfg.max_turns or late:  # it asked for more, a limit says no
@@ -158,12 +163,14 @@ def play_turn(ep: Episode, new: list[int], logprobs: list[float], cfg: EnvConfig
     ep.done = over
 
 
-def _on_reply(ep: Episode, text: str, cfg: EnvConfig, budget: int, fmt: ChatFormat) -> None:
+def _on_reply(ep: Episode, text: str, cfg: EnvConfig, budget: int, fmt: ChatFormat, ended: bool = True) -> None:
     """A turn without a tool call ends the episode, unless its environment has `on_reply(reply)` and that returns a
     text: then the text is appended as a user turn (loss mask 0) and the episode goes on. Out of turns
     (`env.max_turns`) or time (`env.episode_timeout_s`) the reply stands as the final one (not truncated); feedback
-    that does not fit the token budget cuts the episode (truncated)."""
-    ep.done, ep.finish = True, "stop"
+    that does not fit the token budget cuts the episode (truncated). `ended`: the reply ended with eos (False: a
+    reply cut by rollout.max_new_tokens, passed on under env.cut_reply=continue; an episode it ends has finish
+    reason "length")."""
+    ep.done, ep.finish = True, "stop" if ended else "length"
     hook = getattr(ep.env, REPLY_HOOK, None)
     if hook is None:
         return
@@ -182,7 +189,7 @@ def _on_reply(ep: Episode, text: str, cfg: EnvConfig, budget: int, fmt: ChatForm
     late = cfg.episode_timeout_s and time.perf_counter() - ep.started > cfg.episode_timeout_s
     if ep.turns >= cfg.max_turns or late:
         return
-    env_ids = fmt.user_turn(ep.messages, text, feedback)
+    env_ids = fmt.user_turn(ep.messages, text, feedback, ended)
     if len(ep.ids) + len(env_ids) >= budget:  # no room for the feedback and a next turn
         ep.truncated, ep.finish = True, "length"
         return
@@ -284,6 +291,7 @@ def to_rollouts(episodes: list[Episode], tok, group_size: int, version: int, mas
             tool_calls=[e.calls for e in episodes],
             tool_errors=[e.errors for e in episodes],
             truncated=[e.truncated for e in episodes],
+            cut_turns=[e.cuts for e in episodes],
             seconds=[e.seconds for e in episodes],
             policy_versions=[[version] * e.turns for e in episodes],
             transcripts=[e.transcript for e in episodes],

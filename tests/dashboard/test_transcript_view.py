@@ -41,6 +41,7 @@ def test_episode_curves_chart_the_env_metrics(multiturn_run, monkeypatch):
     assert "Episodes (multi-turn)" in [h.value for h in at.subheader]
     rows = [r for r in read_metrics(multiturn_run) if "env/turns" in r]
     assert [r["step"] for r in rows] == [1, 2]
+    assert "env/cut_frac" in [c for _, cols, _ in ENV_CURVES for c in cols]  # turns cut by max_new_tokens (issue 44)
     for title, columns, _ in ENV_CURVES:
         frame = shown[title][0]
         for col in columns:
