@@ -23,6 +23,8 @@ Feedback on a reply (an extension of TRL's contract, where a turn without a tool
 environment with a method `on_reply(reply: str) -> str | None` is called with the text of such a turn; a str is the
 environment's answer, appended as a user turn (the chat template's diff, loss mask 0), and the episode goes on
 (e.g. "wrong, try again"); None ends it. `on_reply` is not a tool. Environments without it run exactly as before.
+An OpenEnv server with text actions (`env.openenv_text_action`) is played through the same hook: its episode's
+`on_reply` sends the reply as a step and returns the observation's text until the server says done.
 
 Seeds (`episode_seeds`): episode e of a call draws its turn t from a seed of its own, `s_e + t * TURN_SEED_STRIDE`,
 with `s_e = params.seed + e` (a seeded call) or `b + params.first_row + e` (b one draw from torch's RNG: an unseeded
@@ -138,7 +140,8 @@ def play_turn(ep: Episode, new: list[int], logprobs: list[float], cfg: EnvConfig
     ep.turns += 1
     text = tok.decode(new, skip_special_tokens=True)
     ep.transcript.append({"role": "assistant", "content": text, "policy_version": version})
-    calls = parse_tool_calls(text)
+    texts_only = isinstance(ep.env, OpenEnvEpisode) and bool(ep.env.client.text_field)  # a reply is the action
+    calls = [] if texts_only else parse_tool_calls(text)
     if ep.truncated or (cut and cfg.cut_reply == "end"):
         ep.done, ep.finish = True, "length"
         return
@@ -181,6 +184,9 @@ def _on_reply(ep: Episode, text: str, cfg: EnvConfig, budget: int, fmt: ChatForm
         why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         raise UserError(f"{type(ep.env).__name__}.{REPLY_HOOK}(reply) raised {why}") from None
     ep.seconds += time.perf_counter() - t0
+    if isinstance(ep.env, OpenEnvEpisode) and ep.env.failure:  # a text action's session failed
+        ep.fail(ep.env.failure)
+        return
     if feedback is None:
         return
     if not isinstance(feedback, str):
