@@ -29,7 +29,8 @@ class Part:
 class Message:
     """One chat message of an episode."""
 
-    role: str  # "user" (the prompt, user turns), "assistant" (the policy's turns), "tool" (a tool's answer)
+    role: str  # "user" (the prompt, user turns), "environment" (reset's first observation), "assistant" (the
+    # policy's turns), "tool" (a tool's answer)
     parts: list[Part] = field(default_factory=list)  # in order; one text part except in assistant turns
     name: str = ""  # tool: the tool that answered ("" when the call could not be read)
     policy_version: int | None = None  # assistant: the policy version that sampled the turn

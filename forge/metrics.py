@@ -79,8 +79,9 @@ def step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: di
 
 def episode_metrics(ro: Rollouts) -> dict[str, float]:
     """Multi-turn figures, means per episode: policy turns, tool calls, tool errors, share truncated by a limit,
-    seconds in the environment and tools; the share of episode tokens the loss counts; and `env/failed`, the number
-    of episodes whose environment failed (an OpenEnv server gone)."""
+    seconds in the environment and tools; the share of episode tokens the loss counts; `env/cut_frac`, the share of
+    policy turns cut by rollout.max_new_tokens (no eos sampled); and `env/failed`, the number of episodes whose
+    environment failed (an OpenEnv server gone)."""
     e, n = ro.episodes, max(ro.num_completions, 1)
     return {
         "env/failed": float(sum(bool(f) for f in e.failures)),
@@ -90,6 +91,7 @@ def episode_metrics(ro: Rollouts) -> dict[str, float]:
         "env/truncated": sum(e.truncated) / n,
         "env/seconds": sum(e.seconds) / n,
         "env/sampled_frac": float(ro.loss_mask.sum()) / max(float(ro.completion_mask.sum()), 1.0),
+        "env/cut_frac": sum(e.cut_turns) / max(sum(e.turns), 1),
     }
 
 

@@ -74,12 +74,14 @@ class Episodes:
     truncated: list[bool]  # cut by a limit (max_turns, the token budget, the wall limit), not ended by the policy
     seconds: list[float]  # seconds spent in the environment and tools
     policy_versions: list[list[int]]  # the policy version that sampled each turn
-    transcripts: list[list[dict]]  # segments in order: {"role": "assistant" | "tool" | "user", "content": text}
+    transcripts: list[list[dict]]  # segments in order: {"role": "environment" (reset's
+    # first observation, in the prompt) | "assistant" | "tool" | "user", "content": text}
     masked: list[bool] = field(default_factory=list)  # taken out of the loss: truncated (env.mask_truncated) or failed
     environments: list = field(default_factory=list)  # the episodes' environment instances (reward functions read
     # them as TRL's `environments=`); in Ray mode they travel pickled with the record to the reward actor
     failures: list[str] = field(default_factory=list)  # why the environment failed each episode ('' = it did not):
     # a failed episode is out of the loss (masked) and unscored by the reward stage
+    cut_turns: list[int] = field(default_factory=list)  # policy turns cut by rollout.max_new_tokens (no eos sampled)
 
     @staticmethod
     def concat(parts: list[Episodes | None]) -> Episodes | None:

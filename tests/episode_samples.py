@@ -1,6 +1,7 @@
 """samples.jsonl rows of multi-turn episodes that call tools, written by forge itself: the episode loop
 (`forge.env.episode.run_episodes`) plays the tiny-multiturn preset's `SumEnv` with a scripted policy, and
-`forge.rundir.append_samples` writes the rows as a training step does. The tiny random model of a real run never
+`forge.rundir.append_samples` writes the rows as a training step does. Its `reset` gives a first observation
+(`OBSERVATION`), which the transcript records as its first segment (role "environment"). The tiny random model of a real run never
 emits a tool call, so the dashboard and tracking tests that need one get it here."""
 
 from __future__ import annotations
@@ -17,6 +18,19 @@ TURNS = [
     ANSWER,
 ]
 UNKNOWN_TOOL = "Error: unknown tool 'peek'; available: check"  # forge.env.tools.call_tool's answer to `peek`
+OBSERVATION = "Tip: check a guess before you answer."  # what `reset` returns: the episode's first observation
+
+
+def observed_sum_env():
+    """`SumEnv` whose `reset` returns `OBSERVATION` (TRL appends it to the prompt; so does forge)."""
+    from forge.tasks.multiturn import SumEnv
+
+    class ObservedSumEnv(SumEnv):
+        def reset(self, **kwargs) -> str:
+            super().reset(**kwargs)
+            return OBSERVATION
+
+    return ObservedSumEnv()
 
 
 def write_tool_episodes(run_dir: Path, step: int, version: int = 2) -> list[dict]:
@@ -28,14 +42,13 @@ def write_tool_episodes(run_dir: Path, step: int, version: int = 2) -> list[dict
     from forge.records import ScoredBatch
     from forge.rollout.base import SamplingParams
     from forge.rundir import append_samples
-    from forge.tasks.multiturn import SumEnv
 
     tok = build_char_tokenizer()
     rows = [{"prompt": PROMPT, "model_input": PROMPT, "answer": ANSWER}]
     params = SamplingParams(max_new_tokens=128, n=2, seed=0)
     cfg = EnvConfig(max_turns=4, max_tokens=1000)
     fmt = ChatFormat(tok, use_template=False)
-    ro = run_episodes(_scripted(tok), tok, rows, params, cfg, fmt, SumEnv, [], version=version)
+    ro = run_episodes(_scripted(tok), tok, rows, params, cfg, fmt, observed_sum_env, [], version=version)
     batch = ScoredBatch(["sum_reward"], torch.ones(2, 1), torch.ones(2), torch.zeros(2), verifier_failures={})
     return append_samples(run_dir, step, rows, ro, batch)
 

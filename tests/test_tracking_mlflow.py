@@ -24,7 +24,7 @@ from flows.cli import main
 from flows.tracking.mlflow_tracker import default_uri, tracker_for_run
 from forge.config import RunConfig
 from forge.rundir import git_commit
-from tests.episode_samples import TURNS, UNKNOWN_TOOL, write_tool_episodes
+from tests.episode_samples import OBSERVATION, TURNS, UNKNOWN_TOOL, write_tool_episodes
 from tests.servers import stop
 
 REPO = Path(__file__).resolve().parents[1]
@@ -175,7 +175,7 @@ def _table(run_id: str, uri: str, path: str) -> dict:
 
 def test_a_multiturn_sample_table_carries_the_transcript(store, tmp_path):
     """Rows forge writes for tool-calling episodes (tests.episode_samples): the transcript as text, one block per
-    segment headed by role, tool name and error, and as JSON; the episode's figures as columns. A single-turn
+    segment headed by role, tool name and error (the first: the environment's reset observation), and as JSON; the episode's figures as columns. A single-turn
     step's table keeps its columns."""
     tracker, uri = _tracker(store)
     rows = write_tool_episodes(tmp_path, step=3)
@@ -192,6 +192,7 @@ def test_a_multiturn_sample_table_carries_the_transcript(store, tmp_path):
     assert [row[f] for f in figures] == [3, 2, 1, False]
     assert json.loads(row["transcript_json"]) == rows[0]["transcript"]
     assert row["transcript"].split("\n\n") == [
+        f"[environment]\n{OBSERVATION}",  # reset's first observation (issue 44)
         f"[assistant · policy v2]\n{TURNS[0]}",
         "[tool check]\nwrong",
         f"[assistant · policy v2]\n{TURNS[1]}",

@@ -1,7 +1,8 @@
 """Run detail page: key numbers, training curves, stage times, samples, the Weaver plan and the config of one run;
 with a probe set, probe pass@1 beside eval pass@1 and the reward, and the collapse guard's firings. A multi-turn run
 adds its episode curves (env/*) and shows a picked sample as a chat transcript: the prompt, the policy's turns with
-their tool calls set apart, each tool's answer as its own message (errors in red), and the episode's figures. A run
+their tool calls set apart, each tool's answer as its own message (errors in red), the environment's first
+observation (reset) where it gave one, and the episode's figures. A run
 with a teacher (on-policy distillation) adds the reverse KL to it, by step and by position in the completion."""
 
 import time
@@ -34,8 +35,10 @@ ENV_CURVES = [
     ("turns, tool calls and tool errors per episode", ["env/turns", "env/tool_calls", "env/tool_errors"], False),
     ("share of episodes truncated; share of episode tokens trained", ["env/truncated", "env/sampled_frac"], False),
     ("seconds in the environment and tools per episode", ["env/seconds"], False),
+    ("share of policy turns cut by rollout.max_new_tokens", ["env/cut_frac"], False),
 ]
 TOOL_AVATAR = ":material/build:"
+ENV_AVATAR = ":material/public:"  # the environment's first observation (reset), part of the prompt
 
 
 def header(name: str) -> None:
@@ -181,7 +184,10 @@ def _figure(value) -> str:
 def chat_message(m: transcripts.Message) -> None:
     """A message as a chat bubble: a policy turn's prose and tool calls (as JSON) apart, a tool's answer under its
     name, an error answer in red."""
-    with st.chat_message(m.role, avatar=TOOL_AVATAR if m.role == "tool" else None):
+    avatar = {"tool": TOOL_AVATAR, "environment": ENV_AVATAR}.get(m.role)
+    with st.chat_message(m.role, avatar=avatar):
+        if m.role == "environment":
+            st.caption("environment · first observation (reset), in the prompt, not trained")
         if m.role == "assistant":
             st.caption("policy" + ("" if m.policy_version is None else f" v{m.policy_version}"))
         if m.role == "tool":

@@ -60,12 +60,13 @@ class ChatFormat:
         tools = [{"role": "tool", "name": name, "content": answer} for name, answer in answers]
         return self._diff(messages, assistant, tools, ended)
 
-    def user_turn(self, messages: list[dict], assistant: str, feedback: str) -> list[int]:
-        """Token ids appended after a sampled turn (`assistant`: its text, ended with eos) that the environment answers
-        with `feedback` as a user message; `messages` gets both turns. Without a template: the text tokenised."""
+    def user_turn(self, messages: list[dict], assistant: str, feedback: str, ended: bool = True) -> list[int]:
+        """Token ids appended after a sampled turn (`assistant`: its text; `ended`: it ended with eos, False for a turn
+        cut by rollout.max_new_tokens, whose close the template supplies) that the environment answers with `feedback`
+        as a user message; `messages` gets both turns. Without a template: the text tokenised."""
         if not self.template:
             return self.tok(feedback, add_special_tokens=False)["input_ids"]
-        return self._diff(messages, assistant, [{"role": "user", "content": feedback}], True)
+        return self._diff(messages, assistant, [{"role": "user", "content": feedback}], ended)
 
     def _diff(self, messages: list[dict], assistant: str, answers: list[dict], ended: bool) -> list[int]:
         """The template's tokens after the sampled `assistant` turn up to the next generation prompt, `answers` (the

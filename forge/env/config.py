@@ -28,6 +28,10 @@ class EnvConfig:
     openenv_command: str = ""
     """Command line that starts an OpenEnv server on 127.0.0.1 port {port} (forgeweave picks a free one and fills it
     in); started for the run and stopped by its PID at the end."""
+    openenv_text_action: str = ""
+    """Name of the field of an OpenEnv server's own action that takes text (e.g. 'message'): the policy answers the
+    server with its plain replies, no tool calls (no tools are offered); each reply is one step {field: reply}, the
+    observation's text comes back as a user turn, and the server's done ends the episode. Empty = tool calls only."""
     openenv_max_sessions: int = ranged(0, ">= 0", "(0 = as many as the server accepts, found at start)")
     """OpenEnv sessions (episodes) open at once; keep it <= the server's max_concurrent_envs."""
     openenv_timeout_s: float = ranged(30.0, "> 0", "seconds")
@@ -45,6 +49,10 @@ class EnvConfig:
     """Wall-clock seconds an episode may run (sampling and tools); one past it is cut after its current turn."""
     mask_truncated: bool = True
     """Take episodes cut by a limit out of the loss (their loss mask is 0); they are still counted (env/truncated)."""
+    cut_reply: Literal["end", "continue"] = "end"
+    """A policy turn cut by rollout.max_new_tokens (counted: env/cut_frac): 'end' ends the episode there (finish
+    reason length, as single-turn and TRL); 'continue' reads it as a reply: its tool calls are answered, or it goes
+    to on_reply (or an OpenEnv text action), and the episode goes on."""
 
     @property
     def openenv(self) -> str:
@@ -83,6 +91,9 @@ class EnvConfig:
         app = self.openenv_app
         require(not app or (":" in app and all(app.partition(":")[::2])), f"{prefix}openenv_app",
                 f"must look like 'pkg.module:app', got {app!r}")  # fmt: skip
+        text = self.openenv_text_action
+        require(not text or bool(servers), f"{prefix}openenv_text_action", "applies to an OpenEnv server: set "
+                "env.openenv_url, env.openenv_app or env.openenv_command, or clear it")  # fmt: skip
         cmd = self.openenv_command
         why = "must contain {port} (where the server's port goes): forgeweave picks a free port on 127.0.0.1"
         require(not cmd or "{port}" in cmd, f"{prefix}openenv_command", why)

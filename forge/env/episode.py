@@ -8,14 +8,23 @@ otherwise each call is answered (`forge.env.tools.call_tool`: errors become the 
 appended as the chat template's tokens (`forge.env.chat`) with loss mask 0 and sampling log-prob 0. Limits:
 `env.max_turns` policy turns, `env.max_tokens` tokens after the prompt, `env.episode_timeout_s` seconds (checked
 after each turn); an episode cut by one is truncated, and with `env.mask_truncated` its loss mask is all 0. A turn
-cut by `rollout.max_new_tokens` ends the episode as in single-turn (finish reason "length", trained). Departure from
-TRL: TRL ends an episode that runs out of its completion budget without marking it; here it is counted
-(`env/truncated`) and masked by default.
+cut by `rollout.max_new_tokens` (no eos sampled) is counted (`Episodes.cut_turns`, the metric `env/cut_frac`) and, by
+default (`env.cut_reply=end`), ends the episode as in single-turn (finish reason "length", trained, not truncated);
+with `env.cut_reply=continue` it is read as a finished reply: its tool calls are answered, or it goes to `on_reply`
+(or an OpenEnv text action), and the episode goes on. Departure from TRL: TRL ends an episode that runs out of its
+completion budget without marking it; here it is counted (`env/truncated`) and masked by default.
+
+The transcript (`Episodes.transcripts`, samples.jsonl, MLflow's sample tables, the dashboard) records the episode
+after the row's prompt: reset's first observation (a TRL class's `reset` text, an OpenEnv server's reset observation)
+as a segment of role "environment" when there is one (its tokens are part of the prompt, loss mask 0), then the
+policy's turns ("assistant"), tool answers ("tool") and feedback ("user"); only assistant segments are trained.
 
 Feedback on a reply (an extension of TRL's contract, where a turn without a tool call always ends the episode): an
 environment with a method `on_reply(reply: str) -> str | None` is called with the text of such a turn; a str is the
 environment's answer, appended as a user turn (the chat template's diff, loss mask 0), and the episode goes on
 (e.g. "wrong, try again"); None ends it. `on_reply` is not a tool. Environments without it run exactly as before.
+An OpenEnv server with text actions (`env.openenv_text_action`) is played through the same hook: its episode's
+`on_reply` sends the reply as a step and returns the observation's text until the server says done.
 
 Seeds (`episode_seeds`): episode e of a call draws its turn t from a seed of its own, `s_e + t * TURN_SEED_STRIDE`,
 with `s_e = params.seed + e` (a seeded call) or `b + params.first_row + e` (b one draw from torch's RNG: an unseeded
@@ -52,6 +61,7 @@ from forge.rollout.base import SamplingParams, cat_padded
 
 # (token contexts, params with n=1, one seed per context or None) -> [(sampled tokens, their log-probs)]
 Sampler = Callable[[list[list[int]], SamplingParams, "list[int] | None"], list[tuple[list[int], list[float]]]]
+OBSERVATION_ROLE = "environment"  # the transcript segment of reset's first observation (part of the prompt)
 REPLY_HOOK = "on_reply"  # optional environment method: feedback on a reply without a tool call (or None)
 TURN_SEED_STRIDE = 1 << 24  # seed distance between an episode's turns: more episodes than this in one call collide
 
@@ -70,6 +80,7 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)  # 0 off the sampled tokens
     transcript: list[dict] = field(default_factory=list)
     turns: int = 0
+    cuts: int = 0  # turns cut by rollout.max_new_tokens (no eos sampled)
     calls: int = 0
     errors: int = 0
     seconds: float = 0.0
@@ -101,6 +112,8 @@ def start_episode(row: dict, factory: Callable | None, functions: list[Tool], fm
     prompt, messages = fmt.prompt(row, [t.schema for t in tools], observation)
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     ep = Episode(env, {t.name: t for t in tools}, prompt, ids, messages)
+    if observation:  # in the prompt's tokens (never trained): its own segment, so a reader sees what came first
+        ep.transcript.append({"role": OBSERVATION_ROLE, "content": observation})
     if isinstance(env, OpenEnvEpisode) and env.failure:
         ep.fail(env.failure)
     ep.seconds = time.perf_counter() - t0
@@ -118,6 +131,8 @@ def end_episode(ep: Episode) -> None:
 def play_turn(ep: Episode, new: list[int], logprobs: list[float], cfg: EnvConfig, budget: int, fmt: ChatFormat,
               tok, version: int) -> None:  # fmt: skip
     """Append one sampled segment to `ep`, answer its tool calls, and decide whether the episode goes on."""
+    cut = not new or new[-1] != tok.eos_token_id  # rollout.max_new_tokens stopped the turn
+    ep.cuts += cut
     if len(ep.ids) + len(new) > budget:  # the token budget cuts the segment
         new, logprobs, ep.truncated = new[: budget - len(ep.ids)], logprobs[: budget - len(ep.ids)], True
     ended = bool(new) and new[-1] == tok.eos_token_id
@@ -125,12 +140,13 @@ def play_turn(ep: Episode, new: list[int], logprobs: list[float], cfg: EnvConfig
     ep.turns += 1
     text = tok.decode(new, skip_special_tokens=True)
     ep.transcript.append({"role": "assistant", "content": text, "policy_version": version})
-    calls = parse_tool_calls(text)
-    if ep.truncated or not ended:
+    texts_only = isinstance(ep.env, OpenEnvEpisode) and bool(ep.env.client.text_field)  # a reply is the action
+    calls = [] if texts_only else parse_tool_calls(text)
+    if ep.truncated or (cut and cfg.cut_reply == "end"):
         ep.done, ep.finish = True, "length"
         return
     if not calls:
-        _on_reply(ep, text, cfg, budget, fmt)
+        _on_reply(ep, text, cfg, budget, fmt, ended)
         return
     late = cfg.episode_timeout_s and time.perf_counter() - ep.started > cfg.episode_timeout_s
     if ep.turns >= cfg.max_turns or late:  # it asked for more, a limit says no
@@ -150,12 +166,14 @@ def play_turn(ep: Episode, new: list[int], logprobs: list[float], cfg: EnvConfig
     ep.done = over
 
 
-def _on_reply(ep: Episode, text: str, cfg: EnvConfig, budget: int, fmt: ChatFormat) -> None:
+def _on_reply(ep: Episode, text: str, cfg: EnvConfig, budget: int, fmt: ChatFormat, ended: bool = True) -> None:
     """A turn without a tool call ends the episode, unless its environment has `on_reply(reply)` and that returns a
     text: then the text is appended as a user turn (loss mask 0) and the episode goes on. Out of turns
     (`env.max_turns`) or time (`env.episode_timeout_s`) the reply stands as the final one (not truncated); feedback
-    that does not fit the token budget cuts the episode (truncated)."""
-    ep.done, ep.finish = True, "stop"
+    that does not fit the token budget cuts the episode (truncated). `ended`: the reply ended with eos (False: a
+    reply cut by rollout.max_new_tokens, passed on under env.cut_reply=continue; an episode it ends has finish
+    reason "length")."""
+    ep.done, ep.finish = True, "stop" if ended else "length"
     hook = getattr(ep.env, REPLY_HOOK, None)
     if hook is None:
         return
@@ -166,6 +184,9 @@ def _on_reply(ep: Episode, text: str, cfg: EnvConfig, budget: int, fmt: ChatForm
         why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         raise UserError(f"{type(ep.env).__name__}.{REPLY_HOOK}(reply) raised {why}") from None
     ep.seconds += time.perf_counter() - t0
+    if isinstance(ep.env, OpenEnvEpisode) and ep.env.failure:  # a text action's session failed
+        ep.fail(ep.env.failure)
+        return
     if feedback is None:
         return
     if not isinstance(feedback, str):
@@ -174,7 +195,7 @@ def _on_reply(ep: Episode, text: str, cfg: EnvConfig, budget: int, fmt: ChatForm
     late = cfg.episode_timeout_s and time.perf_counter() - ep.started > cfg.episode_timeout_s
     if ep.turns >= cfg.max_turns or late:
         return
-    env_ids = fmt.user_turn(ep.messages, text, feedback)
+    env_ids = fmt.user_turn(ep.messages, text, feedback, ended)
     if len(ep.ids) + len(env_ids) >= budget:  # no room for the feedback and a next turn
         ep.truncated, ep.finish = True, "length"
         return
@@ -276,6 +297,7 @@ def to_rollouts(episodes: list[Episode], tok, group_size: int, version: int, mas
             tool_calls=[e.calls for e in episodes],
             tool_errors=[e.errors for e in episodes],
             truncated=[e.truncated for e in episodes],
+            cut_turns=[e.cuts for e in episodes],
             seconds=[e.seconds for e in episodes],
             policy_versions=[[version] * e.turns for e in episodes],
             transcripts=[e.transcript for e in episodes],

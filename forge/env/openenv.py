@@ -19,7 +19,12 @@ environment per request and close it, so they cannot hold a multi-turn episode: 
   is a step (`{"type": "call_tool", "tool_name", "arguments"}`, or the arguments as the typed action); the answer's
   text goes to the model (an MCP result's text content, else the observation as JSON); the observation's reward and
   done are kept: `reward` is the last reward the server sent (None before any; `rewards` has them all), which
-  `env_reward` and reward functions read, and `done` ends the episode after that tool turn. `close()` ends the
+  `env_reward` and reward functions read, and `done` ends the episode after that tool turn.
+- Text actions (`env.openenv_text_action`, e.g. `message`: a field of the environment's own action, checked at
+  start against its /schema; the only required one): the model needs no tool calls and is offered none. Its plain
+  reply goes to `OpenEnvEpisode.on_reply` (the episode loop's reply hook), which sends it as one step
+  `{field: reply}`; the observation's text is the environment's answer (a user turn) and the episode goes on, until
+  the server says done. As TRL's OpenEnv examples do in their own rollout functions (e.g. echo_env's `message`). `close()` ends the
   session and waits until the server has closed it, so its slot is free for the next episode.
 - Failures: a session that cannot open, a connection that drops, a reset or close not answered within
   `env.openenv_timeout_s` set `failure`: the episode loop ends that episode, leaves it out of the loss and counts
@@ -154,6 +159,26 @@ class OpenEnvEpisode:
         self.done = False  # the server said the episode is over
         self.failure = ""  # why the session failed ('' = it did not)
 
+    def on_reply(self, reply: str) -> str | None:
+        """With text actions (env.openenv_text_action): send the policy's plain reply as one step and return the
+        observation's text (the feedback; an error answer or a timeout as an `Error: ...` text), or None once the
+        server says done or the session failed. Without them: None (a reply without a tool call ends the episode)."""
+        field = self.client.text_field
+        if not field or self.session is None or self.done:
+            return None
+        timeout = self.client.tool_timeout_s or None
+        try:
+            data = self.session.request({"type": "step", "data": {field: reply}}, timeout)
+        except TimeoutError:
+            return f"Error: the environment did not answer within {timeout:g} s"
+        except ServerError as e:
+            return f"Error: {e}"
+        except SessionLost as e:
+            self._fail(f"step: {e}")
+            return None
+        observation = self._observe(data)
+        return None if self.done else answer_text(observation)[0]
+
     def reset(self, **row) -> str | None:
         """Open the session and reset it with the row's columns; the first observation's text (None: empty)."""
         try:
@@ -230,6 +255,7 @@ class OpenEnvClient:
                  server: LocalServer | None = None):  # fmt: skip
         self.url, self.schemas, self.mcp, self.max_sessions = url, schemas, mcp, max_sessions
         self.timeout_s, self.tool_timeout_s = cfg.openenv_timeout_s, cfg.tool_timeout_s
+        self.text_field = cfg.openenv_text_action  # '' = the policy acts by tool calls
         self.server = server
 
     @property
@@ -273,6 +299,8 @@ def connect(cfg: EnvConfig, episodes: int) -> OpenEnvClient:
                 raise UserError(f"env.openenv_max_sessions={cfg.openenv_max_sessions}, but {what} accepts only "
                                 f"{len(sessions)} sessions at once: lower it (0: as many as it accepts)")  # fmt: skip
             schemas, mcp = _list_tools(sessions[0], url, cfg.openenv_timeout_s, what)
+            if cfg.openenv_text_action:  # the policy answers with text: no tool is offered
+                schemas = _check_text_action(cfg.openenv_text_action, schemas, mcp, what)
         finally:
             for s in sessions:
                 s.close()
@@ -337,6 +365,22 @@ def _list_tools(session: Session, url: str, timeout_s: float, what: str) -> tupl
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"{what}: neither MCP tools nor an action schema at {url}/schema ({_why(e)})") from None
     return [action_schema(action)], False
+
+
+def _check_text_action(field: str, schemas: list[dict], mcp: bool, what: str) -> list[dict]:
+    """No tool schemas (the policy answers with text) once `field` is checked to be a text field of the server's own
+    action and the only one it requires; a UserError naming the key otherwise."""
+    key = f"env.openenv_text_action={field!r}"
+    if mcp:
+        raise UserError(f"{key}: {what} is an MCP environment (its actions are tool calls): clear the key")
+    params = schemas[0]["function"]["parameters"]
+    fields = params.get("properties", {})
+    if field not in fields or fields[field].get("type", "string") != "string":
+        raise UserError(f"{key}: {what}'s action has no text field {field!r}; its fields: {sorted(fields)}")
+    others = [f for f in params.get("required", []) if f != field]
+    if others:
+        raise UserError(f"{key}: {what}'s action also requires {others}, which a reply cannot fill: use tool calls")
+    return []
 
 
 def mcp_schema(tool: dict) -> dict:

@@ -11,7 +11,7 @@ import pytest
 
 from dashboard.views.run_detail import ENV_CURVES
 from tests.dashboard.conftest import MT_RUN, charts, open_page, read_metrics
-from tests.episode_samples import PROMPT, UNKNOWN_TOOL, write_tool_episodes
+from tests.episode_samples import OBSERVATION, PROMPT, UNKNOWN_TOOL, write_tool_episodes
 
 
 def _samples_table(at):
@@ -41,6 +41,7 @@ def test_episode_curves_chart_the_env_metrics(multiturn_run, monkeypatch):
     assert "Episodes (multi-turn)" in [h.value for h in at.subheader]
     rows = [r for r in read_metrics(multiturn_run) if "env/turns" in r]
     assert [r["step"] for r in rows] == [1, 2]
+    assert "env/cut_frac" in [c for _, cols, _ in ENV_CURVES for c in cols]  # turns cut by max_new_tokens (issue 44)
     for title, columns, _ in ENV_CURVES:
         frame = shown[title][0]
         for col in columns:
@@ -62,8 +63,12 @@ def test_a_tool_episode_is_shown_as_a_chat_transcript(tool_run, monkeypatch):
     assert [_metric(at, k) for k in ("turns", "tool calls", "tool errors", "truncated")] == ["3", "2", "1", "no"]
 
     chat = at.chat_message
-    assert [m.name for m in chat] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    assert [m.name for m in chat] == ["user", "environment", "assistant", "tool", "assistant", "tool", "assistant"]
     assert chat[0].text[0].value == PROMPT
+    seen = chat[1]  # reset's first observation (issue 44): after the prompt, marked as the environment's, untrained
+    assert seen.avatar == ":material/public:" and [t.value for t in seen.text] == [OBSERVATION]
+    assert "not trained" in seen.caption[0].value
+    chat = [chat[0], *chat[2:]]  # the policy's turns and the tools' answers, as before
     first = chat[1]  # the policy's prose, then its call as JSON apart from it, never the raw tags
     assert first.caption[0].value == "policy v2" and first.text[0].value == "Let me check."
     assert "tool call `check`" in [c.value for c in first.caption]

@@ -15,3 +15,10 @@ def reward_func(completions, environments, answer, **kwargs):
         graded = 1.0 if numbers and numbers[-1] == str(want) else 0.25 if numbers else 0.0
         out.append(max(env.reward or 0.0, graded))
     return out
+
+
+def own_row(completions, environments, answer, **kwargs):
+    """1 where the episode's environment was reset with its own row's answer (`SumEnv.answer`), else 0: an eval
+    verifier that tells whether each episode played its own row, whatever the model replied."""
+    return [float(str(getattr(env, "answer", None)) == str(want)) for env, want in zip(environments, answer,
+                                                                                         strict=True)]  # fmt: skip

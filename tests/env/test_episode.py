@@ -236,25 +236,26 @@ class FeedbackEnv:
         return "no"
 
 
-def replies(tok, turns: list[str]):
-    """A sampler that emits turns[k] (+ eos) at each episode's k-th turn (k = FeedbackEnv's answers so far)."""
+def replies(tok, turns: list[str], eos: bool = True):
+    """A sampler that emits turns[k] (+ eos, unless `eos` is False: a turn cut by rollout.max_new_tokens) at each
+    episode's k-th turn (k = FeedbackEnv's answers so far)."""
 
     def sample(contexts, params, seeds=None):
         out = []
         for ctx in contexts:
             k = tok.decode(ctx).count("no")
-            ids = tok(turns[min(k, len(turns) - 1)], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            ids = tok(turns[min(k, len(turns) - 1)], add_special_tokens=False)["input_ids"] + [tok.eos_token_id] * eos
             out.append((ids, [-0.5] * len(ids)))
         return out
 
     return sample
 
 
-def play_feedback(tok, turns, env=FeedbackEnv, max_turns=3, fmt=None):
+def play_feedback(tok, turns, env=FeedbackEnv, max_turns=3, fmt=None, eos=True, cut_reply="end"):
     rows = [{"prompt": "3?", "model_input": "3?", "answer": "3"}]
-    return run_episodes(replies(tok, turns), tok, rows, SamplingParams(max_new_tokens=64, n=1, seed=0),
-                        EnvConfig(max_turns=max_turns, max_tokens=400), fmt or ChatFormat(tok, use_template=False),
-                        env, [], version=1)  # fmt: skip
+    cfg = EnvConfig(max_turns=max_turns, max_tokens=400, cut_reply=cut_reply)
+    return run_episodes(replies(tok, turns, eos), tok, rows, SamplingParams(max_new_tokens=64, n=1, seed=0), cfg,
+                        fmt or ChatFormat(tok, use_template=False), env, [], version=1)  # fmt: skip
 
 
 def test_an_environment_answers_a_plain_reply_with_feedback_until_it_is_right(tok):
@@ -307,3 +308,66 @@ def test_a_bad_on_reply_gets_one_line(tok):
         play_feedback(tok, ["1"], env=Raises)
     with pytest.raises(UserError, match="Number.on_reply returned a int: return a str"):
         play_feedback(tok, ["1"], env=Number)
+
+
+def test_the_first_observation_is_the_transcripts_first_segment(tok):
+    """Issue 44: what `reset` returns follows the prompt in the model's input (TRL appends it to the last user
+    message) and is recorded as the transcript's first segment, role "environment"; its tokens are the prompt's,
+    never trained. An environment whose reset returns None adds no segment."""
+
+    class Observed(CounterEnv):
+        def reset(self, **kwargs):
+            super().reset(**kwargs)
+            return " Add to reach it."
+
+    rows = [{"prompt": "3?", "model_input": "3?", "answer": "3"}]
+    ro = run_episodes(scripted(tok, [CALL, "3"]), tok, rows, SamplingParams(max_new_tokens=64, n=1, seed=0),
+                      EnvConfig(max_turns=3, max_tokens=400), ChatFormat(tok, use_template=False), Observed, [],
+                      version=5)  # fmt: skip
+    assert ro.prompts[0].endswith("3? Add to reach it.")
+    segments = ro.episodes.transcripts[0]
+    assert segments[0] == {"role": "environment", "content": " Add to reach it."}
+    assert [s["role"] for s in segments] == ["environment", "assistant", "tool", "assistant"]
+    assert [s["role"] for s in play(tok, [CALL, "3"]).episodes.transcripts[0]] == ["assistant", "tool", "assistant"]
+
+
+def test_a_cut_reply_ends_the_episode_by_default_and_is_counted(tok):
+    """Issue 44: a turn cut by rollout.max_new_tokens (no eos) ends the episode (finish reason length, trained, not
+    truncated), as TRL does (a cut turn has no complete tool call); `on_reply` never sees it, and it is counted:
+    cut_turns 1 of 1 turn, env/cut_frac 1.0 (a turn that ended with eos: 0)."""
+    from forge.metrics import episode_metrics
+
+    ro = play_feedback(tok, ["1", "2", "3"], eos=False)
+    e = ro.episodes
+    assert (e.turns, e.cut_turns, e.truncated, ro.finish_reasons) == ([1], [1], [False], ["length"])
+    assert e.environments[0].replies == [] and int(ro.loss_mask.sum()) == 1  # "1" trained
+    assert episode_metrics(ro)["env/cut_frac"] == 1.0
+    done = play_feedback(tok, ["1", "2", "3"])
+    assert done.episodes.cut_turns == [0] and episode_metrics(done)["env/cut_frac"] == 0.0
+
+
+def test_with_cut_reply_continue_a_cut_reply_goes_to_on_reply(tok):
+    """env.cut_reply=continue: each cut reply (1, 2, 3 without eos) is read as a reply: on_reply answers "no" to 1
+    and 2 and ends the episode at 3 (reward 1). Three turns, all cut (env/cut_frac 1.0); the last was cut, so the
+    finish reason is length; the replies are trained and the feedback is not."""
+    ro = play_feedback(tok, ["1", "2", "3"], eos=False, cut_reply="continue")
+    e = ro.episodes
+    assert (e.turns, e.cut_turns, e.truncated, ro.finish_reasons) == ([3], [3], [False], ["length"])
+    assert e.environments[0].replies == ["1", "2", "3"] and e.environments[0].reward == 1.0
+    one, no = (tok(t, add_special_tokens=False)["input_ids"] for t in ("1", "no"))
+    assert ro.loss_mask[0, : len(one) + len(no)].tolist() == [1] * len(one) + [0] * len(no)
+    assert [s["role"] for s in e.transcripts[0]] == ["assistant", "user", "assistant", "user", "assistant"]
+
+
+def test_a_cut_reply_passed_on_gets_the_templates_close_before_the_feedback(tok):
+    """With a chat template the cut turn's close (the eos the model did not sample) comes from the template's diff,
+    before the user turn; with eos sampled it is not repeated."""
+    tok.chat_template = TEMPLATE
+    try:
+        ro = play_feedback(tok, ["1", "3"], eos=False, cut_reply="continue", fmt=ChatFormat(tok, use_template=True))
+    finally:
+        tok.chat_template = None
+    one = tok("1", add_special_tokens=False)["input_ids"]
+    user = tok("</s>\n<user>no</s>\n<assistant>", add_special_tokens=False)["input_ids"]
+    assert ro.completion_ids[0, : len(one) + len(user)].tolist() == one + user
+    assert ro.loss_mask[0, len(one) : len(one) + len(user)].sum() == 0

@@ -271,3 +271,87 @@ def test_killing_the_server_mid_run_stops_it_after_the_failing_steps_and_resume_
         assert a.keys() == b.keys(), step
         for k in a:  # None: a mean over nothing (env_reward scores None where the policy never called check)
             assert a[k] == b[k] if a[k] is None else a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (step, k)
+
+
+def guesses(tok, turns: list[str], eos: bool = True):
+    """A sampler that replies turns[k] (+ eos unless `eos` is False: cut by rollout.max_new_tokens), k = the
+    server's "wrong" answers so far in the episode's context."""
+
+    def sample(contexts, params, seeds=None):
+        out = []
+        for ctx in contexts:
+            k = tok.decode(ctx).count("wrong")
+            ids = tok(turns[min(k, len(turns) - 1)], add_special_tokens=False)["input_ids"] + [tok.eos_token_id] * eos
+            out.append((ids, [-0.5] * len(ids)))
+        return out
+
+    return sample
+
+
+def play_text(tok, server, turns, eos=True, **env):
+    cfg = EnvConfig(openenv_url=server.url + "/text", openenv_text_action="message", max_turns=3, max_tokens=2000,
+                    **env)  # fmt: skip
+    client = connect(cfg, episodes=2)
+    rows = [{"prompt": "1+2=", "model_input": "1+2=", "answer": "3"}]
+    params = SamplingParams(max_new_tokens=64, n=2, seed=0)
+    ro = run_episodes(guesses(tok, turns, eos), tok, rows, params, cfg, ChatFormat(tok, use_template=False), client,
+                      [], version=0)  # fmt: skip
+    return client, ro
+
+
+def test_a_text_action_server_is_answered_with_plain_replies(server, tok):
+    """Issue 44: env.openenv_text_action=message: no tool is offered (the prompt has no tools line), each plain reply
+    is a step {"message": reply}, the observation's text comes back as a user turn until the server says done. The
+    reset observation (the instruction) follows the prompt and is the transcript's first segment (role environment).
+    A reply that looks like a tool call is still a message."""
+    from tests.env.openenv_server import TEXT_INSTRUCTION
+
+    client, ro = play_text(tok, server, ["2", '{"name": "check", "arguments": {}}', "3"])
+    assert client.schemas == [] and ro.prompts[0] == "1+2=" + TEXT_INSTRUCTION
+    e = ro.episodes
+    assert e.turns == [3, 3] and e.tool_calls == [0, 0] and ro.finish_reasons == ["stop", "stop"]
+    assert [(s["role"], s["content"]) for s in e.transcripts[0]] == [
+        ("environment", TEXT_INSTRUCTION), ("assistant", "2"), ("user", "wrong, try again"),
+        ("assistant", '{"name": "check", "arguments": {}}'), ("user", "wrong, try again"), ("assistant", "3"),
+    ]  # fmt: skip
+    assert [env.reward for env in e.environments] == [1.0, 1.0] and all(env.done for env in e.environments)
+    assert env_reward(["q"] * 2, ro.texts, environments=e.environments) == [1.0, 1.0]
+
+
+def test_a_cut_reply_goes_to_the_text_action_with_cut_reply_continue(server, tok):
+    """Replies cut by rollout.max_new_tokens (no eos): by default the first ends the episode (the server never sees
+    it); with env.cut_reply=continue each is sent as the message, and the third is right."""
+    _, ro = play_text(tok, server, ["2", "1", "3"], eos=False)
+    assert ro.episodes.turns == [1, 1] and ro.episodes.cut_turns == [1, 1]
+    assert [env.reward for env in ro.episodes.environments] == [None, None]
+    _, ro = play_text(tok, server, ["2", "1", "3"], eos=False, cut_reply="continue")
+    assert ro.episodes.turns == [3, 3] and ro.episodes.cut_turns == [3, 3] and ro.finish_reasons == ["length"] * 2
+    assert [env.reward for env in ro.episodes.environments] == [1.0, 1.0]
+
+
+def test_text_action_keys_that_cannot_work_are_one_line(server):
+    with pytest.raises(UserError, match="env.openenv_text_action='message': .* is an MCP environment"):
+        connect(EnvConfig(openenv_url=server.url, openenv_text_action="message"), episodes=1)
+    with pytest.raises(UserError, match=r"has no text field 'text'; its fields: \['message'\]"):
+        connect(EnvConfig(openenv_url=server.url + "/text", openenv_text_action="text"), episodes=1)
+    with pytest.raises(UserError, match=r"has no text field 'guess'"):  # an integer field
+        connect(EnvConfig(openenv_url=server.url + "/guess", openenv_text_action="guess"), episodes=1)
+    cfg = RunConfig()
+    cfg.env.openenv_text_action = "message"
+    with pytest.raises(ConfigError, match="config key 'env.openenv_text_action' applies to an OpenEnv server"):
+        cfg.validate()
+
+
+def test_a_model_that_never_calls_tools_trains_against_a_text_action_server(server, tmp_path):
+    """Acceptance 2 of issue 44 on the tiny model: the text server (tests/env/openenv_server.py `/text`) plays
+    every episode by its replies (cut ones too: env.cut_reply=continue, the random model rarely ends a turn in 3
+    tokens); the server's reward (env_reward) is scored and the update runs."""
+    sets = _sets(server.url + "/text", 2) + ["env.openenv_text_action=message", "rollout.max_new_tokens=3",
+                                              "env.cut_reply=continue"]  # fmt: skip
+    forge.train(preset="tiny-multiturn", overrides=sets, run_dir=tmp_path / "run", progress=False)
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 2 and all(r["env/turns"] >= 1 and r["env/failed"] == 0 for r in rows)
+    assert all(r["env/tool_calls"] == 0 and "train/loss" in r and r["env/cut_frac"] > 0 for r in rows)
+    assert all(r["env/turns"] > 1 and "reward/env_reward/mean" in r for r in rows)  # the server answered replies
+    sample = json.loads((tmp_path / "run" / "samples.jsonl").read_text().splitlines()[0])
+    assert sample["transcript"][0]["role"] == "environment"

@@ -36,6 +36,15 @@ def episode_cfg(steps: int = 4, replicas: int = 2):
     return cfg
 
 
+def same_prompt_eval(cfg, tmp_path) -> None:
+    """Evaluation on 6 rows that share one prompt and differ in their answer (a game's rows: `reset(**row)` tells
+    them apart), judged by `own_row` (1 where the episode's environment holds its own row's answer, whatever the
+    reply): pass@1 and pass@2 are 1.0 when every episode plays its own row, 1/6 when all play one row's."""
+    path = tmp_path / "same-prompt.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "Guess the sum.", "answer": str(a)}) + "\n" for a in range(1, 7)))
+    cfg.data.eval_source, cfg.eval.verifiers, cfg.eval.k = str(path), ["tests.env.graded:own_row"], 2
+
+
 def metrics(run_dir) -> list[dict]:
     rows = read_metrics(run_dir / "metrics.jsonl")
     return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in rows]
@@ -47,15 +56,18 @@ def test_two_hf_replicas_play_the_episodes_the_in_process_run_plays(cluster, tmp
     2): every metric (rewards, episode counts, losses, eval pass@1) equals the in-process run's (one process) to float
     rounding, and so do the final weights, since each episode's turns draw from seeds of their own
     (forge/env/episode.py), not from the batch it shares. (Single-turn replicas sample from RNG streams that start
-    alike, so there a split changes the samples: docs/ray.md.)"""
+    alike, so there a split changes the samples: docs/ray.md.) Evaluation, which runs in rollout actor 0, plays each
+    row's own environment when every row has the same prompt (issue 44: `same_prompt_eval`), greedy and pass@k."""
     from safetensors.torch import load_file
 
     ray_dir, ref_dir = tmp_path / "ray", tmp_path / "in-process"
     cfg = episode_cfg()
     cfg.update.num_processes = 2
+    same_prompt_eval(cfg, tmp_path)
     assert run(cfg, ray_dir)["execution"] == "ray"
     ref = episode_cfg(replicas=1)
     ref.orchestration.execution = "embedded"
+    same_prompt_eval(ref, tmp_path)
     assert run(ref, ref_dir)["execution"] == "embedded"
     where = json.loads((ray_dir / "workers.json").read_text())
     assert len({w["pid"] for w in where["rollout"]}) == 2 and [w["rank"] for w in where["update"]] == [0, 1]
@@ -71,6 +83,8 @@ def test_two_hf_replicas_play_the_episodes_the_in_process_run_plays(cluster, tmp
         for k in a:
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k)
     assert any(m.get("reward/mean", 0) > 0 for m in got) and all("env/turns" in m for m in got if m["step"] > 0)
+    evals = [m for m in got if "eval/pass@1" in m]  # issue 44: each eval row plays its own environment in the actor
+    assert len(evals) >= 2 and all(m["eval/pass@1"] == m["eval/pass@2"] == 1.0 for m in evals)
     wa, wb = (load_file(d / "checkpoints" / "step-000004" / "model.safetensors") for d in (ray_dir, ref_dir))
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
     sample = json.loads((ray_dir / "samples.jsonl").read_text().splitlines()[0])
