@@ -182,8 +182,8 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def mfu(check: Check, model_flops: float, seconds: float) -> float:
-    return round(model_flops / seconds / (check.peak_tflops * 1e12), 4)
+def mfu(check: Check, model_flops: float, seconds: float) -> float | None:
+    return round(model_flops / seconds / (check.peak_tflops * 1e12), 4) if check.peak_tflops else None
 
 
 def model_flops(counts: tuple[int, int], hidden: int, vocab: int, tokens: int, completion_tokens: int) -> float:
@@ -261,13 +261,29 @@ def checkpointing(model, on: bool) -> None:
         model.activation_checkpointing_disable() if new else model.gradient_checkpointing_disable()
 
 
-def update(check: Check) -> dict:
+def update_variant(check: Check, model, batch, micro: int, packing: bool) -> dict:
+    """One trainer (a fresh AdamW) at this micro-batch size and packing: a warm-up step, then the median of two."""
     from forge.config import RunConfig
     from forge.recipes.grpo import update_micro_batch
     from forge.trainer import Trainer
 
+    cfg = RunConfig()
+    cfg.rollout.max_new_tokens, cfg.update.micro_batch_size = batch[0].completion_ids.shape[1], micro
+    cfg.update.shared_prefix, cfg.update.autocast_bf16 = packing, True
+    trainer = Trainer(model, cfg, total_steps=8, micro_update=update_micro_batch)
+    try:
+        trainer.update(*batch)  # warm-up: the optimizer's state is allocated
+        with peak_memory(check.device) as mem:
+            seconds = statistics.median(timed(check.device, trainer.update, *batch)[0] for _ in range(2))
+    finally:
+        trainer.optimizer.zero_grad(set_to_none=True)
+        del trainer
+    return {"seconds_per_step": round(seconds, 4), **mem}
+
+
+def update(check: Check) -> dict:
     groups, g, prompt_len, tokens = (2, 4, 16, 16) if check.dry else (16, 8, 256, 512)
-    micro_sizes = (4, 8) if check.dry else (16, 64)
+    micro_sizes = (4, 8) if check.dry else (8, 32)  # 64 rows without checkpointing: ~70 GB of activations
     model, _ = random_model(check)
     counts, c = param_counts(model), model.config
     batch = grpo_batch(c.vocab_size, groups, g, prompt_len, tokens)
@@ -279,20 +295,18 @@ def update(check: Check) -> dict:
     for micro in micro_sizes:
         for packing in (True, False):
             for ckpt in (False, True):
-                cfg = RunConfig()
-                cfg.rollout.max_new_tokens, cfg.update.micro_batch_size = tokens, micro
-                cfg.update.shared_prefix, cfg.update.autocast_bf16 = packing, True
+                row = {"micro_batch": micro, "packing": packing, "grad_ckpt": ckpt, "planned_gib": plan}
                 checkpointing(model, ckpt)
-                trainer = Trainer(model, cfg, total_steps=8, micro_update=update_micro_batch)
-                trainer.update(*batch)  # warm-up: the optimizer's state is allocated
-                with peak_memory(check.device) as mem:
-                    seconds = statistics.median(timed(check.device, trainer.update, *batch)[0] for _ in range(2))
-                rows.append({"micro_batch": micro, "packing": packing, "grad_ckpt": ckpt,
-                             "seconds_per_step": round(seconds, 4), "tokens_per_s": round(all_tokens / seconds, 1),
-                             "completion_tokens_per_s": round(completion / seconds, 1),
-                             "mfu": mfu(check, flops, seconds), **mem, "planned_gib": plan,
-                             "peak_over_planned": round(mem["peak_gib"] / plan, 3)})  # fmt: skip
-                del trainer
+                try:
+                    row |= update_variant(check, model, batch, micro, packing)
+                except torch.OutOfMemoryError as e:  # a measurement too: the planner said it fits
+                    row |= {"oom": str(e).splitlines()[0][:200]}
+                if "seconds_per_step" in row:
+                    seconds = row["seconds_per_step"]
+                    row |= {"tokens_per_s": round(all_tokens / seconds, 1), "mfu": mfu(check, flops, seconds),
+                            "completion_tokens_per_s": round(completion / seconds, 1),
+                            "peak_over_planned": round(row["peak_gib"] / plan, 3)}  # fmt: skip
+                rows.append(row)
                 free(check.device)
     return {"params": counts[0], "rows_per_step": groups * g, "prompt_tokens": prompt_len,
             "max_completion_tokens": tokens, "batch_tokens": all_tokens, "completion_tokens": completion,
@@ -591,14 +605,14 @@ def table(report: dict) -> str:
     s = report["sections"]
 
     def row(section, variant, r, rate="tokens_per_s", secs="seconds_per_step", peak="peak_gib", plan="planned_gib"):
-        ratio = f"{r[peak] / r[plan]:.2f}" if r.get(plan) else ""
+        ratio = f"{r[peak] / r[plan]:.2f}" if r.get(plan) and r.get(peak) is not None else ""
         lines.append(f"| {section} | {variant} | {r.get(rate, '')} | {r.get(secs, '')} | {r.get('mfu', '')} | "
                      f"{r.get(peak, '')} | {r.get(plan, '')} | {ratio} |")  # fmt: skip
 
     for r in s["update"].get("result", {}).get("variants", []):
         variant = f"micro {r['micro_batch']}, packing {'on' if r['packing'] else 'off'}, " \
                   f"grad ckpt {'on' if r['grad_ckpt'] else 'off'}"  # fmt: skip
-        row("update", variant, r)
+        row("update", variant + (" (out of memory)" if "oom" in r else ""), r)
     for r in s["rollout"].get("result", {}).get("variants", []):
         row("rollout (hf)", r["variant"], r, secs="seconds")
     p = s["publish"].get("result")

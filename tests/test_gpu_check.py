@@ -102,3 +102,12 @@ def test_the_dry_run_passes_in_the_bare_venv_and_writes_every_section(wheels, tm
     table = (tmp_path / "gpu_check.md").read_text()
     assert table.count("| update |") == 8 and "| publish | CUDA IPC" in table and "| fsdp (1 rank) |" in table
     assert "gpu_check: all sections passed" in out.stdout
+
+
+def test_the_bare_check_fails_where_ray_or_prefect_can_be_imported(tmp_path):
+    """--bare (what --dry-run passes) refuses an interpreter that could reach Ray/Prefect/...: this test's venv can."""
+    out = subprocess.run([sys.executable, "scripts/gpu_check.py", "--dry-run", "--bare", "--only", "ckpt", "--out",
+                          str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert out.returncode == 1, (out.stdout + out.stderr)[-2000:]
+    failed = json.loads((tmp_path / "gpu_check.json").read_text())["failed"]
+    assert len(failed) == 1 and failed[0].startswith("env (bare: ray, ") and "prefect" in failed[0], failed
