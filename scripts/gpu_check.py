@@ -6,7 +6,8 @@ Qwen2.5-0.5B's shape (`qwen_config`, built in code; no download), bf16 compute; 
 on the CPU at a tiny shape (numbers mean nothing there: it checks that every section runs and reports).
 
 Sections, each with a time budget (seconds, `BUDGETS`; a section past it is stopped and reported as such):
-  env      device, versions, bf16 matmul TFLOP/s measured, the wheel bundle, what of Ray/vLLM/... is importable
+  env      device, versions, bf16 matmul TFLOP/s measured, the wheel bundle, what of Ray/vLLM/... is importable;
+           every module of forge and weaver imported (fails on one that needs what is not there)
   update   the GRPO update (forge.trainer.Trainer + the recipe's micro-batch math) on G=8 groups sharing their
            prompt: micro-batch sizes x shared-prefix packing on/off x gradient checkpointing on/off; per variant
            batch tokens/s, completion tokens/s, MFU, peak memory against the planner's update prediction
@@ -62,6 +63,8 @@ ABSENT = ("ray", "vllm", "prefect", "mlflow", "datasets", "streamlit")  # math_v
 BUDGETS = {"env": 30, "update": 120, "rollout": 60, "publish": 75, "fsdp": 45, "ckpt": 30, "ray": 90}
 DENSE_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4}  # SXM, dense (NVIDIA's data sheets)
 BUCKET_BYTES = 64 << 20
+# modules that need an optional extra (pyproject's optional-dependencies), not on the device's path
+OPTIONAL = {"forge.tasks.openenv_sum": "the openenv extra (fastmcp)"}
 SYNCS = 3
 
 
@@ -211,11 +214,29 @@ def env(check: Check) -> dict:
     check.peak_tflops = spec or measured
     bundle = wheel_bundle()
     present = [m for m in ABSENT if importlib.util.find_spec(m) is not None]
+    unimportable = import_all(("forge", "weaver"))
+    assert not unimportable, f"modules that do not import here: {unimportable}"
     return {"device": name, "python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
             "transformers": transformers.__version__, "accelerate": accelerate.__version__,
             "matmul_bf16_tflops": round(measured, 2), "peak_bf16_tflops": round(check.peak_tflops, 2),
             "peak_from": "data sheet" if spec else "measured matmul", "bundle": bundle,
-            "importable_of_absent": present}  # fmt: skip
+            "importable_of_absent": present, "modules_imported": len(sys.modules)}  # fmt: skip
+
+
+def import_all(packages: tuple[str, ...]) -> dict[str, str]:
+    """Import every module of `packages`; module -> the error of those that fail, but for `OPTIONAL` ones."""
+    import importlib
+    import pkgutil
+
+    failed = {}
+    for package in packages:
+        for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
+            try:
+                importlib.import_module(info.name)
+            except Exception as e:
+                if info.name not in OPTIONAL:
+                    failed[info.name] = f"{type(e).__name__}: {e}"
+    return failed
 
 
 def wheel_bundle() -> dict:
