@@ -16,7 +16,9 @@ Sections, each with a time budget (seconds, `BUDGETS`; a section past it is stop
   publish  the weight publish over CUDA IPC between two processes (forge.weight_group, transport ipc; shared memory
            on the CPU): the trainer's fp32 weights cast to bf16 in 64 MB buckets, a receiver process copying them
            into its bf16 model, bit-exact; seconds per sync (median of 3), each side's peak extra memory against the
-           one bucket the design allows; and a single-rank NCCL send (gloo on the CPU) for the cast + pack cost
+           one bucket the design allows; the same pair over gloo with device buckets (the broadcast path's code,
+           since NCCL refuses two ranks on one GPU); and a single-rank NCCL send (gloo on the CPU) for the cast +
+           pack cost
   fsdp     FSDP2 (fully_shard) on one rank: steps/s, tokens/s, MFU and peak memory against the planner's
            prediction at the same shape; the full-state round trip
   ckpt     a checkpoint saved and restored by a fresh TrainerWorker (tiny preset): where the AdamW state lands
@@ -374,9 +376,9 @@ def bit_sums(tensors) -> dict[str, int]:
     return sums
 
 
-def ipc_receiver(port: int, plan, device_name: str, dry: bool, out) -> None:
-    """The receiving process (rank 1 of 2, ipc): a zeroed bf16 model on the same device; puts each sync's index
-    once loaded, then its peak extra memory over the syncs and its tensors' checksums."""
+def receiver(backend: str, port: int, plan, device_name: str, dry: bool, out) -> None:
+    """The receiving process (rank 1 of 2): a zeroed bf16 model on the same device; puts each sync's index once
+    loaded, then its peak extra memory over the syncs and its tensors' checksums."""
     from forge.weight_group import WeightGroup, copy_into
 
     check = Check(torch.device(device_name), dry)
@@ -384,8 +386,8 @@ def ipc_receiver(port: int, plan, device_name: str, dry: bool, out) -> None:
     with torch.no_grad():
         for t in model.state_dict().values():
             t.zero_()
-    group = WeightGroup(1, 2, "ipc", device=check.device)
-    group.connect("127.0.0.1", port)
+    group = WeightGroup(1, 2, backend, device=check.device)
+    group.connect("127.0.0.1", port, local_address="127.0.0.1")
     load, names = copy_into(model), {s.name for s in plan.tensors}
     with peak_memory(check.device) as mem:
         for i in range(SYNCS):
@@ -418,10 +420,8 @@ def median_sync(device: torch.device, sync) -> tuple[float, float]:
 
 
 def publish(check: Check) -> dict:
-    import multiprocessing as mp
-
     from forge.distributed.state import unique_names
-    from forge.weight_group import WeightGroup, plan_for
+    from forge.weight_group import plan_for
 
     model, _ = random_model(check)  # the trainer's fp32 weights on its device
     names = unique_names(model)
@@ -429,14 +429,35 @@ def publish(check: Check) -> dict:
     plan = plan_for(state(), torch.bfloat16, BUCKET_BYTES)
     bucket_mib = max(n * 2 for _, n in plan.buckets) / MIB
     want = bit_sums((k, v.to(torch.bfloat16)) for k, v in state())
+    seconds, sender_extra, receiver_extra = pair(check, "ipc", plan, state, want)
+    gloo_s, gloo_extra, _ = pair(check, "gloo", plan, state, want)
+    solo_s, solo_extra = single_rank_send(check, plan, state)
+    return {"tensors": len(plan.tensors), "bf16_mib": round(plan.nbytes / MIB, 1), "buckets": len(plan.buckets),
+            "ipc_seconds_per_sync": round(seconds, 4), "ipc_gib_per_s": round(plan.nbytes / GIB / seconds, 2),
+            "bit_exact": True, "sender_extra_mib": sender_extra, "receiver_extra_mib": receiver_extra,
+            "planned_extra_mib": round(bucket_mib, 1), "gloo_pair_seconds_per_sync": round(gloo_s, 4),
+            "gloo_pair_sender_extra_mib": gloo_extra, "single_rank_backend": "nccl" if check.device.type == "cuda"
+            else "gloo", "single_rank_seconds_per_sync": round(solo_s, 4),
+            "single_rank_sender_extra_mib": solo_extra}  # fmt: skip
+
+
+def pair(check: Check, backend: str, plan, state, want: dict[str, int]) -> tuple[float, float, float]:
+    """A sender (this process) and a receiver process on the same device over `backend` (ipc; or gloo with device
+    buckets, the broadcast path's code where NCCL refuses two ranks on one GPU): SYNCS syncs, the receiver's tensors
+    asserted bit-exact. Returns (median seconds per sync to the receiver's load, sender's and receiver's extra MiB)."""
+    import multiprocessing as mp
+
+    from forge.weight_group import WeightGroup
+
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    group = WeightGroup(0, 2, "ipc", device=check.device)
+    group = WeightGroup(0, 2, backend, device=check.device)
     port = group.host("127.0.0.1")
-    child = ctx.Process(target=ipc_receiver, args=(port, plan, str(check.device), check.dry, out), daemon=True)
+    args = (backend, port, plan, str(check.device), check.dry, out)
+    child = ctx.Process(target=receiver, args=args, daemon=True)
     child.start()
     try:
-        group.connect("127.0.0.1", port)
+        group.connect("127.0.0.1", port, local_address="127.0.0.1")
         loaded: list[int] = []
         seconds, sender_extra = median_sync(check.device, lambda: (group.send(plan, state()),
                                                                    loaded.append(next_from(out, child))))  # fmt: skip
@@ -447,14 +468,8 @@ def publish(check: Check) -> dict:
         if child.is_alive():
             child.kill()
     bad = [k for k in want if got.get(k) != want[k]]
-    assert loaded == list(range(SYNCS)) and not bad, f"the receiver's tensors differ from the sender's: {bad[:5]}"
-    solo_s, solo_extra = single_rank_send(check, plan, state)
-    return {"tensors": len(plan.tensors), "bf16_mib": round(plan.nbytes / MIB, 1), "buckets": len(plan.buckets),
-            "ipc_seconds_per_sync": round(seconds, 4), "ipc_gib_per_s": round(plan.nbytes / GIB / seconds, 2),
-            "bit_exact": not bad, "sender_extra_mib": sender_extra, "receiver_extra_mib": receiver_extra,
-            "planned_extra_mib": round(bucket_mib, 1), "single_rank_backend": "nccl" if check.device.type == "cuda"
-            else "gloo", "single_rank_seconds_per_sync": round(solo_s, 4),
-            "single_rank_sender_extra_mib": solo_extra}  # fmt: skip
+    assert loaded == list(range(SYNCS)) and not bad, f"{backend}: the receiver's tensors differ: {bad[:5]}"
+    return seconds, sender_extra, receiver_extra
 
 
 def single_rank_send(check: Check, plan, state) -> tuple[float, float]:
@@ -642,6 +657,8 @@ def table(report: dict) -> str:
             rate="ipc_gib_per_s", secs="ipc_seconds_per_sync", peak="sender_extra_mib", plan="planned_extra_mib")  # fmt: skip
         row("publish", "the receiver's extra MiB", p, rate="", secs="", peak="receiver_extra_mib",
             plan="planned_extra_mib")  # fmt: skip
+        row("publish", "gloo pair, device buckets: sender's extra MiB", p, rate="",
+            secs="gloo_pair_seconds_per_sync", peak="gloo_pair_sender_extra_mib", plan="planned_extra_mib")  # fmt: skip
         row("publish", f"single-rank {p['single_rank_backend']} send: extra MiB", p, rate="",
             secs="single_rank_seconds_per_sync", peak="single_rank_sender_extra_mib", plan="planned_extra_mib")  # fmt: skip
     if s["fsdp"].get("result"):
