@@ -48,7 +48,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -76,12 +76,11 @@ class OverBudget(Exception):
 
 @dataclass
 class Check:
-    """What every section gets: the device, the shape, and the results so far (env's fills the rest)."""
+    """What every section gets: the device, whether this is a dry run (tiny shape), the bf16 peak (set by env)."""
 
     device: torch.device
     dry: bool
     peak_tflops: float = 0.0
-    results: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- the model, memory, timing
@@ -636,7 +635,7 @@ def run_section(check: Check, key: str) -> dict:
 
 def table(report: dict) -> str:
     """The markdown table: one row per measurement."""
-    lines = ["| section | variant | tokens/s | s/step or s/sync | MFU | peak GiB | planned GiB | peak/planned |",
+    lines = ["| section | variant | tokens/s | s/step or s/sync | MFU | peak GiB (publish: extra MiB) | planned | ratio |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     s = report["sections"]
 
