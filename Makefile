@@ -27,7 +27,7 @@ VLLM_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm==$(VLLM_VERSIO
 # engines run as Ray actors with this venv's python: Ray must be the very version of the main venv (pyproject)
 RAY_SPEC := ray==2.60.0
 
-.PHONY: setup vllm-env demo test lint bench clean-venv gpu-check
+.PHONY: setup vllm-env demo test lint bench clean-venv gpu-check gpu-wheels
 
 # the dashboard's browser test drives Debian's chromium through playwright (`playwright install` would download one)
 CHROMIUM := /usr/bin/chromium
@@ -83,10 +83,18 @@ bench: setup
 	$(PY) bench/rollout_throughput.py
 	$(PY) bench/step_breakdown.py
 
-# the GPU device check (scripts/gpu_check.sh): the machine's own python with torch/transformers/accelerate, no setup
+# the GPU device check (scripts/gpu_check.sh): the lent machine's own python3 and torch, forge, and the pure-Python
+# wheels of scripts/gpu_wheels.txt, downloaded here into .gpu-wheels/ (ignored; the device tool carries it)
 GPU_PYTHON ?= python3
+GPU_WHEELS := .gpu-wheels
 gpu-check:
 	PYTHON=$(GPU_PYTHON) bash scripts/gpu_check.sh
+
+gpu-wheels:
+	rm -rf $(GPU_WHEELS)
+	$(PYTHON) -m pip download -q --disable-pip-version-check --only-binary=:all: --no-deps --python-version 3.12 \
+	  --implementation py --abi none --platform any -d $(GPU_WHEELS) -r scripts/gpu_wheels.txt
+	@du -sh $(GPU_WHEELS)
 
 clean-venv:
 	rm -rf $(VENV) $(VLLM_VENV)

