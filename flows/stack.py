@@ -32,14 +32,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import pwd
 import secrets
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -373,9 +376,29 @@ def ray_argv(cfg: StackConfig) -> tuple[str, ...]:
     pools = {pool_resource(pl.name): 1000.0 for pl in autodetect_pools(res)}
     return (
         _bin("ray"), "start", "--head", "--block", "--port", str(cfg.ports.ray), "--node-ip-address", "127.0.0.1",
-        "--include-dashboard=false", "--disable-usage-stats",
+        "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", str(ray_temp_root(cfg) / "ray"),
         "--num-cpus", str(res.cpu_cores), "--resources", json.dumps(pools),
     )  # fmt: skip
+
+
+def ray_temp_root(cfg: StackConfig) -> Path:
+    """Where the head keeps its temp dir: Ray makes its session, socket and log folders 0777, so they lie in a
+    directory only the owner enters (not the shared /tmp/ray). One per user and runs dir, under the system's temp dir:
+    Ray's socket paths there must fit in 107 bytes, which a runs dir's path may not leave room for."""
+    digest = hashlib.sha256(str(cfg.runs_dir).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"fw-ray-{os.getuid()}-{digest}"
+
+
+def own_private_dir(path: Path) -> Path:
+    """Make `path` (0700), or take the one there if it is this user's own directory; anything else there (another
+    user's directory, a symlink: someone took the name first) is refused."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise UserError(f"{path} is not a directory of yours (another user made it?): remove it, then `up` again")
+    os.chmod(path, 0o700)
+    return path
 
 
 # ---------------------------------------------------------------- PostgreSQL
@@ -543,6 +566,8 @@ def up(cfg: StackConfig) -> dict:
         if "postgres" in wanted:
             _wait_healthy(cfg, state, ["postgres"], deadline)
             _wait_pg_ready(cfg, password, deadline)
+        if "ray" in todo:
+            own_private_dir(ray_temp_root(cfg))
         for name in ("prefect", "mlflow", "dashboard", "ray"):
             if name in todo:
                 _start(cfg, state, wanted[name], started)

@@ -272,6 +272,8 @@ def _check_secrets_private(runs: Path, state: dict) -> None:
     assert stat.S_IMODE(state_dir.stat().st_mode) == (0o710 if as_pg_root else 0o700)
     assert stat.S_IMODE((state_dir / "logs").stat().st_mode) == 0o700
     assert {stat.S_IMODE(p.stat().st_mode) for p in (state_dir / "logs").iterdir()} == {0o600}
+    ray_root = stack.ray_temp_root(stack.StackConfig(runs.resolve()))  # the head's 0777 folders lie behind it
+    assert stat.S_IMODE(ray_root.stat().st_mode) == 0o700 and list((ray_root / "ray").glob("session_*"))
 
 
 # ---------------------------------------------------------------- without a stack

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from flows import stack, stack_auth
+from forge.errors import UserError
 
 
 def _mode(path: Path) -> int:
@@ -54,6 +55,8 @@ def test_no_service_argv_holds_a_secret(tmp_path, pg_bin, db):
         line = " ".join(svc.argv)
         assert not [s for s in secrets if s in line], f"{name}'s argv holds a secret: {svc.argv}"
         assert not any(a.startswith("--backend-store-uri") for a in svc.argv), name
+    argv = specs["ray"].argv  # the head's temp dir, where Ray makes 0777 folders, lies in a 0700 one of the user's
+    assert Path(argv[argv.index("--temp-dir") + 1]).parent == stack.ray_temp_root(cfg)
     mlflow_env = specs["mlflow"].env  # `mlflow server` reads its store URI from there (click's envvar)
     assert mlflow_env["MLFLOW_BACKEND_STORE_URI"] == stack.store_uris(cfg)[1]
 
@@ -118,3 +121,21 @@ def test_service_logs_are_owner_only(tmp_path):
     (cfg.state_dir / "logs" / "echo.log").chmod(0o644)  # a log of an earlier `up`
     rec = stack._launch(cfg, stack.Service("echo", ("/bin/echo", "hello"), {}, 1, "", "tcp"))  # made before it runs
     assert _mode(cfg.state_dir / "logs") == 0o700 and _mode(Path(rec["log"])) == 0o600
+
+
+def test_the_ray_heads_private_dir_is_made_0700_or_refused_when_someone_else_took_its_name(tmp_path):
+    mine = stack.own_private_dir(tmp_path / "mine")
+    assert _mode(mine) == 0o700
+    mine.chmod(0o777)
+    assert _mode(stack.own_private_dir(mine)) == 0o700  # taken again, narrowed
+    (tmp_path / "link").symlink_to(mine)
+    with pytest.raises(UserError, match="link is not a directory of yours"):
+        stack.own_private_dir(tmp_path / "link")
+    if os.geteuid() == 0:  # only root can make a directory that another user owns
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(UserError, match="theirs is not a directory of yours"):
+            stack.own_private_dir(theirs)
+    assert stack.ray_temp_root(stack.StackConfig(tmp_path / "a")) != stack.ray_temp_root(stack.StackConfig(tmp_path))
+    assert len(str(stack.ray_temp_root(stack.StackConfig(tmp_path / ("x" * 200))))) < 50  # room for Ray's sockets
