@@ -250,6 +250,15 @@ def test_no_secret_is_in_a_command_line():
     assert option.envvar == "MLFLOW_BACKEND_STORE_URI"
 
 
+def test_the_dashboard_answers_only_its_own_host_names():
+    """DNS rebinding: its WebSocket, which carries all of the app's data, opens only for the names the host's browser
+    uses (as `forgeweave dashboard` does; tests/flows/test_stack.py tries a foreign Host)."""
+    from flows.cli import DASHBOARD_HOSTS
+
+    command = compose()["services"]["dashboard"]["command"]
+    assert {a.split("=", 1)[1] for a in command if a.startswith("--server.allowedHosts=")} == set(DASHBOARD_HOSTS)
+
+
 def _args_and_commands(dockerfile: Path) -> tuple[dict[str, str], list[str]]:
     """A Dockerfile's ARG defaults and its RUN commands split at `&&` (continuation lines joined)."""
     text = re.sub(r"\\\n\s*", " ", dockerfile.read_text())

@@ -3,6 +3,7 @@ PostgreSQL cluster; plus the PID bookkeeping and the one-line errors, without st
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import pwd
@@ -84,6 +85,11 @@ def test_up_status_down_sqlite(tmp_path):
         _check_auth(runs, state, creds, deployment["id"])
         _check_secrets_private(runs, state)
 
+        # DNS rebinding: the dashboard's WebSocket (all of its data) opens for its own names only
+        dash = ports["dashboard"]
+        for host, code in (("127.0.0.1", 101), ("localhost", 101), ("rebound.example", 403)):
+            assert _websocket_status(dash, f"{host}:{dash}") == code, host
+
         # every listening socket of every process of the stack is on 127.0.0.1, each service's port among them
         sockets = stack_sockets(state)
         assert {addr for addr, _ in sockets} == {"127.0.0.1"}, sockets
@@ -110,6 +116,18 @@ def test_up_status_down_sqlite(tmp_path):
         assert other.returncode == 2 and "`forgeweave down` first" in other.stderr, other.stderr
         trees, listened = process_trees(state), {port for _, port in sockets}
     _assert_all_gone(trees, listened, runs)
+
+
+def _websocket_status(port: int, host: str) -> int:
+    """The HTTP status of a WebSocket handshake to the dashboard's stream with this Host (and the same Origin, as a
+    browser on that name sends)."""
+    key = base64.b64encode(os.urandom(16)).decode()
+    request = (f"GET /_stcore/stream HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: streamlit\r\n"
+               f"Origin: http://{host}\r\n\r\n")  # fmt: skip
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(request.encode())
+        return int(conn.recv(200).split(b" ", 2)[1])
 
 
 def _check_auth(runs: Path, state: dict, creds: stack_auth.Credentials, deployment_id: str) -> None:
