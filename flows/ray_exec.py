@@ -43,7 +43,9 @@ the run; the private Ray instance (`ray_session` without `orchestration.ray_addr
 object store the run needs (`flows.planning.object_store_bytes`) and is shut down at the end. It is the user's
 alone: it authenticates with a token of its own, kept in a 0600 file, and its temp dir (where Ray makes its session,
 socket and log folders world-writable, 0777) lies in a 0700 directory, not in the shared /tmp/ray; neither is
-~/.ray/auth_token (which Ray would otherwise write 0644) made or read.
+~/.ray/auth_token (which Ray would otherwise write 0644) made or read. Its processes (GCS, raylet, and so every actor
+and whatever an actor starts: sandboxes, environment servers) never see the stack's credentials (`flows.stack.AUTH_VARS`
+are left out of the environment ray.init starts them with): only the driver talks to Prefect and MLflow.
 """
 
 from __future__ import annotations
@@ -117,9 +119,10 @@ def ray_session(cfg: RunConfig, plan: dict, run_name: str):
         private = private_ray_dir()
         saved_env = _use_token(private / TOKEN_FILE)
         try:  # "local": a new private instance even where `ray start` (e.g. `forgeweave up`) left a cluster behind
-            ray.init(address="local", num_cpus=max(1, os.cpu_count() or 1), resources=pools, include_dashboard=False,
-                     object_store_memory=object_store_bytes(cfg), _node_ip_address="127.0.0.1",
-                     _temp_dir=str(private / "ray"), **kwargs)  # fmt: skip
+            with _without_credentials():
+                ray.init(address="local", num_cpus=max(1, os.cpu_count() or 1), resources=pools,
+                         include_dashboard=False, object_store_memory=object_store_bytes(cfg),
+                         _node_ip_address="127.0.0.1", _temp_dir=str(private / "ray"), **kwargs)  # fmt: skip
         except BaseException:
             _forget_token(private, saved_env)
             raise
@@ -174,6 +177,19 @@ def _forget_token(private: Path, saved: dict[str, str | None]) -> None:
         else:
             os.environ[key] = value
     _reset_token_cache()
+
+
+@contextlib.contextmanager
+def _without_credentials():
+    """The block (ray.init: the processes it starts inherit this environment) runs without the stack's credentials
+    in the environment; this process has them back afterwards."""
+    from flows.stack import AUTH_VARS
+
+    held = {k: os.environ.pop(k) for k in AUTH_VARS if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(held)
 
 
 def _reset_token_cache() -> None:
