@@ -17,8 +17,8 @@ Prefect and MLflow URLs from the state file (an explicit $PREFECT_API_URL / $MLF
 
 Only the owner gets in: Prefect's API asks for an auth string (PREFECT_SERVER_API_AUTH_STRING) and MLflow runs its
 basic-auth app; the credentials are made on the first `up`, kept owner-only in `<runs>/.stack/auth/` and reused
-(flows/stack_auth.py); `serve` and the dashboard get them in their environment, `forgeweave run` and the MLflow
-tracker take them from there for this stack's servers, `up` prints where they are. PostgreSQL refuses to run as root:
+(flows/stack_auth.py); the dashboard gets them in its environment, `serve` Prefect's only, `forgeweave run` and the
+MLflow tracker take them from there for this stack's servers only, `up` prints where they are. PostgreSQL refuses to run as root:
 as root, its cluster directory is owned by, and the server runs as, the `postgres` user of the Debian package (with
 its group, none of root's).
 
@@ -325,10 +325,11 @@ def services(cfg: StackConfig, creds: stack_auth.Credentials, mlflow_auth: dict[
     # Ray takes the machine's address for the head unless told it is no cluster: then it is 127.0.0.1 throughout
     ray_env = {**base, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **ray_client_env(cfg)}
     out["ray"] = Service("ray", ray_argv(cfg), ray_env, p.ray, f"127.0.0.1:{p.ray}", "tcp")
-    # a flow run triggered in the UI is a subprocess of `serve`: it tracks into the stack's MLflow server
+    # a flow run triggered in the UI is a subprocess of `serve`: it tracks into the stack's MLflow server, with the
+    # credentials its tracker takes from the runs dir for that server only (a run's tracking.uri may name another)
     out["serve"] = Service(
         "serve", (*cli, "serve", "--runs-dir", str(cfg.runs_dir)),
-        {**base, **prefect_env, **creds.env(), "PYTHONPATH": path}, p.prefect, f"http://127.0.0.1:{p.prefect}/deployments",
+        {**base, **prefect_env, **creds.prefect_env(), "PYTHONPATH": path}, p.prefect, f"http://127.0.0.1:{p.prefect}/deployments",
         f"http://127.0.0.1:{p.prefect}/api/deployments/name/forgeweave-grpo/pipeline", health_auth="prefect",
     )  # fmt: skip
     return out
@@ -660,8 +661,9 @@ def down(runs_dir: Path) -> list[str]:
 
 def use_stack(runs_dir: str) -> dict[str, str]:
     """For `forgeweave run`: when a stack is up for this runs dir, take its Prefect/MLflow URLs (unless the
-    environment already names others) and, for each server the environment then points at, its credentials (unless
-    set); returns the URLs that were set."""
+    environment already names others) and, when the environment then points at its Prefect API, that API's
+    credentials (unless set); returns the URLs that were set. MLflow's are left to the tracker, which sets them only
+    for the URI it really tracks to (a config's tracking.uri may name another server: it must not get them)."""
     state = read_state(Path(runs_dir)) if Path(runs_dir).is_dir() else None
     if not state or not all(alive(state["services"][n]) for n in ("prefect", "mlflow") if n in state["services"]):
         return {}
@@ -669,9 +671,8 @@ def use_stack(runs_dir: str) -> dict[str, str]:
         return {}
     taken = {k: v for k, v in state["env"].items() if k != "FORGEWEAVE_RUNS_DIR" and not os.environ.get(k)}
     os.environ.update(taken)
-    for url in (os.environ.get("PREFECT_API_URL", ""), os.environ.get("MLFLOW_TRACKING_URI", "")):
-        for key, value in credentials_for(Path(runs_dir), url).items():
-            os.environ.setdefault(key, value)
+    for key, value in credentials_for(Path(runs_dir), os.environ.get("PREFECT_API_URL", "")).items():
+        os.environ.setdefault(key, value)
     return taken
 
 
