@@ -389,6 +389,9 @@ def cmd_worker(args) -> int:
     os.execve(prefect, [str(prefect), "worker", "start", "--pool", args.pool, "--type", "process"], env)
 
 
+DASHBOARD_HOSTS = ("127.0.0.1", "localhost")  # the names the dashboard is served under (any port)
+
+
 def cmd_dashboard(args) -> int:
     """Replace this process with `streamlit run dashboard/app.py` on 127.0.0.1 (so its PID is the server's).
 
@@ -409,6 +412,9 @@ def cmd_dashboard(args) -> int:
         "client.toolbarMode": "viewer",
     }
     flags = [arg for key, value in settings.items() for arg in (f"--{key}", value)]
+    # DNS rebinding: a page of another site, its name re-pointed at 127.0.0.1, must not get the app's data; all of it
+    # goes over the WebSocket, which Streamlit then opens only for these names in the Host header (403 otherwise)
+    flags += [arg for host in DASHBOARD_HOSTS for arg in ("--server.allowedHosts", host)]
     print(f"dashboard on http://127.0.0.1:{args.port} (runs: {runs}); Ctrl-C to stop", flush=True)
     os.execve(sys.executable, [sys.executable, "-m", "streamlit", "run", str(app), *flags], env)
 

@@ -40,7 +40,12 @@ pool's nodes left (rollout replicas are spread over a pool's nodes), and a pool 
 with one line naming it and its dead node, to be continued with --resume.
 Actors are owned by the driver (not detached) and killed by `close()` with the placement group, so none outlives
 the run; the private Ray instance (`ray_session` without `orchestration.ray_address`) binds 127.0.0.1, has the
-object store the run needs (`flows.planning.object_store_bytes`) and is shut down at the end.
+object store the run needs (`flows.planning.object_store_bytes`) and is shut down at the end. It is the user's
+alone: it authenticates with a token of its own, kept in a 0600 file, and its temp dir (where Ray makes its session,
+socket and log folders world-writable, 0777) lies in a 0700 directory, not in the shared /tmp/ray; neither is
+~/.ray/auth_token (which Ray would otherwise write 0644) made or read. Its processes (GCS, raylet, and so every actor
+and whatever an actor starts: sandboxes, environment servers) never see the stack's credentials (`flows.stack.AUTH_VARS`
+are left out of the environment ray.init starts them with): only the driver talks to Prefect and MLflow.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ import os
 import secrets
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -106,14 +112,21 @@ def ray_session(cfg: RunConfig, plan: dict, run_name: str):
         return
     address = cfg.orchestration.ray_address
     kwargs = {"namespace": f"forgeweave-{run_name}", "log_to_driver": False, "configure_logging": False}
-    reaper = None
+    reaper, saved_env = None, None
     if address:
         ray.init(address=address, **kwargs)
     else:
         pools = {pool_resource(p["name"]): 1000.0 for p in plan.get("pools", [])}
-        # "local": a new private instance even where `ray start` (e.g. `forgeweave up`) left a cluster behind
-        ray.init(address="local", num_cpus=max(1, os.cpu_count() or 1), resources=pools, include_dashboard=False,
-                 object_store_memory=object_store_bytes(cfg), _node_ip_address="127.0.0.1", **kwargs)  # fmt: skip
+        private = private_ray_dir()
+        saved_env = _use_token(private / TOKEN_FILE)
+        try:  # "local": a new private instance even where `ray start` (e.g. `forgeweave up`) left a cluster behind
+            with _without_credentials():
+                ray.init(address="local", num_cpus=max(1, os.cpu_count() or 1), resources=pools,
+                         include_dashboard=False, object_store_memory=object_store_bytes(cfg),
+                         _node_ip_address="127.0.0.1", _temp_dir=str(private / "ray"), **kwargs)  # fmt: skip
+        except BaseException:
+            _forget_token(private, saved_env)
+            raise
         _private = True
         reaper = subprocess.Popen([sys.executable, "-m", "flows.reaper", "--watch", str(os.getpid())],
                                   cwd=REPO, start_new_session=True)  # fmt: skip
@@ -127,6 +140,63 @@ def ray_session(cfg: RunConfig, plan: dict, run_name: str):
             if reaper is not None:
                 reaper.terminate()
                 reaper.wait(timeout=10)
+            if saved_env is not None:
+                _forget_token(private, saved_env)
+
+
+TOKEN_FILE = "auth_token"
+
+
+def private_ray_dir() -> Path:
+    """A new 0700 directory for a private Ray instance: its token file (0600, made here) and its temp dir. Under the
+    system's temp dir (a short path: Ray's socket paths there must fit in 107 bytes)."""
+    root = Path(tempfile.mkdtemp(prefix="fw-ray-"))  # mkdtemp: 0700, a name nobody could have taken before
+    fd = os.open(root / TOKEN_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return root
+
+
+def _use_token(path: Path) -> dict[str, str | None]:
+    """Point Ray at the token in `path` for the next ray.init (the GCS, raylet and workers it starts inherit this
+    environment; ray.init turns token auth on for a new local cluster unless RAY_AUTH_MODE says otherwise). Returns
+    what it replaced. Ray's loader caches one token per process: the cache is reset."""
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")}
+    os.environ.pop("RAY_AUTH_TOKEN", None)  # it would win over the file
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)
+    _reset_token_cache()
+    return saved
+
+
+def _forget_token(private: Path, saved: dict[str, str | None]) -> None:
+    """After the private instance: its token file goes (its logs stay, as they did in /tmp/ray) and the environment
+    is as it was, so a later ray.init of this process finds the user's token, not a deleted file."""
+    (private / TOKEN_FILE).unlink(missing_ok=True)
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _reset_token_cache()
+
+
+@contextlib.contextmanager
+def _without_credentials():
+    """The block (ray.init: the processes it starts inherit this environment) runs without the stack's credentials
+    in the environment; this process has them back afterwards."""
+    from flows.stack import AUTH_VARS
+
+    held = {k: os.environ.pop(k) for k in AUTH_VARS if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(held)
+
+
+def _reset_token_cache() -> None:
+    from ray._raylet import AuthenticationTokenLoader
+
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 class RayStages:

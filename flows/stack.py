@@ -17,9 +17,14 @@ Prefect and MLflow URLs from the state file (an explicit $PREFECT_API_URL / $MLF
 
 Only the owner gets in: Prefect's API asks for an auth string (PREFECT_SERVER_API_AUTH_STRING) and MLflow runs its
 basic-auth app; the credentials are made on the first `up`, kept owner-only in `<runs>/.stack/auth/` and reused
-(flows/stack_auth.py); `serve` and the dashboard get them in their environment, `forgeweave run` and the MLflow
-tracker take them from there for this stack's servers, `up` prints where they are. PostgreSQL refuses to run as root:
-as root, its cluster directory is owned by, and the server runs as, the `postgres` user of the Debian package.
+(flows/stack_auth.py); the dashboard gets them in its environment, `serve` Prefect's only, `forgeweave run` and the
+MLflow tracker take them from there for this stack's servers only, `up` prints where they are. PostgreSQL refuses to run as root:
+as root, its cluster directory is owned by, and the server runs as, the `postgres` user of the Debian package (with
+its group, none of root's).
+
+No secret is in a command line (any local user reads those): store URIs travel in the environment
+(MLFLOW_BACKEND_STORE_URI, PREFECT_API_DATABASE_CONNECTION_URL) and hold no password; PostgreSQL's is in a pgpass file
+(PGPASSFILE). Secret files are made O_EXCL, 0600; `<runs>/.stack` and its logs are the owner's (0700, 0600).
 Linux only (/proc).
 """
 
@@ -27,14 +32,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import pwd
 import secrets
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -118,8 +126,9 @@ def start_time(pid: int) -> int | None:
 
 
 def alive(rec: dict) -> bool:
-    """Is the recorded process still the one we started (same PID, same start time)?"""
-    return start_time(rec["pid"]) == rec["start"]
+    """Is the recorded process still the one we started (same PID, same start time)? (A process that exited before
+    its start time was read is recorded with none: never alive.)"""
+    return rec["start"] is not None and start_time(rec["pid"]) == rec["start"]
 
 
 def group_members(pgid: int, not_before: int) -> dict[int, int]:
@@ -205,14 +214,20 @@ def read_state(runs_dir: Path) -> dict | None:
 
 
 def write_state(runs_dir: Path, state: dict) -> None:
-    """Atomically (temp + rename), readable by the owner only: it holds the database password."""
+    """Atomically (temp + rename), readable by the owner only (it names the credentials and the Ray token)."""
     p = state_path(runs_dir)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(state, f, indent=2)
-    os.replace(tmp, p)
+    p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    write_private(p, json.dumps(state, indent=2))
+
+
+def private_state_dir(cfg: StackConfig) -> Path:
+    """The stack's state directory, 0700: its secrets, logs and databases are for the owner. As root with
+    PostgreSQL, 0710 with the group of the `postgres` user, who must pass through it to its cluster (and only that)."""
+    path = stack_auth.private_dir(cfg.state_dir)
+    if cfg.db == "postgres" and os.geteuid() == 0:
+        os.chown(path, -1, pwd.getpwnam(PG_OS_USER).pw_gid)
+        os.chmod(path, 0o710)
+    return path
 
 
 # ---------------------------------------------------------------- what each service is
@@ -231,14 +246,21 @@ def client_env(cfg: StackConfig) -> dict[str, str]:
     }
 
 
-def store_uris(cfg: StackConfig, pg_password: str) -> tuple[str, str]:
-    """(Prefect database URL, MLflow backend store URI)."""
+def store_uris(cfg: StackConfig) -> tuple[str, str]:
+    """(Prefect database URL, MLflow backend store URI): with PostgreSQL, no password in them (the drivers read it
+    from the PGPASSFILE that `store_env` names)."""
     if cfg.db == "postgres":
-        base = f"{PG_USER}:{pg_password}@127.0.0.1:{cfg.ports.postgres}"
+        base = f"{PG_USER}@127.0.0.1:{cfg.ports.postgres}"
         return f"postgresql+asyncpg://{base}/prefect", f"postgresql+psycopg2://{base}/mlflow"
     from flows.tracking.mlflow_tracker import default_uri
 
     return f"sqlite+aiosqlite:///{cfg.state_dir / 'prefect.db'}", default_uri(cfg.runs_dir)
+
+
+def store_env(cfg: StackConfig) -> dict[str, str]:
+    """What a client of the private PostgreSQL cluster needs besides its URL: the 0600 password file that libpq
+    (psycopg2, MLflow's driver) and asyncpg (Prefect's) read when the URL has no password."""
+    return {"PGPASSFILE": str(pg_passfile(cfg))} if cfg.db == "postgres" else {}
 
 
 # credentials a user's environment may hold for other servers: no service inherits them, each gets the stack's
@@ -247,14 +269,14 @@ AUTH_VARS = ("PREFECT_API_AUTH_STRING", "PREFECT_SERVER_API_AUTH_STRING", "PREFE
              "MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY")  # fmt: skip
 
 
-def services(
-    cfg: StackConfig, creds: stack_auth.Credentials, mlflow_auth: dict[str, str], pg_password: str = ""
-) -> dict[str, Service]:
+def services(cfg: StackConfig, creds: stack_auth.Credentials, mlflow_auth: dict[str, str]) -> dict[str, Service]:
     """Every service of the stack, by name, in start order. Prefect's API and MLflow ask for `creds`; `serve` and
-    the dashboard (their clients) get them; `mlflow_auth` is the MLflow server's basic-auth setup."""
+    the dashboard (their clients) get them; `mlflow_auth` is the MLflow server's basic-auth setup. No secret is in
+    any argv (any local user reads those with `ps`): they travel in the environment or in 0600 files it names."""
     p = cfg.ports
-    base = {k: v for k, v in os.environ.items() if k not in AUTH_VARS and k != "RAY_ADDRESS"} | client_env(cfg)
-    prefect_db, mlflow_db = store_uris(cfg, pg_password)
+    own = {k: v for k, v in os.environ.items() if k not in AUTH_VARS and k not in ("RAY_ADDRESS", "PGPASSFILE")}
+    base = own | client_env(cfg)
+    prefect_db, mlflow_db = store_uris(cfg)
     prefect_env = {
         "PREFECT_HOME": str(cfg.state_dir / "prefect-home"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -267,11 +289,11 @@ def services(
             "postgres",
             (str(pg_bin("postgres")), "-D", str(pg_dir(cfg) / "data"), "-p", str(p.postgres), "-k", str(pg_dir(cfg)),
              "-c", "listen_addresses=127.0.0.1"),
-            {**os.environ}, p.postgres, f"postgresql://{PG_USER}@127.0.0.1:{p.postgres}", "tcp",
+            own, p.postgres, f"postgresql://{PG_USER}@127.0.0.1:{p.postgres}", "tcp",
             stop_signal=signal.SIGINT,  # "fast shutdown": roll back open transactions, exit
             user=PG_OS_USER if os.geteuid() == 0 else None,
         )  # fmt: skip
-    server_env = {**base, **prefect_env, "PREFECT_API_DATABASE_CONNECTION_URL": prefect_db}
+    server_env = {**base, **prefect_env, "PREFECT_API_DATABASE_CONNECTION_URL": prefect_db, **store_env(cfg)}
     server_env["PREFECT_SERVER_API_AUTH_STRING"] = creds.prefect_auth_string  # every API call but health: 401 without
     # the UI asks its API at this URL: without it, a server on another port serves a UI that calls 127.0.0.1:4200
     server_env |= {
@@ -284,11 +306,12 @@ def services(
         p.prefect, f"http://127.0.0.1:{p.prefect}", f"http://127.0.0.1:{p.prefect}/api/health",
     )  # fmt: skip
     mlflow_env = {**base, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    # `mlflow server` reads --backend-store-uri from this variable (click's envvar): a store URI stays out of argv
+    mlflow_env |= {"MLFLOW_BACKEND_STORE_URI": mlflow_db, **store_env(cfg)}
     out["mlflow"] = Service(
         "mlflow",
         (_bin("mlflow"), "server", "--app-name", "basic-auth", "--host", "127.0.0.1", "--port", str(p.mlflow),
-         "--workers", "1",
-         "--backend-store-uri", mlflow_db, "--artifacts-destination", str(cfg.runs_dir / "mlartifacts")),
+         "--workers", "1", "--artifacts-destination", str(cfg.runs_dir / "mlartifacts")),
         mlflow_env | mlflow_auth, p.mlflow, f"http://127.0.0.1:{p.mlflow}", f"http://127.0.0.1:{p.mlflow}/health",
     )  # fmt: skip
     cli = (sys.executable, "-m", "flows.cli")
@@ -302,10 +325,11 @@ def services(
     # Ray takes the machine's address for the head unless told it is no cluster: then it is 127.0.0.1 throughout
     ray_env = {**base, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **ray_client_env(cfg)}
     out["ray"] = Service("ray", ray_argv(cfg), ray_env, p.ray, f"127.0.0.1:{p.ray}", "tcp")
-    # a flow run triggered in the UI is a subprocess of `serve`: it tracks into the stack's MLflow server
+    # a flow run triggered in the UI is a subprocess of `serve`: it tracks into the stack's MLflow server, with the
+    # credentials its tracker takes from the runs dir for that server only (a run's tracking.uri may name another)
     out["serve"] = Service(
         "serve", (*cli, "serve", "--runs-dir", str(cfg.runs_dir)),
-        {**base, **prefect_env, **creds.env(), "PYTHONPATH": path}, p.prefect, f"http://127.0.0.1:{p.prefect}/deployments",
+        {**base, **prefect_env, **creds.prefect_env(), "PYTHONPATH": path}, p.prefect, f"http://127.0.0.1:{p.prefect}/deployments",
         f"http://127.0.0.1:{p.prefect}/api/deployments/name/forgeweave-grpo/pipeline", health_auth="prefect",
     )  # fmt: skip
     return out
@@ -319,12 +343,25 @@ def ray_client_env(cfg: StackConfig) -> dict[str, str]:
 
 
 def secret_file(path: Path, secret: str) -> Path:
-    """`path`, holding `secret` if it did not exist yet (created owner-only: never readable by others, even briefly)."""
+    """`path`, holding `secret` if it did not exist yet (created owner-only: never readable by others, even briefly;
+    one found with wider rights is narrowed to 0600)."""
     if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as out:
             out.write(secret)
+    os.chmod(path, 0o600)
+    return path
+
+
+def write_private(path: Path, text: str) -> Path:
+    """Replace `path` atomically with `text`, owner-only from its first byte (a new temp file, O_EXCL, 0600)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
     return path
 
 
@@ -340,9 +377,29 @@ def ray_argv(cfg: StackConfig) -> tuple[str, ...]:
     pools = {pool_resource(pl.name): 1000.0 for pl in autodetect_pools(res)}
     return (
         _bin("ray"), "start", "--head", "--block", "--port", str(cfg.ports.ray), "--node-ip-address", "127.0.0.1",
-        "--include-dashboard=false", "--disable-usage-stats",
+        "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", str(ray_temp_root(cfg) / "ray"),
         "--num-cpus", str(res.cpu_cores), "--resources", json.dumps(pools),
     )  # fmt: skip
+
+
+def ray_temp_root(cfg: StackConfig) -> Path:
+    """Where the head keeps its temp dir: Ray makes its session, socket and log folders 0777, so they lie in a
+    directory only the owner enters (not the shared /tmp/ray). One per user and runs dir, under the system's temp dir:
+    Ray's socket paths there must fit in 107 bytes, which a runs dir's path may not leave room for."""
+    digest = hashlib.sha256(str(cfg.runs_dir).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"fw-ray-{os.getuid()}-{digest}"
+
+
+def own_private_dir(path: Path) -> Path:
+    """Make `path` (0700), or take the one there if it is this user's own directory; anything else there (another
+    user's directory, a symlink: someone took the name first) is refused."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise UserError(f"{path} is not a directory of yours (another user made it?): remove it, then `up` again")
+    os.chmod(path, 0o700)
+    return path
 
 
 # ---------------------------------------------------------------- PostgreSQL
@@ -366,8 +423,15 @@ def pg_bin(name: str) -> Path:
 
 
 def pg_password(cfg: StackConfig) -> str:
-    """The cluster's password, made once and kept beside it (owner-only)."""
-    return secret_file(cfg.state_dir / "postgres.password", secrets.token_urlsafe(18)).read_text().strip()
+    """The cluster's password, made once and kept beside it (owner-only), and the PGPASSFILE its clients read."""
+    password = secret_file(cfg.state_dir / "postgres.password", secrets.token_urlsafe(18)).read_text().strip()
+    # host:port:database:user:password; token_urlsafe makes no ':' or backslash, which pgpass would need escaped
+    write_private(pg_passfile(cfg), f"127.0.0.1:*:*:{PG_USER}:{password}\n")
+    return password
+
+
+def pg_passfile(cfg: StackConfig) -> Path:
+    return cfg.state_dir / "postgres.pgpass"
 
 
 def pg_init(cfg: StackConfig, password: str) -> None:
@@ -375,27 +439,38 @@ def pg_init(cfg: StackConfig, password: str) -> None:
     root, user = pg_dir(cfg), (PG_OS_USER if os.geteuid() == 0 else None)
     if (root / "data" / "PG_VERSION").is_file():
         return
-    root.mkdir(parents=True, exist_ok=True)
+    stack_auth.private_dir(root)  # 0700 before the password file is in it
     pwfile = root / "initdb.pw"
-    pwfile.write_text(password + "\n")
+    pwfile.unlink(missing_ok=True)  # one an interrupted initdb left
+    fd = os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(password + "\n")
     if user:
         entry = pwd.getpwnam(user)
         for path in (root, pwfile):
             os.chown(path, entry.pw_uid, entry.pw_gid)
-        os.chmod(root, 0o700)
         _check_reachable(root, user)
     argv = [str(pg_bin("initdb")), "-D", str(root / "data"), "-U", PG_USER, "--pwfile", str(pwfile)]
     argv += ["--auth-host=scram-sha-256", "--auth-local=peer", "-E", "UTF8", "--locale=C"]
     try:
-        proc = subprocess.run(argv, user=user, capture_output=True, text=True, cwd=root)
+        proc = subprocess.run(argv, capture_output=True, text=True, cwd=root, **as_user(user))
     finally:
         pwfile.unlink()
     if proc.returncode != 0:
         raise UserError(f"initdb of {root / 'data'} failed: {proc.stderr.strip().splitlines()[-1:]}")
 
 
+def as_user(user: str | None) -> dict:
+    """Popen's arguments that run a program as `user` with that user's group and none of ours (`user=` alone keeps
+    root's group and supplementary groups)."""
+    if user is None:
+        return {}
+    entry = pwd.getpwnam(user)
+    return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+
+
 def _check_reachable(root: Path, user: str) -> None:
-    if subprocess.run(["test", "-w", str(root)], user=user).returncode != 0:
+    if subprocess.run(["test", "-w", str(root)], **as_user(user)).returncode != 0:
         raise UserError(
             f"--db postgres: user '{user}' (PostgreSQL does not run as root) cannot reach {root}: "
             "pick a runs dir whose parent directories others may enter (chmod o+x)"
@@ -424,15 +499,15 @@ def pg_create_databases(cfg: StackConfig, password: str) -> None:
 
 def _launch(cfg: StackConfig, svc: Service) -> dict:
     """Start a service in its own session (so its PID is its process group), output to its log."""
-    logs = cfg.state_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    log = logs / f"{svc.name}.log"
-    with open(log, "w") as f:
+    log = stack_auth.private_dir(cfg.state_dir / "logs") / f"{svc.name}.log"
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a log of an earlier `up` may have been made with wider rights
+    with os.fdopen(fd, "w") as f:
         if svc.user:
             entry = pwd.getpwnam(svc.user)
             os.chown(log, entry.pw_uid, entry.pw_gid)
         proc = subprocess.Popen(list(svc.argv), env=svc.env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, user=svc.user, cwd=cfg.runs_dir)  # fmt: skip
+                                start_new_session=True, cwd=cfg.runs_dir, **as_user(svc.user))  # fmt: skip
     started = start_time(proc.pid)
     return {"pid": proc.pid, "start": started, "port": svc.port, "url": svc.url, "health": svc.health,
             "health_auth": svc.health_auth, "log": str(log), "stop_signal": int(svc.stop_signal)}  # fmt: skip
@@ -470,7 +545,7 @@ def _check_settings(cfg: StackConfig, state: dict) -> None:
 
 def up(cfg: StackConfig) -> dict:
     """Start what is not running yet, wait until all is healthy; returns the state. Idempotent."""
-    cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    private_state_dir(cfg)
     state = read_state(cfg.runs_dir) or {}
     state.setdefault("services", {})
     _check_settings(cfg, state)
@@ -479,7 +554,7 @@ def up(cfg: StackConfig) -> dict:
     state.update(db=cfg.db, ports=vars(cfg.ports), runs_dir=str(cfg.runs_dir), env=client_env(cfg))
     state["ray_env"] = ray_client_env(cfg)
     state["credentials"] = str(stack_auth.credentials_path(cfg.state_dir))
-    wanted = services(cfg, creds, mlflow_auth, password)
+    wanted = services(cfg, creds, mlflow_auth)
     state["services"] = {n: r for n, r in state["services"].items() if n in wanted and alive(r)}
     todo = [n for n in wanted if n not in state["services"]]
     _check_ports(cfg, wanted, todo)
@@ -492,6 +567,8 @@ def up(cfg: StackConfig) -> dict:
         if "postgres" in wanted:
             _wait_healthy(cfg, state, ["postgres"], deadline)
             _wait_pg_ready(cfg, password, deadline)
+        if "ray" in todo:
+            own_private_dir(ray_temp_root(cfg))
         for name in ("prefect", "mlflow", "dashboard", "ray"):
             if name in todo:
                 _start(cfg, state, wanted[name], started)
@@ -584,8 +661,9 @@ def down(runs_dir: Path) -> list[str]:
 
 def use_stack(runs_dir: str) -> dict[str, str]:
     """For `forgeweave run`: when a stack is up for this runs dir, take its Prefect/MLflow URLs (unless the
-    environment already names others) and, for each server the environment then points at, its credentials (unless
-    set); returns the URLs that were set."""
+    environment already names others) and, when the environment then points at its Prefect API, that API's
+    credentials (unless set); returns the URLs that were set. MLflow's are left to the tracker, which sets them only
+    for the URI it really tracks to (a config's tracking.uri may name another server: it must not get them)."""
     state = read_state(Path(runs_dir)) if Path(runs_dir).is_dir() else None
     if not state or not all(alive(state["services"][n]) for n in ("prefect", "mlflow") if n in state["services"]):
         return {}
@@ -593,9 +671,8 @@ def use_stack(runs_dir: str) -> dict[str, str]:
         return {}
     taken = {k: v for k, v in state["env"].items() if k != "FORGEWEAVE_RUNS_DIR" and not os.environ.get(k)}
     os.environ.update(taken)
-    for url in (os.environ.get("PREFECT_API_URL", ""), os.environ.get("MLFLOW_TRACKING_URI", "")):
-        for key, value in credentials_for(Path(runs_dir), url).items():
-            os.environ.setdefault(key, value)
+    for key, value in credentials_for(Path(runs_dir), os.environ.get("PREFECT_API_URL", "")).items():
+        os.environ.setdefault(key, value)
     return taken
 
 

@@ -232,6 +232,33 @@ def test_servers_ask_for_credentials_and_none_is_committed():
     assert "PREFECT_API_AUTH_STRING" in " ".join(services["worker"]["healthcheck"]["test"])  # the API asks for it
 
 
+def test_no_secret_is_in_a_command_line():
+    """Issue 46: a container's processes are the host's, so their argv is anyone's to read with `ps` there. Every
+    secret reaches its process in the environment (which only root on the host reads): no command, entrypoint or
+    healthcheck interpolates a variable, and MLflow takes its store URI, password and all, as
+    MLFLOW_BACKEND_STORE_URI (what `mlflow server --backend-store-uri` reads through click's envvar)."""
+    for name, svc in compose()["services"].items():
+        lines = json.dumps([svc.get("command"), svc.get("entrypoint"), svc.get("healthcheck", {}).get("test")])
+        assert "$" not in lines, (name, lines)
+    mlflow = compose()["services"]["mlflow"]
+    assert not [a for a in mlflow["command"] if a.startswith("--backend-store-uri")]
+    uri = mlflow["environment"]["MLFLOW_BACKEND_STORE_URI"]
+    assert uri == "postgresql+psycopg2://forgeweave:${FORGEWEAVE_PG_PASSWORD}@postgres:5432/mlflow"
+    from mlflow.cli import server
+
+    option = next(p for p in server.params if p.name == "backend_store_uri")
+    assert option.envvar == "MLFLOW_BACKEND_STORE_URI"
+
+
+def test_the_dashboard_answers_only_its_own_host_names():
+    """DNS rebinding: its WebSocket, which carries all of the app's data, opens only for the names the host's browser
+    uses (as `forgeweave dashboard` does; tests/flows/test_stack.py tries a foreign Host)."""
+    from flows.cli import DASHBOARD_HOSTS
+
+    command = compose()["services"]["dashboard"]["command"]
+    assert {a.split("=", 1)[1] for a in command if a.startswith("--server.allowedHosts=")} == set(DASHBOARD_HOSTS)
+
+
 def _args_and_commands(dockerfile: Path) -> tuple[dict[str, str], list[str]]:
     """A Dockerfile's ARG defaults and its RUN commands split at `&&` (continuation lines joined)."""
     text = re.sub(r"\\\n\s*", " ", dockerfile.read_text())

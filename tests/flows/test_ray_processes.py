@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -102,3 +104,61 @@ def test_a_run_starts_its_own_ray_even_where_another_cluster_is_advertised(monke
     with ray_session(RunConfig(), {"pools": [{"name": "cpu"}]}, "private"):
         assert ray.cluster_resources().get("pool:cpu") == 1000.0
     assert not ray.is_initialized()
+
+
+PRIVATE_PROBE = """
+import json, os, stat, sys
+import ray
+from flows.ray_exec import ray_session
+from forge.config import RunConfig
+
+def mode(p):
+    return stat.S_IMODE(os.stat(p).st_mode)
+
+with ray_session(RunConfig(), {"pools": [{"name": "cpu"}]}, "private"):
+    node = ray._private.worker.global_worker.node
+    token = os.environ["RAY_AUTH_TOKEN_PATH"]
+    gcs = [p for p in node.all_processes.get("gcs_server", [])][0].process.pid
+    gcs_env = dict(kv.split(b"=", 1) for kv in open(f"/proc/{gcs}/environ", "rb").read().split(b"\\0") if b"=" in kv)
+    seen = {"token": token, "token_mode": mode(token), "session": node.get_session_dir_path(),
+            "root_mode": mode(os.path.dirname(token)), "root_uid": os.stat(os.path.dirname(token)).st_uid,
+            "auth_mode": os.environ.get("RAY_AUTH_MODE"), "gcs_token_path": gcs_env[b"RAY_AUTH_TOKEN_PATH"].decode(),
+            "pool": ray.cluster_resources().get("pool:cpu"),
+            "driver_creds": sorted(k for k in os.environ if k.startswith(("MLFLOW_TRACKING_P", "PREFECT_API_AUTH"))),
+            "gcs_creds": sorted(k.decode() for k in gcs_env if k.startswith((b"MLFLOW_TRACKING_P", b"PREFECT_API_AUTH"))),
+            "actor_creds": ray.get(ray.remote(lambda: sorted(k for k in os.environ if "AUTH_STRING" in k
+                                                             or "TRACKING_PASSWORD" in k)).remote())}
+seen["token_left"] = os.path.exists(seen["token"])
+seen["env_after"] = os.environ.get("RAY_AUTH_TOKEN_PATH")
+print(json.dumps(seen))
+"""
+
+
+def test_private_ray_keeps_its_token_0600_and_its_folders_in_a_0700_dir(tmp_path):
+    """Issue 46: Ray itself writes ~/.ray/auth_token 0644 and makes /tmp/ray/session_* (and its sockets and logs)
+    0777; the private instance's token is a 0600 file of its own, its folders lie in a 0700 directory of the user,
+    its GCS authenticates with that token, and afterwards the file is gone and the environment as it was. Its
+    processes do not get the stack's credentials the driver holds."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
+        env.pop(key, None)
+    env |= {"PREFECT_API_AUTH_STRING": "forgeweave:admin", "MLFLOW_TRACKING_PASSWORD": "admin"}  # the stack's, say
+    proc = subprocess.run([sys.executable, "-c", PRIVATE_PROBE], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=180)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    root = Path(seen["token"]).parent
+    try:
+        assert seen["pool"] == 1000.0 and seen["auth_mode"] == "token"
+        assert seen["token_mode"] == 0o600 and seen["gcs_token_path"] == seen["token"]
+        assert seen["root_mode"] == 0o700 and seen["root_uid"] == os.getuid()
+        assert Path(seen["session"]).is_relative_to(root)  # Ray's 0777 folders, behind the 0700 one
+        assert not (home / ".ray" / "auth_token").exists()  # Ray's own (0644) token file was never made
+        assert not seen["token_left"] and seen["env_after"] is None
+        # the driver keeps the stack's credentials (it tracks); no Ray process, and so no actor, has them
+        assert seen["driver_creds"] == ["MLFLOW_TRACKING_PASSWORD", "PREFECT_API_AUTH_STRING"]
+        assert seen["gcs_creds"] == [] and seen["actor_creds"] == []
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

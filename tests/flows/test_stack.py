@@ -3,6 +3,7 @@ PostgreSQL cluster; plus the PID bookkeeping and the one-line errors, without st
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import pwd
@@ -82,6 +83,12 @@ def test_up_status_down_sqlite(tmp_path):
         )
         assert deployment["parameters"]["runs_dir"] == str(runs.resolve())
         _check_auth(runs, state, creds, deployment["id"])
+        _check_secrets_private(runs, state)
+
+        # DNS rebinding: the dashboard's WebSocket (all of its data) opens for its own names only
+        dash = ports["dashboard"]
+        for host, code in (("127.0.0.1", 101), ("localhost", 101), ("rebound.example", 403)):
+            assert _websocket_status(dash, f"{host}:{dash}") == code, host
 
         # every listening socket of every process of the stack is on 127.0.0.1, each service's port among them
         sockets = stack_sockets(state)
@@ -109,6 +116,18 @@ def test_up_status_down_sqlite(tmp_path):
         assert other.returncode == 2 and "`forgeweave down` first" in other.stderr, other.stderr
         trees, listened = process_trees(state), {port for _, port in sockets}
     _assert_all_gone(trees, listened, runs)
+
+
+def _websocket_status(port: int, host: str) -> int:
+    """The HTTP status of a WebSocket handshake to the dashboard's stream with this Host (and the same Origin, as a
+    browser on that name sends)."""
+    key = base64.b64encode(os.urandom(16)).decode()
+    request = (f"GET /_stcore/stream HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: streamlit\r\n"
+               f"Origin: http://{host}\r\n\r\n")  # fmt: skip
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(request.encode())
+        return int(conn.recv(200).split(b" ", 2)[1])
 
 
 def _check_auth(runs: Path, state: dict, creds: stack_auth.Credentials, deployment_id: str) -> None:
@@ -199,6 +218,9 @@ def test_up_postgres_backs_prefect_and_mlflow(pg_runs, monkeypatch):
         pg = state["services"]["postgres"]
         if os.geteuid() == 0:  # PostgreSQL refuses root: the server runs as the package's `postgres` user
             assert Path(f"/proc/{pg['pid']}").stat().st_uid == pwd.getpwnam("postgres").pw_uid
+            status = dict(line.split(":", 1) for line in Path(f"/proc/{pg['pid']}/status").read_text().splitlines())
+            gid = str(pwd.getpwnam("postgres").pw_gid)  # its own group, and none of root's (issue 46)
+            assert set(status["Gid"].split()) == {gid} and status["Groups"].split() in ([], [gid]), status["Groups"]
         assert (runs / ".stack" / "postgres" / "data" / "PG_VERSION").is_file()
         assert cli(["status", "--runs-dir", str(runs)]).returncode == 0
 
@@ -239,7 +261,37 @@ def test_up_postgres_backs_prefect_and_mlflow(pg_runs, monkeypatch):
         assert not (runs / "mlflow.db").exists() and not (runs / ".stack" / "prefect.db").exists()
         trees, ports = process_trees(state), {port for _, port in stack_sockets(state)}
         assert port in ports
+        _check_secrets_private(runs, state)
     _assert_all_gone(trees, ports, runs)
+
+
+def _check_secrets_private(runs: Path, state: dict) -> None:
+    """Issue 46: no process of the running stack (the services and all they started) has a secret in its command
+    line, which any local user reads; the files holding them are 0600, the stack's state dir and logs the owner's."""
+    state_dir = runs / ".stack"
+    creds = stack_auth.read_credentials(state_dir)
+    found = [creds.prefect_auth_string.split(":", 1)[1], creds.mlflow_password,
+             Path(state["ray_env"]["RAY_AUTH_TOKEN_PATH"]).read_text()]  # fmt: skip
+    secret_files = [stack_auth.credentials_path(state_dir), Path(state["ray_env"]["RAY_AUTH_TOKEN_PATH"])]
+    if state["db"] == "postgres":
+        found.append((state_dir / "postgres.password").read_text().strip())
+        secret_files += [state_dir / "postgres.password", state_dir / "postgres.pgpass"]
+    pids = [pid for tree in process_trees(state).values() for pid in tree]
+    assert len(pids) > len(state["services"])  # the servers' workers, Ray's processes: all of them are read
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue  # ended since
+        assert not [s for s in found if s in argv], f"pid {pid}: {argv.replace(chr(0), ' ')[:300]}"
+    for path in secret_files:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    as_pg_root = state["db"] == "postgres" and os.geteuid() == 0  # `postgres` passes through to its cluster
+    assert stat.S_IMODE(state_dir.stat().st_mode) == (0o710 if as_pg_root else 0o700)
+    assert stat.S_IMODE((state_dir / "logs").stat().st_mode) == 0o700
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (state_dir / "logs").iterdir()} == {0o600}
+    ray_root = stack.ray_temp_root(stack.StackConfig(runs.resolve()))  # the head's 0777 folders lie behind it
+    assert stat.S_IMODE(ray_root.stat().st_mode) == 0o700 and list((ray_root / "ray").glob("session_*"))
 
 
 # ---------------------------------------------------------------- without a stack

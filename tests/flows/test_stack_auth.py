@@ -110,8 +110,10 @@ def test_services_get_the_credentials_they_need_and_no_others(tmp_path, monkeypa
     argv = svc["mlflow"].argv
     assert argv[argv.index("--app-name") + 1] == "basic-auth"
     assert mlflow_auth.items() <= svc["mlflow"].env.items()
-    for name in ("serve", "dashboard"):  # clients of the servers: a UI "Run" and the eval button, MLflow reads
-        assert creds.env().items() <= svc[name].env.items(), name
+    assert creds.env().items() <= svc["dashboard"].env.items()  # a client of both: the eval button, MLflow reads
+    # serve: a UI "Run" needs the Prefect API; its tracker takes MLflow's for the stack's server only (issue 46)
+    assert creds.prefect_env().items() <= svc["serve"].env.items()
+    assert not {k for k in creds.mlflow_env() if k in svc["serve"].env}
     assert svc["serve"].health_auth == "prefect"
     for name in ("prefect", "mlflow", "ray"):  # no client credentials where no client runs
         assert not {k for k in CLIENT_VARS if k in svc[name].env}, name
@@ -133,6 +135,11 @@ def test_run_and_tracker_take_the_credentials_only_for_this_stacks_servers(tmp_p
     assert stack.use_stack(str(runs)) == {"PREFECT_API_URL": env["PREFECT_API_URL"]}
     assert os.environ["PREFECT_API_AUTH_STRING"] == creds.prefect_auth_string
     assert "MLFLOW_TRACKING_PASSWORD" not in os.environ
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")  # the stack's MLflow then: its URL is taken, its credentials are not
+    monkeypatch.delenv("PREFECT_API_URL")  # (a config's tracking.uri may name another server: the tracker decides)
+    assert stack.use_stack(str(runs)) == env
+    assert "MLFLOW_TRACKING_PASSWORD" not in os.environ and "MLFLOW_TRACKING_USERNAME" not in os.environ
 
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "me")  # set by the user: it wins
     mlflow_tracker._stack_credentials(runs, env["MLFLOW_TRACKING_URI"])
