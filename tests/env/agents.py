@@ -10,11 +10,14 @@ import urllib.request
 
 
 def post(base_url: str, body: dict) -> dict:
-    """POST a chat completion request; the parsed JSON answer (an HTTP error raises urllib's HTTPError)."""
+    """POST a chat completion request; the parsed JSON answer (an error answer raises its message)."""
     request = urllib.request.Request(f"{base_url}/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json", "Authorization": "Bearer none"})  # fmt: skip
-    with urllib.request.urlopen(request, timeout=60) as answer:
-        return json.loads(answer.read())
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return json.loads(answer.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{e.code}: {json.loads(e.read())['error']['message']}") from None
 
 
 def sum_agent(base_url: str, row: dict) -> float:
