@@ -78,13 +78,17 @@ class ChatBackend(Protocol):
         ...
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 1024  # listen backlog: every episode of a step may connect at once (the default 5 resets)
+    daemon_threads = True
+
+
 class OpenAIServer:
     """`backend`'s endpoint on 127.0.0.1:`port` (0: a free one), served from a daemon thread until `close`."""
 
     def __init__(self, backend: ChatBackend, port: int = 0):
         self.backend = backend
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(backend))
-        self.httpd.daemon_threads = True
+        self.httpd = _Server(("127.0.0.1", port), _handler(backend))
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="forge-openai", daemon=True)
         self._thread.start()
