@@ -212,7 +212,7 @@ def _refuse_unsupported(body: dict) -> None:
                            "unsupported_value")  # fmt: skip
     refused = {
         "logprobs": bool(body.get("logprobs")) or bool(body.get("top_logprobs")),
-        "response_format": (body.get("response_format") or {"type": "text"}).get("type") != "text",
+        "response_format": body.get("response_format") not in (None, {"type": "text"}),
         "tool_choice": body.get("tool_choice") not in (None, "auto", "none"),
         "frequency_penalty": bool(body.get("frequency_penalty")),
         "presence_penalty": bool(body.get("presence_penalty")),

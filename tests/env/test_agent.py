@@ -19,7 +19,10 @@ from forge.metrics import episode_metrics
 from forge.records import SamplingParams
 from tests.env.agents import post, rewriting_agent, sum_agent
 
-ROWS = [{"prompt": "3+4=", "model_input": "3+4=", "answer": "7"}, {"prompt": "1+1=", "model_input": "1+1=", "answer": "2"}]
+ROWS = [
+    {"prompt": "3+4=", "model_input": "3+4=", "answer": "7"},
+    {"prompt": "1+1=", "model_input": "1+1=", "answer": "2"},
+]
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
           "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]  # fmt: skip
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>'
@@ -69,7 +72,11 @@ def test_the_server_answers_openai_requests_and_refuses_what_it_does_not_support
             "temperature": ({**ok, "temperature": "hot"}, 400, "temperature must be a number"),
             "messages": ({**ok, "messages": []}, 400, "messages must be a non-empty list"),
             "functions": ({**ok, "functions": []}, 400, "unsupported parameter(s) ['functions']"),
-            "messages[0]": ({**ok, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "no images"),
+            "messages[0]": (
+                {**ok, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                400,
+                "no images",
+            ),
             "tool_choice": ({**ok, "tool_choice": "required"}, 400, "tool_choice='required' is not supported"),
         }
         for param, (request, code, says) in refused.items():
@@ -257,7 +264,9 @@ def test_the_openai_client_plays_a_tool_loop():
 
     host = AgentHost(agent, tok, EnvConfig(max_tokens=200), "tiny-random", use_template=False)
     try:
-        ro = host.rollouts(scripted(tok, [CALL, "7"], "</tool_response>"), ROWS[:1], SamplingParams(max_new_tokens=64), 0)
+        ro = host.rollouts(
+            scripted(tok, [CALL, "7"], "</tool_response>"), ROWS[:1], SamplingParams(max_new_tokens=64), 0
+        )
     finally:
         host.close()
     assert ro.episodes.failures == [""] and ro.episodes.environments[0].reward == 1.0
@@ -305,4 +314,8 @@ def test_a_training_run_with_an_agent_logs_its_reward_and_the_reward_rises(tmp_p
     assert len(rows) == 30 and all(r["env/agent_requests"] == 2.0 and r["env/failed"] == 0 for r in rows)
     first, last = rows[:5], rows[-5:]
     rise = sum(r["reward/mean"] for r in last) / 5 - sum(r["reward/mean"] for r in first) / 5
+    # measured (threads=1, 2-core Xeon, ~30 s a run), reward/mean over steps 1-5 -> steps 26-30: seed 0 0.117 ->
+    # 0.256 (rise 0.139), seed 1 0.102 -> 0.263 (0.161), seed 2 0.121 -> 0.264 (0.143). The test runs seed 0 and asks
+    # a rise above 0.08, below the worst seed's; chance (no learning) is 0. What is learnt is mostly the format (0.25
+    # for a final reply with a digit), as in tests/env/test_multiturn_learning.py.
     assert rise > 0.08, rise
