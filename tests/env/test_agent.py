@@ -103,10 +103,12 @@ def recording(sample):
     seen = []
 
     def wrapped(contexts, params, seeds=None):
+        wrapped.calls += 1
         outs = sample(contexts, params, seeds)
         seen.extend((tuple(c), tuple(ids), tuple(lp)) for c, (ids, lp) in zip(contexts, outs, strict=True))
         return outs
 
+    wrapped.calls = 0
     return wrapped, seen
 
 
@@ -115,7 +117,8 @@ def test_an_agent_plays_two_requests_and_its_sequence_is_what_the_model_sampled(
     '?' (the agent's message, loss 0), reply 2 (loss 1); every sampled segment is one the backend returned for
     exactly the tokens before it, with its log-probs, which the model's own forward pass gives back."""
     backend = tiny_backend(tok)
-    host = AgentHost(sum_agent, tok, EnvConfig(max_turns=4, max_tokens=40), "tiny-random", use_template=False)
+    cfg = EnvConfig(max_turns=4, max_tokens=40, agent_batch_wait_ms=5000)  # batches wait for every episode
+    host = AgentHost(sum_agent, tok, cfg, "tiny-random", use_template=False)
     sample, seen = recording(backend.generate_ids)
     try:
         ro = host.rollouts(sample, ROWS, SamplingParams(max_new_tokens=3, n=2, seed=0), version=3)
@@ -123,7 +126,7 @@ def test_an_agent_plays_two_requests_and_its_sequence_is_what_the_model_sampled(
         host.close()
     assert ro.episodes.requests == [2] * 4 and ro.episodes.prefix_breaks == [0] * 4 and ro.episodes.turns == [2] * 4
     assert not any(ro.episodes.failures) and ro.episodes.policy_versions == [[3, 3]] * 4
-    assert len(seen) == 8  # 4 episodes x 2 requests, nothing sampled twice
+    assert len(seen) == 8 and sample.calls == 2  # 4 episodes x 2 requests, sampled in one batch per round
     question = tok("?", add_special_tokens=False)["input_ids"]
     recorded = []
     for i in range(4):
@@ -192,6 +195,23 @@ def test_tool_calls_come_back_in_openais_format_and_the_tool_answer_is_masked(to
     assert ids == call + answer + tok("7", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert ro.loss_mask[0][: len(ids)].tolist() == [1] * len(call) + [0] * len(answer) + [1] * 2
     assert seen[0][0] == tuple(tok("<tools>add(a: integer, b: integer)</tools>3+4=")["input_ids"])
+
+
+def stop_agent(base_url: str, row: dict) -> float:
+    body = {"model": "policy", "messages": [{"role": "user", "content": "q"}], "stop": ["+"], "max_tokens": 1000}
+    reply = post(base_url, body)["choices"][0]
+    return float(reply["message"]["content"] == "7" and reply["finish_reason"] == "stop")
+
+
+def test_a_stop_string_cuts_the_reply_text_and_its_tokens_after_it(tok):
+    host = AgentHost(stop_agent, tok, EnvConfig(), "tiny-random", use_template=False)
+    try:
+        ro = host.rollouts(scripted(tok, ["7+1=8"], "?"), ROWS[:1], SamplingParams(max_new_tokens=8), version=0)
+    finally:
+        host.close()
+    assert ro.episodes.environments[0].reward == 1.0 and ro.texts == ["7"]
+    kept = ro.completion_ids[0][ro.completion_mask[0].bool()].tolist()
+    assert kept == tok("7+", add_special_tokens=False)["input_ids"]  # sampled up to the stop string, trained as such
 
 
 def test_a_history_rewrite_ends_the_sequence_there_and_is_counted(tok):
