@@ -82,6 +82,10 @@ class Episodes:
     failures: list[str] = field(default_factory=list)  # why the environment failed each episode ('' = it did not):
     # a failed episode is out of the loss (masked) and unscored by the reward stage
     cut_turns: list[int] = field(default_factory=list)  # policy turns cut by rollout.max_new_tokens (no eos sampled)
+    # agent episodes (env.agent, forge.env.agent); empty otherwise: chat completion requests answered, and requests
+    # whose prompt did not extend the previous request's prompt and reply (history rewritten: not trained)
+    requests: list[int] = field(default_factory=list)
+    prefix_breaks: list[int] = field(default_factory=list)
 
     @staticmethod
     def concat(parts: list[Episodes | None]) -> Episodes | None:

@@ -287,6 +287,10 @@ class RewardWorker:
             extra = {"reward/majority_share": float(rewards.mean())}
         elif aggregate == "mean":
             rewards = mean_scores(result.scores)
+        if self.cfg.env.agent:  # an agent's return value is its episode's reward (None: the verifiers')
+            from forge.env.agent import agent_rewards
+
+            rewards = agent_rewards(rollouts.episodes, rewards)
         if failed.any():
             rewards = rewards.masked_fill(failed, 0.0)
         advantages, topk = group_advantages(rewards, g, self.cfg.algo.advantage), None  # [N]

@@ -54,6 +54,22 @@ class EnvConfig:
     reason length, as single-turn and TRL); 'continue' reads it as a reply: its tool calls are answered, or it goes
     to on_reply (or an OpenEnv text action), and the episode goes on."""
 
+    agent: str = ""
+    """Import path 'pkg.mod:fn' of an agent written against the OpenAI API, `fn(base_url: str, row: dict) -> float |
+    None` (sync or async): each episode runs it in a thread of its own with a base URL of its own on the
+    OpenAI-compatible endpoint forgeweave serves from the policy on 127.0.0.1 (forge/env/agent.py); its return value
+    is the episode's reward (None: the verifiers score the final reply). Empty = none."""
+    agent_timeout_s: float = ranged(120.0, "> 0", "seconds")
+    """Seconds an agent's episode may run; past it the episode fails (one line, out of the loss), the run goes on."""
+    agent_max_concurrent: int = ranged(0, ">= 0", "(0 = every episode of the call at once)")
+    """Agent episodes running at once; the next starts when one ends."""
+    agent_batch_wait_ms: float = ranged(5.0, ">= 0", "milliseconds")
+    """How long the endpoint holds a request for others to join its batch (it samples at once when every running
+    episode has a request waiting)."""
+    agent_request_sampling: bool = False
+    """Honour a request's `temperature` and `top_p`. False (default): every request samples at the step's
+    (rollout.temperature in training), the distribution the trainer's log-probs assume; the request's are ignored."""
+
     @property
     def openenv(self) -> str:
         """The key that names this run's OpenEnv server ('' = none)."""
@@ -63,13 +79,15 @@ class EnvConfig:
     @property
     def enabled(self) -> bool:
         """Whether rollouts are multi-turn episodes (an environment, an OpenEnv server or tools are configured)."""
-        return bool(self.environment_factory or self.tools or self.builtin_tools or self.openenv)
+        return bool(self.environment_factory or self.tools or self.builtin_tools or self.openenv or self.agent)
 
     @property
     def source_key(self) -> str:
         """The key that makes the rollouts episodes (for errors about where they can run)."""
         if self.environment_factory:
             return "env.environment_factory"
+        if self.agent:
+            return "env.agent"
         return self.openenv or ("env.tools" if self.tools else "env.builtin_tools")
 
     def check(self, prefix: str) -> None:
@@ -94,6 +112,12 @@ class EnvConfig:
         text = self.openenv_text_action
         require(not text or bool(servers), f"{prefix}openenv_text_action", "applies to an OpenEnv server: set "
                 "env.openenv_url, env.openenv_app or env.openenv_command, or clear it")  # fmt: skip
+        others = [f"{prefix}{k}" for k in ("environment_factory", "tools", "builtin_tools") if getattr(self, k)]
+        others += servers
+        require(not self.agent or not others, f"{prefix}agent", f"and {others[0] if others else ''} both give the "
+                "environment: an agent brings its own tools; keep one")  # fmt: skip
+        require(not self.agent or (":" in self.agent and all(self.agent.partition(":")[::2])), f"{prefix}agent",
+                f"must look like 'pkg.module:function', got {self.agent!r}")  # fmt: skip
         cmd = self.openenv_command
         why = "must contain {port} (where the server's port goes): forgeweave picks a free port on 127.0.0.1"
         require(not cmd or "{port}" in cmd, f"{prefix}openenv_command", why)

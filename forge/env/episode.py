@@ -222,7 +222,12 @@ def _answer(ep: Episode, calls, cfg: EnvConfig) -> list[tuple[str, str]]:
 def run_episodes(sample: Sampler, tok, rows: list[dict], params: SamplingParams, cfg: EnvConfig, fmt: ChatFormat,
                  factory: Callable | None, functions: list[Tool], version: int) -> Rollouts:  # fmt: skip
     """params.n episodes per row, grouped (row i -> prompt i // n); every environment is a fresh factory(). With an
-    OpenEnv server at most its session cap are open at once: the next episode starts when one ends."""
+    OpenEnv server at most its session cap are open at once: the next episode starts when one ends. An agent
+    (`env.agent`: the factory is a `forge.env.agent.AgentHost`) plays its own episodes against the endpoint."""
+    from forge.env.agent import AgentHost  # lazy: forge.env.agent builds on this module
+
+    if isinstance(factory, AgentHost):
+        return factory.rollouts(sample, rows, params, version)
     todo = [r for r in rows for _ in range(params.n)]
     cap = factory.max_sessions if isinstance(factory, OpenEnvClient) else len(todo)
     episodes: list[Episode] = []
@@ -322,6 +327,11 @@ def load_environment(cfg, tok) -> tuple[Callable | None, list[Tool], ChatFormat]
     from forge.env.tools import check_environment, load_object, tool_of
 
     e = cfg.env
+    use_template = cfg.model.chat_template if cfg.model.chat_template is not None else True
+    if e.agent:  # the endpoint starts here (127.0.0.1, a free port); close_environment stops it
+        from forge.env.agent import AgentHost, load_agent
+
+        return AgentHost(load_agent(e.agent), tok, e, cfg.model.path, use_template), [], ChatFormat(tok, use_template)
     factory = load_object(e.environment_factory, "env.environment_factory") if e.environment_factory else None
     if factory is not None:
         check_environment(factory)
@@ -329,14 +339,15 @@ def load_environment(cfg, tok) -> tuple[Callable | None, list[Tool], ChatFormat]
     functions += builtin_tools(e.builtin_tools, cfg.reward.code_exec)
     if e.openenv:
         factory = connect(e, cfg.rollout.prompts_per_step * cfg.rollout.group_size)
-    use_template = cfg.model.chat_template if cfg.model.chat_template is not None else True
     return factory, functions, ChatFormat(tok, use_template, cfg.model.system_prompt)
 
 
 def close_environment(env: tuple) -> None:
-    """Release what `load_environment` started (an OpenEnv server forgeweave runs); idempotent."""
+    """Release what `load_environment` started (an OpenEnv server forgeweave runs, an agent's endpoint); idempotent."""
+    from forge.env.agent import AgentHost
+
     factory = env[0]
-    if isinstance(factory, OpenEnvClient):
+    if isinstance(factory, OpenEnvClient | AgentHost):
         factory.close()
 
 
