@@ -79,7 +79,7 @@ def logp_grad(model, ro: Rollouts, algo: AlgoConfig) -> torch.Tensor:
     ref = torch.full(ro.completion_ids.shape, -3.0) if algo.beta > 0 else None
     totals = StepTotals(sequences=ro.num_completions, tokens=int(ro.loss_mask.sum()), max_len=16)
     mb = micro_batch(ro, torch.tensor([1.0, -1.0]), ref)
-    update_micro_batch(policy, mb, algo, totals, lambda loss: loss.backward())
+    update_micro_batch(policy, mb, algo, totals, backward=lambda loss: loss.backward())
     return held["logp"].grad
 
 
