@@ -56,7 +56,9 @@ from forge.env.openenv import OpenEnvClient, OpenEnvEpisode, connect
 from forge.env.parse import parse_tool_calls
 from forge.env.tools import Tool, call_tool, environment_tools
 from forge.errors import UserError
+from forge.model_config import ModelConfig
 from forge.records import Episodes, Rollouts
+from forge.rewards.code_exec import CodeExecConfig
 from forge.rollout.base import SamplingParams, cat_padded
 
 # (token contexts, params with n=1, one seed per context or None) -> [(sampled tokens, their log-probs)]
@@ -313,24 +315,25 @@ def _row(xs: list, fill, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor([list(xs) or [fill]], dtype=dtype)
 
 
-def load_environment(cfg, tok) -> tuple[Callable | None, list[Tool], ChatFormat]:
-    """(the environment factory, the stateless and built-in tools, the chat format) of a run config (`RunConfig`),
-    checked once at start: a class without reset, a tool without a docstring, an OpenEnv server that does not
+def load_environment(e: EnvConfig, model: ModelConfig, code_exec: CodeExecConfig, episodes: int,
+                     tok) -> tuple[Callable | None, list[Tool], ChatFormat]:  # fmt: skip
+    """(the environment factory, the stateless and built-in tools, the chat format: `model`'s chat template and
+    system prompt) of the `env` section; `code_exec`: the sandbox of the built-in python tool; `episodes`: a step's
+    (B * G, the sessions an OpenEnv server must hold), checked once at start: a class without reset, a tool without a docstring, an OpenEnv server that does not
     answer is a one-line UserError naming it. An OpenEnv server named by env.openenv_app / env.openenv_command is
     started here; `close_environment` stops it."""
     from forge.env.builtin import builtin_tools
     from forge.env.tools import check_environment, load_object, tool_of
 
-    e = cfg.env
     factory = load_object(e.environment_factory, "env.environment_factory") if e.environment_factory else None
     if factory is not None:
         check_environment(factory)
     functions = [tool_of(load_object(spec, "env.tools")) for spec in e.tools]
-    functions += builtin_tools(e.builtin_tools, cfg.reward.code_exec)
+    functions += builtin_tools(e.builtin_tools, code_exec)
     if e.openenv:
-        factory = connect(e, cfg.rollout.prompts_per_step * cfg.rollout.group_size)
-    use_template = cfg.model.chat_template if cfg.model.chat_template is not None else True
-    return factory, functions, ChatFormat(tok, use_template, cfg.model.system_prompt)
+        factory = connect(e, episodes)
+    use_template = model.chat_template if model.chat_template is not None else True
+    return factory, functions, ChatFormat(tok, use_template, model.system_prompt)
 
 
 def close_environment(env: tuple) -> None:
