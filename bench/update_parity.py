@@ -49,8 +49,8 @@ def reference_gradient(model, ro: Rollouts, advantages: torch.Tensor, temperatur
 
 def forgeweave_gradient(model, cfg: RunConfig, ro: Rollouts, advantages: torch.Tensor) -> list[torch.Tensor]:
     """The gradient forgeweave's trainer accumulates for this batch (no clipping, one pass, lr 0: no step)."""
+    from forge.compose import trainer as Trainer
     from forge.recipes.grpo import update_micro_batch
-    from forge.trainer import Trainer
 
     cfg = copy.deepcopy(cfg)
     cfg.update.max_grad_norm, cfg.update.num_iterations, cfg.update.lr = 0.0, 1, 1e-30
