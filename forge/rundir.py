@@ -31,6 +31,7 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +40,9 @@ from forge.errors import UserError
 from forge.io import append_text, atomic_write_text, truncate_jsonl, write_json
 from forge.records import Episodes, Rollouts, ScoredBatch
 from forge.tracking import Tracker
+
+if TYPE_CHECKING:  # the run's record reads the whole config: see PENDING in tests/test_config_sections.py
+    from forge.config import RunConfig
 
 SAMPLES_PER_STEP = 8
 LOCK = ".lock"
@@ -280,7 +284,7 @@ def note_stale(run_dir: Path) -> None:
               f"stopped at step {last.get('step')} without finishing; resuming", file=sys.stderr, flush=True)  # fmt: skip
 
 
-def track_run_start(tracker: Tracker, cfg, run_dir: Path) -> None:
+def track_run_start(tracker: Tracker, cfg: RunConfig, run_dir: Path) -> None:
     """Tags, params (the resolved config, flattened) and the run's defining files, for the tracker."""
     changes = read_changes(run_dir)
     tracker.set_tags(run_tags(cfg, run_dir) | change_tags(changes))
@@ -316,7 +320,7 @@ def started_params(params: dict, changes: list[dict]) -> dict:
     return {k: first.get(k, v) for k, v in params.items()}
 
 
-def run_tags(cfg, run_dir: Path) -> dict[str, str]:
+def run_tags(cfg: RunConfig, run_dir: Path) -> dict[str, str]:
     try:
         manifest = json.loads((run_dir / "data" / "manifest.json").read_text())
     except (OSError, ValueError):
@@ -373,7 +377,7 @@ def update_bar(bar, reward: float | None, last_eval: dict | None) -> None:
     bar.update(1)
 
 
-def run_summary(cfg, run_dir: Path, state, wall: float) -> dict:
+def run_summary(cfg: RunConfig, run_dir: Path, state, wall: float) -> dict:
     """summary.json's content: `state` is the loop's `forge.loop.LoopState` (step, seconds, initial/last eval)."""
 
     def brief(report):

@@ -31,6 +31,8 @@ PENDING = {
     "forwards to forge.compose.local_stages until grpo.py's default is that factory",
     "forge/data/prepare.py": "LEGACY: loop.py's prepare(cfg, ...) forwards to forge.compose.data_sources",
     "forge/resume.py": "LEGACY: loop.py imports resume_changes/record_changes from here; they live in forge.compose",
+    "forge/rundir.py": "track_run_start, run_tags, run_summary read the whole config (the tracker's params and tags, "
+    "summary.json), called by loop.py's RunRecord: pass them the flattened config and preset/model values there",
 }
 MAX_CONFIG_LINES = 300
 
