@@ -4,7 +4,7 @@ Components take their own config sections and plain values (`Trainer(model, upda
 `RolloutWorker(rollout=..., env=..., eval=...)`, `RewardWorker(reward, ...)`); only `forge.config`, this module,
 `forge.config_compat`, `forge.presets` and the API (`forge.api`, `forge.recipes.grpo`) know `RunConfig`
 (tests/test_config_sections.py). Here a cross-section value is computed once and passed as a value: the step's
-episode count (B * G), the columns verifiers never see, the rollout's temperature for the trainer's log-probs.
+episode count (B * G), the rollout's temperature for the trainer's log-probs.
 
 - `local_stages(cfg, run_dir, plan, micro_update)`: the recipe's in-process `StagesFactory`.
 - `trainer_worker`, `rollout_worker`, `reward_worker`, `teacher_worker`: the stage workers (the Ray actors build
@@ -34,13 +34,6 @@ if TYPE_CHECKING:
 StagesFactory = Callable[[RunConfig, Path, "dict | None", "MicroUpdate"], "Stages"]
 
 
-def hidden(cfg: RunConfig) -> tuple[str, ...]:
-    """The data columns reward verifiers never get (`forge.workers.hidden_columns`)."""
-    from forge.workers import hidden_columns
-
-    return hidden_columns(cfg.reward.label_free, cfg.data.answer_column)
-
-
 def trainer(model, cfg: RunConfig, total_steps: int, **kwargs) -> Trainer:
     """`forge.trainer.Trainer` over `model` with the run's update and algo sections (kwargs: ref_model, accelerator,
     micro_update)."""
@@ -66,7 +59,7 @@ def rollout_worker(cfg: RunConfig, **kwargs) -> RolloutWorker:
 
     return RolloutWorker(model_cfg=cfg.model, rollout=cfg.rollout, env=cfg.env, eval=cfg.eval, reward=cfg.reward,
                          seed=cfg.seed, threads=cfg.threads, max_staleness=cfg.algo.max_staleness,
-                         hidden=hidden(cfg), **kwargs)  # fmt: skip
+                         answer_column=cfg.data.answer_column, **kwargs)  # fmt: skip
 
 
 def teacher(cfg: RunConfig) -> Teacher:
@@ -85,8 +78,8 @@ def reward_worker(cfg: RunConfig, train_rows: int = 0, load_teacher: bool = True
 
     loaded = teacher(cfg) if cfg.reward.teacher and load_teacher else None
     return RewardWorker(cfg.reward, advantage=cfg.algo.advantage, seed=cfg.seed, steps=cfg.steps,
-                        prompts_per_step=cfg.rollout.prompts_per_step, hidden=hidden(cfg), train_rows=train_rows,
-                        teacher=loaded)  # fmt: skip
+                        prompts_per_step=cfg.rollout.prompts_per_step, answer_column=cfg.data.answer_column,
+                        train_rows=train_rows, teacher=loaded)  # fmt: skip
 
 
 def teacher_worker(cfg: RunConfig) -> TeacherWorker:

@@ -113,11 +113,12 @@ class RolloutWorker:
 
     def __init__(self, *, model_cfg: ModelConfig, rollout: RolloutConfig, env: EnvConfig, eval: EvalConfig,
                  reward: RewardConfig, seed: int, threads: int = 0, max_staleness: int = 0,
-                 hidden: tuple[str, ...] = (), model=None, tokenizer=None, work_dir: str | Path | None = None):  # fmt: skip
+                 answer_column: str = "answer", model=None, tokenizer=None,
+                 work_dir: str | Path | None = None):  # fmt: skip
         """`reward`: evaluation's mean reward and the built-in tools' sandbox; `max_staleness`: algo's (whether the
-        engine sleeps); `hidden`: the data columns verifiers never get (`hidden_columns`)."""
+        engine sleeps); `answer_column`: data's (hidden from verifiers with reward.label_free: `hidden_columns`)."""
         self.rollout_cfg, self.env_cfg, self.eval_cfg, self.reward_cfg = rollout, env, eval, reward
-        self.seed, self.hidden = seed, hidden
+        self.seed, self.answer_column = seed, answer_column
         if model is None:
             _init_process(seed, threads)
             model, tokenizer = load_policy(model_cfg, seed=seed)
@@ -224,8 +225,9 @@ class RolloutWorker:
             from forge.env.episode import EpisodeBackend
 
             backend = EpisodeBackend(self.backend, self.tokenizer, rows, self.env_cfg, self._env)
+        hidden = hidden_columns(rc.label_free, self.answer_column)
         report = evaluate(backend, rows, ev, self.rollout_cfg, self._verifiers, rc.weights, seed=self.seed + step,
-                          timeout_s=rc.score_timeout_s, reward=rc, hidden=self.hidden)  # fmt: skip
+                          timeout_s=rc.score_timeout_s, reward=rc, hidden=hidden)  # fmt: skip
         if self.sleeps:  # level 1: the next generate samples from these weights
             self.backend.sleep(1)
         report["step"] = step
@@ -248,13 +250,13 @@ class RewardWorker:
     """The reward stage: per-verifier scores, the aggregated reward (`reward.aggregate`), group advantages."""
 
     def __init__(self, reward: RewardConfig, *, advantage: str, seed: int, steps: int, prompts_per_step: int,
-                 hidden: tuple[str, ...] = (), train_rows: int = 0, teacher: Teacher | None = None):  # fmt: skip
+                 answer_column: str = "answer", train_rows: int = 0, teacher: Teacher | None = None):  # fmt: skip
         """`advantage`: algo's estimator; `steps`, `prompts_per_step`: the run's, for TRL's trainer_state;
-        `hidden`: the data columns verifiers never get (`hidden_columns`); `train_rows`: the training split's size,
+        `answer_column`: data's (hidden from verifiers with reward.label_free: `hidden_columns`); `train_rows`: the training split's size,
         for trainer_state.epoch (0 = unknown: epoch stays 0); `teacher`: the loaded `reward.teacher`
         (`forge.rewards.teacher.Teacher`), or None when a `TeacherWorker` elsewhere passes its log-probs to `score`,
         as in Ray mode."""
-        self.reward_cfg, self.advantage, self.seed, self.hidden = reward, advantage, seed, hidden
+        self.reward_cfg, self.advantage, self.seed, self.answer_column = reward, advantage, seed, answer_column
         self.steps, self.prompts_per_step, self.train_rows = steps, prompts_per_step, train_rows
         self.verifiers = resolve_verifiers(reward.verifiers, reward)
         self.aggregator = None
@@ -277,7 +279,7 @@ class RewardWorker:
             self.reward_cfg.weights,
             rollouts.prompts,
             rollouts.texts,
-            _columns(rows, g, self.hidden),
+            _columns(rows, g, hidden_columns(self.reward_cfg.label_free, self.answer_column)),
             timeout_s=self.reward_cfg.score_timeout_s,
             raw_prompts=[r["prompt"] for r in rows for _ in range(g)],
             completion_ids=completion_id_lists(rollouts),
