@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Literal
 from forge.config_base import ranged
 
 if TYPE_CHECKING:
-    from forge.config import UpdateConfig
+    from forge.trainer_config import UpdateConfig
 
 
 @dataclass(kw_only=True)
@@ -55,7 +55,7 @@ class AdaptiveConfig:
 def scheduled_lr(cfg: UpdateConfig, step: int, total_steps: int) -> float:
     """LR for 0-based `step` before the adaptive scale.
 
-    >>> from forge.config import UpdateConfig
+    >>> from forge.trainer_config import UpdateConfig
     >>> c = UpdateConfig(lr=1.0, warmup_steps=2, schedule="linear", min_lr_ratio=0.0)
     >>> [round(scheduled_lr(c, s, 6), 3) for s in range(6)]
     [0.5, 1.0, 1.0, 0.667, 0.333, 0.0]

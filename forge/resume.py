@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from forge.checkpoint import load_state, resume_checkpoint
-from forge.config import ConfigError, require
+from forge.config_base import ConfigError, require
 from forge.data import check_data_hash, read_probe, read_split
 from forge.io import atomic_write_text
 from forge.rundir import CHANGES, note_stale, refuse_if_locked
