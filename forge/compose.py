@@ -2,15 +2,14 @@
 
 Components take their own config sections and plain values (`Trainer(model, update, algo, ...)`,
 `RolloutWorker(rollout=..., env=..., eval=...)`, `RewardWorker(reward, ...)`); only `forge.config`, this module,
-`forge.config_compat`, `forge.presets` and the API (`forge.api`, `forge.recipes.grpo`) know `RunConfig`
-(tests/test_config_sections.py). Here a cross-section value is computed once and passed as a value: the step's
-episode count (B * G), the rollout's temperature for the trainer's log-probs.
+`forge.config_compat`, `forge.presets` and the API (`forge.api`, `forge.recipes.grpo`, `forge.recipes.compose`) know
+`RunConfig` (tests/test_config_sections.py). Here a cross-section value is computed once and passed as a value: the
+step's episode count (B * G), the rollout's temperature for the trainer's log-probs.
 
 - `local_stages(cfg, run_dir, plan, micro_update)`: the recipe's in-process `StagesFactory`.
 - `trainer_worker`, `rollout_worker`, `reward_worker`, `teacher_worker`: the stage workers (the Ray actors build
   theirs through these too: `flows/ray_actor.py`); `trainer`, `teacher`: the components inside them.
-- `data_sources(cfg)`: what the prep stage reads, `prepare_data(cfg, run_dir)`: the prep stage; `environment(cfg,
-  tok)`: a multi-turn run's environment.
+- `data_sources(cfg)`: what the prep stage reads; `environment(cfg, tok)`: a multi-turn run's environment.
 - `resume_changes`, `record_changes`: a resume's config changes against the run's config.yaml.
 """
 
@@ -124,18 +123,6 @@ def environment(cfg: RunConfig, tok) -> tuple:
 def data_sources(cfg: RunConfig) -> DataSources:
     """What the prep stage reads (`forge.data.prepare`)."""
     return DataSources(cfg.data, cfg.seed, cfg.reward.label_free, cfg.collapse.probe_source)
-
-
-def prepare_data(cfg: RunConfig, run_dir: Path) -> dict:
-    """The prep stage: data/{train,eval,probe}.parquet and manifest.json from the configured source, prompts in the
-    policy's chat format (the same as `forge.loop.prepare_data`, which the loop will take from here)."""
-    from forge.data import prepare
-    from forge.models import format_prompt_fn, load_tokenizer
-
-    tok = load_tokenizer(cfg.model)
-    count = lambda s: len(tok(s, add_special_tokens=False).input_ids)  # noqa: E731
-    prepared = prepare(data_sources(cfg), run_dir, format_prompt_fn(tok, cfg.model), count)
-    return {"train_rows": len(prepared.train), "eval_rows": len(prepared.eval)}
 
 
 def resume_changes(run_dir: Path, cfg: RunConfig, ckpt: Path | None) -> dict[str, list]:

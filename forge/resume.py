@@ -94,16 +94,6 @@ def write_changes(run_dir: Path, config_yaml: str, changes: dict[str, list], ste
     atomic_write_text(path, before + json.dumps(line) + "\n")
 
 
-def __getattr__(name: str):
-    """LEGACY(issue 43): loop.py imports `resume_changes` and `record_changes` from here until it takes them from
-    `forge.compose` (they compare and write the whole run config); delete then."""
-    if name in ("resume_changes", "record_changes"):
-        import forge.compose
-
-        return getattr(forge.compose, name)
-    raise AttributeError(f"module 'forge.resume' has no attribute {name!r}")
-
-
 def checkpoint_step(ckpt: Path | None) -> int:
     """The step of a `step-NNNNNN` checkpoint directory (0 for None: a run that starts over)."""
     return int(Path(ckpt).name.removeprefix("step-")) if ckpt is not None else 0

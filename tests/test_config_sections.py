@@ -2,7 +2,8 @@
 
 The composite is forge/config.py (RunConfig and its cross-section rules), forge/config_compat.py (old keys),
 forge/presets.py (named configs) and forge/compose.py (the run config taken apart: each component built from the
-sections it reads); the API is forge/api.py and forge/recipes/grpo.py. Any other module under forge/ that names
+sections it reads); the API is forge/api.py, forge/recipes/grpo.py and forge/recipes/compose.py (what the recipe
+builds from the config before its loop starts: the run's record, the prep stage, the loop's context). Any other module under forge/ that names
 `RunConfig` in code fails: an `import`/`from ... import RunConfig` at any depth (a `TYPE_CHECKING` import too), an
 annotation or a string annotation naming it, `forge.config.RunConfig` as an attribute. Docstrings and comments do
 not count. A module holding a transitional shim that forwards the run config to `forge.compose` carries the marker
@@ -16,23 +17,16 @@ a module that stops knowing `RunConfig` must leave the list. Count them with
 from __future__ import annotations
 
 import ast
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FORGE = ROOT / "forge"
 COMPOSITE = {"forge/config.py", "forge/config_compat.py", "forge/presets.py", "forge/compose.py"}
-API = {"forge/api.py", "forge/recipes/grpo.py"}
+API = {"forge/api.py", "forge/recipes/grpo.py", "forge/recipes/compose.py"}
 MARKER = "LEGACY(issue 43)"
 PENDING = {
-    "forge/loop.py": "Schedule, RunRecord, Data, prepare_data, stop_reason take the run config (the loop-state "
-    "rewrite, issue 43 item 1)",
     "forge/stages.py": "LEGACY: LocalStages(cfg, run_dir, plan, micro_update), the recipe's default factory call, "
     "forwards to forge.compose.local_stages until grpo.py's default is that factory",
-    "forge/data/prepare.py": "LEGACY: loop.py's prepare(cfg, ...) forwards to forge.compose.data_sources",
-    "forge/resume.py": "LEGACY: loop.py imports resume_changes/record_changes from here; they live in forge.compose",
-    "forge/rundir.py": "track_run_start, run_tags, run_summary read the whole config (the tracker's params and tags, "
-    "summary.json), called by loop.py's RunRecord: pass them the flattened config and preset/model values there",
 }
 MAX_CONFIG_LINES = 300
 
@@ -119,4 +113,4 @@ if __name__ == "__main__":
         )
         print(f"{tag:9} {module}: {why}")
     others = [m for m in known if m not in COMPOSITE | API]
-    print(f"{len(others)} module(s) outside the composite and the API know RunConfig", file=sys.stderr)
+    print(f"{len(others)} module(s) outside the composite and the API know RunConfig")

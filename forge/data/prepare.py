@@ -67,10 +67,6 @@ def prepare(
     format_prompt maps a raw prompt to the text the model sees (chat template applied); count_tokens counts the
     tokens of such a text. Nothing is written when validation fails.
     """
-    if not isinstance(src, DataSources):  # LEGACY(issue 43): loop.py's prepare(cfg, ...) until it calls compose's
-        from forge.compose import data_sources
-
-        src = data_sources(src)
     data = build(src, format_prompt, count_tokens)
     write_prepared(data, run_dir)
     return data
