@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 from forge.advantages import group_advantages
+from forge.compose import trainer_worker as TrainerWorker
 from forge.config import RunConfig, apply_overrides
 from forge.presets import get_preset
 from forge.recipes.grpo import update_micro_batch
 from forge.records import Rollouts
-from forge.workers import TrainerWorker
 
 
 def synthetic_batch(cfg: RunConfig, vocab: int, prompts: int = 2, prompt_len: int = 24) -> tuple[Rollouts, torch.Tensor]:

@@ -41,6 +41,7 @@ def rates(pairs: list[tuple[str, str]], repeats: int = 3) -> tuple[float, float,
 
 
 def smollm2_completions() -> list[tuple[str, str]]:
+    from forge.compose import data_sources
     from forge.data import build
     from forge.models import format_prompt_fn, load_policy
     from forge.presets import smollm2_arith
@@ -50,7 +51,7 @@ def smollm2_completions() -> list[tuple[str, str]]:
     cfg = smollm2_arith()
     model, tok = load_policy(cfg.model, seed=cfg.seed)
     model.requires_grad_(False)
-    rows = build(cfg, format_prompt_fn(tok, cfg.model), lambda s: len(tok(s, add_special_tokens=False).input_ids)).eval
+    rows = build(data_sources(cfg), format_prompt_fn(tok, cfg.model), lambda s: len(tok(s, add_special_tokens=False).input_ids)).eval
     backend = make_backend("hf", model, tok, autocast_bf16=cfg.rollout.autocast_bf16, rollout=cfg.rollout)
     params = SamplingParams(
         max_new_tokens=cfg.eval.max_new_tokens, temperature=0.0, n=1, batch_size=cfg.eval.batch_size

@@ -136,12 +136,13 @@ def cpu_model() -> str:
 def task(split: str, count: int):
     """(model, tokenizer, chat-formatted prompts, raw prompts, answers) of the preset's first `count` rows."""
     from flows.runs import resolve_config
+    from forge.compose import data_sources
     from forge.data import build
     from forge.models import format_prompt_fn, load_policy
 
     cfg = resolve_config(PRESET, None, [])
     model, tok = load_policy(cfg.model)
-    data = build(cfg, format_prompt_fn(tok, cfg.model), lambda s: len(tok(s, add_special_tokens=False).input_ids))
+    data = build(data_sources(cfg), format_prompt_fn(tok, cfg.model), lambda s: len(tok(s, add_special_tokens=False).input_ids))
     rows = (data.eval if split == "eval" else data.train)[:count]
     return model.eval(), tok, [r["model_input"] for r in rows], [r["prompt"] for r in rows], [r["answer"] for r in rows]
 

@@ -71,12 +71,13 @@ def train(cfg, args, out: Path) -> dict:
     """SFT the preset's model on its train split; saves model and tokenizer to `out` (atomically: temp dir, rename)."""
     from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
+    from forge.compose import data_sources
     from forge.data import build
     from forge.models import format_prompt_fn, load_policy
 
     model, tok = load_policy(cfg.model, seed=cfg.seed)
     fmt = format_prompt_fn(tok, cfg.model)
-    data = build(cfg, fmt, lambda text: len(tok(text, add_special_tokens=False).input_ids))
+    data = build(data_sources(cfg), fmt, lambda text: len(tok(text, add_special_tokens=False).input_ids))
     examples = sft_examples(data.train, tok, args.reply)
     tok.padding_side = "right"  # training: positions start at 0 on every row
     with tempfile.TemporaryDirectory(prefix="sft-teacher-") as scratch:

@@ -23,6 +23,7 @@ import torch
 from arith_task import PRESET, TASK  # bench/ is on sys.path when this file runs as a script
 
 from forge.advantages import group_advantages
+from forge.compose import trainer as Trainer
 from forge.config import apply_overrides
 from forge.models import format_prompt_fn, load_policy
 from forge.presets import get_preset
@@ -32,7 +33,6 @@ from forge.rewards.math import completion_matches
 from forge.rollout import HFBackend, SamplingParams
 from forge.shared_prefix import PackingCost
 from forge.tasks.arith import generate_arithmetic
-from forge.trainer import Trainer
 
 
 def matmul_tflops(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:

@@ -49,8 +49,8 @@ def reference_gradient(model, ro: Rollouts, advantages: torch.Tensor, temperatur
 
 def forgeweave_gradient(model, cfg: RunConfig, ro: Rollouts, advantages: torch.Tensor) -> list[torch.Tensor]:
     """The gradient forgeweave's trainer accumulates for this batch (no clipping, one pass, lr 0: no step)."""
+    from forge.compose import trainer as Trainer
     from forge.recipes.grpo import update_micro_batch
-    from forge.trainer import Trainer
 
     cfg = copy.deepcopy(cfg)
     cfg.update.max_grad_norm, cfg.update.num_iterations, cfg.update.lr = 0.0, 1, 1e-30
@@ -82,6 +82,7 @@ VARIANTS = {  # name -> overrides of the update section: each speed feature alon
 
 def sample_batch(cfg: RunConfig, model, tok, prompts: int, group: int) -> tuple[Rollouts, torch.Tensor]:
     """A real step's batch: `prompts` train prompts x `group` samples from the hf sampler, scored, z-scored."""
+    from forge.compose import data_sources
     from forge.data import build
     from forge.models import format_prompt_fn
     from forge.rewards.registry import resolve_verifiers
@@ -89,7 +90,7 @@ def sample_batch(cfg: RunConfig, model, tok, prompts: int, group: int) -> tuple[
     from forge.rollout.hf import HFBackend
 
     count = lambda s: len(tok(s, add_special_tokens=False).input_ids)  # noqa: E731
-    rows = build(cfg, format_prompt_fn(tok, cfg.model), count).train[:prompts]
+    rows = build(data_sources(cfg), format_prompt_fn(tok, cfg.model), count).train[:prompts]
     r = cfg.rollout
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, group, seed=cfg.seed)
     ro = HFBackend(model, tok, autocast_bf16=r.autocast_bf16).generate([x["model_input"] for x in rows], params)

@@ -20,11 +20,11 @@ import time
 
 import torch
 
+from forge.compose import trainer as Trainer
 from forge.config import RunConfig
 from forge.models import load_policy
 from forge.recipes.grpo import update_micro_batch
 from forge.records import Rollouts
-from forge.trainer import Trainer
 
 
 def make_cfg(args) -> RunConfig:

@@ -166,12 +166,13 @@ def run_trl(cfg, root: Path, venv: Path, sets: list[str]) -> dict:
 def train_trl(cfg, root: Path, venv: Path) -> dict:
     """TRL's GRPOTrainer on this seed's training prompts (bench/trl_grpo.py in TRL's venv): its step times and
     rewards; the trained model in root/trl/model."""
+    from forge.compose import data_sources
     from forge.data import build
     from forge.models import format_prompt_fn, load_tokenizer, smollm2_dir
 
     tok = load_tokenizer(cfg.model)
     count = lambda s: len(tok(s, add_special_tokens=False).input_ids)  # noqa: E731
-    train_rows = build(cfg, format_prompt_fn(tok, cfg.model), count).train
+    train_rows = build(data_sources(cfg), format_prompt_fn(tok, cfg.model), count).train
     data = root / "trl-train.jsonl"
     data.write_text("".join(json.dumps({"prompt": r["model_input"], "answer": r["answer"]}) + "\n" for r in train_rows))
     r, u = cfg.rollout, cfg.update

@@ -11,6 +11,7 @@ def evaluate_checkpoint_dir(ckpt: Path, preset: str | None, overrides: list[str]
     """pass@1 / pass@k of `ckpt` on its run's eval split (or `preset`'s data); writes the report to `out`."""
     from flows.runs import resolve_config
     from forge.checkpoint import SHARDS, export_model, has_weights, is_adapter, merged_policy
+    from forge.compose import data_sources
     from forge.config import apply_overrides, load_yaml
     from forge.data import build, read_split
     from forge.evaluate import evaluate
@@ -32,7 +33,7 @@ def evaluate_checkpoint_dir(ckpt: Path, preset: str | None, overrides: list[str]
     if adapter and not in_run:
         raise UserError(f"'{ckpt}' holds a LoRA adapter: evaluate it inside its run (runs/NAME/checkpoints/step-N)")
     if adapter:
-        model, tok = merged_policy(ckpt, cfg)
+        model, tok = merged_policy(ckpt, cfg.model, cfg.seed)
     else:
         cfg.model.path = str(ckpt)
         model, tok = load_policy(cfg.model, seed=cfg.seed)
@@ -41,7 +42,7 @@ def evaluate_checkpoint_dir(ckpt: Path, preset: str | None, overrides: list[str]
         rows = read_split(run_dir, "eval")
     else:
         count = lambda s: len(tok(s, add_special_tokens=False).input_ids)  # noqa: E731
-        rows = build(cfg, format_prompt_fn(tok, cfg.model), count).eval
+        rows = build(data_sources(cfg), format_prompt_fn(tok, cfg.model), count).eval
     # HF generate in this process whatever the run sampled with: greedy tokens are the same as vLLM's (tested)
     backend = make_backend("hf", model, tok, autocast_bf16=cfg.rollout.autocast_bf16, rollout=cfg.rollout)
     report = evaluate(backend, rows, cfg.eval, cfg.rollout, seed=cfg.seed, timeout_s=cfg.reward.score_timeout_s,

@@ -65,7 +65,8 @@ def export(ckpt: Path, out: Path | None, push_to_hub: str | None = None) -> Path
         if push_to_hub or is_adapter(ckpt):
             raise UserError("export: give OUT, the new HF model directory to write")
         return export_model(ckpt)
-    written = export_hf_dir(ckpt, out, run_config(ckpt))
+    cfg = run_config(ckpt)
+    written = export_hf_dir(ckpt, out, cfg.model if cfg else None, cfg.seed if cfg else 0)
     if push_to_hub:
         push(written, push_to_hub)
     return written

@@ -120,6 +120,7 @@ def prepare_dataset(out_dir: str, preset: str = "", config_path: str = "", overr
     """The prep stage alone: validate a dataset (or generate the built-in task) into out_dir/data/."""
     from flows.deployments import confined
     from flows.runs import resolve_config
+    from forge.compose import data_sources
     from forge.data import prepare
     from forge.models import format_prompt_fn, load_policy
 
@@ -127,7 +128,10 @@ def prepare_dataset(out_dir: str, preset: str = "", config_path: str = "", overr
     cfg = resolve_config(preset or None, config_path or None, list(overrides or []))
     _, tok = load_policy(cfg.model, seed=cfg.seed)
     data = prepare(
-        cfg, Path(out_dir), format_prompt_fn(tok, cfg.model), lambda s: len(tok(s, add_special_tokens=False).input_ids)
+        data_sources(cfg),
+        Path(out_dir),
+        format_prompt_fn(tok, cfg.model),
+        lambda s: len(tok(s, add_special_tokens=False).input_ids),
     )
     return data.manifest
 

@@ -15,10 +15,11 @@ import socket
 import ray
 
 WORKERS = {
-    "rollout": "forge.workers:RolloutWorker",
-    "reward": "forge.workers:RewardWorker",
-    "update": "forge.workers:TrainerWorker",
-    "teacher": "forge.workers:TeacherWorker",
+    # each built from the run config by its factory in `forge.compose` (the workers take their own sections)
+    "rollout": "forge.compose:rollout_worker",
+    "reward": "forge.compose:reward_worker",
+    "update": "forge.compose:trainer_worker",
+    "teacher": "forge.compose:teacher_worker",
 }
 
 

@@ -23,7 +23,7 @@ def resolve_run(
     preset: str | None, config: str | None, overrides: list[str], name: str | None, runs_dir: str, resume: bool
 ):
     """(config, run directory) for a new run or, with resume, for an existing one (its saved config + overrides;
-    the recipe checks and records what they change: `forge.resume.resume_changes`)."""
+    the recipe checks and records what they change: `forge.compose.resume_changes`)."""
     from forge.config import apply_overrides, load_yaml
     from forge.rundir import check_run_dir, check_run_name
 

@@ -54,6 +54,7 @@ import torch
 
 from forge.errors import DiskFull, UserError
 from forge.io import FULL, atomic_write_text, check_safetensors, human_bytes, safetensors_problem
+from forge.model_config import ModelConfig
 
 STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
@@ -427,34 +428,34 @@ def export_model(ckpt: Path, out: Path | None = None) -> Path:
     return out / WEIGHTS
 
 
-def merged_policy(ckpt: Path, cfg):
-    """(plain model with the LoRA adapter of checkpoint `ckpt` merged in, tokenizer) for run config `cfg` (its
-    `model` section and seed rebuild the base model the adapter was trained on)."""
+def merged_policy(ckpt: Path, model_cfg: ModelConfig, seed: int):
+    """(plain model with the LoRA adapter of checkpoint `ckpt` merged in, tokenizer): the run's `model` section and
+    seed rebuild the base model the adapter was trained on."""
     from forge.models import add_lora, load_policy
 
-    base, tok = load_policy(cfg.model, seed=cfg.seed)
-    model = add_lora(base, cfg.model.lora)
+    base, tok = load_policy(model_cfg, seed=seed)
+    model = add_lora(base, model_cfg.lora)
     load_adapter(model, ckpt)
     return model.merge_and_unload(), tok
 
 
-def export_hf_dir(ckpt: Path, out: Path, cfg=None) -> Path:
+def export_hf_dir(ckpt: Path, out: Path, model_cfg: ModelConfig | None = None, seed: int = 0) -> Path:
     """Write checkpoint `ckpt` as a clean HF model directory `out` (new, or an empty directory): the weights
-    (a LoRA checkpoint's adapter merged into the base model of run config `cfg`; a sharded one assembled), config,
-    generation config and tokenizer; no trainer state. Assembled in a temporary directory beside `out` and renamed
+    (a LoRA checkpoint's adapter merged into the base model of the run's `model_cfg` and `seed`; a sharded one
+    assembled), config, generation config and tokenizer; no trainer state. Assembled in a temporary directory beside `out` and renamed
     into place, so `out` is complete or absent."""
     import tempfile
 
     ckpt, out = Path(ckpt), Path(out)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise UserError(f"export: '{out}' exists and is not an empty directory; choose a new path or remove it")
-    if is_adapter(ckpt) and cfg is None:
+    if is_adapter(ckpt) and model_cfg is None:
         raise UserError(f"'{ckpt}' holds a LoRA adapter and is not inside its run (no config.yaml two levels up)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         if is_adapter(ckpt):
-            model, _ = merged_policy(ckpt, cfg)
+            model, _ = merged_policy(ckpt, model_cfg, seed)
             model.save_pretrained(tmp)
             _copy_model_json(ckpt, tmp, skip=(ADAPTER_CONFIG, "config.json"))
         else:

@@ -27,10 +27,12 @@ import time
 
 import torch
 
-from forge.config import EvalConfig, RewardConfig, RolloutConfig
+from forge.config import EvalConfig
+from forge.rewards.config import RewardConfig
 from forge.rewards.registry import CORRECTNESS, resolve_verifier
 from forge.rewards.score import score_completions
 from forge.rollout.base import RolloutBackend, SamplingParams
+from forge.rollout.config import RolloutConfig
 
 _NOT_CORRECTNESS = ("format", "length", "len_")
 """A user verifier whose function name contains one of these scores form, not correctness: it does not decide eval."""

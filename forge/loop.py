@@ -13,7 +13,7 @@
   newest intact one before the best probe's, with one line saying so (`forge.checkpoint.resume_checkpoint` /
   `newest_intact`), or the run stops with one line.
 - `collect_saved`: waits for the checkpoint in flight and records it (at most one is in flight).
-- `Record`: what the loop asks of the run's record (`forge.recipes.compose.RunRecord` writes the run directory and
+- `Record`: what the loop asks of the run's record (`forge.recipes.wiring.RunRecord` writes the run directory and
   the tracker).
 """
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from forge.config import AlgoConfig
+from forge.trainer_config import AlgoConfig
 
 MAX_LOG_RATIO = 20.0  # log-ratios are clamped to +-20 before exp: one wild token cannot overflow the step
 

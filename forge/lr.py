@@ -23,39 +23,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Literal
 
-from forge.config_base import ranged
+from forge.trainer_config import AdaptiveConfig, UpdateConfig
 
-if TYPE_CHECKING:
-    from forge.config import UpdateConfig
+__all__ = ["AdaptiveConfig", "scheduled_lr"]
 
-
-@dataclass(kw_only=True)
-class AdaptiveConfig:
-    """`update.adaptive`: the controller's settings (the defaults are written here only)."""
-
-    enabled: bool = True
-    """Adaptive LR controller: shrink the LR when the training signal spikes past its target, recover slowly."""
-    signal: Literal["kl", "grad_norm"] = "grad_norm"
-    """Signal the controller watches: KL of the step (see forge/lr.py), or the pre-clip grad norm."""
-    target: float = ranged(2.0, "> 0")
-    """kl: absolute KL target; grad_norm: spike ratio of the norm per unit of mean |advantage| over its moving
-    average. Above it the LR is cut."""
-    cut: float = ranged(0.5, "in (0, 1]")
-    """Multiply the LR scale by this when the signal exceeds target."""
-    recover: float = ranged(1.1, ">= 1")
-    """Multiply the LR scale by this (up to 1.0) on each step the signal is below target/2."""
-    min_scale: float = ranged(0.01, "in (0, 1]")
-    """The LR scale never falls below this."""
-    ema_beta: float = ranged(0.9, "in [0, 1)")
-    """grad_norm: weight of the old value in the norm's exponential moving average."""
 
 
 def scheduled_lr(cfg: UpdateConfig, step: int, total_steps: int) -> float:
     """LR for 0-based `step` before the adaptive scale.
 
-    >>> from forge.config import UpdateConfig
+    >>> from forge.trainer_config import UpdateConfig
     >>> c = UpdateConfig(lr=1.0, warmup_steps=2, schedule="linear", min_lr_ratio=0.0)
     >>> [round(scheduled_lr(c, s, 6), 3) for s in range(6)]
     [0.5, 1.0, 1.0, 0.667, 0.333, 0.0]

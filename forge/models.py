@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from forge.config import LoraConfig, ModelConfig
 from forge.errors import UserError
 from forge.io import check_safetensors
+from forge.model_config import LoraConfig, ModelConfig
 
 TINY = "tiny-random"
 SMOLLM2 = "smollm2-135m-instruct"

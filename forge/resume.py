@@ -10,10 +10,10 @@ was. Returns the checkpoint directory, or None when the run has no step director
 first checkpoint: the recipe starts it again from step 0). A second process on the run (`forge.rundir.RunLock`) is
 refused here too, before anything is written.
 
-A resume may change the config (`--resume --set update.lr=...`): `resume_changes` compares it with the run's
+A resume may change the config (`--resume --set update.lr=...`): `forge.compose.resume_changes` compares it with the run's
 config.yaml and refuses a change the checkpoint cannot honour (`RESUME_FIXED`: seed, model.*, data.*,
 the reward ensemble's keys; also steps below the checkpoint's step), still before anything is written;
-`record_changes` then rewrites config.yaml (atomically) and appends `{step, time, changes: {key: [old, new]}}` to
+`forge.compose.record_changes` then rewrites config.yaml (atomically) and appends `{step, time, changes: {key: [old, new]}}` to
 config_changes.jsonl, one line per resume that changed something.
 """
 
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from forge.checkpoint import load_state, resume_checkpoint
-from forge.config import ConfigError, RunConfig, config_diff, dump_yaml, load_yaml, require
+from forge.config_base import ConfigError, require
 from forge.data import check_data_hash, read_probe, read_split
 from forge.io import atomic_write_text
 from forge.rundir import CHANGES, note_stale, refuse_if_locked
@@ -84,19 +84,10 @@ def check_resumable(run_dir: Path) -> Path | None:
     return ckpt
 
 
-def resume_changes(run_dir: Path, cfg: RunConfig, ckpt: Path | None) -> dict[str, list]:
-    """Key -> [saved, new] for what `cfg` changes against the run's config.yaml; a change the checkpoint `ckpt`
-    cannot honour is a ConfigError naming the key (with no checkpoint yet the run starts over: anything goes)."""
-    changes = config_diff(load_yaml(Path(run_dir) / "config.yaml"), cfg)
-    if ckpt is not None:
-        check_resume_changes(changes, checkpoint_step(ckpt), cfg.steps)
-    return changes
-
-
-def record_changes(run_dir: Path, cfg: RunConfig, changes: dict[str, list], step: int) -> None:
-    """config.yaml := `cfg`, then one line `{step, time, changes}` appended to config_changes.jsonl (both atomic)."""
-    run_dir = Path(run_dir)
-    atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
+def write_changes(run_dir: Path, config_yaml: str, changes: dict[str, list], step: int) -> None:
+    """config.yaml := `config_yaml` (the resumed run's config), then one line `{step, time, changes}` appended to
+    config_changes.jsonl (both atomic). `forge.compose.record_changes` calls it with the run config."""
+    atomic_write_text(run_dir / "config.yaml", config_yaml)
     path = run_dir / CHANGES
     before = path.read_text(encoding="utf-8") if path.is_file() else ""
     line = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "changes": changes}

@@ -29,7 +29,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -42,7 +41,7 @@ from forge.tracking import Tracker
 
 SAMPLES_PER_STEP = 8
 LOCK = ".lock"
-CHANGES = "config_changes.jsonl"  # one line per resume that changed the config (forge.resume.record_changes)
+CHANGES = "config_changes.jsonl"  # one line per resume that changed the config (forge.compose.record_changes)
 INPUTS = "inputs"  # datasets given to forge.train as objects, saved here before the run starts (forge/api.py)
 HEARTBEAT_S = 30.0
 
@@ -280,11 +279,12 @@ def note_stale(run_dir: Path) -> None:
               f"stopped at step {last.get('step')} without finishing; resuming", file=sys.stderr, flush=True)  # fmt: skip
 
 
-def track_run_start(tracker: Tracker, cfg, run_dir: Path) -> None:
-    """Tags, params (the resolved config, flattened) and the run's defining files, for the tracker."""
+def track_run_start(tracker: Tracker, run_dir: Path, config: dict, *, preset: str, model: str) -> None:
+    """Tags, params (`config`: the resolved config as a nested dict, flattened) and the run's defining files, for
+    the tracker; `preset`, `model`: the config's preset name and model.path (tags)."""
     changes = read_changes(run_dir)
-    tracker.set_tags(run_tags(cfg, run_dir) | change_tags(changes))
-    tracker.log_params(started_params(flatten(asdict(cfg)), changes))
+    tracker.set_tags(run_tags(run_dir, preset=preset, model=model) | change_tags(changes))
+    tracker.log_params(started_params(flatten(config), changes))
     for name, where in (("config.yaml", ""), ("plan.json", ""), ("data/manifest.json", "data")):
         if (run_dir / name).is_file():
             tracker.log_artifact(run_dir / name, where)
@@ -316,7 +316,7 @@ def started_params(params: dict, changes: list[dict]) -> dict:
     return {k: first.get(k, v) for k, v in params.items()}
 
 
-def run_tags(cfg, run_dir: Path) -> dict[str, str]:
+def run_tags(run_dir: Path, *, preset: str, model: str) -> dict[str, str]:
     try:
         manifest = json.loads((run_dir / "data" / "manifest.json").read_text())
     except (OSError, ValueError):
@@ -324,8 +324,8 @@ def run_tags(cfg, run_dir: Path) -> dict[str, str]:
     tags = {
         "forgeweave.run_name": run_dir.name,
         "forgeweave.run_dir": str(run_dir.resolve()),
-        "forgeweave.preset": cfg.preset,
-        "forgeweave.model": cfg.model.path,
+        "forgeweave.preset": preset,
+        "forgeweave.model": model,
         "forgeweave.dataset_hash": manifest.get("content_hash", ""),
     }
     commit = git_commit()
@@ -373,8 +373,9 @@ def update_bar(bar, reward: float | None, last_eval: dict | None) -> None:
     bar.update(1)
 
 
-def run_summary(cfg, run_dir: Path, state, wall: float) -> dict:
-    """summary.json's content: `state` is the loop's `forge.loop.LoopState` (step, seconds, initial/last eval)."""
+def run_summary(run_dir: Path, state, wall: float, *, preset: str, model: str) -> dict:
+    """summary.json's content: `state` is the loop's `forge.loop.LoopState` (step, seconds, initial/last eval);
+    `preset`, `model`: the config's preset name and model.path."""
 
     def brief(report):
         keep = ("step", "problems", "mean_reward", "first_turn@1", "final_turn@1", "mean_turns")  # last 3: multi-turn
@@ -383,8 +384,8 @@ def run_summary(cfg, run_dir: Path, state, wall: float) -> dict:
     seconds = {**{k: round(v, 3) for k, v in state.seconds.items()}, "total": round(wall, 3)}
     return {
         "run": run_dir.name,
-        "preset": cfg.preset,
-        "model": cfg.model.path,
+        "preset": preset,
+        "model": model,
         "steps": state.step,
         "run_dir": str(run_dir.resolve()),
         "eval": {"initial": brief(state.initial_eval), "final": brief(state.last_eval)},

@@ -4,7 +4,8 @@ run (`StageRunner`).
 The loop in `forge.recipes.grpo` calls `runner(Stage.X, step, fn, *args)` for every stage and for nothing else
 (its bookkeeping is `forge.loop`, outside the seam), where `fn` is a method of a `Stages` object:
 
-- **where** a stage runs: `Stages`. `LocalStages` keeps the workers (`forge.workers`) in this process — one update
+- **where** a stage runs: `Stages`. `LocalStages` keeps the workers (`forge.workers`; built from the run config by
+  `forge.compose.local_stages`, the recipe's default `StagesFactory`) in this process — one update
   process, the hf rollout sampling from the trainer's own module (weight sync is free). The Ray adapter
   (`flows/ray_exec.py`) implements the same methods over long-lived actors placed by Weaver.
 - **how** a call is run: `StageRunner`. `call_stage` calls the function; the Prefect flow turns each call into a
@@ -25,19 +26,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from forge.checkpoint import SaveReport
-from forge.config import RunConfig
-from forge.data import train_row_count
-from forge.errors import UserError
 from forge.records import RolloutRequest, Rollouts, ScoredBatch, TeacherTopK, UpdateStats
 from forge.workers import RewardWorker, RolloutWorker, TrainerWorker
-
-if TYPE_CHECKING:
-    from forge.trainer import MicroUpdate
 
 
 class Stage(enum.Enum):
@@ -119,23 +114,12 @@ class Stages(Protocol):
     def close(self) -> None: ...
 
 
-# (cfg, run_dir, Weaver's plan, the recipe's micro-batch update) -> the run's stages
-StagesFactory = Callable[[RunConfig, Path, "dict | None", "MicroUpdate"], Stages]
-
-
 class LocalStages:
-    """All workers in this process: one update process; the rollout shares the trainer's module."""
+    """All workers in this process: one update process; the rollout samples from the trainer's own module
+    (`rollout_worker` was built on `trainer`'s model: weight sync is free)."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, plan: dict | None, micro_update: MicroUpdate):
-        if cfg.algo.max_staleness > 0:  # the rollout samples from the trainer's own module: no older weights exist
-            raise UserError(
-                "algo.max_staleness > 0 needs the rollout in a process of its own: run it with "
-                "orchestration.execution=ray (or auto), or set algo.max_staleness=0"
-            )
-        self.trainer = TrainerWorker(cfg, micro_update=micro_update)
-        model = self.trainer.trainer.unwrapped
-        self.rollout_worker = RolloutWorker(cfg, model=model, tokenizer=self.trainer.tokenizer)
-        self.reward_worker = RewardWorker(cfg, train_row_count(run_dir))
+    def __init__(self, trainer: TrainerWorker, rollout_worker: RolloutWorker, reward_worker: RewardWorker):
+        self.trainer, self.rollout_worker, self.reward_worker = trainer, rollout_worker, reward_worker
 
     @property
     def policy_version(self) -> int:

@@ -56,7 +56,6 @@ from torch.utils.checkpoint import checkpoint
 
 from forge.advantages import advantage_mass, advantage_rows
 from forge.checkpoint import has_weights, load_adapter, load_weights, read_shards, read_weights
-from forge.config import RunConfig
 from forge.distributed import fsdp
 from forge.distributed import state as dist_state
 from forge.errors import UserError
@@ -74,6 +73,7 @@ from forge.shared_prefix import (
     packed_length,
     packed_logits,
 )
+from forge.trainer_config import AlgoConfig, UpdateConfig
 
 
 def _loss_mask(ro: Rollouts, rows: slice, width: int, device) -> torch.Tensor | None:
@@ -246,16 +246,19 @@ def make_accelerator(timeout: timedelta | None = None) -> Accelerator:
 class Trainer:
     """Owns the policy's optimisation: optimizer, LR schedule + adaptive scale, policy version."""
 
-    def __init__(self, model, cfg: RunConfig, total_steps: int, ref_model=None, accelerator: Accelerator | None = None,
-                 micro_update: MicroUpdate | None = None):  # fmt: skip
+    def __init__(self, model, update: UpdateConfig, algo: AlgoConfig, total_steps: int, *, seed: int = 0,
+                 temperature: float = 1.0, max_new_tokens: int = 16, ref_model=None,
+                 accelerator: Accelerator | None = None, micro_update: MicroUpdate | None = None):  # fmt: skip
         """`micro_update`: the update math of one micro-batch (`forge.recipes.grpo.update_micro_batch`); the
-        trainer around it micro-batches, syncs gradients, clips and steps."""
+        trainer around it micro-batches, syncs gradients, clips and steps. `temperature` and `max_new_tokens`: the
+        rollout's (log-probs at the sampling temperature; the loss's length normaliser); `seed`: the run's."""
         assert micro_update is not None, "the trainer needs the recipe's micro-batch update (micro_update=...)"
         self.micro_update = micro_update
-        self.cfg = cfg
+        self.update_cfg, self.algo, self.seed = update, algo, seed
+        self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.total_steps = total_steps
         self.accelerator = accelerator or make_accelerator()
-        u = cfg.update
+        u = update
         self.fsdp = u.strategy == "fsdp" and self.accelerator.num_processes > 1
         device_type = self.accelerator.device.type
         self.autocast_bf16 = update_bf16(u.autocast_bf16, device_type)
@@ -282,7 +285,7 @@ class Trainer:
         elif ref_model is not None:
             ref_model = ref_model.to(self.accelerator.device)
         # LoRA: the reference is the base model, i.e. the policy with its adapter disabled (no second copy)
-        assert cfg.algo.beta == 0 or ref_model is not None or is_peft(model), "algo.beta > 0 needs a reference model"
+        assert algo.beta == 0 or ref_model is not None or is_peft(model), "algo.beta > 0 needs a reference model"
         self.ref_model = ref_model
         self.packing = PackingCost.of(self.unwrapped) if u.shared_prefix else None
         self.adaptive = AdaptiveLR(u.adaptive)
@@ -294,8 +297,8 @@ class Trainer:
         return self.accelerator.unwrap_model(self.model)
 
     def current_lr(self) -> float:
-        base = scheduled_lr(self.cfg.update, self.step, self.total_steps)
-        return base * (self.adaptive.scale if self.cfg.update.adaptive.enabled else 1.0)
+        base = scheduled_lr(self.update_cfg, self.step, self.total_steps)
+        return base * (self.adaptive.scale if self.update_cfg.adaptive.enabled else 1.0)
 
     def update(self, rollouts: Rollouts, advantages: torch.Tensor, teacher: TeacherTopK | None = None) -> UpdateStats:
         """One update on this rank's share of the step's rows: `update.num_iterations` passes of the micro-batches
@@ -304,17 +307,17 @@ class Trainer:
         start, lr = time.perf_counter(), self.current_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        torch.manual_seed(update_seed(self.cfg.seed, self.step + 1, self.accelerator.process_index))
+        torch.manual_seed(update_seed(self.seed, self.step + 1, self.accelerator.process_index))
         micro = self._micro_batches(rollouts, advantages, self._my_rows(rollouts.num_completions), teacher)
         totals = StepTotals(sequences=rollouts.num_completions, tokens=int(rollouts.loss_mask.sum()),
-                            max_len=self.cfg.rollout.max_new_tokens)  # fmt: skip
-        passes = [self._one_pass(micro, totals) for _ in range(self.cfg.update.num_iterations)]
+                            max_len=self.max_new_tokens)  # fmt: skip
+        passes = [self._one_pass(micro, totals) for _ in range(self.update_cfg.num_iterations)]
         mean = lambda k: sum(p[k] for p in passes) / len(passes)  # noqa: E731
         skipped = sum(p["skipped"] for p in passes)
         kl_ref, kl_old = passes[-1]["kl_ref"], passes[-1]["kl_old"]
         # the adaptive LR's kl signal: to the reference when there is one, else to pi_old (forge/lr.py)
-        signal_kl = kl_ref if self.cfg.algo.beta > 0 else kl_old
-        observe = self.cfg.update.adaptive.enabled and not skipped  # a NaN would poison the controller's average
+        signal_kl = kl_ref if self.algo.beta > 0 else kl_old
+        observe = self.update_cfg.adaptive.enabled and not skipped  # a NaN would poison the controller's average
         mass = advantage_mass(advantages, rollouts.loss_mask)  # the whole step's, the same on every rank
         scale = self.adaptive.observe(signal_kl, mean("grad_norm"), mass) if observe else self.adaptive.scale
         self.step += 1
@@ -340,7 +343,7 @@ class Trainer:
                        teacher: TeacherTopK | None = None) -> list[MicroBatch]:  # fmt: skip
         """The rank's rows in micro-batches of update.micro_batch_size, with pi_old's log-probs when several PPO
         passes need them fixed and the reference's when algo.beta > 0."""
-        size, device, out = self.cfg.update.micro_batch_size, self.accelerator.device, []
+        size, device, out = self.update_cfg.micro_batch_size, self.accelerator.device, []
         for i in range(rows.start, rows.stop, size):
             sl = slice(i, min(i + size, rows.stop))
             width = max(1, int(ro.completion_mask[sl].sum(1).max()))  # right padding the whole micro-batch shares
@@ -350,8 +353,8 @@ class Trainer:
                             adv, ro.sampling_logprobs[sl, :width].to(device),
                             loss_mask=_loss_mask(ro, sl, width, device),
                             teacher=None if teacher is None else teacher.rows(sl, width, device))  # fmt: skip
-            old = self._fixed_logprobs(mb, self.model) if self.cfg.update.num_iterations > 1 else None
-            ref = self._reference_logprobs(mb) if self.cfg.algo.beta > 0 else None
+            old = self._fixed_logprobs(mb, self.model) if self.update_cfg.num_iterations > 1 else None
+            ref = self._reference_logprobs(mb) if self.algo.beta > 0 else None
             out.append(dataclasses.replace(mb, old_logp=old, ref_logp=ref))
         return out
 
@@ -360,8 +363,8 @@ class Trainer:
         # attention covers every real token (mb.completion_mask); the loss mask only selects what is trained
         return token_logprobs(
             model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
-            temperature=self.cfg.rollout.temperature, autocast_bf16=self.autocast_bf16,
-            completion_only=self.cfg.update.logits_completion_only, packing=self.packing,
+            temperature=self.temperature, autocast_bf16=self.autocast_bf16,
+            completion_only=self.update_cfg.logits_completion_only, packing=self.packing,
             extra_ids=mb.teacher.ids if teacher_tokens and mb.teacher is not None else None,
         )  # fmt: skip
 
@@ -379,7 +382,7 @@ class Trainer:
     def _one_pass(self, micro: list[MicroBatch], totals: StepTotals) -> dict:
         """One optimizer step over the micro-batches: gradients summed (reduced over ranks with the last one)."""
         self.optimizer.zero_grad(set_to_none=True)
-        world, algo = self.accelerator.num_processes, self.cfg.algo
+        world, algo = self.accelerator.num_processes, self.algo
         backward = lambda loss: self.accelerator.backward(loss * world)  # noqa: E731  DDP averages over ranks
         policy = functools.partial(self._logprobs, self.model)
         acc = dict.fromkeys(MICRO_SUMS, 0.0)
@@ -412,7 +415,7 @@ class Trainer:
         """Clip to update.max_grad_norm (0 = no clipping: an infinite bound only measures the norm); step, unless
         the (global) loss or gradient norm is not finite: then the gradients are dropped and the weights and AdamW
         moments stay as they were. Returns (pre-clip norm, whether the optimizer stepped)."""
-        max_norm = self.cfg.update.max_grad_norm if self.cfg.update.max_grad_norm > 0 else float("inf")
+        max_norm = self.update_cfg.max_grad_norm if self.update_cfg.max_grad_norm > 0 else float("inf")
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = self.accelerator.clip_grad_norm_(params, max_norm) if params else torch.tensor(0.0)
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -475,7 +478,7 @@ class Trainer:
         read_shards(ckpt, targets)
         dist_state.load_trainer_tensors(self.unwrapped, self.optimizer, targets, plain["param_groups"])
         for group in self.optimizer.param_groups:  # this run's settings, not the saved ones: a resume may change them
-            group["betas"], group["weight_decay"] = tuple(self.cfg.update.adam_betas), self.cfg.update.weight_decay
+            group["betas"], group["weight_decay"] = tuple(self.update_cfg.adam_betas), self.update_cfg.weight_decay
         self.adaptive.load_state_dict(plain["adaptive"])
         self.step = plain["step"]
         self.policy_version = plain["policy_version"]

@@ -1,6 +1,7 @@
 """Stage workers: the objects that do a stage's work, wherever they run.
 
-Each worker builds what it needs from the run config, keeps it for the whole run (a loaded model, an optimizer,
+Each worker takes the config sections it reads (and plain values such as the seed; `forge.compose` picks them out
+of the run config), builds what it needs from them, keeps it for the whole run (a loaded model, an optimizer,
 an ensemble window) and answers method calls with the stage's record. In-process (`forge.stages.LocalStages`)
 they are plain objects in the driver; in Ray mode (`flows/ray_exec.py`) each one lives in a Ray actor on the
 node Weaver planned for its stage. Nothing here knows which: no Ray, no Prefect.
@@ -61,20 +62,25 @@ from forge.checkpoint import (
     write_checkpoint,
     write_model_files,
 )
-from forge.config import RunConfig
+from forge.config import CheckpointConfig, EvalConfig
 from forge.distributed import state as dist_state
+from forge.env.config import EnvConfig
 from forge.evaluate import evaluate
+from forge.model_config import ModelConfig
 from forge.models import default_device, is_peft, load_policy
 from forge.records import Rollouts, ScoredBatch, TeacherTopK, UpdateStats
 from forge.rewards.aggregate import majority_rewards, mean_scores
 from forge.rewards.code_judge import count_suspicious
+from forge.rewards.config import RewardConfig
 from forge.rewards.registry import resolve_verifiers
 from forge.rewards.score import score_completions, unscored
 from forge.rollout import SamplingParams, make_backend
+from forge.rollout.config import RolloutConfig
+from forge.trainer_config import AlgoConfig, UpdateConfig
 from forge.weight_group import WeightGroup, WeightPlan, copy_into, make_plan
 
 if TYPE_CHECKING:
-    from forge.rewards.teacher import TeacherScores
+    from forge.rewards.teacher import Teacher, TeacherScores
     from forge.trainer import MicroUpdate
 
 # a rank waits in a collective while the other ranks are still busy (slow micro-batches, a checkpoint)
@@ -95,28 +101,34 @@ def where() -> dict:
     }
 
 
-def _init_process(cfg: RunConfig) -> None:
-    threads = int(os.environ.get("FORGEWEAVE_THREADS", "0") or 0) or cfg.threads
+def _init_process(seed: int, threads: int) -> None:
+    threads = int(os.environ.get("FORGEWEAVE_THREADS", "0") or 0) or threads
     if threads > 0:
         torch.set_num_threads(threads)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(seed)
 
 
 class RolloutWorker:
     """The rollout and evaluate stages over one policy copy (or the trainer's own module, in-process)."""
 
-    def __init__(self, cfg: RunConfig, model=None, tokenizer=None, work_dir: str | Path | None = None):
-        self.cfg = cfg
+    def __init__(self, *, model_cfg: ModelConfig, rollout: RolloutConfig, env: EnvConfig, eval: EvalConfig,
+                 reward: RewardConfig, seed: int, threads: int = 0, max_staleness: int = 0,
+                 answer_column: str = "answer", model=None, tokenizer=None,
+                 work_dir: str | Path | None = None):  # fmt: skip
+        """`reward`: evaluation's mean reward and the built-in tools' sandbox; `max_staleness`: algo's (whether the
+        engine sleeps); `answer_column`: data's (hidden from verifiers with reward.label_free: `hidden_columns`)."""
+        self.rollout_cfg, self.env_cfg, self.eval_cfg, self.reward_cfg = rollout, env, eval, reward
+        self.seed, self.answer_column = seed, answer_column
         if model is None:
-            _init_process(cfg)
-            model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
+            _init_process(seed, threads)
+            model, tokenizer = load_policy(model_cfg, seed=seed)
             model.requires_grad_(False)
-            if cfg.rollout.backend == "hf":  # a vLLM engine places its own copy
+            if rollout.backend == "hf":  # a vLLM engine places its own copy
                 model = model.to(default_device())
         self.model, self.tokenizer = model, tokenizer
-        r = cfg.rollout
-        self.sleeps = rollout_sleeps(cfg)
-        self.sleep_level = generate_sleep_level(cfg)  # after a generate: 2 when a sync comes next
+        r = rollout
+        self.sleeps = rollout_sleeps(r, max_staleness)
+        self.sleep_level = generate_sleep_level(r, max_staleness)  # after a generate: 2 when a sync comes next
         self.backend = make_backend(r.backend, model, tokenizer, autocast_bf16=r.autocast_bf16, rollout=r,
                                     work_dir=Path(work_dir) if work_dir else None, sleep=self.sleeps)  # fmt: skip
         if r.backend == "vllm":  # the engine holds its own copy (received by sync): keep no fp32 policy here
@@ -126,10 +138,9 @@ class RolloutWorker:
         self.weight_group: WeightGroup | None = None  # joined in Ray mode (`join_weight_group`)
         self.group_member: dict | None = None  # this actor's place in the weight group, for workers.json
         self._env = None  # multi-turn: (environment factory, tools, chat format), loaded on first use
-        if cfg.env.enabled:  # its mistakes (a class without reset, an undocumented tool) show at start
-            from forge.env.episode import load_environment
-
-            self._env = load_environment(cfg, tokenizer)
+        self._load_env = functools.partial(_environment, env, model_cfg, reward, r.prompts_per_step * r.group_size)
+        if env.enabled:  # its mistakes (a class without reset, an undocumented tool) show at start
+            self._env = self._load_env(tokenizer)
 
     def generate(
         self, prompts: list[str], params: SamplingParams, version: int, rows: list[dict] | None = None
@@ -139,7 +150,7 @@ class RolloutWorker:
         if version != self.policy_version:
             raise RuntimeError(f"rollout worker holds policy version {self.policy_version}, asked for {version}")
         t0 = time.perf_counter()
-        if self.cfg.env.enabled:
+        if self.env_cfg.enabled:
             rollouts = self._episodes(rows, params)
         else:
             rollouts = self.backend.generate(prompts, params)
@@ -149,19 +160,19 @@ class RolloutWorker:
         return dataclasses.replace(rollouts, seconds=seconds)
 
     def _episodes(self, rows: list[dict] | None, params: SamplingParams) -> Rollouts:
-        from forge.env.episode import load_environment, run_episodes
+        from forge.env.episode import run_episodes
 
         assert rows is not None, "multi-turn episodes need the data rows (environment reset(**row))"
         if self._env is None:
-            self._env = load_environment(self.cfg, self.tokenizer)
+            self._env = self._load_env(self.tokenizer)
         factory, functions, fmt = self._env
-        return run_episodes(self.backend.generate_ids, self.tokenizer, rows, params, self.cfg.env, fmt, factory,
+        return run_episodes(self.backend.generate_ids, self.tokenizer, rows, params, self.env_cfg, fmt, factory,
                             functions, self.policy_version)  # fmt: skip
 
     def load_weights(self, weights: dict[str, torch.Tensor] | None, version: int) -> float:
         """Sample from `weights` (None: the shared module already holds them) labelled `version`; returns seconds."""
         t0 = time.perf_counter()
-        if self.cfg.rollout.backend == "hf":
+        if self.rollout_cfg.backend == "hf":
             if weights is not None:
                 assign_weights(self.model, weights, source=f"policy version {version}")
             self.backend.sync_weights(self.model, version)
@@ -179,7 +190,7 @@ class RolloutWorker:
         if self.weight_group is not None:  # a group rebuilt: the old one is gone with its host
             self.weight_group.close()
             self.weight_group = None
-        if self.cfg.rollout.backend != "hf":
+        if self.rollout_cfg.backend != "hf":
             self.backend.join_weight_group(rank, world, address, port, plan, local_address, backend)
             return
         self.weight_group, self.weight_plan = WeightGroup(rank, world, backend), plan
@@ -190,7 +201,7 @@ class RolloutWorker:
         """Receive one sync from the weight group, labelled `version` (hf: into the model, in place; vLLM: through
         each worker's `reload_weights`); returns seconds."""
         t0 = time.perf_counter()
-        if self.cfg.rollout.backend == "hf":
+        if self.rollout_cfg.backend == "hf":
             self.weight_group.receive(self.weight_plan, self._load_into)
             self.backend.sync_weights(self.model, version)
         else:
@@ -203,32 +214,33 @@ class RolloutWorker:
         collapse guard's probe, greedy pass@1 and mean reward only, on all of `rows`."""
         if version != self.policy_version:
             raise RuntimeError(f"rollout worker holds policy version {self.policy_version}, asked for {version}")
-        c = self.cfg
+        rc = self.reward_cfg
         # mean reward only for the weighted sum: a label-free aggregate scores a completion against its group and
         # the current fit, not alone (and its verifiers, an LLM judge say, would cost as much as the eval)
-        if self._verifiers is None and c.reward.aggregate == "weighted":
-            self._verifiers = resolve_verifiers(c.reward.verifiers, c.reward)
-        ev = dataclasses.replace(c.eval, k=0, max_problems=len(rows)) if probe else c.eval
+        if self._verifiers is None and rc.aggregate == "weighted":
+            self._verifiers = resolve_verifiers(rc.verifiers, rc)
+        ev = dataclasses.replace(self.eval_cfg, k=0, max_problems=len(rows)) if probe else self.eval_cfg
         backend = self.backend
-        if c.env.enabled:  # episodes, as in training
+        if self.env_cfg.enabled:  # episodes, as in training
             from forge.env.episode import EpisodeBackend
 
-            backend = EpisodeBackend(self.backend, self.tokenizer, rows, c.env, self._env)
-        report = evaluate(backend, rows, ev, c.rollout, self._verifiers, c.reward.weights, seed=c.seed + step,
-                          timeout_s=c.reward.score_timeout_s, reward=c.reward, hidden=hidden_columns(c))  # fmt: skip
+            backend = EpisodeBackend(self.backend, self.tokenizer, rows, self.env_cfg, self._env)
+        hidden = hidden_columns(rc.label_free, self.answer_column)
+        report = evaluate(backend, rows, ev, self.rollout_cfg, self._verifiers, rc.weights, seed=self.seed + step,
+                          timeout_s=rc.score_timeout_s, reward=rc, hidden=hidden)  # fmt: skip
         if self.sleeps:  # level 1: the next generate samples from these weights
             self.backend.sleep(1)
         report["step"] = step
         return report
 
     def where(self) -> dict:
-        return {**where(), "stage": "rollout", "backend": self.cfg.rollout.backend, "weight_group": self.group_member}
+        return {**where(), "stage": "rollout", "backend": self.rollout_cfg.backend, "weight_group": self.group_member}
 
     def close(self) -> None:
         if self.weight_group is not None:
             self.weight_group.close()
         if self._env is not None:  # an OpenEnv server forgeweave started stops here
-            from forge.env.episode import close_environment
+            from forge.env.load import close_environment
 
             close_environment(self._env)
         self.backend.close()
@@ -237,24 +249,23 @@ class RolloutWorker:
 class RewardWorker:
     """The reward stage: per-verifier scores, the aggregated reward (`reward.aggregate`), group advantages."""
 
-    def __init__(self, cfg: RunConfig, train_rows: int = 0, load_teacher: bool = True):
-        """`train_rows`: the training split's size, for trainer_state.epoch (0 = unknown: epoch stays 0);
-        `load_teacher`: load `reward.teacher` here (False: a `TeacherWorker` elsewhere passes its log-probs to
-        `score`, as in Ray mode)."""
-        self.cfg = cfg
-        self.train_rows = train_rows
-        self.verifiers = resolve_verifiers(cfg.reward.verifiers, cfg.reward)
+    def __init__(self, reward: RewardConfig, *, advantage: str, seed: int, steps: int, prompts_per_step: int,
+                 answer_column: str = "answer", train_rows: int = 0, teacher: Teacher | None = None):  # fmt: skip
+        """`advantage`: algo's estimator; `steps`, `prompts_per_step`: the run's, for TRL's trainer_state;
+        `answer_column`: data's (hidden from verifiers with reward.label_free: `hidden_columns`); `train_rows`: the training split's size,
+        for trainer_state.epoch (0 = unknown: epoch stays 0); `teacher`: the loaded `reward.teacher`
+        (`forge.rewards.teacher.Teacher`), or None when a `TeacherWorker` elsewhere passes its log-probs to `score`,
+        as in Ray mode."""
+        self.reward_cfg, self.advantage, self.seed, self.answer_column = reward, advantage, seed, answer_column
+        self.steps, self.prompts_per_step, self.train_rows = steps, prompts_per_step, train_rows
+        self.verifiers = resolve_verifiers(reward.verifiers, reward)
         self.aggregator = None
-        if cfg.reward.aggregate == "ensemble":
+        if reward.aggregate == "ensemble":
             from forge.rewards.aggregate import EnsembleAggregator
 
             names = [name for name, _ in self.verifiers]
-            self.aggregator = EnsembleAggregator(names, cfg.reward.ensemble, cfg.seed)
-        self.teacher = None
-        if cfg.reward.teacher and load_teacher:  # on-policy distillation: loaded once, scores every step's tokens
-            from forge.rewards.teacher import Teacher
-
-            self.teacher = Teacher(cfg)
+            self.aggregator = EnsembleAggregator(names, reward.ensemble, seed)
+        self.teacher = teacher  # on-policy distillation: loaded once, scores every step's tokens
 
     def score(
         self, rows: list[dict], rollouts: Rollouts, step: int, teacher: TeacherScores | None = None
@@ -265,11 +276,11 @@ class RewardWorker:
         g = rollouts.group_size
         result = score_completions(
             self.verifiers,
-            self.cfg.reward.weights,
+            self.reward_cfg.weights,
             rollouts.prompts,
             rollouts.texts,
-            _columns(rows, g, hidden_columns(self.cfg)),
-            timeout_s=self.cfg.reward.score_timeout_s,
+            _columns(rows, g, hidden_columns(self.reward_cfg.label_free, self.answer_column)),
+            timeout_s=self.reward_cfg.score_timeout_s,
             raw_prompts=[r["prompt"] for r in rows for _ in range(g)],
             completion_ids=completion_id_lists(rollouts),
             trainer_state=self.trainer_state(step),
@@ -279,7 +290,7 @@ class RewardWorker:
         if failed.any():
             result = unscored(result, failed)
         rewards, report, extra = result.rewards, None, {}  # [N]: weighted
-        aggregate = self.cfg.reward.aggregate
+        aggregate = self.reward_cfg.aggregate
         if self.aggregator is not None:  # label-free: P(correct | the V scores), refit on recent steps
             rewards, report = self.aggregator(result.scores, g, step)
         elif aggregate == "majority":  # the group's own vote on the final answer; the scores are only logged
@@ -293,8 +304,8 @@ class RewardWorker:
             rewards = agent_rewards(rollouts.episodes, rewards)
         if failed.any():
             rewards = rewards.masked_fill(failed, 0.0)
-        advantages, topk = group_advantages(rewards, g, self.cfg.algo.advantage), None  # [N]
-        if self.cfg.reward.teacher:  # + weight * the teacher's per-token advantage: [N, T]; or its top k
+        advantages, topk = group_advantages(rewards, g, self.advantage), None  # [N]
+        if self.reward_cfg.teacher:  # + weight * the teacher's per-token advantage: [N, T]; or its top k
             advantages, topk, distill = self.distill(advantages, rollouts, teacher)
             extra = {**extra, **distill}
         if "code_exec" in result.names:  # completions that reach for a forgery's tools (they score 0 regardless)
@@ -318,7 +329,7 @@ class RewardWorker:
             start = time.perf_counter()
             teacher = self.teacher.logprobs(rollouts)
             timed = {"perf/teacher_s": time.perf_counter() - start}
-        r = self.cfg.reward
+        r = self.reward_cfg
         weight = 0.0 if r.teacher_topk else r.teacher_weight  # 0 * a non-finite log-prob still skips the step
         combined, metrics = distill_advantages(advantages, teacher.logp, rollouts, weight, r.teacher_discount)
         return combined, teacher.topk(r.teacher_weight, r.teacher_divergence), {**metrics, **timed}
@@ -328,10 +339,10 @@ class RewardWorker:
         scored, `step - 1` updates are done (TRL's global_step); epoch = prompts drawn so far / training rows."""
         from transformers import TrainerState
 
-        drawn = (step - 1) * self.cfg.rollout.prompts_per_step
+        drawn = (step - 1) * self.prompts_per_step
         epoch = drawn / self.train_rows if self.train_rows else 0.0
-        return TrainerState(epoch=epoch, global_step=step - 1, max_steps=self.cfg.steps,
-                            train_batch_size=self.cfg.rollout.prompts_per_step)  # fmt: skip
+        return TrainerState(epoch=epoch, global_step=step - 1, max_steps=self.steps,
+                            train_batch_size=self.prompts_per_step)  # fmt: skip
 
     def state_dict(self) -> dict | None:
         return self.aggregator.state_dict() if self.aggregator is not None else None
@@ -351,11 +362,14 @@ class TeacherWorker:
     """The distillation teacher as a worker of its own (Ray mode: its own actor, on the pool Weaver planned for the
     `teacher` stage): loads `reward.teacher` once and scores each step's sampled tokens."""
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, reward: RewardConfig, model_cfg: ModelConfig, *, batch_size: int, temperature: float,
+                 autocast_bf16: bool = False, seed: int = 0, threads: int = 0):  # fmt: skip
+        """The teacher's settings (`forge.rewards.teacher.Teacher`); `seed`, `threads`: this process's."""
         from forge.rewards.teacher import Teacher
 
-        _init_process(cfg)
-        self.teacher = Teacher(cfg)
+        _init_process(seed, threads)
+        self.teacher = Teacher(reward, model_cfg, batch_size=batch_size, temperature=temperature,
+                               autocast_bf16=autocast_bf16)  # fmt: skip
 
     def logprobs(self, rollouts: Rollouts) -> TeacherScores:
         """The teacher's log-prob of every completion token, and its top k (`forge.rewards.teacher.Teacher`)."""
@@ -376,13 +390,17 @@ class TrainerWorker:
     `local_rank` is the rank's index among the GPUs this process sees (0 when it was given only its own GPU).
     """
 
-    def __init__(self, cfg: RunConfig, model=None, tokenizer=None, rank: int = 0, world: int = 1,
-                 master_addr: str = "", master_port: int = 0, local_rank: int = 0,
+    def __init__(self, *, model_cfg: ModelConfig, update: UpdateConfig, algo: AlgoConfig, rollout: RolloutConfig,
+                 checkpoint: CheckpointConfig, seed: int, steps: int, threads: int = 0, model=None, tokenizer=None,
+                 rank: int = 0, world: int = 1, master_addr: str = "", master_port: int = 0, local_rank: int = 0,
                  micro_update: MicroUpdate | None = None):  # fmt: skip
-        """`micro_update`: the recipe's update math for one micro-batch (`forge.trainer.Trainer`)."""
+        """`rollout`: the engines' dtype (`publish_dtype`), the sampling temperature and length cap the loss uses;
+        `steps`: the run's (the LR schedule's length); `micro_update`: the recipe's update math for one micro-batch
+        (`forge.trainer.Trainer`)."""
         from forge.trainer import Trainer, make_accelerator
 
-        self.cfg, self.rank, self.world = cfg, rank, world
+        self.rank, self.world, self.checkpoint_cfg = rank, world, checkpoint
+        self.publish = functools.partial(publish_dtype, rollout, model_cfg.dtype)
         accelerator = None
         if world > 1:
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
@@ -390,15 +408,16 @@ class TrainerWorker:
             accelerator = make_accelerator(timeout=COLLECTIVE_TIMEOUT)
             _check_group(accelerator, world)
         if model is None:
-            _init_process(cfg)
+            _init_process(seed, threads)
             model, tokenizer = load_policy(
-                cfg.model, seed=cfg.seed, weights=loads_weights(cfg, rank, world), trainable=True
+                model_cfg, seed=seed, weights=loads_weights(update.strategy, rank, world), trainable=True
             )
         self.tokenizer = tokenizer
         # LoRA needs no copy: the reference is the policy with its adapter disabled (`Trainer._reference_logprobs`)
-        copy_ref = cfg.algo.beta > 0 and not is_peft(model)
+        copy_ref = algo.beta > 0 and not is_peft(model)
         ref = copy.deepcopy(model).eval().requires_grad_(False) if copy_ref else None
-        self.trainer = Trainer(model, cfg, total_steps=cfg.steps, ref_model=ref, accelerator=accelerator,
+        self.trainer = Trainer(model, update, algo, steps, seed=seed, temperature=rollout.temperature,
+                               max_new_tokens=rollout.max_new_tokens, ref_model=ref, accelerator=accelerator,
                                micro_update=micro_update)  # fmt: skip
         self.saver = AsyncCheckpointer()
         _torch_optimizer(self.trainer.optimizer).register_step_pre_hook(lambda *_: self.saver.wait_staged())
@@ -430,7 +449,7 @@ class TrainerWorker:
         full = self.trainer.full_weights()
         if self.rank != 0:
             return None
-        dtype = publish_dtype(self.cfg, next(iter(full.values())).dtype)
+        dtype = self.publish(next(iter(full.values())).dtype)
         return {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
 
     def host_weight_group(self, address: str, world: int, backend: str = "") -> tuple[WeightPlan, int]:
@@ -441,7 +460,7 @@ class TrainerWorker:
         assert self.rank == 0 or backend == "ipc", "only update rank 0 hosts a broadcast weight group"
         self.weight_group = WeightGroup(0, world, backend)
         shapes = self.trainer.publish_shapes()
-        self.weight_plan = make_plan(shapes, publish_dtype(self.cfg, shapes[0][1]))
+        self.weight_plan = make_plan(shapes, self.publish(shapes[0][1]))
         port = self.weight_group.host(address)
         self.group_member = {"rank": 0, "world": world, "address": address, "port": port, "backend": backend}
         return self.weight_plan, port
@@ -474,7 +493,7 @@ class TrainerWorker:
             with room_for(snap, tmp):  # a full disk here too is one line and leaves no partial directory
                 write_model_files(tmp, self.trainer.unwrapped, self.tokenizer)
         write = functools.partial(write_checkpoint, tmp=tmp, rank=self.rank, group=self.checkpoint_group)
-        if self.cfg.checkpoint.async_save:  # copy in the background too: see AsyncCheckpointer
+        if self.checkpoint_cfg.async_save:  # copy in the background too: see AsyncCheckpointer
             self.saver.submit(functools.partial(host_snapshot, snap), write)
         else:
             self.saver.run(host_snapshot(snap) if self.trainer.accelerator.device.type != "cpu" else snap, write)
@@ -489,7 +508,7 @@ class TrainerWorker:
         once), both live (`host_snapshot` copies them), and rank 0's state as JSON + tensor copies."""
         model, file = self.trainer.unwrapped, WEIGHTS
         lora = is_peft(model)  # only the adapter is saved (rank 0: under DDP every rank holds all of it)
-        hf = not lora and self.world == 1 and self.cfg.checkpoint.hf_model
+        hf = not lora and self.world == 1 and self.checkpoint_cfg.hf_model
         shards, plain = self.trainer.checkpoint_tensors(with_model=not hf and not lora)
         weights = None
         if lora:
@@ -516,38 +535,45 @@ class TrainerWorker:
             torch.distributed.destroy_process_group()
 
 
-def loads_weights(cfg: RunConfig, rank: int, world: int) -> bool:
+def loads_weights(strategy: str, rank: int, world: int) -> bool:
     """Whether update rank `rank` reads the policy's weights: under FSDP only rank 0 does (the others build the
     model on the meta device and receive their shards from it; the reference model, algo.beta > 0, likewise)."""
-    return rank == 0 or world == 1 or cfg.update.strategy != "fsdp"
+    return rank == 0 or world == 1 or strategy != "fsdp"
 
 
-def publish_dtype(cfg: RunConfig, trainer_dtype: torch.dtype) -> torch.dtype:
-    """The dtype weights are published in: a vLLM engine's (`forge.rollout.vllm.engine_dtype`), else the
-    trainer's (hf copies hold the policy's own dtype)."""
-    if cfg.rollout.backend != "vllm":
+def publish_dtype(rollout: RolloutConfig, model_dtype: str, trainer_dtype: torch.dtype) -> torch.dtype:
+    """The dtype weights are published in: a vLLM engine's (`forge.rollout.vllm.engine_dtype`; `model_dtype`:
+    model.dtype), else the trainer's (hf copies hold the policy's own dtype)."""
+    if rollout.backend != "vllm":
         return trainer_dtype
     from forge.rollout.vllm import engine_dtype
 
-    return engine_dtype(cfg.rollout, getattr(torch, cfg.model.dtype), torch.cuda.is_available())
+    return engine_dtype(rollout, getattr(torch, model_dtype), torch.cuda.is_available())
 
 
-def rollout_sleeps(cfg: RunConfig) -> bool:
+def rollout_sleeps(rollout: RolloutConfig, max_staleness: int) -> bool:
     """Whether this process's vLLM engine sleeps during the update (`forge.rollout.vllm.wants_sleep`)."""
-    if cfg.rollout.backend != "vllm":
+    if rollout.backend != "vllm":
         return False
     from forge.rollout.vllm import wants_sleep
 
-    return wants_sleep(cfg, torch.cuda.is_available(), os.environ.get("FORGEWEAVE_COLOCATED", ""))
+    return wants_sleep(rollout, max_staleness, torch.cuda.is_available(), os.environ.get("FORGEWEAVE_COLOCATED", ""))
 
 
-def generate_sleep_level(cfg: RunConfig) -> int:
+def generate_sleep_level(rollout: RolloutConfig, max_staleness: int) -> int:
     """The sleep level of this process's vLLM engine after a generate (`forge.rollout.vllm.sleep_level`)."""
-    if cfg.rollout.backend != "vllm":
+    if rollout.backend != "vllm":
         return 1
     from forge.rollout.vllm import sleep_level
 
-    return sleep_level(cfg, os.environ.get("FORGEWEAVE_COLOCATED", ""))
+    return sleep_level(max_staleness, os.environ.get("FORGEWEAVE_COLOCATED", ""))
+
+
+def _environment(env: EnvConfig, model_cfg: ModelConfig, reward: RewardConfig, episodes: int, tok) -> tuple:
+    """Multi-turn: (environment factory, tools, chat format) (`forge.env.load.load_environment`)."""
+    from forge.env.load import load_environment
+
+    return load_environment(env, model_cfg, reward.code_exec, episodes, tok)
 
 
 def releases_memory(cuda: bool, colocated: str) -> bool:
@@ -583,9 +609,10 @@ def _check_group(accelerator, world: int) -> None:
     assert int(ones.item()) == world, f"all_reduce over {world} ranks gave {ones.item()}"
 
 
-def hidden_columns(cfg: RunConfig) -> tuple[str, ...]:
-    """The data columns reward verifiers never get: with reward.label_free, the answer under both its names."""
-    return ("answer", cfg.data.answer_column) if cfg.reward.label_free else ()
+def hidden_columns(label_free: bool, answer_column: str) -> tuple[str, ...]:
+    """The data columns reward verifiers never get: with reward.label_free, the answer under both its names
+    (`answer_column`: data's)."""
+    return ("answer", answer_column) if label_free else ()
 
 
 def completion_id_lists(rollouts: Rollouts) -> list[list[int]]:

@@ -285,14 +285,14 @@ def checkpointing(model, on: bool) -> None:
 
 def update_variant(check: Check, model, batch, micro: int, packing: bool) -> dict:
     """One trainer (a fresh AdamW) at this micro-batch size and packing: a warm-up step, then the median of two."""
+    from forge.compose import trainer as make_trainer
     from forge.config import RunConfig
     from forge.recipes.grpo import update_micro_batch
-    from forge.trainer import Trainer
 
     cfg = RunConfig()
     cfg.rollout.max_new_tokens, cfg.update.micro_batch_size = batch[0].completion_ids.shape[1], micro
     cfg.update.shared_prefix, cfg.update.autocast_bf16 = packing, True
-    trainer = Trainer(model, cfg, total_steps=8, micro_update=update_micro_batch)
+    trainer = make_trainer(model, cfg, total_steps=8, micro_update=update_micro_batch)
     try:
         trainer.update(*batch)  # warm-up: the optimizer's state is allocated
         with peak_memory(check.device) as mem:
@@ -536,9 +536,9 @@ def fsdp(check: Check) -> dict:
 
 
 def ckpt(check: Check) -> dict:
+    from forge.compose import trainer_worker as TrainerWorker
     from forge.presets import tiny
     from forge.recipes.grpo import update_micro_batch
-    from forge.workers import TrainerWorker
 
     cfg = tiny()
     cfg.checkpoint.async_save = False

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from forge.compose import data_sources
 from forge.config import ConfigError, DataConfig, RunConfig
 from forge.data import (
     load_rows,
@@ -233,9 +234,9 @@ def arith_run(**kw) -> RunConfig:
 
 def test_prepare_writes_files_and_hash_is_stable(tmp_path):
     cfg = arith_run()
-    first = prepare(cfg, tmp_path / "run1", identity, count_words)
-    second = prepare(cfg, tmp_path / "run2", lambda s: f"<user>{s}", count_words)
-    third = prepare(cfg, tmp_path / "run3", identity, count_words)
+    first = prepare(data_sources(cfg), tmp_path / "run1", identity, count_words)
+    second = prepare(data_sources(cfg), tmp_path / "run2", lambda s: f"<user>{s}", count_words)
+    third = prepare(data_sources(cfg), tmp_path / "run3", identity, count_words)
     assert sorted(p.name for p in (tmp_path / "run1" / "data").iterdir()) == [
         "eval.parquet",
         "manifest.json",
@@ -257,7 +258,7 @@ def test_prepare_bad_rows_error_writes_nothing(tmp_path):
     rows[6] = {"prompt": "q6"}
     cfg = file_cfg(tmp_path, write_jsonl(tmp_path / "src.jsonl", rows), eval_size=2)
     with pytest.raises(UserError) as e:
-        prepare(cfg, tmp_path / "run", identity, count_words)
+        prepare(data_sources(cfg), tmp_path / "run", identity, count_words)
     assert str(e.value) == (
         f"{tmp_path / 'src.jsonl'}: 2 invalid rows (row 3: empty prompt; row 7: missing field "
         "'answer'); fix them or set data.on_bad_rows=skip"
@@ -269,7 +270,7 @@ def test_prepare_skip_records_rejected_and_holds_out_eval(tmp_path):
     rows = [{"prompt": f"q{i}", "answer": str(i), "level": i % 3} for i in range(10)]
     rows[4] = {"prompt": "q4", "answer": None}
     cfg = file_cfg(tmp_path, write_jsonl(tmp_path / "src.jsonl", rows), eval_size=3, on_bad_rows="skip")
-    data = prepare(cfg, tmp_path / "run", identity, count_words)
+    data = prepare(data_sources(cfg), tmp_path / "run", identity, count_words)
     m = data.manifest
     assert (m["train_rows"], m["eval_rows"], m["rejected_count"]) == (6, 3, 1)
     assert m["rejected"] == [{"file": str(tmp_path / "src.jsonl"), "row": 5, "reason": "missing field 'answer'"}]
@@ -279,7 +280,7 @@ def test_prepare_skip_records_rejected_and_holds_out_eval(tmp_path):
     assert train_numbers == sorted(train_numbers)  # hold-out keeps the file's order
     by_id = {r["id"]: r for r in data.train + data.eval}
     assert by_id["src-3"] == {"id": "src-3", "prompt": "q2", "model_input": "q2", "answer": "2", "level": 2}  # int kept
-    again = prepare(cfg, tmp_path / "run2", identity, count_words)
+    again = prepare(data_sources(cfg), tmp_path / "run2", identity, count_words)
     assert (again.train, again.eval) == (data.train, data.eval)  # seeded hold-out
 
 
@@ -287,7 +288,7 @@ def test_prepare_separate_eval_file(tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"q{i}", "answer": "1"} for i in range(5)])
     evalf = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "q0", "answer": "1"}, {"prompt": "new", "answer": "2"}])
     cfg = file_cfg(tmp_path, train, eval_source=str(evalf))
-    data = prepare(cfg, tmp_path / "run", identity, count_words)
+    data = prepare(data_sources(cfg), tmp_path / "run", identity, count_words)
     assert (len(data.train), len(data.eval)) == (5, 2)
     assert [r["id"] for r in data.eval] == ["eval-1", "eval-2"]
     assert data.manifest["eval_prompts_in_train"] == 1
@@ -297,7 +298,7 @@ def test_prepare_token_limit_applies_to_formatted_prompt(tmp_path):
     cfg = arith_run(max_prompt_tokens=3, on_bad_rows="skip")
     # raw "12 + 34" is 3 words; with a 2-word wrapper it is 5 > 3, so every row is invalid
     with pytest.raises(UserError, match=r"arithmetic:train: all 40 invalid rows \(row 1: prompt has 5 tokens"):
-        prepare(cfg, tmp_path / "run", lambda s: f"User: {s} Assistant:", count_words)
+        prepare(data_sources(cfg), tmp_path / "run", lambda s: f"User: {s} Assistant:", count_words)
 
 
 def test_read_split_missing_says_to_run_prep(tmp_path):
@@ -349,7 +350,7 @@ def typed_rows(k: int = 6) -> list[dict]:
 
 def test_typed_columns_round_trip_through_parquet_and_hash_stays(tmp_path):
     cfg = file_cfg(tmp_path, write_jsonl(tmp_path / "src.jsonl", typed_rows()), eval_size=2)
-    data = prepare(cfg, tmp_path / "run", identity, count_words)
+    data = prepare(data_sources(cfg), tmp_path / "run", identity, count_words)
     back = read_split(tmp_path / "run", "train") + read_split(tmp_path / "run", "eval")
     assert back == data.train + data.eval  # what build returned is what read_split gives
     row = next(r for r in back if r["id"] == "src-4")
@@ -358,7 +359,7 @@ def test_typed_columns_round_trip_through_parquet_and_hash_stays(tmp_path):
     schema = pq.read_schema(tmp_path / "run" / "data" / "train.parquet")
     assert str(schema.field("n").type) == "int64" and str(schema.field("flag").type) == "bool"
     assert data.manifest["column_types"]["tags"] == "list<item: string>"
-    again = prepare(cfg, tmp_path / "run2", identity, count_words)
+    again = prepare(data_sources(cfg), tmp_path / "run2", identity, count_words)
     assert again.manifest["content_hash"] == data.manifest["content_hash"]
 
 
@@ -367,17 +368,17 @@ def test_mixed_column_types_name_the_column_and_two_rows(tmp_path):
     rows[4]["n"] = "four"
     cfg = file_cfg(tmp_path, write_jsonl(tmp_path / "src.jsonl", rows), eval_size=2)
     with pytest.raises(UserError, match=r"column 'n' mixes types \(row 1: int, row 5: str\)"):
-        prepare(cfg, tmp_path / "run", identity, count_words)
+        prepare(data_sources(cfg), tmp_path / "run", identity, count_words)
     rows[4]["n"] = 4.5  # ints with a float: stored as floats
     cfg = file_cfg(tmp_path, write_jsonl(tmp_path / "src2.jsonl", rows), eval_size=2)
-    data = prepare(cfg, tmp_path / "run2", identity, count_words)
+    data = prepare(data_sources(cfg), tmp_path / "run2", identity, count_words)
     assert sorted(r["n"] for r in data.train + data.eval) == [0.0, 1.0, 2.0, 3.0, 4.5, 5.0]
 
 
 def test_answer_column_is_also_kept_under_its_own_name_with_its_type(tmp_path):
     rows = [{"prompt": f"q{i}", "target": i} for i in range(5)]
     cfg = file_cfg(tmp_path, write_jsonl(tmp_path / "src.jsonl", rows), eval_size=1, answer_column="target")
-    data = prepare(cfg, tmp_path / "run", identity, count_words)
+    data = prepare(data_sources(cfg), tmp_path / "run", identity, count_words)
     assert all(r["answer"] == str(r["target"]) and type(r["target"]) is int for r in data.train + data.eval)
 
 
@@ -416,13 +417,17 @@ def test_dataset_dict_split_and_eval_split(tmp_path):
     src = save_dict(tmp_path / "dd", train=chat[:6], test=chat[6:])
     fmt = lambda p: p if isinstance(p, str) else "|".join(m["content"] for m in p)  # noqa: E731
     cfg = file_cfg(tmp_path, src, eval_split="test")
-    data = prepare(cfg, tmp_path / "run", fmt, count_words)
+    data = prepare(data_sources(cfg), tmp_path / "run", fmt, count_words)
     assert [r["n"] for r in data.train] == [0, 1, 2, 3, 4, 5] and [r["n"] for r in data.eval] == [6, 7]
     assert data.eval[0]["prompt"] == [{"role": "user", "content": "q6"}] and data.eval[0]["model_input"] == "q6"
     assert data.eval[0]["id"] == "dd:test-1" and data.manifest["eval_split"] == "test"
-    held = prepare(file_cfg(tmp_path, src, eval_size=2), tmp_path / "run2", fmt, count_words)  # no eval_split
+    held = prepare(
+        data_sources(file_cfg(tmp_path, src, eval_size=2)), tmp_path / "run2", fmt, count_words
+    )  # no eval_split
     assert (len(held.train), len(held.eval)) == (4, 2)
-    other = prepare(file_cfg(tmp_path, src, split="test", eval_size=1), tmp_path / "run3", fmt, count_words)
+    other = prepare(
+        data_sources(file_cfg(tmp_path, src, split="test", eval_size=1)), tmp_path / "run3", fmt, count_words
+    )
     assert sorted(r["n"] for r in other.train + other.eval) == [6, 7]
 
 
@@ -443,7 +448,7 @@ def test_plain_dataset_directory_and_file_sets_through_datasets(tmp_path):
 def test_eval_split_needs_a_dataset_dict(tmp_path):
     cfg = file_cfg(tmp_path, write_jsonl(tmp_path / "src.jsonl", typed_rows()), eval_split="test")
     with pytest.raises(ConfigError, match="data.eval_split.*not a `datasets` DatasetDict"):
-        prepare(cfg, tmp_path / "run", identity, count_words)
+        prepare(data_sources(cfg), tmp_path / "run", identity, count_words)
 
 
 # ---------------------------------------------------------------- unlabeled training data (issue 17)
@@ -475,7 +480,7 @@ def test_unlabeled_source_trains_with_label_free_and_round_trips(tmp_path, kind)
     source, eval_keys = write_unlabeled(tmp_path, kind)
     cfg = file_cfg(tmp_path, source, **eval_keys)
     cfg.reward.label_free = True
-    data = prepare(cfg, tmp_path / "run", identity, count_words)
+    data = prepare(data_sources(cfg), tmp_path / "run", identity, count_words)
     assert [r["answer"] for r in data.train] == [None] * 6 and [r["answer"] for r in data.eval] == ["8", "9"]
     assert data.train[2]["prompt"] == "2+1=" and data.train[2]["level"] == ("2" if kind == "csv" else 2)
     m = data.manifest
@@ -486,14 +491,17 @@ def test_unlabeled_source_trains_with_label_free_and_round_trips(tmp_path, kind)
     train, eval_ = read_split(tmp_path / "run", "train"), read_split(tmp_path / "run", "eval")
     assert (train, eval_) == (data.train, data.eval)  # the all-null answer column round-trips
     assert check_data_hash(tmp_path / "run", train, eval_) == m["content_hash"]
-    assert prepare(cfg, tmp_path / "run2", identity, count_words).manifest["content_hash"] == m["content_hash"]
+    assert (
+        prepare(data_sources(cfg), tmp_path / "run2", identity, count_words).manifest["content_hash"]
+        == m["content_hash"]
+    )
 
 
 def test_labelled_source_with_label_free_keeps_its_answers(tmp_path):
     rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(5)]
     cfg = file_cfg(tmp_path, write_jsonl(tmp_path / "src.jsonl", rows), eval_size=1)
     cfg.reward.label_free = True  # hides answers from the reward, not from the data
-    data = prepare(cfg, tmp_path / "run", identity, count_words)
+    data = prepare(data_sources(cfg), tmp_path / "run", identity, count_words)
     assert data.manifest["train_labelled"] and all(r["answer"] is not None for r in data.train + data.eval)
 
 
@@ -501,7 +509,7 @@ def test_unlabeled_source_errors_are_one_line(tmp_path):
     src = write_jsonl(tmp_path / "u.jsonl", UNLABELED)
     cfg = file_cfg(tmp_path, src, eval_source=str(write_jsonl(tmp_path / "e.jsonl", LABELLED_EVAL)))
     with pytest.raises(UserError) as e:  # without label_free an answer column is required
-        prepare(cfg, tmp_path / "run", identity, count_words)
+        prepare(data_sources(cfg), tmp_path / "run", identity, count_words)
     assert str(e.value) == (
         f"{src}: no column 'answer' in any row (found 'prompt', 'level'); set data.answer_column or set "
         "reward.label_free=true"
@@ -509,12 +517,12 @@ def test_unlabeled_source_errors_are_one_line(tmp_path):
     cfg = file_cfg(tmp_path, src, answer_column="solution")
     cfg.reward.label_free = True
     with pytest.raises(UserError) as e:  # no eval source: nothing labelled to evaluate on
-        prepare(cfg, tmp_path / "run", identity, count_words)
+        prepare(data_sources(cfg), tmp_path / "run", identity, count_words)
     assert str(e.value) == (
         f"{src}: no answer column 'solution' to hold out eval rows from; set data.eval_source to a labelled file"
     )
     cfg.data.answer_column, cfg.data.eval_source = "answer", str(src)
     with pytest.raises(UserError) as e:  # the eval source must have answers, label_free or not
-        prepare(cfg, tmp_path / "run", identity, count_words)
+        prepare(data_sources(cfg), tmp_path / "run", identity, count_words)
     assert str(e.value) == f"{src}: no column 'answer' in any row (found 'prompt', 'level'); set data.answer_column"
     assert not (tmp_path / "run" / "data").exists()

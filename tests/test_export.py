@@ -94,7 +94,7 @@ def test_lora_export_is_a_merged_hf_directory_that_scores_the_same(runs, tmp_pat
     diff = max((exported.state_dict()[k] - v).abs().max() for k, v in plain.state_dict().items())
     assert diff > 1e-4
     # the same eval report as `forgeweave eval` of the checkpoint (merged in memory)
-    merged, _ = merged_policy(ckpt, cfg)
+    merged, _ = merged_policy(ckpt, cfg.model, cfg.seed)
     assert _pass1(exported, tok, run) == _pass1(merged, run_tok, run)
 
 

@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from forge.compose import data_sources
 from forge.config import ConfigError, RunConfig, apply_overrides, config_diff, from_dict
 from forge.data import check_data_hash, content_hash, prepare, read_probe, read_split
 from forge.errors import UserError
@@ -162,7 +163,7 @@ def probe_cfg(tmp_path, rows=None) -> RunConfig:
 
 
 def prep(cfg, run_dir):
-    return prepare(cfg, run_dir, lambda p: p, lambda s: len(s))
+    return prepare(data_sources(cfg), run_dir, lambda p: p, lambda s: len(s))
 
 
 def test_prep_writes_the_probe_split_and_hashes_it(tmp_path):

@@ -96,7 +96,7 @@ def test_every_forge_module_imports_with_those_packages_unimportable():
 CHECK = """
 import sys
 import forge.recipes.grpo, forge.rewards.ensemble, forge.rewards.aggregate, forge.rewards.judges, forge.trainer
-import forge.workers, forge.stages, forge.rollout.vllm  # the Ray actors' workers: vllm is imported only by an engine
+import forge.workers, forge.stages, forge.compose, forge.rollout.vllm  # the Ray actors' workers: vllm is imported only by an engine
 import forge.tracking  # the Tracker protocol and metrics.jsonl; MLflow, TensorBoard and W&B live in flows.tracking
 import forge.api  # forge.train: datasets is imported only when a dataset object is given
 bad = sorted({m.split(".")[0] for m in sys.modules} & {"prefect", "mlflow", "streamlit", "pyarrow", "flows",

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from forge.compose import local_workers
 from forge.config import apply_overrides
 from forge.presets import get_preset
 from forge.recipes.grpo import run
@@ -37,7 +38,7 @@ class Flaky(LocalStages):
     failed: set = set()
 
     def __init__(self, cfg, run_dir, plan, micro_update):
-        super().__init__(cfg, run_dir, plan, micro_update)
+        super().__init__(*local_workers(cfg, run_dir, micro_update))
         self.closed = False
         Flaky.made.append(self)
 

@@ -15,9 +15,9 @@ from flows.tracking import require_package, trackers_for_run
 from flows.tracking.tensorboard_tracker import TensorBoardTracker
 from flows.tracking.wandb_tracker import WandbTracker
 from forge.checkpoint import latest_checkpoint, load_state
+from forge.compose import resume_changes
 from forge.config import RunConfig, load_yaml
 from forge.errors import UserError
-from forge.resume import resume_changes
 from forge.tracking import MultiTracker, read_metrics
 
 os.environ.setdefault("WANDB_SILENT", "true")  # offline in every test; nothing here may reach the network

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import forge.workers as workers
+from forge.compose import rollout_worker
 from forge.config import RolloutConfig, RunConfig
 from forge.models import build_char_tokenizer, build_tiny_model
 from forge.rollout import SamplingParams
 from forge.rollout.config import VllmConfig
 from forge.rollout.vllm import VLLMBackend, engine_dtype, engine_kwargs, sleep_level, wants_sleep
-from forge.workers import RolloutWorker
 from tests.grpo_parts import TrainerWorker
 
 torch.set_num_threads(1)
@@ -51,16 +51,20 @@ def _cfg(backend="vllm", **vllm) -> RunConfig:
     return cfg
 
 
+def _sleeps(cfg: RunConfig) -> tuple:
+    return cfg.rollout, cfg.algo.max_staleness
+
+
 def test_sleep_only_for_a_colocated_on_policy_engine_on_cuda():
-    assert wants_sleep(_cfg(), True, "update,evaluate")
-    assert not wants_sleep(_cfg(), True, "evaluate")  # own GPUs: nothing to free memory for
+    assert wants_sleep(*_sleeps(_cfg()), True, "update,evaluate")
+    assert not wants_sleep(*_sleeps(_cfg()), True, "evaluate")  # own GPUs: nothing to free memory for
     asynchronous = _cfg()
     asynchronous.algo.max_staleness = 1
-    assert not wants_sleep(asynchronous, True, "update")  # it samples during the update
-    assert wants_sleep(_cfg(sleep="on"), True, "")
-    assert not wants_sleep(_cfg(sleep="off"), True, "update")
-    assert not wants_sleep(_cfg(sleep="on"), False, "update")  # CPU engines have no sleep mode
-    assert not wants_sleep(_cfg("hf", sleep="on"), True, "update")
+    assert not wants_sleep(*_sleeps(asynchronous), True, "update")  # it samples during the update
+    assert wants_sleep(*_sleeps(_cfg(sleep="on")), True, "")
+    assert not wants_sleep(*_sleeps(_cfg(sleep="off")), True, "update")
+    assert not wants_sleep(*_sleeps(_cfg(sleep="on")), False, "update")  # CPU engines have no sleep mode
+    assert not wants_sleep(*_sleeps(_cfg("hf", sleep="on")), True, "update")
 
 
 def _trainer_worker(cfg: RunConfig) -> TrainerWorker:
@@ -148,11 +152,13 @@ def test_level_2_drops_the_weights_until_a_sync_lands_which_wakes_weights_loads_
 
 
 def test_level_2_only_where_a_sync_comes_next():
-    assert sleep_level(_cfg(), "update,evaluate") == 2  # on-policy, colocated: update and sync come next
-    assert sleep_level(_cfg(), "evaluate") == 1
+    assert (
+        sleep_level(_cfg().algo.max_staleness, "update,evaluate") == 2
+    )  # on-policy, colocated: update and sync come next
+    assert sleep_level(_cfg().algo.max_staleness, "evaluate") == 1
     asynchronous = _cfg()
     asynchronous.algo.max_staleness = 1  # (with rollout.vllm.sleep=on) another generate may come first
-    assert sleep_level(asynchronous, "update") == 1
+    assert sleep_level(asynchronous.algo.max_staleness, "update") == 1
 
 
 def test_a_colocated_trainer_rank_releases_gradients_then_its_cache_after_the_step(monkeypatch):
@@ -201,10 +207,10 @@ class FakeBackend:
 def test_rollout_worker_puts_a_colocated_engine_to_sleep_after_sampling(monkeypatch):
     fake = FakeBackend()
     monkeypatch.setattr(workers, "make_backend", lambda *a, **k: fake)
-    monkeypatch.setattr(workers, "rollout_sleeps", lambda cfg: True)
+    monkeypatch.setattr(workers, "rollout_sleeps", lambda rollout, max_staleness: True)
     monkeypatch.setenv("FORGEWEAVE_COLOCATED", "update")  # the plan put the update on this GPU: level 2
     tok = build_char_tokenizer()
-    worker = RolloutWorker(_cfg(), model=build_tiny_model(tok, hidden=32, layers=1), tokenizer=tok)
+    worker = rollout_worker(_cfg(), model=build_tiny_model(tok, hidden=32, layers=1), tokenizer=tok)
     worker.generate(["1+1="], SamplingParams(max_new_tokens=2), version=0)
     worker.load_weights({}, 1)
     assert fake.calls == ["generate", "sleep 2", "sync_weights"]

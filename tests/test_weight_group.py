@@ -179,10 +179,10 @@ def test_trainer_publishes_each_weight_once_and_a_copy_matches_it():
     """What update rank 0 sends (`Trainer.publish_tensors`): its live tensors, tied copies once, in the order and
     shapes of `publish_shapes` (the plan is made from those without touching the tensors). Loaded with
     `copy_into` into another copy of the policy, the copy's whole state equals the trainer's."""
+    from forge.compose import trainer_worker as TrainerWorker
     from forge.models import load_policy
     from forge.presets import tiny
     from forge.recipes.grpo import update_micro_batch
-    from forge.workers import TrainerWorker
 
     cfg = tiny()
     trainer = TrainerWorker(cfg, micro_update=update_micro_batch).trainer

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from forge.data.prepare import PreparedData, build, prepare, write_prepared
+from forge.data.prepare import DataSources, PreparedData, build, prepare, write_prepared
 from forge.data.sampler import next_row, prompt_batch, sampler_state
 from forge.data.sources import is_dataset_dict, load_rows, quiet_datasets, source_label, strict_json_loads
 from forge.data.store import check_data_hash, content_hash, read_probe, read_split, train_row_count
 from forge.data.validate import check_column_types, validate_rows
 
 __all__ = [
+    "DataSources",
     "PreparedData",
     "next_row",
     "prompt_batch",

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from forge.config import RunConfig
+from forge.data.config import DataConfig
 from forge.data.splits import probe_rows, split_rows
 from forge.data.store import content_hash
 from forge.data.validate import BASE_COLUMNS, arrow_type, type_label
@@ -46,21 +46,34 @@ class PreparedData:
     probe: list[dict] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class DataSources:
+    """What the prep stage reads: the `data` section and the values of other sections it needs."""
+
+    data: DataConfig
+    seed: int = 0
+    """The run's seed: arithmetic generation and the held-out draw."""
+    label_free: bool = False
+    """reward.label_free: a training source may lack the answer column."""
+    probe_source: str = ""
+    """collapse.probe_source: the labelled probe set ('' = none)."""
+
+
 def prepare(
-    cfg: RunConfig, run_dir: Path, format_prompt: Callable[[str], str], count_tokens: Callable[[str], int]
+    src: DataSources, run_dir: Path, format_prompt: Callable[[str], str], count_tokens: Callable[[str], int]
 ) -> PreparedData:
     """Run the prep stage: `build` the splits, then write run_dir/data/{train,eval}.parquet and manifest.json.
 
     format_prompt maps a raw prompt to the text the model sees (chat template applied); count_tokens counts the
     tokens of such a text. Nothing is written when validation fails.
     """
-    data = build(cfg, format_prompt, count_tokens)
+    data = build(src, format_prompt, count_tokens)
     write_prepared(data, run_dir)
     return data
 
 
 def build(
-    cfg: RunConfig,
+    src: DataSources,
     format_prompt: Callable[[str | list[dict]], str],
     count_tokens: Callable[[str], int],
 ) -> PreparedData:
@@ -76,8 +89,8 @@ def build(
     def count_model_tokens(prompt: str | list[dict]) -> int:
         return count_tokens(format_prompt(prompt))
 
-    train, eval_, rejected = split_rows(cfg, count_model_tokens)
-    probe, probe_rejected = probe_rows(cfg, count_model_tokens)
+    train, eval_, rejected = split_rows(src.data, count_model_tokens, src.seed, src.label_free)
+    probe, probe_rejected = probe_rows(src.data, src.probe_source, count_model_tokens)
     columns = BASE_COLUMNS + sorted({k for r in train + eval_ for k in r} - set(BASE_COLUMNS))
     train, eval_ = _complete(train, columns, format_prompt), _complete(eval_, columns, format_prompt)
     _check_splits_agree(train, eval_, columns)
@@ -85,7 +98,7 @@ def build(
     if probe:
         probe_columns = BASE_COLUMNS + sorted({k for r in probe for k in r} - set(BASE_COLUMNS))
         probe = _arrow_table(_complete(probe, probe_columns, format_prompt), probe_columns).to_pylist()
-    manifest = _manifest(cfg, train, eval_, rejected + probe_rejected, columns, probe)
+    manifest = _manifest(src, train, eval_, rejected + probe_rejected, columns, probe)
     return PreparedData(train, eval_, manifest, probe)
 
 
@@ -122,16 +135,16 @@ def _prompt_key(prompt: str | list[dict]) -> str:
 
 
 def _manifest(
-    cfg: RunConfig, train: list[dict], eval_: list[dict], rejected: list[dict], columns: list[str], probe: list[dict]
+    src: DataSources, train: list[dict], eval_: list[dict], rejected: list[dict], columns: list[str], probe: list[dict]
 ) -> dict:
     train_prompts = {_prompt_key(r["prompt"]) for r in train}
-    probe_keys = {"probe_source": cfg.collapse.probe_source, "probe_rows": len(probe)} if probe else {}
+    probe_keys = {"probe_source": src.probe_source, "probe_rows": len(probe)} if probe else {}
     return {
-        "source": cfg.data.source,
-        "eval_source": cfg.data.eval_source,
-        "split": cfg.data.split,
-        "eval_split": cfg.data.eval_split,
-        "seed": cfg.seed,
+        "source": src.data.source,
+        "eval_source": src.data.eval_source,
+        "split": src.data.split,
+        "eval_split": src.data.eval_split,
+        "seed": src.seed,
         "train_rows": len(train),
         "eval_rows": len(eval_),
         "train_labelled": any(r["answer"] is not None for r in train),  # false: an unlabeled source (label_free)

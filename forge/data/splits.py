@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from forge.config import ConfigError, DataConfig, RunConfig
+from forge.config_base import ConfigError
+from forge.data.config import DataConfig
 from forge.data.sources import is_dataset_dict, is_glob, load_rows, no_column_message, source_label, union_keys
 from forge.data.validate import validated
 from forge.errors import UserError
@@ -27,27 +28,26 @@ CountTokens = Callable[[str | list[dict]], int]
 Rows = list[dict]
 
 
-def split_rows(cfg: RunConfig, count_tokens: CountTokens) -> tuple[Rows, Rows, Rows]:
-    """(train, eval, rejected items with their "file") from the configured sources."""
-    dc = cfg.data
+def split_rows(dc: DataConfig, count_tokens: CountTokens, seed: int, label_free: bool) -> tuple[Rows, Rows, Rows]:
+    """(train, eval, rejected items with their "file") from the configured sources; `seed`: the run's (generation
+    and the held-out draw); `label_free`: reward.label_free (a training source may lack answers)."""
     if dc.source == "arithmetic":
-        train, eval_, rejected = _generated(cfg, count_tokens)
+        train, eval_, rejected = _generated(dc, count_tokens, seed)
     else:
-        train, eval_, rejected = _from_source(cfg, count_tokens)
+        train, eval_, rejected = _from_source(dc, count_tokens, seed, label_free)
     if dc.eval_source or dc.eval_split:
         eval_, eval_rejected = _separate_eval(dc, count_tokens)
         rejected = rejected + eval_rejected
     return train, eval_, rejected
 
 
-def _generated(cfg: RunConfig, count_tokens: CountTokens) -> tuple[Rows, Rows, Rows]:
+def _generated(dc: DataConfig, count_tokens: CountTokens, seed: int) -> tuple[Rows, Rows, Rows]:
     """The arithmetic task's splits, validated like any source's (no eval rows when data.eval_source replaces them)."""
-    dc = cfg.data
     if dc.eval_split:
         raise ConfigError("config key 'data.eval_split' applies to a DatasetDict source, not 'arithmetic': clear it")
     from forge.tasks.arith import generate_arithmetic  # here: the task module's checks pull in forge.rewards (torch)
 
-    gen_train, gen_eval = generate_arithmetic(dc, cfg.seed)
+    gen_train, gen_eval = generate_arithmetic(dc, seed)
     train, rejected = validated(gen_train, "arithmetic:train", "prompt", "answer", dc, count_tokens)
     if dc.eval_source:
         return train, [], rejected
@@ -55,14 +55,13 @@ def _generated(cfg: RunConfig, count_tokens: CountTokens) -> tuple[Rows, Rows, R
     return train, eval_, rejected + eval_rejected
 
 
-def _from_source(cfg: RunConfig, count_tokens: CountTokens) -> tuple[Rows, Rows, Rows]:
+def _from_source(dc: DataConfig, count_tokens: CountTokens, seed: int, label_free: bool) -> tuple[Rows, Rows, Rows]:
     """data.source's valid rows: all train when a separate eval source or split is set, else data.eval_size of
     them are held out (seeded) for eval."""
-    dc = cfg.data
     _check_split_key(dc.source, dc.split, "train", "data.split")
     label = source_label(dc.source, dc.split)
     rows = load_rows(dc.source, dc.prompt_column, None, dc.split)
-    answers = dc.answer_column if _labelled(rows, label, dc, cfg.reward.label_free) else None
+    answers = dc.answer_column if _labelled(rows, label, dc, label_free) else None
     separate = dc.eval_source or dc.eval_split
     if not separate and answers is None:  # eval and pass@1 need reference answers
         raise UserError(
@@ -70,7 +69,7 @@ def _from_source(cfg: RunConfig, count_tokens: CountTokens) -> tuple[Rows, Rows,
             "to a labelled file"
         )
     good, rejected = validated(rows, label, dc.prompt_column, answers, dc, count_tokens)
-    train, eval_ = (good, []) if separate else _hold_out(good, dc.eval_size, cfg.seed, label)
+    train, eval_ = (good, []) if separate else _hold_out(good, dc.eval_size, seed, label)
     return train, eval_, rejected
 
 
@@ -117,10 +116,9 @@ def _hold_out(rows: list[dict], n_eval: int, seed: int, source: str) -> tuple[li
     return train, [r for r, e in zip(rows, is_eval, strict=True) if e]
 
 
-def probe_rows(cfg: RunConfig, count_tokens: CountTokens) -> tuple[Rows, Rows]:
-    """The labelled probe rows of collapse.probe_source (none when it is empty) and the rejected ones, read and checked
-    as an eval source is (data.prompt_column / data.answer_column, data.on_bad_rows)."""
-    source, dc = cfg.collapse.probe_source, cfg.data
+def probe_rows(dc: DataConfig, source: str, count_tokens: CountTokens) -> tuple[Rows, Rows]:
+    """The labelled probe rows of `source` (collapse.probe_source; none when it is empty) and the rejected ones, read
+    and checked as an eval source is (data.prompt_column / data.answer_column, data.on_bad_rows)."""
     if not source:
         return [], []
     if not (Path(source).exists() or is_glob(source)):

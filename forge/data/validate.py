@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from forge.config import DataConfig
+from forge.data.config import DataConfig
 from forge.errors import UserError
 
 BASE_COLUMNS = ["id", "prompt", "model_input", "answer"]

@@ -47,12 +47,13 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from forge.env.chat import ChatFormat
 from forge.env.config import EnvConfig
-from forge.env.openenv import OpenEnvClient, OpenEnvEpisode, connect
+from forge.env.openenv import OpenEnvClient, OpenEnvEpisode
 from forge.env.parse import parse_tool_calls
 from forge.env.tools import Tool, call_tool, environment_tools
 from forge.errors import UserError
@@ -219,14 +220,19 @@ def _answer(ep: Episode, calls, cfg: EnvConfig) -> list[tuple[str, str]]:
     return answers
 
 
+@runtime_checkable
+class EpisodePlayer(Protocol):
+    """An environment that plays whole episodes itself (a black-box agent drives the turns, not this loop)."""
+
+    def rollouts(self, sample: Sampler, rows: list[dict], params: SamplingParams, version: int) -> Rollouts: ...
+
+
 def run_episodes(sample: Sampler, tok, rows: list[dict], params: SamplingParams, cfg: EnvConfig, fmt: ChatFormat,
                  factory: Callable | None, functions: list[Tool], version: int) -> Rollouts:  # fmt: skip
     """params.n episodes per row, grouped (row i -> prompt i // n); every environment is a fresh factory(). With an
-    OpenEnv server at most its session cap are open at once: the next episode starts when one ends. An agent
-    (`env.agent`: the factory is a `forge.env.agent.AgentHost`) plays its own episodes against the endpoint."""
-    from forge.env.agent import AgentHost  # lazy: forge.env.agent builds on this module
-
-    if isinstance(factory, AgentHost):
+    OpenEnv server at most its session cap are open at once: the next episode starts when one ends. A factory that
+    plays its own episodes (an `EpisodePlayer`: an agent's endpoint, `forge.env.agent.AgentHost`) is handed them."""
+    if isinstance(factory, EpisodePlayer):
         return factory.rollouts(sample, rows, params, version)
     todo = [r for r in rows for _ in range(params.n)]
     cap = factory.max_sessions if isinstance(factory, OpenEnvClient) else len(todo)
@@ -316,39 +322,6 @@ def to_rollouts(episodes: list[Episode], tok, group_size: int, version: int, mas
 def _row(xs: list, fill, dtype: torch.dtype) -> torch.Tensor:
     """[1, max(len(xs), 1)]: an episode without a token (its environment failed at reset) gets one `fill`, masked."""
     return torch.tensor([list(xs) or [fill]], dtype=dtype)
-
-
-def load_environment(cfg, tok) -> tuple[Callable | None, list[Tool], ChatFormat]:
-    """(the environment factory, the stateless and built-in tools, the chat format) of a run config (`RunConfig`),
-    checked once at start: a class without reset, a tool without a docstring, an OpenEnv server that does not
-    answer is a one-line UserError naming it. An OpenEnv server named by env.openenv_app / env.openenv_command is
-    started here; `close_environment` stops it."""
-    from forge.env.builtin import builtin_tools
-    from forge.env.tools import check_environment, load_object, tool_of
-
-    e = cfg.env
-    use_template = cfg.model.chat_template if cfg.model.chat_template is not None else True
-    if e.agent:  # the endpoint starts here (127.0.0.1, a free port); close_environment stops it
-        from forge.env.agent import AgentHost, load_agent
-
-        return AgentHost(load_agent(e.agent), tok, e, cfg.model.path, use_template), [], ChatFormat(tok, use_template)
-    factory = load_object(e.environment_factory, "env.environment_factory") if e.environment_factory else None
-    if factory is not None:
-        check_environment(factory)
-    functions = [tool_of(load_object(spec, "env.tools")) for spec in e.tools]
-    functions += builtin_tools(e.builtin_tools, cfg.reward.code_exec)
-    if e.openenv:
-        factory = connect(e, cfg.rollout.prompts_per_step * cfg.rollout.group_size)
-    return factory, functions, ChatFormat(tok, use_template, cfg.model.system_prompt)
-
-
-def close_environment(env: tuple) -> None:
-    """Release what `load_environment` started (an OpenEnv server forgeweave runs, an agent's endpoint); idempotent."""
-    from forge.env.agent import AgentHost
-
-    factory = env[0]
-    if isinstance(factory, OpenEnvClient | AgentHost):
-        factory.close()
 
 
 class EpisodeBackend:

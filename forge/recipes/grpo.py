@@ -6,7 +6,7 @@ calls for each micro-batch while it keeps micro-batching, gradient sync, clippin
 goes through one seam, `runner(Stage.X, step, fn, *args)`, with `fn` a method of a `Stages` object (`forge.stages`):
 plain mode calls it, the Prefect flow makes it a task run, and under Ray the methods are calls on long-lived actors
 Weaver placed. The run's context is one frozen `Run`, all that changes one `LoopState` (`forge.loop`), and every
-helper here is `f(run, state, step) -> LoopState`; what is built from the config is `forge.recipes.compose`.
+helper here is `f(run, state, step) -> LoopState`; what is built from the config is `forge.recipes.wiring`.
 Variants are config: `algo.loss` picks an objective and a normaliser from `LOSSES`, `algo.advantage` an estimator
 (`forge.advantages`).
 
@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 
 from forge.checkpoint import load_state
+from forge.compose import StagesFactory, local_stages
 from forge.config import AlgoConfig, RunConfig
 from forge.errors import UserError
 from forge.guard import CollapseGuard
@@ -93,10 +94,10 @@ from forge.metrics import (
     show_verifier_errors,
     step_metrics,
 )
-from forge.recipes.compose import RunRecord, loop_context, prepare_data
+from forge.recipes.wiring import RunRecord, loop_context, prepare_data
 from forge.records import MicroBatch, MicroStats
 from forge.rundir import progress_bar, update_bar
-from forge.stages import LocalStages, Stage, StageRunner, StagesFactory, WorkerLost, call_stage
+from forge.stages import Stage, StageRunner, WorkerLost, call_stage
 from forge.tracking import Tracker
 
 # algo.loss -> (per-token objective, normaliser over the step): the variants differ in these two pieces only
@@ -147,7 +148,7 @@ def update_micro_batch(policy, mb: MicroBatch, algo: AlgoConfig, totals: StepTot
 
 
 def run(cfg: RunConfig, run_dir: Path, *, resume: bool = False, tracker: Tracker | None = None, progress: bool = True,
-        plan: dict | None = None, stages: StagesFactory = LocalStages, runner: StageRunner = call_stage,
+        plan: dict | None = None, stages: StagesFactory = local_stages, runner: StageRunner = call_stage,
         **summary_extra) -> dict:  # fmt: skip
     """Train with GRPO and return summary.json's content. Raises UserError for problems a user can fix.
     `stages(cfg, run_dir, plan, update_fn)` builds the workers (in-process by default); `runner` runs each stage."""

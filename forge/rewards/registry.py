@@ -22,7 +22,7 @@ from forge.errors import UserError
 from forge.rewards.verifiers import BUILTIN, Verifier
 
 if TYPE_CHECKING:
-    from forge.config import RewardConfig
+    from forge.rewards.config import RewardConfig
 
 CONFIGURED = ("code_exec",)
 """Built-ins built from RewardConfig fields (code_exec: the sandbox limits) when they are resolved."""
@@ -144,8 +144,8 @@ def _model_verifier(spec: str) -> tuple[str, Verifier]:
 
 
 def _configured(name: str, reward: RewardConfig | None) -> Verifier:
-    from forge.config import RewardConfig
     from forge.rewards.code_exec import limits_from, make_code_exec
+    from forge.rewards.config import RewardConfig
 
     r = reward or RewardConfig()
     return make_code_exec(limits_from(r.code_exec), allow_network=r.code_exec.allow_network)

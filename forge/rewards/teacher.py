@@ -38,11 +38,12 @@ from pathlib import Path
 
 import torch
 
-from forge.config import RunConfig
 from forge.errors import UserError
+from forge.model_config import ModelConfig
 from forge.models import _load, check_model_dir, default_device, load_tokenizer
 from forge.precision import update_bf16
 from forge.records import Rollouts, TeacherTopK
+from forge.rewards.config import RewardConfig
 
 
 @dataclass(frozen=True)
@@ -61,19 +62,21 @@ class TeacherScores:
 class Teacher:
     """A frozen teacher model loaded once for the run; `logprobs(rollouts)` scores a step's sampled tokens."""
 
-    def __init__(self, cfg: RunConfig):
-        """Load `reward.teacher`; a missing directory or a tokenizer other than the policy's is one UserError."""
+    def __init__(self, reward: RewardConfig, model: ModelConfig, *, batch_size: int, temperature: float,
+                 autocast_bf16: bool = False):  # fmt: skip
+        """Load `reward.teacher`; a missing directory or a tokenizer other than `model`'s (the policy's) is one
+        UserError. `batch_size`, `temperature`: the rollout's; `autocast_bf16`: the update's."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        path, student_tok = check_teacher_dir(cfg.reward.teacher), load_tokenizer(cfg.model)
+        path, student_tok = check_teacher_dir(reward.teacher), load_tokenizer(model)
         check_same_vocab(path, _load(AutoTokenizer.from_pretrained, path), student_tok)
-        model = _load(AutoModelForCausalLM.from_pretrained, path, dtype=torch.float32)  # fp32, as the policy
-        check_vocab_rows(path, model, len(student_tok))
+        teacher = _load(AutoModelForCausalLM.from_pretrained, path, dtype=torch.float32)  # fp32, as the policy
+        check_vocab_rows(path, teacher, len(student_tok))
         self.device = default_device()
-        self.model = model.to(self.device).eval().requires_grad_(False)
-        self.bf16 = update_bf16(cfg.update.autocast_bf16, self.device.type)
-        self.batch_size, self.temperature = cfg.rollout.batch_size, cfg.rollout.temperature
-        self.k, self.vocab = cfg.reward.teacher_topk, len(student_tok)  # top-k ids: the policy's tokens only
+        self.model = teacher.to(self.device).eval().requires_grad_(False)
+        self.bf16 = update_bf16(autocast_bf16, self.device.type)
+        self.batch_size, self.temperature = batch_size, temperature
+        self.k, self.vocab = reward.teacher_topk, len(student_tok)  # top-k ids: the policy's tokens only
         if self.k > self.vocab:
             raise UserError(f"reward.teacher_topk={self.k} is more than the tokenizer's {self.vocab} tokens: "
                             "lower it (16 covers nearly all of a trained teacher's mass)")  # fmt: skip

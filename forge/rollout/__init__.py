@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from forge.config import RolloutConfig
     from forge.rollout.base import RolloutBackend, SamplingParams
+    from forge.rollout.config import RolloutConfig
     from forge.rollout.hf import HFBackend
 
 __all__ = ["HFBackend", "RolloutBackend", "SamplingParams", "make_backend"]
@@ -40,7 +40,7 @@ def make_backend(
     """hf: `generate` on `model` itself; vllm: an engine in this process built from `model` (its venv must have
         vllm: the Ray adapter runs it in .venv-vllm), its files under `work_dir` (a temp dir if None), sleeping between a
     generate and the next weight load if `sleep` (`forge.rollout.vllm.wants_sleep`)."""
-    from forge.config import RolloutConfig
+    from forge.rollout.config import RolloutConfig
 
     if name == "hf":
         from forge.rollout.hf import HFBackend

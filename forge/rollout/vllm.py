@@ -52,10 +52,10 @@ from pathlib import Path
 
 import torch
 
-from forge.config import RolloutConfig, RunConfig
 from forge.errors import UserError
 from forge.records import Rollouts
 from forge.rollout.base import SamplingParams
+from forge.rollout.config import RolloutConfig
 
 REPO = Path(__file__).resolve().parents[2]
 # head sizes vLLM 0.32's CPU attention kernel supports (vllm/v1/attention/backends/cpu_attn.py)
@@ -124,34 +124,32 @@ def engine_kwargs(cfg: RolloutConfig, model_dir: str, dtype: torch.dtype, seed: 
     return kwargs
 
 
-def wants_sleep(cfg: RunConfig, cuda: bool, colocated: str) -> bool:
+def wants_sleep(r: RolloutConfig, max_staleness: int, cuda: bool, colocated: str) -> bool:
     """Whether the engine sleeps between a generate and the next weight load (`rollout.vllm.sleep`): only a vLLM
-    engine on CUDA; auto = on-policy (nothing to sample during the update) and colocated with the update on a GPU
+    engine on CUDA; auto = on-policy (`max_staleness`, algo's, 0: nothing to sample during the update) and colocated with the update on a GPU
     (`colocated`: the stages the plan put on this GPU, $FORGEWEAVE_COLOCATED set by weaver.apply).
 
-    >>> cfg = RunConfig(); cfg.rollout.backend = "vllm"
-    >>> wants_sleep(cfg, True, "update"), wants_sleep(cfg, True, ""), wants_sleep(cfg, False, "update")
+    >>> r = RolloutConfig(backend="vllm")
+    >>> wants_sleep(r, 0, True, "update"), wants_sleep(r, 0, True, ""), wants_sleep(r, 0, False, "update")
     (True, False, False)
     """
-    r = cfg.rollout
     if r.backend != "vllm" or not cuda or r.vllm.sleep == "off":
         return False
     if r.vllm.sleep == "on":
         return True
-    return cfg.algo.max_staleness == 0 and "update" in colocated.split(",")
+    return max_staleness == 0 and "update" in colocated.split(",")
 
 
-def sleep_level(cfg: RunConfig, colocated: str) -> int:
+def sleep_level(max_staleness: int, colocated: str) -> int:
     """The level of a sleeping engine's sleep after a generate: 2 (weights dropped too) when the next thing the engine
     does is receive new weights — on-policy (algo.max_staleness 0: the loop updates and syncs before it samples
     again) with the update on this GPU (`colocated`, as in `wants_sleep`); else 1 (weights kept in host memory). After
     an evaluate it is always 1: the next generate samples from the same weights.
 
-    >>> cfg = RunConfig(); cfg.rollout.backend = "vllm"
-    >>> sleep_level(cfg, "update,evaluate"), sleep_level(cfg, "evaluate")
-    (2, 1)
+    >>> sleep_level(0, "update,evaluate"), sleep_level(0, "evaluate"), sleep_level(1, "update")
+    (2, 1, 1)
     """
-    return 2 if cfg.algo.max_staleness == 0 and "update" in colocated.split(",") else 1
+    return 2 if max_staleness == 0 and "update" in colocated.split(",") else 1
 
 
 def request_seeds(params: SamplingParams, count: int) -> list[int]:

@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from forge.config import ConfigError, DataConfig
+from forge.config_base import ConfigError
+from forge.data.config import DataConfig
 from forge.io import atomic_write_bytes
 from forge.rewards.math import extract_answer
 from forge.rewards.verifiers import Verifier, takes_text

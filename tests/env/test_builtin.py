@@ -7,9 +7,10 @@ import json
 
 import pytest
 
+from forge.compose import environment
 from forge.config import ConfigError, EnvConfig, RunConfig, apply_overrides
 from forge.env.chat import ChatFormat
-from forge.env.episode import load_environment, run_episodes
+from forge.env.episode import run_episodes
 from forge.rollout.base import SamplingParams
 from tests.env.test_episode import scripted
 
@@ -22,7 +23,7 @@ def test_env_builtin_tools_python_is_a_tool_with_a_code_argument(tok):
     cfg = RunConfig()
     cfg.env.builtin_tools = ["python"]
     assert cfg.env.enabled and cfg.validate()
-    _, functions, _ = load_environment(cfg, tok)
+    _, functions, _ = environment(cfg, tok)
     (tool,) = functions
     params = tool.schema["function"]["parameters"]
     assert tool.name == "python" and params["properties"]["code"]["type"] == "string" and params["required"] == ["code"]
@@ -37,7 +38,7 @@ def test_the_python_tool_answers_with_the_output_and_turns_a_raise_or_a_timeout_
     cfg = RunConfig()
     cfg.env.builtin_tools = ["python"]
     cfg.reward.code_exec.timeout_s, cfg.reward.code_exec.test_timeout_s = 2.0, 0.5
-    _, functions, _ = load_environment(cfg, tok)
+    _, functions, _ = environment(cfg, tok)
     turns = [python_call("print(6 * 7)"), python_call("print('a'); 1 / 0"), python_call("while True: pass"), "42"]
     rows = [{"prompt": "6*7=", "model_input": "6*7=", "answer": "42"}]
     ro = run_episodes(scripted(tok, turns), tok, rows, SamplingParams(max_new_tokens=64, n=1, seed=0),

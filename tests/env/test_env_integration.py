@@ -8,9 +8,10 @@ import dataclasses
 import pytest
 import torch
 
+from forge.compose import environment
 from forge.config import EnvConfig, RunConfig
 from forge.env.chat import ChatFormat
-from forge.env.episode import TURN_SEED_STRIDE, load_environment, run_episodes
+from forge.env.episode import TURN_SEED_STRIDE, run_episodes
 from forge.errors import UserError
 from forge.models import build_tiny_model
 from forge.rewards.registry import resolve_verifier
@@ -94,10 +95,10 @@ def test_load_environment_names_what_is_wrong(tok):
     cfg = RunConfig()
     cfg.env.environment_factory = "tests.env.test_episode:NoSuchEnv"
     with pytest.raises(UserError, match="has no attribute 'NoSuchEnv'"):
-        load_environment(cfg, tok)
+        environment(cfg, tok)
     cfg.env.environment_factory, cfg.env.tools = "", ["tests.env.test_episode:scripted"]  # no Args section
     with pytest.raises(UserError, match="tool scripted"):
-        load_environment(cfg, tok)
+        environment(cfg, tok)
 
 
 def test_env_reward_is_a_builtin_verifier():
@@ -145,7 +146,7 @@ def test_evaluation_plays_episodes_and_hands_verifiers_their_environments(tok):
     cfg = RunConfig()
     cfg.env.environment_factory = "tests.env.test_episode:CounterEnv"
     rows = [{"prompt": f"{a}+1=", "model_input": f"{a}+1=", "answer": str(a + 1)} for a in range(3)]
-    backend = EpisodeBackend(HFBackend(model, tok), tok, rows, cfg.env, load_environment(cfg, tok))
+    backend = EpisodeBackend(HFBackend(model, tok), tok, rows, cfg.env, environment(cfg, tok))
     seen = []
 
     def env_check(prompts, completions, environments=None, **kwargs):
@@ -164,9 +165,9 @@ def test_lora_with_episodes_trains_the_adapter_only(tmp_path):
     itself (adapter on), the update moves the adapter (B starts at 0) and no base weight, and the checkpoint holds
     the adapter alone."""
     from forge.checkpoint import ADAPTER, WEIGHTS, shard_keys
+    from forge.compose import local_stages
     from forge.presets import tiny_multiturn
     from forge.recipes.grpo import run
-    from forge.stages import LocalStages
     from forge.tracking import read_metrics
 
     cfg = tiny_multiturn()
@@ -177,7 +178,7 @@ def test_lora_with_episodes_trains_the_adapter_only(tmp_path):
     made, frozen = [], {}
 
     def stages(*args):
-        made.append(LocalStages(*args))
+        made.append(local_stages(*args))
         model = made[-1].trainer.trainer.unwrapped
         frozen.update({n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad})
         return made[-1]

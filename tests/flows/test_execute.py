@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from flows.execute import train, use_ray
+from forge.compose import local_stages
 from forge.errors import UserError
 from forge.presets import tiny
 from forge.recipes.grpo import update_micro_batch
-from forge.stages import LocalStages
 
 
 @pytest.mark.parametrize(
@@ -35,4 +35,4 @@ def test_asynchronous_grpo_in_one_process_is_a_one_line_error(tmp_path):
         train(cfg, tmp_path / "run", plan={})
     assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
     with pytest.raises(UserError, match="algo.max_staleness > 0 needs the rollout in a process of its own"):
-        LocalStages(cfg, tmp_path / "run", None, update_micro_batch)  # the recipe called directly, without flows.execute
+        local_stages(cfg, tmp_path / "run", None, update_micro_batch)  # the recipe called directly, without flows.execute

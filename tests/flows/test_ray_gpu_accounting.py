@@ -23,8 +23,8 @@ from flows.planning import plan_run
 from flows.ray_exec import RayStages
 from forge.errors import UserError
 from forge.presets import tiny
-from forge.recipes.compose import prepare_data
 from forge.recipes.grpo import update_micro_batch
+from forge.recipes.wiring import prepare_data
 from weaver.apply import Bundle
 
 pytestmark = pytest.mark.slow

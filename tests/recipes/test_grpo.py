@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from forge.compose import reward_worker, rollout_worker
 from forge.data import prompt_batch, read_split
 from forge.presets import tiny
 from forge.recipes.grpo import run
 from forge.rollout import SamplingParams
-from forge.workers import RewardWorker, RolloutWorker
 from tests.grpo_parts import TrainerWorker
 
 STEPS = 3
@@ -31,8 +31,8 @@ def small_cfg():
 
 def synchronous_by_hand(cfg, run_dir) -> dict[str, torch.Tensor]:
     trainer = TrainerWorker(cfg)
-    rollout = RolloutWorker(cfg, model=trainer.trainer.unwrapped, tokenizer=trainer.tokenizer)
-    reward = RewardWorker(cfg)
+    rollout = rollout_worker(cfg, model=trainer.trainer.unwrapped, tokenizer=trainer.tokenizer)
+    reward = reward_worker(cfg)
     train = read_split(run_dir, "train")
     r = cfg.rollout
     params = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, n=r.group_size)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from flows.cli import main
+from forge.compose import reward_worker
 from forge.config import ConfigError, RunConfig, overlay
 from forge.rewards.aggregate import majority_rewards, majority_vote, mean_scores
-from forge.workers import RewardWorker
 from tests.rewards.test_trl_calls import fake_rollouts
 
 NAN = math.nan
@@ -54,7 +54,7 @@ ROWS = [{"id": f"r{i}", "prompt": f"{i}+2=", "model_input": f"{i}+2=", "answer":
 
 
 def test_reward_stage_majority_votes_and_still_runs_the_verifiers():
-    worker = RewardWorker(reward_cfg("majority", ["math_answer", "format_integer"]))
+    worker = reward_worker(reward_cfg("majority", ["math_answer", "format_integer"]))
     texts = ["3", "3", "4", "no", "5", "4", "4 x", "4"]  # group 1: majority 3 (right); group 2: majority 4 (wrong)
     scored = worker.score(ROWS, fake_rollouts(2, 4, texts), step=1)
     b = scored
@@ -67,7 +67,7 @@ def test_reward_stage_majority_votes_and_still_runs_the_verifiers():
 
 
 def test_reward_stage_mean_averages_the_scores():
-    worker = RewardWorker(reward_cfg("mean", ["math_answer", "format_integer"]))
+    worker = reward_worker(reward_cfg("mean", ["math_answer", "format_integer"]))
     scored = worker.score(ROWS, fake_rollouts(2, 2, ["3", "3 ok", "4", "x"]), step=1)
     # math_answer [1, 1, 1, 0], format_integer [1, .5, 1, 0]: means 1, .75, 1, 0 (weights play no part)
     assert scored.rewards.tolist() == [1.0, 0.75, 1.0, 0.0] and scored.reward_metrics == {}

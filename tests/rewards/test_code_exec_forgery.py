@@ -14,10 +14,10 @@ import json
 
 import pytest
 
+from forge.compose import reward_worker
 from forge.config import RunConfig
 from forge.rewards import code_exec as ce
 from forge.rewards.code_judge import count_suspicious, suspicious
-from forge.workers import RewardWorker
 from tests.rewards.test_trl_calls import fake_rollouts
 from tests.test_code_exec import LIMITS, TESTS, clean_machine  # noqa: F401 - clean_machine is a fixture
 
@@ -210,6 +210,6 @@ def test_suspicious_completions_are_counted_in_the_step_metrics(clean_machine): 
     cfg.reward.verifiers = ["code_exec"]
     rows = [{"id": "r", "prompt": "f", "model_input": "f", "answer": TESTS}]
     texts = [FORGERIES["eq_always_true"], FORGERIES["sys_exit_in_f"], honest[0], honest[2]]
-    batch = RewardWorker(cfg).score(rows, fake_rollouts(1, 4, texts), step=1)
+    batch = reward_worker(cfg).score(rows, fake_rollouts(1, 4, texts), step=1)
     assert batch.scores[:, 0].tolist() == [0.0, 0.0, 1.0, 0.0]
     assert batch.reward_metrics["reward/code_exec/suspicious"] == 2.0

@@ -15,13 +15,13 @@ import math
 import pytest
 import torch
 
+from forge.compose import reward_worker
 from forge.config import ConfigError, RunConfig
 from forge.errors import UserError
 from forge.losses import TOPK_DIVERGENCES
 from forge.models import build_char_tokenizer, build_tiny_model, load_policy
 from forge.rewards.teacher import discounted_returns
 from forge.trainer import token_logprobs
-from forge.workers import RewardWorker
 from tests.grpo_parts import Trainer
 from tests.test_trainer import PROMPTS, T, make_rollouts
 
@@ -87,7 +87,7 @@ def test_teacher_equal_to_student_gives_zero_reverse_kl_and_zero_gradient(tok, s
     cfg = distill_cfg(save(student, tok, tmp_path / "teacher"))
     cfg.rollout.temperature = temperature
     ro = on_policy(student, make_rollouts(tok), temperature)
-    batch = RewardWorker(cfg).score(rows(), ro, 1)
+    batch = reward_worker(cfg).score(rows(), ro, 1)
     assert batch.advantages.shape == ro.completion_ids.shape  # [N, T]: per token
     assert batch.reward_metrics["distill/reverse_kl"] == 0.0
     assert batch.reward_metrics["perf/teacher_s"] > 0
@@ -108,7 +108,7 @@ def test_topk_divergence_equal_teacher_zero_and_full_vocabulary_exact(tok, stude
     for name, teacher in (("same", student), ("far", prefers(student, tok, X))):
         cfg = distill_cfg(save(teacher, tok, tmp_path / name), teacher_topk=8, teacher_weight=0.5,
                           teacher_divergence=divergence)  # fmt: skip
-        batch = RewardWorker(cfg).score(rows(), ro, 1)
+        batch = reward_worker(cfg).score(rows(), ro, 1)
         top = batch.teacher_topk
         assert top.ids.shape == top.logp.shape == (*ro.completion_ids.shape, 8) and top.weight == 0.5
         assert top.divergence == divergence
@@ -119,7 +119,7 @@ def test_topk_divergence_equal_teacher_zero_and_full_vocabulary_exact(tok, stude
 
     teacher, vocab = prefers(student, tok, X), len(tok)
     cfg = distill_cfg(save(teacher, tok, tmp_path / "all"), teacher_topk=vocab)
-    top = RewardWorker(cfg).score(rows(), ro, 1).teacher_topk
+    top = reward_worker(cfg).score(rows(), ro, 1).teacher_topk
     args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
     every = torch.arange(vocab).expand(*ro.completion_ids.shape, vocab)
     with torch.no_grad():
@@ -143,7 +143,7 @@ def test_reward_is_the_log_ratio_on_sampled_tokens_weighted_beside_verifiers(tok
     ro = dataclasses.replace(ro, loss_mask=ro.completion_mask * torch.tensor([[1, 0, 1, 1]]))  # position 1: env
     cfg = distill_cfg(save(teacher, tok, tmp_path / "teacher"), teacher_weight=0.5)
     cfg.reward.verifiers = ["math_answer"]
-    batch = RewardWorker(cfg).score(rows(), ro, 1)
+    batch = reward_worker(cfg).score(rows(), ro, 1)
     args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
     with torch.no_grad():
         r = (token_logprobs(teacher, *args).logp - ro.sampling_logprobs) * ro.loss_mask
@@ -173,7 +173,7 @@ def test_non_finite_teacher_log_probs_skip_the_step(tok, student, tmp_path):
         broken.get_input_embeddings().weight.fill_(math.nan)
     cfg = distill_cfg(save(broken, tok, tmp_path / "teacher"))
     ro = on_policy(student, make_rollouts(tok))
-    batch = RewardWorker(cfg).score(rows(), ro, 1)
+    batch = reward_worker(cfg).score(rows(), ro, 1)
     assert math.isnan(batch.reward_metrics["distill/reverse_kl"])
     policy = copy.deepcopy(student)
     stats = Trainer(policy, cfg, total_steps=1).update(ro, batch.advantages)
@@ -184,18 +184,18 @@ def test_non_finite_teacher_log_probs_skip_the_step(tok, student, tmp_path):
 
 def test_bad_teachers_are_one_line_errors(tok, student, tmp_path):
     with pytest.raises(UserError, match=r"reward.teacher '.*nowhere' does not exist") as e:
-        RewardWorker(distill_cfg(str(tmp_path / "nowhere")))
+        reward_worker(distill_cfg(str(tmp_path / "nowhere")))
     assert "\n" not in str(e.value)
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="has no config.json"):
-        RewardWorker(distill_cfg(str(tmp_path / "empty")))
+        reward_worker(distill_cfg(str(tmp_path / "empty")))
     other = build_char_tokenizer()
     other.add_tokens(["<tool>"])
     with pytest.raises(UserError, match="different tokenizer from the policy's") as e:
-        RewardWorker(distill_cfg(save(student, other, tmp_path / "other")))
+        reward_worker(distill_cfg(save(student, other, tmp_path / "other")))
     assert "\n" not in str(e.value) and "other" in str(e.value)
     with pytest.raises(UserError, match=r"reward.teacher_topk=1000 is more than the tokenizer's \d+ tokens"):
-        RewardWorker(distill_cfg(save(student, tok, tmp_path / "same"), teacher_topk=1000))
+        reward_worker(distill_cfg(save(student, tok, tmp_path / "same"), teacher_topk=1000))
     with pytest.raises(ConfigError, match="reward.verifiers"):  # no verifier and no teacher: nothing to learn from
         distill_cfg("").validate()
     with pytest.raises(ConfigError, match="reward.aggregate=ensemble combines verifiers"):

@@ -7,13 +7,13 @@ import json
 
 import torch
 
+from forge.compose import data_sources, reward_worker
 from forge.config import RunConfig
 from forge.data import prepare, read_split
 from forge.records import Rollouts
 from forge.rewards.registry import provided
 from forge.rewards.score import score_completions
 from forge.rewards.verifiers import math_answer
-from forge.workers import RewardWorker
 
 CHAT = [[{"role": "user", "content": "1+1="}], [{"role": "user", "content": "2+2="}]]
 
@@ -95,13 +95,13 @@ def test_reward_stage_passes_typed_columns_raw_prompts_and_trainer_state(tmp_pat
     cfg.data.source, cfg.data.answer_column, cfg.data.eval_size = str(tmp_path / "d.jsonl"), "target", 2
     cfg.rollout.prompts_per_step = 2
     fmt = lambda p: "".join(m["content"] for m in p)  # noqa: E731
-    prepare(cfg, tmp_path / "run", fmt, lambda s: len(s))
+    prepare(data_sources(cfg), tmp_path / "run", fmt, lambda s: len(s))
     train = read_split(tmp_path / "run", "train")
     calls = []
     spec = "tests.rewards:seen"
     cfg.reward.verifiers = cfg.reward.callables = [spec]
     with provided({spec: recorder(calls)}):
-        worker = RewardWorker(cfg, train_rows=len(train))
+        worker = reward_worker(cfg, train_rows=len(train))
         worker.score(train[:2], fake_rollouts(2, 2, ["2", "3", "4", "5"]), step=3)
         cfg.reward.label_free = True
         worker.score(train[:2], fake_rollouts(2, 2, ["2", "3", "4", "5"]), step=4)

@@ -1,6 +1,6 @@
-"""What the recipe builds from the config (`RunConfig`, the composite) before its loop starts: the run's record, the
-prep stage's work and the loop's context (`forge.loop.Run`). The loop and the components below it get sections or
-values, never the composite: this module and `forge.recipes.grpo.run` are where the config is taken apart.
+"""The recipe's wiring: what `forge.recipes.grpo.run` builds from the config (`RunConfig`) before its loop starts: the
+run's record, the prep stage's work and the loop's context (`forge.loop.Run`). The loop and the components below it
+get sections or values, never the composite; the components themselves are built by `forge.compose`.
 
 - `RunRecord`: everything the run writes (the run directory and the tracker): claimed and locked at open,
   metrics/samples/eval/probe/ensemble reports per step, checkpoints once durable, status and summary.
@@ -11,10 +11,12 @@ values, never the composite: this module and `forge.recipes.grpo.run` are where 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from pathlib import Path
 
 from forge.checkpoint import SaveReport, apply_retention, export_model, has_weights, is_adapter, step_dir_name
+from forge.compose import data_sources, record_changes, resume_changes
 from forge.config import RunConfig, dump_yaml
 from forge.data import prepare
 from forge.errors import DiskFull
@@ -23,7 +25,7 @@ from forge.loop import Data, Limits, LoopState, Run, Schedule
 from forge.metrics import probe_metrics
 from forge.models import format_prompt_fn, load_tokenizer
 from forge.records import Rollouts, ScoredBatch
-from forge.resume import check_resumable, checkpoint_step, record_changes, resume_changes
+from forge.resume import check_resumable, checkpoint_step
 from forge.rollout.base import SamplingParams
 from forge.rundir import (
     RunLock,
@@ -61,7 +63,7 @@ def prepare_data(cfg: RunConfig, run_dir: Path) -> dict:
     """The prep stage: data/{train,eval,probe}.parquet and manifest.json from the configured source."""
     tok = load_tokenizer(cfg.model)
     count = lambda s: len(tok(s, add_special_tokens=False).input_ids)  # noqa: E731
-    prepared = prepare(cfg, run_dir, format_prompt_fn(tok, cfg.model), count)
+    prepared = prepare(data_sources(cfg), run_dir, format_prompt_fn(tok, cfg.model), count)
     return {"train_rows": len(prepared.train), "eval_rows": len(prepared.eval)}
 
 
@@ -122,7 +124,8 @@ class RunRecord:
         truncate_samples(self.run_dir, step)
 
     def track_start(self) -> None:
-        track_run_start(self.tracker, self.cfg, self.run_dir)
+        c = self.cfg
+        track_run_start(self.tracker, self.run_dir, dataclasses.asdict(c), preset=c.preset, model=c.model.path)
 
     def eval_report(self, report: dict, probe: bool = False) -> None:
         """eval/step-NNNNNN.json (or eval/probe-step-NNNNNN.json), logged as an artifact."""
@@ -165,7 +168,8 @@ class RunRecord:
 
     def finish(self, state: LoopState, extra: dict) -> dict:
         """summary.json (with `extra`, e.g. the Prefect flow-run id), status finished; returns the summary."""
-        summary = {**run_summary(self.cfg, self.run_dir, state, time.perf_counter() - self.started), **extra}
+        wall, c = time.perf_counter() - self.started, self.cfg
+        summary = {**run_summary(self.run_dir, state, wall, preset=c.preset, model=c.model.path), **extra}
         summary.update(self.tracker.info())  # e.g. mlflow_run_id
         write_json(self.run_dir / "summary.json", summary)
         self.tracker.log_artifact(self.run_dir / "summary.json")
