@@ -298,7 +298,8 @@ class RewardWorker:
             extra = {"reward/majority_share": float(rewards.mean())}
         elif aggregate == "mean":
             rewards = mean_scores(result.scores)
-        if self.cfg.env.agent:  # an agent's return value is its episode's reward (None: the verifiers')
+        if rollouts.episodes is not None and rollouts.episodes.requests:  # agent episodes (env.agent): an agent's
+            # return value is its episode's reward (None: the verifiers')
             from forge.env.agent import agent_rewards
 
             rewards = agent_rewards(rollouts.episodes, rewards)
