@@ -254,11 +254,10 @@ class RayStages:
         return reserve(specs, name, self.cfg.orchestration.reserve_timeout_s, lock_host_gpus=_private)
 
     def _actor(self, spec: ActorSpec, stage: str, python: str = ""):
-        env = {**driver_env(dict(os.environ)), **spec.env}  # NCCL/gloo settings of the driver, then the plan's
+        env = actor_env(dict(os.environ), spec.env, python)
         runtime_env: dict = {"env_vars": env}
         if python:  # another venv (vLLM's): its own packages plus this checkout of forgeweave
             runtime_env["py_executable"] = python
-            env["PYTHONPATH"] = str(REPO)
         assert self.reservation is not None
         actor = StageActor.options(num_cpus=spec.cpus, resources=spec.resources, runtime_env=runtime_env,
                                    scheduling_strategy=self.reservation.strategy(spec)).remote(env)  # fmt: skip
@@ -550,6 +549,17 @@ class RayStages:
             cause = raised.cause if isinstance(getattr(raised, "cause", None), BaseException) else None
             raise (cause or raised) from None
         return [results[ref] for ref in refs]
+
+
+def actor_env(environ: dict[str, str], planned: dict[str, str], python: str = "") -> dict[str, str]:
+    """A stage actor's environment variables: the driver's NCCL/gloo settings and the run's weight-group secret
+    (`weaver.apply.driver_env`), then the plan's; an actor on another venv's `python` (vLLM's) gets this checkout
+    of forgeweave in front of the driver's PYTHONPATH, which it extends, never replaces
+    (tests/flows/test_actor_env.py)."""
+    env = {**driver_env(environ), **planned}
+    if python:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), environ.get("PYTHONPATH", "")) if p)
+    return env
 
 
 def object_sizes() -> dict[str, int]:

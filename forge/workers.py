@@ -121,7 +121,9 @@ class RolloutWorker:
         self.seed, self.answer_column = seed, answer_column
         if model is None:
             _init_process(seed, threads)
-            model, tokenizer = load_policy(model_cfg, seed=seed)
+            # a vLLM engine reads only the config here (its weights arrive by sync): no weight file is read, no
+            # host copy of the policy is made (a meta-device model; 30 GB of fp32 at 7B otherwise)
+            model, tokenizer = load_policy(model_cfg, seed=seed, weights=rollout.backend != "vllm")
             model.requires_grad_(False)
             if rollout.backend == "hf":  # a vLLM engine places its own copy
                 model = model.to(default_device())
