@@ -9,9 +9,10 @@ the training group's is 30).
 Per sync: rank 0 casts each tensor on its own device to the publish dtype and copies it into a flat buffer (a
 bucket, one dtype, at most `bucket_bytes` unless one tensor alone is larger), broadcasts the bucket, and goes on to
 the next; each receiver receives into a buffer of the same size and hands views of it, as (name, tensor) pairs, to
-a load function (hf: copy into the live parameters, bucket by bucket; a vLLM worker keeps the sync's buckets and runs
-the model's own `reload_weights` over them at the end). Peak extra memory on the sender is one bucket, never a second
-copy of the model; on an hf receiver one bucket, on a vLLM worker one copy in the publish dtype. Only the `WeightPlan` (names, dtypes, shapes, bucket
+a load function (hf: copy into the live parameters, bucket by bucket; a vLLM worker runs the model's own
+`reload_weights` over `stream`, an iterator that receives the next bucket only when the loader asks for its first
+tensor). Peak extra memory on the sender is one bucket, never a second copy of the model; on a receiver one bucket
+(plus what vLLM's loader itself keeps while it fuses a layer's parts). Only the `WeightPlan` (names, dtypes, shapes, bucket
 layout: a few kB) travels by other means (Ray), once per group.
 
 Departures from peers: OpenRLHF and TRL broadcast parameter by parameter (one collective per tensor; buckets here,
@@ -321,17 +322,44 @@ class WeightGroup:
         store, sync = self._ipc_store(), self.syncs
         self.syncs += 1
         for index in range(len(plan.buckets)):
-            key = f"{sync}/{index}"
-            self._wait(store, {key: 0}, f"receive bucket {index} of sync {sync}")
-            raw = self._get_signed(store, key)
-            handle = checked_handle(load_handle(raw, self.device.type), plan.buckets[index], self.device)
-            bucket = rebuild(handle, self.device)
-            load([(s.name, bucket[s.offset : s.offset + _numel(s)].view(s.shape)) for s in _in_bucket(plan, index)])
+            bucket = self._ipc_bucket(store, plan, sync, index)
+            load(_views(plan, index, bucket))
             del bucket
-            if self.device.type == "cuda":  # the copies out of the sender's memory are done before it is freed
-                torch.cuda.synchronize(self.device)
-            self._put(store, f"{key}/ack/{self.rank}", b"1")
+            self._ack(store, sync, index)
         return plan.nbytes
+
+    def _ipc_bucket(self, store: dist.Store, plan: WeightPlan, sync: int, index: int) -> torch.Tensor:
+        """ipc: bucket `index` of sync `sync`, mapped from the sender's memory once its signed handle is there."""
+        key = f"{sync}/{index}"
+        self._wait(store, {key: 0}, f"receive bucket {index} of sync {sync}")
+        raw = self._get_signed(store, key)
+        return rebuild(checked_handle(load_handle(raw, self.device.type), plan.buckets[index], self.device), self.device)
+
+    def _ack(self, store: dist.Store, sync: int, index: int) -> None:
+        if self.device.type == "cuda":  # the copies out of the sender's memory are done before it is freed
+            torch.cuda.synchronize(self.device)
+        self._put(store, f"{sync}/{index}/ack/{self.rank}", b"1")
+
+    def stream(self, plan: WeightPlan) -> Iterator[tuple[str, torch.Tensor]]:
+        """Ranks 1..N: one sync as an iterator of (name, tensor) pairs that a loader consumes as they come (a vLLM
+        worker's `reload_weights`): bucket k + 1 is received only once bucket k's pairs were taken, so the receiver
+        holds what its loader keeps plus one bucket, never a second copy of the model. Under ipc the pairs are
+        copies (the sender's memory goes back at the bucket's ack). The loader must take every pair: the sync's
+        buckets are a collective."""
+        assert self.rank > 0 and self.store is not None, "stream is for ranks 1..N, after connect"
+        if self.backend == "ipc":
+            store, sync = self._ipc_store(), self.syncs
+            self.syncs += 1
+            for index in range(len(plan.buckets)):
+                bucket = self._ipc_bucket(store, plan, sync, index)
+                pairs = [(name, t.clone()) for name, t in _views(plan, index, bucket)]
+                del bucket
+                self._ack(store, sync, index)
+                yield from pairs
+            return
+        for index, buffer in enumerate(self._empty_buckets(plan)):
+            self._broadcast(buffer)
+            yield from _views(plan, index, buffer)
 
     def receive(self, plan: WeightPlan, load: Loader) -> int:
         """Ranks 1..N: receive each bucket and hand its (name, view of the buffer) pairs to `load` before the next
@@ -342,7 +370,7 @@ class WeightGroup:
             return self._receive_ipc(plan, load)
         for index, buffer in enumerate(self._empty_buckets(plan)):
             self._broadcast(buffer)
-            load([(s.name, buffer[s.offset : s.offset + _numel(s)].view(s.shape)) for s in _in_bucket(plan, index)])
+            load(_views(plan, index, buffer))
         return plan.nbytes
 
     def _empty_buckets(self, plan: WeightPlan) -> Iterator[torch.Tensor]:
@@ -472,6 +500,11 @@ def _rebuild_cpu(handle: tuple, dtype: str, numel: int) -> torch.Tensor:
     manager, filename, size = handle
     storage = torch.UntypedStorage._new_shared_filename_cpu(manager, filename, size)
     return torch.empty(0, dtype=_dtype(dtype)).set_(storage, 0, (numel,))
+
+
+def _views(plan: WeightPlan, index: int, bucket: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Bucket `index`'s tensors as (name, view of `bucket`) pairs, in the plan's order."""
+    return [(s.name, bucket[s.offset : s.offset + _numel(s)].view(s.shape)) for s in _in_bucket(plan, index)]
 
 
 def _in_bucket(plan: WeightPlan, index: int) -> list[TensorSpec]:

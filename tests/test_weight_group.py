@@ -48,11 +48,42 @@ def _receiver(rank: int, world: int, port: int, plan, steps: int, out: str, back
         forge.weight_group.place = lambda device: place
     group = WeightGroup(rank, world, backend, timeout=timedelta(seconds=60))
     group.connect(HOST, port, local_address=HOST)
+    live = _count_buckets(group) if rank == 2 else None
     for step in range(steps):
         got: dict[str, torch.Tensor] = {}
-        group.receive(plan, lambda pairs, got=got: got.update({n: t.clone() for n, t in pairs}))
+        if rank == 2:  # as a vLLM worker loads: the stream, consumed pair by pair; no more than one bucket alive
+            for name, t in group.stream(plan):
+                got[name] = t.clone()
+                live["max"] = max(live["max"], _alive(live))
+        else:
+            group.receive(plan, lambda pairs, got=got: got.update({n: t.clone() for n, t in pairs}))
         torch.save(got, Path(out) / f"rank{rank}-step{step}.pt")
+    if live is not None:
+        Path(out, f"rank{rank}-live.txt").write_text(str(live["max"]))
     group.close()
+
+
+def _count_buckets(group: WeightGroup) -> dict:
+    """Track the receive buffers `group` makes (gloo: `_empty_buckets`; ipc: the clones of each mapped bucket)."""
+    import weakref
+
+    live: dict = {"refs": [], "max": 0}
+    make = group._empty_buckets
+
+    def tracked(plan):
+        for buffer in make(plan):
+            live["refs"].append(weakref.ref(buffer))
+            yield buffer
+
+    group._empty_buckets = tracked
+    return live
+
+
+def _alive(live: dict) -> int:
+    import gc
+
+    gc.collect()
+    return sum(r() is not None for r in live["refs"])
 
 
 def _start(world: int, port: int, plan, steps: int, out: Path, backend: str = "gloo",
@@ -90,7 +121,9 @@ def test_receivers_get_bit_identical_tensors_over_several_syncs(tmp_path, backen
         assert p.exitcode == 0
     assert not _shm_files(), "ipc: a bucket outlived its sync"  # each is freed once both receivers acked it
     group.close()
-    for rank in (1, 2):
+    if backend == "gloo":  # rank 2 streamed (as a vLLM worker's loader does): one receive buffer alive at a time
+        assert (tmp_path / "rank2-live.txt").read_text() == "1" and len(plan.buckets) > 2
+    for rank in (1, 2):  # rank 1 received bucket by bucket into a loader, rank 2 streamed: the same tensors
         for step in range(3):
             got, want = torch.load(tmp_path / f"rank{rank}-step{step}.pt"), expected(step, dtype)
             assert list(got) == list(want)

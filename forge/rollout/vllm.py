@@ -297,10 +297,8 @@ class VLLMBackend:
 class WeightReceiver:
     """Mixed into every vLLM worker (`LLM(worker_extension_cls=EXTENSION)`) and called by name through
     `LLM.collective_rpc`: each worker is one member of the weight group. vLLM mixes the class in as a base of its
-    worker class and refuses names the worker already has, hence the prefix. A worker holds one sync's buckets until
-    its `reload_weights` has run (the engine's own loader needs every q/k/v and gate/up part before it fuses them);
-    over ipc it keeps clones, since the views it is handed are the trainer's memory, which goes back after each
-    bucket's ack."""
+    worker class and refuses names the worker already has, hence the prefix. The group's `stream` hands the loader each bucket's tensors as they arrive (over ipc copies, since the views are
+    the trainer's memory, which goes back after each bucket's ack), so a worker holds one bucket beyond the model."""
 
     def forgeweave_join_weight_group(self, first_rank: int, world: int, address: str, port: int, plan,
                                      local_address: str = "", backend: str = "") -> None:  # fmt: skip
@@ -313,25 +311,23 @@ class WeightReceiver:
         self.forgeweave_group.connect(address, port, local_address=local_address)
 
     def forgeweave_receive_weights(self) -> int:
-        pairs: list[tuple[str, torch.Tensor]] = []
-        keep = pairs.extend
-        if self.forgeweave_group.backend == "ipc":
-            keep = lambda got: pairs.extend((name, t.clone()) for name, t in got)  # noqa: E731
-        nbytes = self.forgeweave_group.receive(self.forgeweave_plan, keep)
-        _reload_in_worker(self, dict(pairs))
-        return nbytes
+        """One sync, loaded as it arrives: vLLM's loader consumes the group's stream bucket by bucket, so the worker
+        never holds the sync's buckets all at once (a second copy of the model: out of memory at 32B and 70B)."""
+        _reload_in_worker(self, self.forgeweave_group.stream(self.forgeweave_plan))
+        return self.forgeweave_plan.nbytes
 
 
 EXTENSION = f"{__name__}.{WeightReceiver.__qualname__}"
 
 
-def _reload_in_worker(worker, tensors: dict) -> None:
-    """Runs inside vLLM's worker: the model's own checkpoint-name loader (fuses q/k/v, gate/up; repacks for CPU).
+def _reload_in_worker(worker, tensors) -> None:
+    """Runs inside vLLM's worker: the model's own checkpoint-name loader (fuses q/k/v, gate/up; repacks for CPU) over
+    `tensors`, a dict or an iterator of (name, tensor) pairs (the weight group's stream), consumed once.
 
     vLLM 0.32's in-place reload leaves a tied LM head on its old weights (it loads nothing for it and puts the
     old kernel tensors back), so with tied embeddings the head is re-pointed at the new embedding and re-processed.
     """
-    worker.reload_weights(weights_iterator=iter(tensors.items()))
+    worker.reload_weights(weights_iterator=iter(tensors.items() if isinstance(tensors, dict) else tensors))
     model = worker.model_runner.get_model()
     head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
     if head is not None and embed is not None and getattr(model.config, "tie_word_embeddings", False):
