@@ -49,10 +49,12 @@ import dataclasses
 import hashlib
 import hmac
 import io
+import json
 import os
 import pickle
 import secrets
 import socket
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -158,12 +160,13 @@ class WeightGroup:
     receivers call `connect` with rank 0's address and port. Every member's `connect` blocks until all have come."""
 
     def __init__(self, rank: int, world: int, backend: str = "", timeout: timedelta = DEFAULT_TIMEOUT,
-                 device: torch.device | None = None, secret: bytes | None = None):  # fmt: skip
+                 device: torch.device | None = None, secret: bytes | None = None, check: bool = True):  # fmt: skip
         """`backend`: gloo, nccl or ipc (handles through the store; see the module docstring); '' = gloo on CPU,
         nccl on CUDA. `device`: where this member's buckets live; by default the current CUDA device under NCCL (and
         under ipc when CUDA is available), else the CPU. A CUDA device with gloo (which stages each bucket through
         host memory) is how scripts/gpu_check.py runs two members on one GPU, where NCCL refuses two ranks.
-        `secret`: the members' shared secret (default `weight_secret()`)."""
+        `secret`: the members' shared secret (default `weight_secret()`). `check` (rank 0's; the receivers follow
+        it): every sync's integrity check (`fingerprint`)."""
         if world < 2 or not 0 <= rank < world:
             raise ValueError(f"weight group: rank {rank} of world {world} (needs world >= 2)")
         self.rank, self.world = rank, world
@@ -174,7 +177,9 @@ class WeightGroup:
         self.secret = secret if secret is not None else weight_secret()
         self.store: dist.TCPStore | None = None
         self.pg = None
-        self.syncs = 0  # ipc: syncs sent or received so far (the store keys' prefix)
+        self.syncs = 0  # syncs sent or received so far (the store keys' prefix)
+        self.check = check  # rank 0's setting; a receiver reads it from the store at connect
+        self.sent: dict[str, float] = {}  # the last sync's fingerprints as rank 0 sent them (receivers: read back)
         cuda = self.backend == "nccl" or (self.backend == "ipc" and torch.cuda.is_available())
         if device is None and cuda:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -193,6 +198,7 @@ class WeightGroup:
         self.store = dist.TCPStore(address, port, self.world, is_master=True, timeout=self.timeout,
                                    wait_for_workers=False, master_listen_fd=listener.detach())  # fmt: skip
         self.store.set("auth/nonce", secrets.token_bytes(16))
+        self._put(self.store, "check", b"1" if self.check else b"0")
         return self.store.port
 
     def connect(self, address: str, port: int, local_address: str = "") -> None:
@@ -203,6 +209,7 @@ class WeightGroup:
             address = "127.0.0.1" if self.backend == "ipc" else address  # ipc: every member is on rank 0's host
             self.store = dist.TCPStore(address, port, self.world, is_master=False, timeout=self.timeout)
         self._authenticate()
+        self.check = self._get_signed(self.store, "check") == b"1"
         if self.backend == "ipc":
             self._check_places()
             return
@@ -219,6 +226,18 @@ class WeightGroup:
             opts._timeout = self.timeout
             self.pg = dist.ProcessGroupNCCL(store, self.rank, self.world, opts)
         self._broadcast(torch.zeros(1, device=self.device))  # every member is here (NCCL connects lazily)
+
+    def check_loaded(self, plan: WeightPlan, tensors: dict[str, torch.Tensor]) -> None:
+        """After a receive: the engine's live `tensors` (name -> tensor, any dtype) hold what rank 0 sent in the last
+        sync (its fingerprints, cast to the publish dtype), else one line naming the tensor: a load that did not take
+        (the engine would go on sampling from old weights)."""
+        if not self.check:
+            return
+        dtypes = {s.name: _dtype(plan.buckets[s.bucket][0]) for s in plan.tensors}
+        live = fingerprint(((name, tensors[name]) for name in dtypes), self.syncs - 1, dtypes)
+        if bad := differs(self.sent, live):
+            raise RuntimeError(f"weight group: rank {self.rank}: after sync {self.syncs - 1} the engine's {bad} is not "
+                               "what rank 0 sent: the load did not take, the engine holds other weights")  # fmt: skip
 
     def _ipc_store(self) -> dist.Store:
         return dist.PrefixStore("forgeweave-ipc", self.store)
@@ -284,28 +303,55 @@ class WeightGroup:
         self.pg.broadcast([buffer], opts).wait()
 
     def send(self, plan: WeightPlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Rank 0: cast, pack and broadcast `tensors` (in the plan's order, on any device); returns bytes sent."""
+        """Rank 0: cast, pack and broadcast `tensors` (in the plan's order, on any device); returns bytes sent. With
+        the check on, the fingerprints of what was packed go to the store (signed) for the receivers to compare."""
         assert self.rank == 0 and self.store is not None, "send is rank 0's, after connect"
+        sync, self.syncs, self.sent = self.syncs, self.syncs + 1, {}
         if self.backend == "ipc":
-            return self._send_ipc(plan, iter(tensors))
+            self._send_ipc(plan, iter(tensors), sync)
+            return plan.nbytes
         it = iter(tensors)
         for index, buffer in enumerate(self._empty_buckets(plan)):
             _pack(plan, index, buffer, it)
+            self._note(plan, index, buffer, sync, self.sent)
             self._broadcast(buffer)
+        self._publish_fingerprints(sync)
         return plan.nbytes
 
-    def _send_ipc(self, plan: WeightPlan, it: Iterator[tuple[str, torch.Tensor]]) -> int:
+    def _publish_fingerprints(self, sync: int) -> None:
+        if self.check:
+            self._put(self.store, f"fp/{sync}", json.dumps(self.sent).encode())
+            self.store.delete_key(f"fp/{sync - 3}")  # read long ago: every receiver finished that sync since
+
+    def _note(self, plan: WeightPlan, index: int, bucket: torch.Tensor, sync: int, into: dict) -> None:
+        if self.check:
+            into.update(fingerprint(_views(plan, index, bucket), sync))
+
+    def _verify(self, got: dict[str, float], sync: int) -> None:
+        """A receiver: what arrived against what rank 0 sent (its signed fingerprints); a difference stops the sync
+        with one line naming the tensor."""
+        if not self.check:
+            return
+        self._wait(self.store, {f"fp/{sync}": 0}, f"read rank 0's fingerprints of sync {sync}")
+        self.sent = json.loads(self._get_signed(self.store, f"fp/{sync}"))
+        if bad := differs(self.sent, got):
+            raise RuntimeError(f"weight group: rank {self.rank}: sync {sync}: {bad} arrived other than rank 0 sent "
+                               "it (corrupted in transit): this engine does not hold the trainer's weights")  # fmt: skip
+
+    def _send_ipc(self, plan: WeightPlan, it: Iterator[tuple[str, torch.Tensor]], sync: int) -> None:
         """ipc: per bucket, pack it in shareable memory, put its handle in the store, wait for every receiver's ack,
         then drop it (and the keys)."""
-        store, sync = self._ipc_store(), self.syncs
-        self.syncs += 1
+        store = self._ipc_store()
         for index, (dtype, numel) in enumerate(plan.buckets):
             bucket = shareable(numel, _dtype(dtype), self.device)
             _pack(plan, index, bucket, it)
+            self._note(plan, index, bucket, sync, self.sent)
             if bucket.is_cuda:  # the receivers read the bytes as soon as they see the handle
                 torch.cuda.synchronize(bucket.device)
             key = f"{sync}/{index}"
             self._put(store, key, pickle.dumps(share(bucket)))
+            if index == len(plan.buckets) - 1:  # all packed: the receivers can check as soon as they have it
+                self._publish_fingerprints(sync)
             acks = {f"{key}/ack/{r}": r for r in range(1, self.world)}
             self._wait(store, acks, f"have bucket {index} of sync {sync} acked")
             for k in acks:
@@ -315,18 +361,16 @@ class WeightGroup:
             del bucket
             if self.device.type == "cuda":  # let torch free the blocks the receivers have let go of
                 torch.cuda.ipc_collect()
-        return plan.nbytes
 
-    def _receive_ipc(self, plan: WeightPlan, load: Loader) -> int:
+    def _receive_ipc(self, plan: WeightPlan, load: Loader, sync: int, got: dict) -> None:
         """ipc: per bucket, wait for its handle, map the sender's memory, `load` views of it, ack."""
-        store, sync = self._ipc_store(), self.syncs
-        self.syncs += 1
+        store = self._ipc_store()
         for index in range(len(plan.buckets)):
             bucket = self._ipc_bucket(store, plan, sync, index)
+            self._note(plan, index, bucket, sync, got)
             load(_views(plan, index, bucket))
             del bucket
             self._ack(store, sync, index)
-        return plan.nbytes
 
     def _ipc_bucket(self, store: dist.Store, plan: WeightPlan, sync: int, index: int) -> torch.Tensor:
         """ipc: bucket `index` of sync `sync`, mapped from the sender's memory once its signed handle is there."""
@@ -347,34 +391,43 @@ class WeightGroup:
         copies (the sender's memory goes back at the bucket's ack). The loader must take every pair: the sync's
         buckets are a collective."""
         assert self.rank > 0 and self.store is not None, "stream is for ranks 1..N, after connect"
-        if self.backend == "ipc":
-            store, sync = self._ipc_store(), self.syncs
-            self.syncs += 1
-            for index in range(len(plan.buckets)):
+        sync, self.syncs, got = self.syncs, self.syncs + 1, {}
+        store = self._ipc_store()
+        for index in range(len(plan.buckets)):
+            if self.backend == "ipc":
                 bucket = self._ipc_bucket(store, plan, sync, index)
+                self._note(plan, index, bucket, sync, got)
                 pairs = [(name, t.clone()) for name, t in _views(plan, index, bucket)]
                 del bucket
                 self._ack(store, sync, index)
-                yield from pairs
-            return
-        for index, buffer in enumerate(self._empty_buckets(plan)):
-            self._broadcast(buffer)
-            yield from _views(plan, index, buffer)
+            else:
+                bucket = next(self._empty_buckets(plan, index))
+                self._broadcast(bucket)
+                self._note(plan, index, bucket, sync, got)
+                pairs = _views(plan, index, bucket)
+                del bucket
+            yield from pairs
+            del pairs
+        self._verify(got, sync)
 
     def receive(self, plan: WeightPlan, load: Loader) -> int:
         """Ranks 1..N: receive each bucket and hand its (name, view of the buffer) pairs to `load` before the next
         bucket overwrites nothing (each bucket gets a fresh buffer; under ipc the views are of the sender's memory,
         which goes back to it once `load` returns: `load` copies what it keeps). Returns bytes received."""
         assert self.rank > 0 and self.store is not None, "receive is for ranks 1..N, after connect"
+        sync, self.syncs, got = self.syncs, self.syncs + 1, {}
         if self.backend == "ipc":
-            return self._receive_ipc(plan, load)
-        for index, buffer in enumerate(self._empty_buckets(plan)):
-            self._broadcast(buffer)
-            load(_views(plan, index, buffer))
+            self._receive_ipc(plan, load, sync, got)
+        else:
+            for index, buffer in enumerate(self._empty_buckets(plan)):
+                self._broadcast(buffer)
+                self._note(plan, index, buffer, sync, got)
+                load(_views(plan, index, buffer))
+        self._verify(got, sync)
         return plan.nbytes
 
-    def _empty_buckets(self, plan: WeightPlan) -> Iterator[torch.Tensor]:
-        for dtype, numel in plan.buckets:
+    def _empty_buckets(self, plan: WeightPlan, start: int = 0) -> Iterator[torch.Tensor]:
+        for dtype, numel in plan.buckets[start:]:
             yield torch.empty(numel, dtype=_dtype(dtype), device=self.device)
 
     def close(self) -> None:
@@ -500,6 +553,44 @@ def _rebuild_cpu(handle: tuple, dtype: str, numel: int) -> torch.Tensor:
     manager, filename, size = handle
     storage = torch.UntypedStorage._new_shared_filename_cpu(manager, filename, size)
     return torch.empty(0, dtype=_dtype(dtype)).set_(storage, 0, (numel,))
+
+
+FINGERPRINT_SLICE = 16  # elements read per tensor and sync
+
+
+def fingerprint(pairs: Iterable[tuple[str, torch.Tensor]], sync: int,
+                dtypes: dict[str, torch.dtype] | None = None) -> dict[str, float]:  # fmt: skip
+    """Per tensor, a weighted sum (float64) of a slice of `FINGERPRINT_SLICE` elements at a place that moves with
+    the tensor's name and the sync: both ends compute it on the same dtype (what was packed, what arrived), so equal
+    tensors give equal numbers, and a tensor scaled, zeroed or shifted in transit almost surely does not. It reads
+    16 elements a tensor: its cost is the number of tensors, not their size. `dtypes`: cast each slice to its
+    tensor's publish dtype first (a receiver's live fp32 parameters against the bf16 that was sent).
+
+    >>> t = torch.arange(100.0)
+    >>> fingerprint([("w", t)], 0) == fingerprint([("w", t.clone())], 0) != fingerprint([("w", t * 1.001)], 0)
+    True
+    """
+    out = {}
+    for name, t in pairs:
+        flat = t.reshape(-1)
+        n = flat.numel()
+        k = min(n, FINGERPRINT_SLICE)
+        if k == 0:
+            out[name] = 0.0
+            continue
+        start = (zlib.crc32(name.encode()) + sync * 7919) % n
+        idx = (start + torch.arange(k, device=flat.device) * max(1, n // k)) % n
+        w = torch.arange(1, k + 1, dtype=torch.float64, device=flat.device)
+        part = flat[idx] if dtypes is None else flat[idx].to(dtypes[name])
+        out[name] = float((part.to(torch.float64) * w).sum())
+    return out
+
+
+def differs(sent: dict[str, float], got: dict[str, float]) -> str:
+    """The first tensor whose fingerprint differs (a name, or 'the tensor set'), '' if none."""
+    if list(sent) != list(got):
+        return "the tensor set"
+    return next((repr(k) for k, v in sent.items() if not (v == got[k] or (v != v and got[k] != got[k]))), "")
 
 
 def _views(plan: WeightPlan, index: int, bucket: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

@@ -204,7 +204,8 @@ class RolloutWorker:
         each worker's `reload_weights`); returns seconds."""
         t0 = time.perf_counter()
         if self.rollout_cfg.backend == "hf":
-            self.weight_group.receive(self.weight_plan, self._load_into)
+            self.weight_group.receive(self.weight_plan, self._load_into)  # raises if a tensor arrived corrupted
+            self.weight_group.check_loaded(self.weight_plan, self.model.state_dict())  # and if the load did not take
             self.backend.sync_weights(self.model, version)
         else:
             self.backend.receive_weights(version)
@@ -404,6 +405,7 @@ class TrainerWorker:
 
         self.rank, self.world, self.checkpoint_cfg = rank, world, checkpoint
         self.publish = functools.partial(publish_dtype, rollout, model_cfg.dtype)
+        self.weight_check = rollout.weight_check  # the weight group's integrity check (its receivers follow it)
         accelerator = None
         if world > 1:
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
@@ -461,7 +463,7 @@ class TrainerWorker:
         each sync sends, the port). `connect_weight_group` next. Rank 0 hosts the broadcast group; under ipc any rank
         hosts the group of the engines on its own GPU (each rank holds the full weights at a publish)."""
         assert self.rank == 0 or backend == "ipc", "only update rank 0 hosts a broadcast weight group"
-        self.weight_group = WeightGroup(0, world, backend)
+        self.weight_group = WeightGroup(0, world, backend, check=self.weight_check)
         shapes = self.trainer.publish_shapes()
         self.weight_plan = make_plan(shapes, self.publish(shapes[0][1]))
         port = self.weight_group.host(address)

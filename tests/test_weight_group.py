@@ -70,8 +70,8 @@ def _count_buckets(group: WeightGroup) -> dict:
     live: dict = {"refs": [], "max": 0}
     make = group._empty_buckets
 
-    def tracked(plan):
-        for buffer in make(plan):
+    def tracked(plan, start=0):
+        for buffer in make(plan, start):
             live["refs"].append(weakref.ref(buffer))
             yield buffer
 
@@ -322,3 +322,62 @@ def test_ipc_values_are_signed_and_a_handle_must_be_the_senders_bucket():
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         checked_handle((rebuild_cuda_tensor, handle[1]), ("bfloat16", 6), torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- integrity: what arrived is what was sent
+
+
+def _corrupting_receiver(world: int, port: int, plan, out: str, backend: str) -> None:
+    """Rank 1, whose second bucket of the sync is scaled by 2 after it arrived (a fault in transit)."""
+    group = WeightGroup(1, world, backend, timeout=timedelta(seconds=30))
+    group.connect(HOST, port, local_address=HOST)
+    if backend == "ipc":
+        real_bucket = group._ipc_bucket
+        group._ipc_bucket = lambda store, plan, sync, index: real_bucket(store, plan, sync, index) * (2 if index else 1)
+    else:
+        real, seen = group._broadcast, []
+
+        def corrupt(buffer):
+            real(buffer)
+            seen.append(1)
+            if len(seen) == 2:
+                buffer.mul_(2)
+
+        group._broadcast = corrupt
+    try:
+        group.receive(plan, lambda pairs: None)
+    except RuntimeError as e:
+        Path(out, "caught.txt").write_text(str(e))
+
+
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_a_tensor_corrupted_in_transit_stops_the_sync_naming_it(tmp_path, backend):
+    plan = plan_for(weights(0).items(), torch.bfloat16, bucket_bytes=1024)
+    second = [s.name for s in plan.tensors if s.bucket == 1]
+    group, port = _host(2, backend=backend)
+    proc = mp.get_context("spawn").Process(target=_corrupting_receiver, args=(2, port, plan, str(tmp_path), backend),
+                                           daemon=True)  # fmt: skip
+    proc.start()
+    group.connect(HOST, port, local_address=HOST)
+    group.send(plan, weights(0).items())
+    proc.join(timeout=60)
+    caught = (tmp_path / "caught.txt").read_text()
+    assert caught.startswith(f"weight group: rank 1: sync 0: {second[0]!r} arrived other than rank 0 sent it "
+                             "(corrupted in transit)"), caught  # fmt: skip
+    group.close()
+
+
+def test_a_load_that_did_not_take_is_named():
+    """`check_loaded`: the engine's live tensors (fp32) against what rank 0 sent (bf16 fingerprints)."""
+    from forge.weight_group import fingerprint
+
+    plan = plan_for(weights(3).items(), torch.bfloat16)
+    group = WeightGroup(1, 2, "gloo", secret=b"k")
+    group.syncs, group.sent = 1, fingerprint(expected(3, torch.bfloat16).items(), 0)
+    live = {k: v.float() if v.is_floating_point() else v for k, v in expected(3, torch.bfloat16).items()}
+    group.check_loaded(plan, live)  # fp32 copies of what was sent: equal after the cast back
+    stale = {**live, "layer.0.w": live["layer.0.w"] + 1}  # the old weights still in place
+    with pytest.raises(RuntimeError, match="after sync 0 the engine's 'layer.0.w' is not what rank 0 sent"):
+        group.check_loaded(plan, stale)
+    group.check = False  # rollout.weight_check=false
+    group.check_loaded(plan, stale)

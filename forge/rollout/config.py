@@ -66,5 +66,9 @@ class RolloutConfig:
     weight_transport: Literal["auto", "group", "ipc"] = "auto"
     """Ray mode, trainer -> engines: group (broadcast: gloo/NCCL), ipc (handles to rank 0's memory: same host and
     device), auto (ipc when every engine shares update rank 0's GPU, else group)."""
+    weight_check: bool = True
+    """Ray mode: after every weight sync each receiver compares a fingerprint of what arrived (16 elements a tensor)
+    with update rank 0's, and an hf engine its live weights too; a difference stops the run naming the tensor
+    (forge/weight_group.py)."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
     """vllm: the engines' settings."""
