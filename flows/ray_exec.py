@@ -314,10 +314,10 @@ class RayStages:
         """The rollout actors' config: the run's, with each actor's share of a shared OpenEnv server's sessions."""
         if not self.cfg.env.openenv.url or replicas == 1:
             return self.cfg
-        cfg = dataclasses.replace(self.cfg, env=dataclasses.replace(self.cfg.env))
         episodes = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
-        cfg.env.openenv.max_sessions = replica_sessions(self.cfg.env, episodes, replicas)
-        return cfg
+        share = replica_sessions(self.cfg.env, episodes, replicas)  # a copy: the run's own config keeps its cap
+        openenv = dataclasses.replace(self.cfg.env.openenv, max_sessions=share)
+        return dataclasses.replace(self.cfg, env=dataclasses.replace(self.cfg.env, openenv=openenv))
 
     def _transport(self) -> WeightRoutes | None:
         """Which weight groups carry the weights (rollout.weight_transport, `weaver.apply.weight_transport`): one

@@ -4,8 +4,8 @@
 Each old key used prints one line to stderr naming its new key (once per key per process); the value moves
 unchanged, except three keys whose form changed: `update.adaptive: true/false` (a bool before the section existed)
 becomes `update.adaptive.enabled`, `env.agent: pkg.mod:fn` (a string before the section existed) becomes
-`env.agent.fn`, and `eval.check: NAME` (one verifier) becomes `eval.verifiers: [NAME]` (an empty one is dropped). A mapping that sets both an old key and its new one is a ConfigError: which one to keep is a
-person's choice.
+`env.agent.fn`, and `eval.check: NAME` (one verifier) becomes `eval.verifiers: [NAME]` (an empty one is dropped). A
+mapping that sets both an old key and its new one is a ConfigError: which one to keep is a person's choice.
 """
 
 from __future__ import annotations

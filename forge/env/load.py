@@ -21,8 +21,9 @@ def load_environment(e: EnvConfig, model: ModelConfig, code_exec: CodeExecConfig
     """(the environment factory, the stateless and built-in tools, the chat format: `model`'s chat template and
     system prompt) of the `env` section; `code_exec`: the sandbox of the built-in python tool; `episodes`: a step's
     (B * G, the sessions an OpenEnv server must hold), checked once at start: a class without reset, a tool without
-    a docstring, an OpenEnv server that does not answer is a one-line UserError naming it. An OpenEnv server named by env.openenv.app / env.openenv.command is
-    started here, as is the endpoint of an agent (env.agent.fn); `close_environment` stops them."""
+    a docstring, an OpenEnv server that does not answer is a one-line UserError naming it. An OpenEnv server named by
+    env.openenv.app / env.openenv.command is started here, as is the endpoint of an agent (env.agent.fn);
+    `close_environment` stops them."""
     use_template = model.chat_template if model.chat_template is not None else True
     if e.agent.fn:  # the endpoint starts here (127.0.0.1, a free port); close_environment stops it
         return AgentHost(load_agent(e.agent.fn), tok, e, model.path, use_template), [], ChatFormat(tok, use_template)

@@ -155,9 +155,9 @@ def test_a_server_dying_mid_episode_fails_the_episodes_in_flight(tok):
 
 
 def _sets(url: str, steps: int) -> list[str]:
-    return [f"steps={steps}", "threads=1", "tracking.mlflow=false", "env.environment_factory=", f"env.openenv.url={url}",
-            "reward.verifiers=[env_reward,math_answer]", "rollout.prompts_per_step=4", "rollout.group_size=4",
-            "data.train_size=64", "eval.every=0", "eval.max_problems=4"]  # fmt: skip
+    return [f"steps={steps}", "threads=1", "tracking.mlflow=false", "env.environment_factory=",
+            f"env.openenv.url={url}", "reward.verifiers=[env_reward,math_answer]", "rollout.prompts_per_step=4",
+            "rollout.group_size=4", "data.train_size=64", "eval.every=0", "eval.max_problems=4"]  # fmt: skip
 
 
 def test_an_unreachable_server_a_command_that_dies_and_bad_keys_are_one_line_naming_them(tmp_path):
