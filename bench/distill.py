@@ -7,11 +7,11 @@ Three runs in this process (`forge.recipes.grpo.run`, plain mode, no checkpoints
 steps, the greedy held-out eval every `--eval-every` steps:
 
 - `grpo`:    the preset's verifiers, no teacher (the demo's recipe);
-- `distill`: no verifier, `reward.teacher` (per-token reverse KL as the reward, docs/distillation.md);
-- `topk`:    no verifier, `reward.teacher` with `reward.teacher_topk=16` (the reverse KL to the teacher's top 16
+- `distill`: no verifier, `distill.teacher` (per-token reverse KL as the reward, docs/distillation.md);
+- `topk`:    no verifier, `distill.teacher` with `distill.topk=16` (the reverse KL to the teacher's top 16
              next tokens at every sampled position, in the loss), at lr 5e-5 (see MODES);
-- `topk_forward`: the same with the forward KL (`reward.teacher_divergence=forward`);
-- `both`:    the verifiers and the teacher (`reward.teacher_weight`).
+- `topk_forward`: the same with the forward KL (`distill.divergence=forward`);
+- `both`:    the verifiers and the teacher (`distill.weight`).
 
 Both teacher modes run at a constant LR (`update.adaptive.enabled=false`, see MODES); `--set` applies to every mode
 and comes last, so it may override that.
@@ -49,12 +49,12 @@ from multiturn import cpu_name, peak_rss_mb, stderr  # noqa: E402  (bench/ is no
 # and pass@1 0.715 at step 28, against 0.800 at a constant LR.
 MODES = {
     "grpo": lambda teacher: [],
-    "distill": lambda teacher: [f"reward.teacher={teacher}", "reward.verifiers=[]", "update.adaptive.enabled=false"],
-    "both": lambda teacher: [f"reward.teacher={teacher}", "update.adaptive.enabled=false"],
+    "distill": lambda teacher: [f"distill.teacher={teacher}", "reward.verifiers=[]", "update.adaptive.enabled=false"],
+    "both": lambda teacher: [f"distill.teacher={teacher}", "update.adaptive.enabled=false"],
     # an exact divergence with no sampling noise, so SFT's step size (bench/sft_teacher.py's lr): measured on 3-digit
     # sums, 1e-5 (the preset's, GRPO's) gave 0.51 at step 20
-    "topk": lambda teacher: [*MODES["distill"](teacher), "reward.teacher_topk=16", "update.lr=5e-5"],
-    "topk_forward": lambda teacher: [*MODES["topk"](teacher), "reward.teacher_divergence=forward"],
+    "topk": lambda teacher: [*MODES["distill"](teacher), "distill.topk=16", "update.lr=5e-5"],
+    "topk_forward": lambda teacher: [*MODES["topk"](teacher), "distill.divergence=forward"],
 }
 ALONE = ("distill", "topk", "topk_forward")  # the modes where the teacher is the only signal: acceptance 3's
 

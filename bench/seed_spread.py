@@ -182,10 +182,10 @@ def teacher_run(seed: int, tmp: Path, steps: int | None, topk: int = 0, ray_cfg:
         cfg.checkpoint.every = n
     else:
         cfg = run_cfg(n)
-        cfg.reward.teacher_topk = topk
+        cfg.distill.topk = topk
     cfg.seed = seed
     start, tok = load_policy(cfg.model, seed=cfg.seed)
-    cfg.reward.teacher = save(prefers(start, tok, X, gap=2.0), tok, tmp / "teacher")
+    cfg.distill.teacher = save(prefers(start, tok, X, gap=2.0), tok, tmp / "teacher")
     train(cfg, run_dir=tmp / "run", progress=False)
     end, _ = load_policy(dataclasses.replace(cfg.model, path=str(tmp / "run" / "checkpoints" / f"step-{n:06d}")))
     kl = reverse_kls(tmp / "run")

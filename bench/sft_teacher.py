@@ -5,7 +5,7 @@ their level as fast as anything. A teacher that knows more than the reward can t
 for, and the cheapest one on this machine is supervised: the preset's own train split (forge's data prep, the same
 chat-formatted prompts the rollouts see; never the held-out eval rows), each prompt followed by its labelled answer
 and the end-of-turn token, loss on the answer tokens only. `transformers.Trainer` runs it (one epoch by default, bf16
-autocast where the CPU has bf16 units); the result is a model directory `reward.teacher` takes, and its greedy
+autocast where the CPU has bf16 units); the result is a model directory `distill.teacher` takes, and its greedy
 held-out pass@1 is printed (flows.evaluation, the eval `forgeweave eval` runs).
 
 Usage: python bench/sft_teacher.py [--preset smollm2-arith] [--out /tmp/sft-teacher] [--epochs 1] [--lr 5e-5]

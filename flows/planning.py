@@ -128,7 +128,7 @@ def make_plan(cfg: RunConfig, pools: list[Pool]) -> Plan:
         return plan(needs, pools)
     except PlanError as e:
         teacher = e.stage == "teacher"  # a teacher that fits nowhere: the line names its directory
-        raise UserError(f"reward.teacher '{cfg.reward.teacher}': {e}" if teacher else str(e)) from None
+        raise UserError(f"distill.teacher '{cfg.distill.teacher}': {e}" if teacher else str(e)) from None
 
 
 def run_needs(cfg: RunConfig, pools: list[Pool]) -> list[StageNeed]:
@@ -160,13 +160,13 @@ def run_needs(cfg: RunConfig, pools: list[Pool]) -> list[StageNeed]:
 
 
 def teacher_params(cfg: RunConfig) -> int:
-    """The distillation teacher's parameter count (0 without `reward.teacher`): exact from its safetensors headers,
-    else from its config.json; a missing directory or config.json is one line naming reward.teacher."""
-    if not cfg.reward.teacher:
+    """The distillation teacher's parameter count (0 without `distill.teacher`): exact from its safetensors headers,
+    else from its config.json; a missing directory or config.json is one line naming distill.teacher."""
+    if not cfg.distill.teacher:
         return 0
     from forge.rewards.teacher import check_teacher_dir
 
-    d = Path(check_teacher_dir(cfg.reward.teacher))
+    d = Path(check_teacher_dir(cfg.distill.teacher))
     config = _read_json(d / "config.json")
     return params_from_safetensors(d, config) or params_from_config(config)
 

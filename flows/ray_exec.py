@@ -12,7 +12,7 @@ run. Started once per run (and again after a recovery), each actor loads its mod
   multi-turn episodes run in the actors (environments and tools there) and sample what one call would;
   evaluation runs on replica 0 (Weaver: evaluate runs in rollout);
 - reward: one actor (`RewardWorker`) on reward's pool;
-- teacher (with `reward.teacher`, on-policy distillation): one actor (`TeacherWorker`) on the teacher stage's pool
+- teacher (with `distill.teacher`, on-policy distillation): one actor (`TeacherWorker`) on the teacher stage's pool
   (Weaver: beside update by default, or a cpu pool reserved for it); each step it scores the rollouts (its [N, T]
   log-probs go by reference to the reward actor, which then loads no teacher of its own).
 
@@ -312,12 +312,12 @@ class RayStages:
 
     def _rollout_cfg(self, replicas: int) -> RunConfig:
         """The rollout actors' config: the run's, with each actor's share of a shared OpenEnv server's sessions."""
-        if not self.cfg.env.openenv_url or replicas == 1:
+        if not self.cfg.env.openenv.url or replicas == 1:
             return self.cfg
-        cfg = dataclasses.replace(self.cfg, env=dataclasses.replace(self.cfg.env))
         episodes = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
-        cfg.env.openenv_max_sessions = replica_sessions(self.cfg.env, episodes, replicas)
-        return cfg
+        share = replica_sessions(self.cfg.env, episodes, replicas)  # a copy: the run's own config keeps its cap
+        openenv = dataclasses.replace(self.cfg.env.openenv, max_sessions=share)
+        return dataclasses.replace(self.cfg, env=dataclasses.replace(self.cfg.env, openenv=openenv))
 
     def _transport(self) -> WeightRoutes | None:
         """Which weight groups carry the weights (rollout.weight_transport, `weaver.apply.weight_transport`): one
@@ -440,7 +440,7 @@ class RayStages:
         """One step on every rank; rank 0's new weights go to the rollout actors. On-policy the loop waits for them
         to load; asynchronous (`algo.max_staleness` > 0) the loads queue behind the generate calls in flight and
         `sync_seconds` is the rollout actors' own load time of the previous version. `teacher` (the teacher's top
-        k, reward.teacher_topk) goes by `ray.put` like the advantages."""
+        k, distill.topk) goes by `ray.put` like the advantages."""
         ro_ref, adv_ref = self._ref(rollouts), ray.put(advantages)
         top_ref = None if teacher is None else ray.put(teacher)
         if self.group:
@@ -625,11 +625,11 @@ def _lost_nodes(run_dir: Path, stage: str) -> list[str]:
 
 
 def _has_teacher(cfg: RunConfig, plan: Plan) -> bool:
-    """Whether the run distills (`reward.teacher`) and so starts a teacher actor: the plan must then place it."""
-    if not cfg.reward.teacher:
+    """Whether the run distills (`distill.teacher`) and so starts a teacher actor: the plan must then place it."""
+    if not cfg.distill.teacher:
         return False
     if not any(a.stage == "teacher" for a in plan.assignments):
-        raise UserError(f"reward.teacher '{cfg.reward.teacher}' is set but Weaver's plan has no teacher stage: "
+        raise UserError(f"distill.teacher '{cfg.distill.teacher}' is set but Weaver's plan has no teacher stage: "
                         "plan the run again (flows.planning.plan_run) with this config")  # fmt: skip
     return True
 

@@ -1,7 +1,7 @@
 """The run config taken apart: each component built from the sections it reads (part of the config composite).
 
 Components take their own config sections and plain values (`Trainer(model, update, algo, ...)`,
-`RolloutWorker(rollout=..., env=..., eval=...)`, `RewardWorker(reward, ...)`); only `forge.config`, this module,
+`RolloutWorker(rollout=..., env=..., eval=...)`, `RewardWorker(reward, distill=...)`); only `forge.config`, this module,
 `forge.config_compat`, `forge.presets` and the API (`forge.api`, `forge.recipes.grpo`, `forge.recipes.wiring`) know
 `RunConfig` (tests/test_config_sections.py). Here a cross-section value is computed once and passed as a value: the
 step's episode count (B * G), the rollout's temperature for the trainer's log-probs.
@@ -62,23 +62,23 @@ def rollout_worker(cfg: RunConfig, **kwargs) -> RolloutWorker:
 
 
 def teacher(cfg: RunConfig) -> Teacher:
-    """The distillation teacher of `reward.teacher`, loaded."""
+    """The distillation teacher of `distill.teacher`, loaded."""
     from forge.rewards.teacher import Teacher
 
     r = cfg.rollout
-    return Teacher(cfg.reward, cfg.model, batch_size=r.batch_size, temperature=r.temperature,
+    return Teacher(cfg.distill, cfg.model, batch_size=r.batch_size, temperature=r.temperature,
                    autocast_bf16=cfg.update.autocast_bf16)  # fmt: skip
 
 
 def reward_worker(cfg: RunConfig, train_rows: int = 0, load_teacher: bool = True) -> RewardWorker:
-    """The reward stage's worker; `load_teacher`: load `reward.teacher` in it (False: a `TeacherWorker` elsewhere
+    """The reward stage's worker; `load_teacher`: load `distill.teacher` in it (False: a `TeacherWorker` elsewhere
     passes its log-probs to `score`, as in Ray mode)."""
     from forge.workers import RewardWorker
 
-    loaded = teacher(cfg) if cfg.reward.teacher and load_teacher else None
+    loaded = teacher(cfg) if cfg.distill.teacher and load_teacher else None
     return RewardWorker(cfg.reward, advantage=cfg.algo.advantage, seed=cfg.seed, steps=cfg.steps,
                         prompts_per_step=cfg.rollout.prompts_per_step, answer_column=cfg.data.answer_column,
-                        train_rows=train_rows, teacher=loaded)  # fmt: skip
+                        train_rows=train_rows, distill=cfg.distill, teacher=loaded)  # fmt: skip
 
 
 def teacher_worker(cfg: RunConfig) -> TeacherWorker:
@@ -86,7 +86,7 @@ def teacher_worker(cfg: RunConfig) -> TeacherWorker:
     from forge.workers import TeacherWorker
 
     r = cfg.rollout
-    return TeacherWorker(cfg.reward, cfg.model, batch_size=r.batch_size, temperature=r.temperature,
+    return TeacherWorker(cfg.distill, cfg.model, batch_size=r.batch_size, temperature=r.temperature,
                          autocast_bf16=cfg.update.autocast_bf16, seed=cfg.seed, threads=cfg.threads)  # fmt: skip
 
 

@@ -1,11 +1,12 @@
 """Typed run configuration: `RunConfig` composes one keyword-only dataclass per component, each beside its code.
 
 Sections beside their component: `model` (forge/model_config.py), `data` (forge/data/config.py), `rollout`
-(forge/rollout/config.py), `reward` (forge/rewards/config.py), `env` (forge/env/config.py), `update` and `algo`
-(forge/trainer_config.py), `update.adaptive` (forge/lr.py), `collapse` (forge/guard.py); each in a module that
-imports no torch, so `forgeweave config` stays cheap. The run-level sections (eval, checkpoint, orchestration,
-tracking) stay here. Components take their own sections; only this composite, `forge.compose` and the API know
-`RunConfig` (tests/test_config_sections.py). Each field's range rule sits on it (`ranged`), a section's cross-field rules in its
+(forge/rollout/config.py), `reward` (forge/rewards/config.py), `distill` (forge/rewards/distill_config.py), `env` with
+`env.openenv` and `env.agent` (forge/env/config.py), `update` and `algo` (forge/trainer_config.py), `update.adaptive`
+(forge/lr.py), `collapse` (forge/guard.py); each in a module that imports no torch, so `forgeweave config` stays
+cheap. The run-level sections (eval, checkpoint, orchestration, tracking) stay here. Components take their own
+sections; only this composite, `forge.compose` and the API know `RunConfig` (tests/test_config_sections.py). Each
+field's range rule sits on it (`ranged`), a section's cross-field rules in its
 `check`; `RunConfig.validate` runs them all and keeps the rules that span sections. Presets are plain functions
 returning a RunConfig (`forge.presets`); the only overlay is `--set section.field=value`, checked against the
 dataclasses: an unknown key or a value of the wrong type is a one-line `ConfigError` naming the key and the nearest
@@ -37,6 +38,7 @@ from forge.env.config import EnvConfig
 from forge.guard import CollapseConfig
 from forge.model_config import LoraConfig, ModelConfig, TinyConfig  # noqa: F401  (re-exported)
 from forge.rewards.config import RewardConfig
+from forge.rewards.distill_config import DistillConfig
 from forge.rollout.config import RolloutConfig, VllmConfig  # noqa: F401  (re-exported)
 from forge.trainer_config import AlgoConfig, UpdateConfig
 
@@ -144,6 +146,8 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation: the teacher, its weight and discount, its top-k divergence (off without a teacher)."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """Multi-turn episodes: the environment class, tools and limits (forge/env; empty = single-turn)."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -161,6 +165,8 @@ class RunConfig:
         sections; raises ConfigError naming the dotted key, the value and what to do."""
         config_base.check_tree(self)
         r, u, lora = self.rollout, self.update, self.model.lora
+        why = "needs at least one verifier (or distill.teacher set: pure distillation)"
+        require(bool(self.reward.verifiers) or bool(self.distill.teacher), "reward.verifiers", why)
         completions = r.prompts_per_step * r.group_size
         why = f"is larger than the {completions} completions of a step: lower it"
         require(completions >= u.num_processes, "update.num_processes", why)
@@ -169,10 +175,10 @@ class RunConfig:
         require(not restores or self.checkpoint.keep_best > 0, "checkpoint.keep_best", why)
         why = "> 0 cannot be combined with update.strategy=fsdp: use ddp (the adapter is small) or full fine-tuning"
         require(not (lora.rank and u.strategy == "fsdp" and u.num_processes > 1), "model.lora.rank", why)
-        sessions = self.env.openenv_max_sessions
-        why = f"is {sessions}, fewer than rollout.replicas={r.replicas}, which share the server at env.openenv_url: "
-        why += "raise it"
-        require(not (self.env.openenv_url and 0 < sessions < r.replicas), "env.openenv_max_sessions", why)
+        openenv = self.env.openenv
+        why = f"is {openenv.max_sessions}, fewer than rollout.replicas={r.replicas}, which share the server at "
+        why += "env.openenv.url: raise it"
+        require(not (openenv.url and 0 < openenv.max_sessions < r.replicas), "env.openenv.max_sessions", why)
         return self
 
 

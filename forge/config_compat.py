@@ -2,10 +2,10 @@
 (`upgrade`: config files, a run's config.yaml on --resume) and to `--set` overrides (`upgrade_override`).
 
 Each old key used prints one line to stderr naming its new key (once per key per process); the value moves
-unchanged, except two keys whose form changed: `update.adaptive: true/false` (a bool before the section existed)
-becomes `update.adaptive.enabled`, and `eval.check: NAME` (one verifier) becomes `eval.verifiers: [NAME]` (an empty
-one is dropped). A mapping that sets both an old key and its new one is a ConfigError: which one to keep is a
-person's choice.
+unchanged, except three keys whose form changed: `update.adaptive: true/false` (a bool before the section existed)
+becomes `update.adaptive.enabled`, `env.agent: pkg.mod:fn` (a string before the section existed) becomes
+`env.agent.fn`, and `eval.check: NAME` (one verifier) becomes `eval.verifiers: [NAME]` (an empty one is dropped). A
+mapping that sets both an old key and its new one is a ConfigError: which one to keep is a person's choice.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any
 
 from forge.config_base import ConfigError
 
-# old dotted key -> new dotted key; `update.adaptive` comes before `update.adaptive_*`: the scalar makes the section
+# old dotted key -> new dotted key; `update.adaptive` comes before `update.adaptive_*` (and `env.agent` before
+# `env.agent_*`): the scalar makes the section
 RENAMED: dict[str, str] = {
     "model.tiny_hidden": "model.tiny.hidden",
     "model.tiny_layers": "model.tiny.layers",
@@ -52,6 +53,23 @@ RENAMED: dict[str, str] = {
     "eval.probe_source": "collapse.probe_source",
     "eval.probe_every": "collapse.probe_every",
     "eval.probe_max_problems": "collapse.probe_max_problems",
+    "env.openenv_url": "env.openenv.url",
+    "env.openenv_app": "env.openenv.app",
+    "env.openenv_command": "env.openenv.command",
+    "env.openenv_text_action": "env.openenv.text_action",
+    "env.openenv_max_sessions": "env.openenv.max_sessions",
+    "env.openenv_timeout_s": "env.openenv.timeout_s",
+    "env.openenv_start_timeout_s": "env.openenv.start_timeout_s",
+    "env.agent": "env.agent.fn",
+    "env.agent_timeout_s": "env.agent.timeout_s",
+    "env.agent_max_concurrent": "env.agent.max_concurrent",
+    "env.agent_batch_wait_ms": "env.agent.batch_wait_ms",
+    "env.agent_request_sampling": "env.agent.request_sampling",
+    "reward.teacher": "distill.teacher",
+    "reward.teacher_weight": "distill.weight",
+    "reward.teacher_discount": "distill.discount",
+    "reward.teacher_topk": "distill.topk",
+    "reward.teacher_divergence": "distill.divergence",
 }
 _noted: set[str] = set()
 
@@ -80,7 +98,7 @@ def _holds(data: dict, old: str) -> bool:
     sec = data.get(section)
     if not isinstance(sec, dict) or name not in sec:
         return False
-    return not (old == "update.adaptive" and isinstance(sec[name], dict))  # the new section, not the old bool
+    return not (RENAMED[old].startswith(f"{old}.") and isinstance(sec[name], dict))  # the new section, not a scalar
 
 
 def _move(data: dict, old: str, source: str) -> None:

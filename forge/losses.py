@@ -13,7 +13,7 @@ batch was split:
   token_mean      sum m L / sum m                 DAPO, CISPO
 `sequence_log_ratio` is GSPO's one ratio per sequence; `k3_kl` the KL estimator to the reference policy;
 `topk_reverse_kl` / `topk_forward_kl` the exact KL to a distillation teacher over its top k tokens
-(`reward.teacher_topk`, `reward.teacher_divergence`);
+(`distill.topk`, `distill.divergence`);
 `importance_weights` the truncated token-level correction (TIS) for tokens sampled by another policy mu (an older
 version, or the same weights in another engine): w_t = min(exp(logp_old_t - logp_mu_t), C), stop-gradient,
 the correction of Yao et al. 2025 ("Your efficient RL framework secretly brings you off-policy RL training"), as
@@ -145,7 +145,7 @@ def topk_forward_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> t
     return (p * (teacher_logp - student_logp)).sum(-1) + p_rest * (p_rest.log() - q_rest.log())
 
 
-# reward.teacher_divergence -> the top-k divergence the update adds
+# distill.divergence -> the top-k divergence the update adds
 TOPK_DIVERGENCES = {"reverse": topk_reverse_kl, "forward": topk_forward_kl}
 
 

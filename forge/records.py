@@ -123,18 +123,18 @@ class ScoredBatch:
     # the aggregation's own `reward/...` figures; reward/code_exec/suspicious with code_exec among the verifiers
     reward_metrics: dict[str, float] = field(default_factory=dict)
     ensemble_report: dict | None = None  # on steps the label-free ensemble was refit: its report
-    teacher_topk: TeacherTopK | None = None  # reward.teacher_topk > 0: the distribution the update pulls toward
+    teacher_topk: TeacherTopK | None = None  # distill.topk > 0: the distribution the update pulls toward
 
 
 @dataclass(frozen=True)
 class TeacherTopK:
-    """The teacher's k most likely next tokens at every completion position (`reward.teacher_topk`), at the sampling
+    """The teacher's k most likely next tokens at every completion position (`distill.topk`), at the sampling
     temperature: the update adds `weight` times the student's KL to them (`forge.losses.TOPK_DIVERGENCES`)."""
 
     ids: torch.Tensor  # [N, T, k] token ids
     logp: torch.Tensor  # [N, T, k] the teacher's log-probs of them
-    weight: float  # reward.teacher_weight
-    divergence: str = "reverse"  # reward.teacher_divergence: forge.losses.TOPK_DIVERGENCES
+    weight: float  # distill.weight
+    divergence: str = "reverse"  # distill.divergence: forge.losses.TOPK_DIVERGENCES
 
     def kl(self, student_logp: torch.Tensor) -> torch.Tensor:
         """[n, T] `weight` times the KL (`divergence`) between the student's log-probs of these tokens, [n, T, k], and
@@ -169,7 +169,7 @@ class UpdateStats:
     is_truncated_frac: float = 0.0  # tis: share of tokens whose importance weight hit algo.is_cap
     skipped: int = 0  # optimizer steps (PPO passes) skipped because the loss or gradient norm was not finite
     kl_ref: float = 0.0  # k3 KL to the reference policy (algo.beta > 0; 0 otherwise)
-    teacher_kl: float = 0.0  # reward.teacher_topk: the weighted top-k KL per token, before the first pass
+    teacher_kl: float = 0.0  # distill.topk: the weighted top-k KL per token, before the first pass
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ class MicroBatch:
     old_logp: torch.Tensor | None = None  # [n, T] pi_old, fixed before the first of several PPO passes
     ref_logp: torch.Tensor | None = None  # [n, T] the reference policy's (algo.beta > 0)
     loss_mask: torch.Tensor | None = None  # [n, T] 1 on the tokens the loss counts (sampled); None = completion_mask
-    teacher: TeacherTopK | None = None  # [n, T, k] the teacher's top k (reward.teacher_topk > 0)
+    teacher: TeacherTopK | None = None  # [n, T, k] the teacher's top k (distill.topk > 0)
 
     @property
     def train_mask(self) -> torch.Tensor:
@@ -205,7 +205,7 @@ class MicroStats:
     entropy: float
     logprob_diff: float  # |log pi_old - log mu|: trainer vs sampler
     is_truncated: float  # tokens whose importance weight hit algo.is_cap
-    teacher_kl: float = 0.0  # the weighted top-k KL to the teacher (reward.teacher_topk)
+    teacher_kl: float = 0.0  # the weighted top-k KL to the teacher (distill.topk)
 
     @classmethod
     def of(cls, res: LossOutput, entropy, old, mb: MicroBatch, weight, cap: float, distill=None) -> MicroStats:

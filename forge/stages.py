@@ -85,7 +85,7 @@ class Stages(Protocol):
 
     def update(self, rollouts: Rollouts, advantages: torch.Tensor, teacher: TeacherTopK | None = None) -> UpdateStats:
         """One update; the rollout workers then hold the new weights (`sync_seconds`: moving them). `teacher`: the
-        teacher's top k, whose KL the loss adds (reward.teacher_topk)."""
+        teacher's top k, whose KL the loss adds (distill.topk)."""
         ...
 
     def evaluate(self, rows: list[dict], step: int, probe: bool = False) -> dict:

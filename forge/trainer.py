@@ -303,7 +303,7 @@ class Trainer:
     def update(self, rollouts: Rollouts, advantages: torch.Tensor, teacher: TeacherTopK | None = None) -> UpdateStats:
         """One update on this rank's share of the step's rows: `update.num_iterations` passes of the micro-batches
         through `micro_update` (the recipe's math), one optimizer step each. `advantages`: [N], or [N, T] per token;
-        `teacher`: the teacher's top k at every position, whose KL the loss adds (reward.teacher_topk)."""
+        `teacher`: the teacher's top k at every position, whose KL the loss adds (distill.topk)."""
         start, lr = time.perf_counter(), self.current_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr

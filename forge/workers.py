@@ -11,11 +11,11 @@ node Weaver planned for its stage. Nothing here knows which: no Ray, no Prefect.
   weights over the weight group (`join_weight_group`, `receive_weights(version)`;
   `forge.weight_group`) or as a dict (`load_weights(weights, version)`) and refuses to sample for another version.
 - `RewardWorker`: verifiers -> the reward (`reward.aggregate`: weighted, mean, majority vote or the label-free
-  ensemble; forge/rewards/aggregate.py) -> group advantages (`score`); with `reward.teacher`, plus the teacher's
+  ensemble; forge/rewards/aggregate.py) -> group advantages (`score`); with `distill.teacher`, plus the teacher's
   per-token distillation advantage ([N, T]; forge/rewards/teacher.py): in-process the teacher is loaded once in
   this worker; in Ray mode a `TeacherWorker` of its own scores the rollouts and `score` gets its log-probs.
-- `TeacherWorker`: the distillation teacher (`reward.teacher`, loaded once): `logprobs(rollouts)` -> [N, T] (and
-  [N, T, k] top k with `reward.teacher_topk`).
+- `TeacherWorker`: the distillation teacher (`distill.teacher`, loaded once): `logprobs(rollouts)` -> [N, T] (and
+  [N, T, k] top k with `distill.topk`).
 - `TrainerWorker`: one update rank (rank r of a world of N: a torch.distributed group, gloo on CPU, NCCL on GPU,
   with Accelerate inside); `step` trains on the rank's share of a batch (and returns the new weights on rank 0 if
   asked); rank 0 hosts the weight group and `send_weights` broadcasts them to the rollout workers (colocated, ipc:
@@ -72,6 +72,7 @@ from forge.records import Rollouts, ScoredBatch, TeacherTopK, UpdateStats
 from forge.rewards.aggregate import majority_rewards, mean_scores
 from forge.rewards.code_judge import count_suspicious
 from forge.rewards.config import RewardConfig
+from forge.rewards.distill_config import DistillConfig
 from forge.rewards.registry import resolve_verifiers
 from forge.rewards.score import score_completions, unscored
 from forge.rollout import SamplingParams, make_backend
@@ -253,12 +254,13 @@ class RewardWorker:
     """The reward stage: per-verifier scores, the aggregated reward (`reward.aggregate`), group advantages."""
 
     def __init__(self, reward: RewardConfig, *, advantage: str, seed: int, steps: int, prompts_per_step: int,
-                 answer_column: str = "answer", train_rows: int = 0, teacher: Teacher | None = None):  # fmt: skip
+                 answer_column: str = "answer", train_rows: int = 0, distill: DistillConfig | None = None,
+                 teacher: Teacher | None = None):  # fmt: skip
         """`advantage`: algo's estimator; `steps`, `prompts_per_step`: the run's, for TRL's trainer_state;
         `answer_column`: data's (hidden from verifiers with reward.label_free: `hidden_columns`); `train_rows`: the training split's size,
-        for trainer_state.epoch (0 = unknown: epoch stays 0); `teacher`: the loaded `reward.teacher`
-        (`forge.rewards.teacher.Teacher`), or None when a `TeacherWorker` elsewhere passes its log-probs to `score`,
-        as in Ray mode."""
+        for trainer_state.epoch (0 = unknown: epoch stays 0); `distill`: the distillation section (None: off);
+        `teacher`: the loaded `distill.teacher` (`forge.rewards.teacher.Teacher`), or None when a `TeacherWorker`
+        elsewhere passes its log-probs to `score`, as in Ray mode."""
         self.reward_cfg, self.advantage, self.seed, self.answer_column = reward, advantage, seed, answer_column
         self.steps, self.prompts_per_step, self.train_rows = steps, prompts_per_step, train_rows
         self.verifiers = resolve_verifiers(reward.verifiers, reward)
@@ -268,6 +270,7 @@ class RewardWorker:
 
             names = [name for name, _ in self.verifiers]
             self.aggregator = EnsembleAggregator(names, reward.ensemble, seed)
+        self.distill_cfg = distill if distill is not None else DistillConfig()
         self.teacher = teacher  # on-policy distillation: loaded once, scores every step's tokens
 
     def score(
@@ -275,7 +278,7 @@ class RewardWorker:
     ) -> ScoredBatch:
         """Score step `step`'s completions; safe to repeat for the same step (the ensemble replaces its entry).
         `teacher`: the teacher's log-probs of the sampled tokens (`TeacherWorker.logprobs`), when a teacher worker
-        of its own computed them; else, with `reward.teacher`, this worker's teacher does."""
+        of its own computed them; else, with `distill.teacher`, this worker's teacher does."""
         g = rollouts.group_size
         result = score_completions(
             self.verifiers,
@@ -309,7 +312,7 @@ class RewardWorker:
         if failed.any():
             rewards = rewards.masked_fill(failed, 0.0)
         advantages, topk = group_advantages(rewards, g, self.advantage), None  # [N]
-        if self.reward_cfg.teacher:  # + weight * the teacher's per-token advantage: [N, T]; or its top k
+        if self.distill_cfg.teacher:  # + weight * the teacher's per-token advantage: [N, T]; or its top k
             advantages, topk, distill = self.distill(advantages, rollouts, teacher)
             extra = {**extra, **distill}
         if "code_exec" in result.names:  # completions that reach for a forgery's tools (they score 0 regardless)
@@ -321,7 +324,7 @@ class RewardWorker:
     def distill(self, advantages: torch.Tensor, rollouts: Rollouts, teacher: TeacherScores | None = None
                 ) -> tuple[torch.Tensor, TeacherTopK | None, dict[str, float]]:  # fmt: skip
         """The [N, T] advantages with the teacher's term (forge/rewards/teacher.py), its top k for the update
-        (reward.teacher_topk: then the top-k divergence in the loss replaces the sampled-token term) and
+        (distill.topk: then the top-k divergence in the loss replaces the sampled-token term) and
         `distill/reverse_kl`; with this worker's own teacher (no `teacher` given) also its seconds
         (`perf/teacher_s`; in Ray mode the driver times the teacher actor's call)."""
         from forge.rewards.teacher import distill_advantages
@@ -333,10 +336,10 @@ class RewardWorker:
             start = time.perf_counter()
             teacher = self.teacher.logprobs(rollouts)
             timed = {"perf/teacher_s": time.perf_counter() - start}
-        r = self.reward_cfg
-        weight = 0.0 if r.teacher_topk else r.teacher_weight  # 0 * a non-finite log-prob still skips the step
-        combined, metrics = distill_advantages(advantages, teacher.logp, rollouts, weight, r.teacher_discount)
-        return combined, teacher.topk(r.teacher_weight, r.teacher_divergence), {**metrics, **timed}
+        d = self.distill_cfg
+        weight = 0.0 if d.topk else d.weight  # 0 * a non-finite log-prob still skips the step
+        combined, metrics = distill_advantages(advantages, teacher.logp, rollouts, weight, d.discount)
+        return combined, teacher.topk(d.weight, d.divergence), {**metrics, **timed}
 
     def trainer_state(self, step: int):
         """What TRL passes reward functions as `trainer_state`: a transformers TrainerState. While step `step` is
@@ -364,15 +367,15 @@ class RewardWorker:
 
 class TeacherWorker:
     """The distillation teacher as a worker of its own (Ray mode: its own actor, on the pool Weaver planned for the
-    `teacher` stage): loads `reward.teacher` once and scores each step's sampled tokens."""
+    `teacher` stage): loads `distill.teacher` once and scores each step's sampled tokens."""
 
-    def __init__(self, reward: RewardConfig, model_cfg: ModelConfig, *, batch_size: int, temperature: float,
+    def __init__(self, distill: DistillConfig, model_cfg: ModelConfig, *, batch_size: int, temperature: float,
                  autocast_bf16: bool = False, seed: int = 0, threads: int = 0):  # fmt: skip
         """The teacher's settings (`forge.rewards.teacher.Teacher`); `seed`, `threads`: this process's."""
         from forge.rewards.teacher import Teacher
 
         _init_process(seed, threads)
-        self.teacher = Teacher(reward, model_cfg, batch_size=batch_size, temperature=temperature,
+        self.teacher = Teacher(distill, model_cfg, batch_size=batch_size, temperature=temperature,
                                autocast_bf16=autocast_bf16)  # fmt: skip
 
     def logprobs(self, rollouts: Rollouts) -> TeacherScores:

@@ -54,7 +54,26 @@ OLD_VALUES = {
     "eval.probe_source": ("probe.jsonl", "probe.jsonl"),
     "eval.probe_every": ("3", 3),
     "eval.probe_max_problems": ("50", 50),
+    "env.openenv_url": ("http://127.0.0.1:8000", "http://127.0.0.1:8000"),
+    "env.openenv_app": ("pkg.mod:app", "pkg.mod:app"),
+    "env.openenv_command": ("serve --port {port}", "serve --port {port}"),
+    "env.openenv_text_action": ("message", "message"),
+    "env.openenv_max_sessions": ("4", 4),
+    "env.openenv_timeout_s": ("5.0", 5.0),
+    "env.openenv_start_timeout_s": ("90", 90.0),
+    "env.agent": ("my_agents:agent", "my_agents:agent"),
+    "env.agent_timeout_s": ("30", 30.0),
+    "env.agent_max_concurrent": ("2", 2),
+    "env.agent_batch_wait_ms": ("1.5", 1.5),
+    "env.agent_request_sampling": ("true", True),
+    "reward.teacher": ("/models/teacher", "/models/teacher"),
+    "reward.teacher_weight": ("0.5", 0.5),
+    "reward.teacher_discount": ("0.9", 0.9),
+    "reward.teacher_topk": ("16", 16),
+    "reward.teacher_divergence": ("forward", "forward"),
 }
+# keys of sections the previous release (the fixture's) did not have: renamed since, absent from its files
+SINCE_V1 = ("env.", "reward.teacher")
 
 
 @pytest.fixture(autouse=True)
@@ -107,6 +126,27 @@ def test_old_and_new_key_together_is_an_error():
     # the new section and the old scalar's other keys mix: adaptive_target lands in the section
     cfg = from_dict({"update": {"adaptive": {"enabled": False}, "adaptive_target": 3.0}})
     assert (cfg.update.adaptive.enabled, cfg.update.adaptive.target) == (False, 3.0)
+    with pytest.raises(ConfigError, match="'reward.teacher_topk' is the old name of 'distill.topk': set only one"):
+        from_dict({"reward": {"teacher_topk": 4}, "distill": {"topk": 8}})
+
+
+def test_the_env_and_distill_sections_load_from_the_old_keys(capsys):
+    """env.openenv_* -> env.openenv.*, env.agent (a string) and env.agent_* -> env.agent.*, reward.teacher* ->
+    distill.*: a file in the old layout and the same settings by --set give one config, the new layout's."""
+    old = {"env": {"agent": "my_agents:agent", "agent_timeout_s": 30.0, "openenv_timeout_s": 5.0},
+           "reward": {"verifiers": [], "teacher": "/t", "teacher_topk": 8, "teacher_weight": 0.5}}  # fmt: skip
+    cfg = from_dict(old)
+    assert (cfg.env.agent.fn, cfg.env.agent.timeout_s, cfg.env.openenv.timeout_s) == ("my_agents:agent", 30.0, 5.0)
+    assert (cfg.distill.teacher, cfg.distill.topk, cfg.distill.weight) == ("/t", 8, 0.5)
+    sets = ["env.agent=my_agents:agent", "env.agent_timeout_s=30", "env.openenv_timeout_s=5", "reward.verifiers=[]",
+            "reward.teacher=/t", "reward.teacher_topk=8", "reward.teacher_weight=0.5"]  # fmt: skip
+    assert to_dict(apply_overrides(RunConfig(), sets)) == to_dict(cfg)
+    assert "forgeweave: config key 'env.agent' is now 'env.agent.fn'" in capsys.readouterr().err
+    # the new section beside an old key of it: the old key lands in the section; a new-layout file is left alone
+    cfg = from_dict({"env": {"agent": {"fn": "m:f"}, "agent_max_concurrent": 2}})
+    assert (cfg.env.agent.fn, cfg.env.agent.max_concurrent) == ("m:f", 2)
+    capsys.readouterr()
+    assert from_dict({"env": {"agent": {"fn": "m:f"}}}).env.agent.fn == "m:f" and capsys.readouterr().err == ""
 
 
 def test_unknown_keys_still_suggest_names():
@@ -134,7 +174,8 @@ def test_config_keys_shows_the_nested_keys(capsys):
 def test_a_config_yaml_of_the_previous_release_loads_to_the_same_values(capsys):
     cfg = load_yaml(FIXTURE).validate()
     err = capsys.readouterr().err.splitlines()
-    assert set(err) == {note(old) for old in RENAMED} and len(err) == len(RENAMED)
+    v1 = [old for old in RENAMED if not old.startswith(SINCE_V1)]  # the renames of keys that release had
+    assert set(err) == {note(old) for old in v1} and len(err) == len(v1)
     assert (cfg.model.tiny.hidden, cfg.model.tiny.layers, cfg.model.tiny.head_dim) == (32, 1, 16)
     vllm, code = cfg.rollout.vllm, cfg.reward.code_exec
     assert (vllm.python, vllm.kv_cache_gib, vllm.sleep) == ("/opt/vllm/bin/python", 2, "off")
@@ -153,15 +194,18 @@ def test_a_config_yaml_of_the_previous_release_loads_to_the_same_values(capsys):
 
 
 # keys that release did not have; a saved config gets the default
-ADDED_SINCE = ["orchestration.reserve_timeout_s", "reward.teacher", "reward.teacher_weight", "reward.teacher_discount",
-               "reward.teacher_topk", "reward.teacher_divergence",
-               "rollout.weight_transport"]  # fmt: skip
+ADDED_SINCE = ["orchestration.reserve_timeout_s", "rollout.weight_transport"]
 
 
 def old_layout(new: dict) -> dict:
     """A config dict in the previous release's layout (fields added since, with their defaults, dropped)."""
     data = copy.deepcopy(new)
+    defaults = to_dict(RunConfig())
+    assert data.pop("env") == defaults["env"]  # the section came after that release: its defaults only
+    assert data.pop("distill") == defaults["distill"]  # so did distillation (as reward.teacher*)
     for old, key in reversed(RENAMED.items()):  # the adaptive_* keys leave update.adaptive before it turns scalar
+        if old.startswith(SINCE_V1):
+            continue
         *parents, leaf = key.split(".")
         node = data
         for p in parents:
@@ -174,8 +218,6 @@ def old_layout(new: dict) -> dict:
     for section, name in [("model", "tiny"), ("rollout", "vllm"), ("reward", "ensemble"), ("reward", "code_exec")]:
         assert data[section].pop(name) == {}
     assert data.pop("collapse") == {}
-    defaults = to_dict(RunConfig())
-    assert data.pop("env") == defaults["env"]  # the section came after that release: its defaults only
     for key in ADDED_SINCE:
         section, name = key.split(".")
         assert data[section].pop(name) == defaults[section][name]

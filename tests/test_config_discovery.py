@@ -254,7 +254,7 @@ def test_resume_refuses_keys_the_checkpoint_depends_on(key, old, new):
         ("checkpoint.keep_last", 2, 3),
         ("tracking.tensorboard", False, True),
         ("reward.weights", [], [1.0]),
-        ("reward.teacher_weight", 1.0, 0.5),
+        ("distill.weight", 1.0, 0.5),
         ("model.gradient_checkpointing", False, True),
     ],
 )

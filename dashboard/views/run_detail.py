@@ -91,10 +91,10 @@ def curves(name: str) -> None:
     if any(c.startswith("env/") for c in frame.columns):
         st.subheader("Episodes (multi-turn)")
         _grid([(title, charts.lines(frame, cols, title, points)) for title, cols, points in ENV_CURVES])
-    if "distill/reverse_kl" in frame.columns:  # reward.teacher: on-policy distillation
+    if "distill/reverse_kl" in frame.columns:  # distill.teacher: on-policy distillation
         st.subheader("Distillation (teacher)")
         title, kl = "reverse KL to the teacher (mean over sampled tokens)", ["distill/reverse_kl"]
-        if "distill/topk_kl" in frame.columns:  # reward.teacher_topk: the divergence the loss minimises, beside it
+        if "distill/topk_kl" in frame.columns:  # distill.topk: the divergence the loss minimises, beside it
             title, kl = f"{title} and the weighted top-k one the loss minimises", [*kl, "distill/topk_kl"]
         _grid([("reverse KL to the teacher", charts.lines(frame, kl, title)),
                ("by position", charts.position_profile(frame)),

@@ -7,7 +7,7 @@ prompt token ids, sampled token ids and sampling log-probs. The function's retur
 One call of `AgentHost.rollouts` plays params.n episodes per data row (grouped as `forge.env.episode.run_episodes`
 groups them). The calling thread is the only one that renders, tokenises and samples: the server's threads queue
 each request and wait; the calling thread takes the queue once every running episode has a request waiting, or
-`env.agent_batch_wait_ms` after the first one came, and samples them together (one `generate_ids` call per distinct
+`env.agent.batch_wait_ms` after the first one came, and samples them together (one `generate_ids` call per distinct
 sampling setting; a request's `n` choices are n contexts). Each choice draws from a seed of its own, the episode's
 seed plus its draw count times `TURN_SEED_STRIDE`, as episode turns do.
 
@@ -26,9 +26,9 @@ Limits: `env.max_turns` requests per episode and `env.max_tokens` tokens after t
 rollout.max_new_tokens); a request past one is answered 400 (code `episode_limit`) and the episode is truncated (out
 of the loss with env.mask_truncated). A request's max_tokens is capped by rollout.max_new_tokens and the room left.
 An agent that raises, returns something that is not a number or None, makes no request, or runs past
-`env.agent_timeout_s` fails its episode with a one-line reason (finish reason "error", out of the loss, unscored, the
+`env.agent.timeout_s` fails its episode with a one-line reason (finish reason "error", out of the loss, unscored, the
 run goes on; the step's `env/failed` counts them). A thread that hangs cannot be stopped: its URL answers 404 from
-then on. Temperature and top_p are the step's unless `env.agent_request_sampling`.
+then on. Temperature and top_p are the step's unless `env.agent.request_sampling`.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class AgentHost:
             self._episode(episode)
             self.queue.append(pending)
             self.cond.notify_all()
-        if not pending.event.wait(self.cfg.agent_timeout_s + 10):
+        if not pending.event.wait(self.cfg.agent.timeout_s + 10):
             raise RequestError(504, "the request was not answered in time", None, "timeout")
         if pending.error is not None:
             raise pending.error
@@ -185,9 +185,9 @@ class AgentHost:
 
     def _next_batch(self, episodes: list[AgentEpisode]) -> list[_Pending] | None:
         """The queued requests, once every running episode has one waiting or the batch wait is over; None when
-        every episode has ended. Starts episodes up to env.agent_max_concurrent and fails those out of time."""
-        wait, first = self.cfg.agent_batch_wait_ms / 1000, None
-        cap = self.cfg.agent_max_concurrent or len(episodes)
+        every episode has ended. Starts episodes up to env.agent.max_concurrent and fails those out of time."""
+        wait, first = self.cfg.agent.batch_wait_ms / 1000, None
+        cap = self.cfg.agent.max_concurrent or len(episodes)
         with self.cond:
             while True:
                 running = self._start_and_expire(episodes, cap)
@@ -204,12 +204,12 @@ class AgentHost:
                     self.cond.wait(IDLE_WAKE_S)
 
     def _start_and_expire(self, episodes: list[AgentEpisode], cap: int) -> list[AgentEpisode]:
-        """(lock held) Start episodes up to `cap` running; fail those past env.agent_timeout_s; the running ones."""
+        """(lock held) Start episodes up to `cap` running; fail those past env.agent.timeout_s; the running ones."""
         now = time.perf_counter()
         for ep in episodes:
-            if ep.thread is not None and not ep.done and now - ep.started > self.cfg.agent_timeout_s:
-                self._finish(ep, None, f"agent {self.name} did not return within env.agent_timeout_s="
-                                       f"{self.cfg.agent_timeout_s:g} s")  # fmt: skip
+            if ep.thread is not None and not ep.done and now - ep.started > self.cfg.agent.timeout_s:
+                self._finish(ep, None, f"agent {self.name} did not return within env.agent.timeout_s="
+                                       f"{self.cfg.agent.timeout_s:g} s")  # fmt: skip
         running = [e for e in episodes if e.thread is not None and not e.done]
         for ep in episodes:
             if len(running) >= cap:
@@ -288,7 +288,7 @@ class AgentHost:
             raise RequestError(400, f"the episode is past its token budget (env.max_tokens) with {len(ids)} tokens",
                                "messages", "episode_limit")  # fmt: skip
         step = self.step
-        own = cfg.agent_request_sampling
+        own = cfg.agent.request_sampling
         temperature = req.temperature if own and req.temperature is not None else step.temperature
         top_p = req.top_p if own and req.top_p is not None else step.top_p
         limit = min(req.max_tokens or step.max_new_tokens, step.max_new_tokens, room)
@@ -339,16 +339,16 @@ class AgentHost:
 
 
 def load_agent(spec: str) -> Callable:
-    """The agent function `env.agent` names; one line if it is not a function of (base_url, row)."""
+    """The agent function `env.agent.fn` names; one line if it is not a function of (base_url, row)."""
     from forge.env.tools import load_object
     from forge.errors import UserError
 
-    fn = load_object(spec, "env.agent")
+    fn = load_object(spec, "env.agent.fn")
     try:
         inspect.signature(fn).bind("http://127.0.0.1/v1", {})
     except (TypeError, ValueError):
         raise UserError(
-            f"config key 'env.agent': {spec} must be a function agent(base_url: str, row: dict) -> float | None"
+            f"config key 'env.agent.fn': {spec} must be a function agent(base_url: str, row: dict) -> float | None"
         ) from None
     return fn
 

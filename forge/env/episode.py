@@ -23,7 +23,7 @@ Feedback on a reply (an extension of TRL's contract, where a turn without a tool
 environment with a method `on_reply(reply: str) -> str | None` is called with the text of such a turn; a str is the
 environment's answer, appended as a user turn (the chat template's diff, loss mask 0), and the episode goes on
 (e.g. "wrong, try again"); None ends it. `on_reply` is not a tool. Environments without it run exactly as before.
-An OpenEnv server with text actions (`env.openenv_text_action`) is played through the same hook: its episode's
+An OpenEnv server with text actions (`env.openenv.text_action`) is played through the same hook: its episode's
 `on_reply` sends the reply as a step and returns the observation's text until the server says done.
 
 Seeds (`episode_seeds`): episode e of a call draws its turn t from a seed of its own, `s_e + t * TURN_SEED_STRIDE`,

@@ -21,17 +21,18 @@ def load_environment(e: EnvConfig, model: ModelConfig, code_exec: CodeExecConfig
     """(the environment factory, the stateless and built-in tools, the chat format: `model`'s chat template and
     system prompt) of the `env` section; `code_exec`: the sandbox of the built-in python tool; `episodes`: a step's
     (B * G, the sessions an OpenEnv server must hold), checked once at start: a class without reset, a tool without
-    a docstring, an OpenEnv server that does not answer is a one-line UserError naming it. An OpenEnv server named by env.openenv_app / env.openenv_command is
-    started here, as is the endpoint of an agent (env.agent); `close_environment` stops them."""
+    a docstring, an OpenEnv server that does not answer is a one-line UserError naming it. An OpenEnv server named by
+    env.openenv.app / env.openenv.command is started here, as is the endpoint of an agent (env.agent.fn);
+    `close_environment` stops them."""
     use_template = model.chat_template if model.chat_template is not None else True
-    if e.agent:  # the endpoint starts here (127.0.0.1, a free port); close_environment stops it
-        return AgentHost(load_agent(e.agent), tok, e, model.path, use_template), [], ChatFormat(tok, use_template)
+    if e.agent.fn:  # the endpoint starts here (127.0.0.1, a free port); close_environment stops it
+        return AgentHost(load_agent(e.agent.fn), tok, e, model.path, use_template), [], ChatFormat(tok, use_template)
     factory = load_object(e.environment_factory, "env.environment_factory") if e.environment_factory else None
     if factory is not None:
         check_environment(factory)
     functions = [tool_of(load_object(spec, "env.tools")) for spec in e.tools]
     functions += builtin_tools(e.builtin_tools, code_exec)
-    if e.openenv:
+    if e.server_key:
         factory = connect(e, episodes)
     return factory, functions, ChatFormat(tok, use_template, model.system_prompt)
 

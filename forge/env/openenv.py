@@ -8,7 +8,7 @@ at `/ws` is one session with an environment instance of its own. The client send
 environment per request and close it, so they cannot hold a multi-turn episode: every episode here is a session.
 
 - At start (`connect`): `GET /health`; an unreachable server is one UserError naming the URL (or the key that
-  started it). Then sessions are opened and held, up to `env.openenv_max_sessions` (0: one per episode of a step),
+  started it). Then sessions are opened and held, up to `env.openenv.max_sessions` (0: one per episode of a step),
   until the server refuses one (CAPACITY_REACHED: it holds at most `max_concurrent_envs`); the number it accepted
   is the cap the run keeps to (`OpenEnvClient.max_sessions`). The first of them lists the tools: an MCP environment
   answers a `list_tools` step with its tools, each one a tool of every episode with its MCP input schema as the
@@ -20,24 +20,24 @@ environment per request and close it, so they cannot hold a multi-turn episode: 
   text goes to the model (an MCP result's text content, else the observation as JSON); the observation's reward and
   done are kept: `reward` is the last reward the server sent (None before any; `rewards` has them all), which
   `env_reward` and reward functions read, and `done` ends the episode after that tool turn.
-- Text actions (`env.openenv_text_action`, e.g. `message`: a field of the environment's own action, checked at
+- Text actions (`env.openenv.text_action`, e.g. `message`: a field of the environment's own action, checked at
   start against its /schema; the only required one): the model needs no tool calls and is offered none. Its plain
   reply goes to `OpenEnvEpisode.on_reply` (the episode loop's reply hook), which sends it as one step
   `{field: reply}`; the observation's text is the environment's answer (a user turn) and the episode goes on, until
   the server says done. As TRL's OpenEnv examples do in their own rollout functions (e.g. echo_env's `message`). `close()` ends the
   session and waits until the server has closed it, so its slot is free for the next episode.
 - Failures: a session that cannot open, a connection that drops, a reset or close not answered within
-  `env.openenv_timeout_s` set `failure`: the episode loop ends that episode, leaves it out of the loss and counts
+  `env.openenv.timeout_s` set `failure`: the episode loop ends that episode, leaves it out of the loss and counts
   it. An error answer to a step (an action that does not fit the schema, an MCP tool error) is the tool's error
   answer, not a failure. A step not answered within `env.tool_timeout_s` is answered with a timeout error and the
   episode goes on; the server's late answer is read and dropped before the session's next request.
-- A server forgeweave starts (`env.openenv_app`: `python -m uvicorn APP`; `env.openenv_command` with `{port}`)
+- A server forgeweave starts (`env.openenv.app`: `python -m uvicorn APP`; `env.openenv.command` with `{port}`)
   runs in a process group of its own on 127.0.0.1 at a free port, its output in a temporary log file; `stop()`
   ends it by its PID (SIGTERM, then SIGKILL) when the run's workers close, after a failure too, and at interpreter
   exit at the latest.
 - Ray mode: each rollout actor is a client of its own. A server forgeweave starts is started by each actor on its
   own node (one per actor, so environments scale out with the replicas). The replicas of a run share a server at
-  env.openenv_url: the driver finds its session cap once and gives each actor an even share
+  env.openenv.url: the driver finds its session cap once and gives each actor an even share
   (`replica_sessions`). Episodes travel to the reward actor without their session or server (`__getstate__`).
 
 `websockets` (its sync client) is imported inside the functions that use it, so forge imports without it.
@@ -60,12 +60,12 @@ import urllib.request
 import weakref
 from pathlib import Path
 
-from forge.env.config import EnvConfig
+from forge.env.config import EnvConfig, OpenEnvConfig
 from forge.env.tools import Tool, ToolError
 from forge.errors import UserError
 
 HOST = "127.0.0.1"
-SERVER_PYTHON = "FORGEWEAVE_OPENENV_PYTHON"  # the Python that serves env.openenv_app (`server_python`)
+SERVER_PYTHON = "FORGEWEAVE_OPENENV_PYTHON"  # the Python that serves env.openenv.app (`server_python`)
 ACTION_TOOL = "step"  # the one tool of an environment with its own typed action
 _MAX_MESSAGE = 1 << 24  # bytes of one WebSocket message
 
@@ -139,7 +139,7 @@ class Session:
         return reply if isinstance(reply, dict) else {}
 
     def _settle(self) -> None:
-        """Read and drop the answers owed to timed-out requests (each within env.openenv_timeout_s)."""
+        """Read and drop the answers owed to timed-out requests (each within env.openenv.timeout_s)."""
         while self.owed:
             self.owed -= 1
             try:
@@ -160,7 +160,7 @@ class OpenEnvEpisode:
         self.failure = ""  # why the session failed ('' = it did not)
 
     def on_reply(self, reply: str) -> str | None:
-        """With text actions (env.openenv_text_action): send the policy's plain reply as one step and return the
+        """With text actions (env.openenv.text_action): send the policy's plain reply as one step and return the
         observation's text (the feedback; an error answer or a timeout as an `Error: ...` text), or None once the
         server says done or the session failed. Without them: None (a reply without a tool call ends the episode)."""
         field = self.client.text_field
@@ -185,7 +185,7 @@ class OpenEnvEpisode:
             self.session = Session(self.client.ws_url, self.client.timeout_s)
             data = self.session.request({"type": "reset", "data": row}, self.client.timeout_s)
         except TimeoutError:
-            self._fail(f"reset: no answer within {self.client.timeout_s:g} s (env.openenv_timeout_s)")
+            self._fail(f"reset: no answer within {self.client.timeout_s:g} s (env.openenv.timeout_s)")
             return None
         except (SessionLost, ServerError) as e:  # gone, or refused (e.g. at capacity: another client holds slots)
             self._fail(f"reset: {e}")
@@ -254,8 +254,8 @@ class OpenEnvClient:
     def __init__(self, url: str, schemas: list[dict], mcp: bool, max_sessions: int, cfg: EnvConfig,
                  server: LocalServer | None = None):  # fmt: skip
         self.url, self.schemas, self.mcp, self.max_sessions = url, schemas, mcp, max_sessions
-        self.timeout_s, self.tool_timeout_s = cfg.openenv_timeout_s, cfg.tool_timeout_s
-        self.text_field = cfg.openenv_text_action  # '' = the policy acts by tool calls
+        self.timeout_s, self.tool_timeout_s = cfg.openenv.timeout_s, cfg.tool_timeout_s
+        self.text_field = cfg.openenv.text_action  # '' = the policy acts by tool calls
         self.server = server
 
     @property
@@ -280,27 +280,27 @@ class OpenEnvClient:
 
 
 def connect(cfg: EnvConfig, episodes: int) -> OpenEnvClient:
-    """The client of the run's OpenEnv server (started first for env.openenv_app / env.openenv_command), checked:
+    """The client of the run's OpenEnv server (started first for env.openenv.app / env.openenv.command), checked:
     healthy, its session cap (at most `episodes` sessions are tried: the episodes of a step) and its tools."""
     try:
         import websockets.sync.client  # noqa: F401
     except ImportError:
-        raise UserError(f"{cfg.openenv}: talking to an OpenEnv server needs the `websockets` package (>= 15; "
+        raise UserError(f"{cfg.server_key}: talking to an OpenEnv server needs the `websockets` package (>= 15; "
                         "Prefect brings it): pip install websockets") from None  # fmt: skip
-    server = LocalServer.start(cfg) if cfg.openenv_app or cfg.openenv_command else None
+    server = LocalServer.start(cfg.openenv) if cfg.openenv.app or cfg.openenv.command else None
     try:
-        url = server.url if server else cfg.openenv_url.rstrip("/")
-        what = server.what + f" (at {url})" if server else f"env.openenv_url={url!r}"
-        if server is None and not _healthy(url, cfg.openenv_timeout_s):
+        url = server.url if server else cfg.openenv.url.rstrip("/")
+        what = server.what + f" (at {url})" if server else f"env.openenv.url={url!r}"
+        if server is None and not _healthy(url, cfg.openenv.timeout_s):
             raise UserError(f"{what}: no OpenEnv server answers {url}/health: start it, or fix the URL")
-        sessions = _open_sessions(url, cfg.openenv_max_sessions or episodes, cfg.openenv_timeout_s, what)
+        sessions = _open_sessions(url, cfg.openenv.max_sessions or episodes, cfg.openenv.timeout_s, what)
         try:
-            if len(sessions) < cfg.openenv_max_sessions:
-                raise UserError(f"env.openenv_max_sessions={cfg.openenv_max_sessions}, but {what} accepts only "
+            if len(sessions) < cfg.openenv.max_sessions:
+                raise UserError(f"env.openenv.max_sessions={cfg.openenv.max_sessions}, but {what} accepts only "
                                 f"{len(sessions)} sessions at once: lower it (0: as many as it accepts)")  # fmt: skip
-            schemas, mcp = _list_tools(sessions[0], url, cfg.openenv_timeout_s, what)
-            if cfg.openenv_text_action:  # the policy answers with text: no tool is offered
-                schemas = _check_text_action(cfg.openenv_text_action, schemas, mcp, what)
+            schemas, mcp = _list_tools(sessions[0], url, cfg.openenv.timeout_s, what)
+            if cfg.openenv.text_action:  # the policy answers with text: no tool is offered
+                schemas = _check_text_action(cfg.openenv.text_action, schemas, mcp, what)
         finally:
             for s in sessions:
                 s.close()
@@ -312,13 +312,13 @@ def connect(cfg: EnvConfig, episodes: int) -> OpenEnvClient:
 
 
 def replica_sessions(cfg: EnvConfig, episodes: int, replicas: int) -> int:
-    """Sessions each of `replicas` rollout processes may hold on the shared server at env.openenv_url: its session
-    cap (env.openenv_max_sessions, or what it accepts, found once here) split evenly, so that the replicas together
+    """Sessions each of `replicas` rollout processes may hold on the shared server at env.openenv.url: its session
+    cap (env.openenv.max_sessions, or what it accepts, found once here) split evenly, so that the replicas together
     never ask for more than the server holds."""
     client = connect(cfg, episodes)
     share = client.max_sessions // replicas
     if share < 1:
-        raise UserError(f"env.openenv_url={client.url!r}: the server holds {client.max_sessions} sessions at once, "
+        raise UserError(f"env.openenv.url={client.url!r}: the server holds {client.max_sessions} sessions at once, "
                         f"fewer than rollout.replicas={replicas} (one each): lower rollout.replicas or raise its "
                         "max_concurrent_envs")  # fmt: skip
     return share
@@ -370,7 +370,7 @@ def _list_tools(session: Session, url: str, timeout_s: float, what: str) -> tupl
 def _check_text_action(field: str, schemas: list[dict], mcp: bool, what: str) -> list[dict]:
     """No tool schemas (the policy answers with text) once `field` is checked to be a text field of the server's own
     action and the only one it requires; a UserError naming the key otherwise."""
-    key = f"env.openenv_text_action={field!r}"
+    key = f"env.openenv.text_action={field!r}"
     if mcp:
         raise UserError(f"{key}: {what} is an MCP environment (its actions are tool calls): clear the key")
     params = schemas[0]["function"]["parameters"]
@@ -460,17 +460,17 @@ class LocalServer:
         self._stop = weakref.finalize(self, _stop_process, proc, log)  # at interpreter exit at the latest
 
     @classmethod
-    def start(cls, cfg: EnvConfig, port: int = 0) -> LocalServer:
-        """Start env.openenv_app (uvicorn) or env.openenv_command on 127.0.0.1 at `port` (0: a free one); wait for
+    def start(cls, cfg: OpenEnvConfig, port: int = 0) -> LocalServer:
+        """Start env.openenv.app (uvicorn) or env.openenv.command on 127.0.0.1 at `port` (0: a free one); wait for
         /health."""
         port = port or _free_port()
-        if cfg.openenv_app:
-            what = f"env.openenv_app={cfg.openenv_app!r}"
-            argv = [server_python(), "-m", "uvicorn", cfg.openenv_app, "--host", HOST, "--port", str(port),
+        if cfg.app:
+            what = f"env.openenv.app={cfg.app!r}"
+            argv = [server_python(), "-m", "uvicorn", cfg.app, "--host", HOST, "--port", str(port),
                     "--log-level", "warning"]  # fmt: skip
         else:
-            what = f"env.openenv_command={cfg.openenv_command!r}"
-            argv = [a.replace("{port}", str(port)).replace("{host}", HOST) for a in shlex.split(cfg.openenv_command)]
+            what = f"env.openenv.command={cfg.command!r}"
+            argv = [a.replace("{port}", str(port)).replace("{host}", HOST) for a in shlex.split(cfg.command)]
         fd, log = tempfile.mkstemp(prefix="forge-openenv-", suffix=".log")
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
@@ -481,7 +481,7 @@ class LocalServer:
         finally:
             os.close(fd)
         server = cls(proc, f"http://{HOST}:{port}", what, Path(log))
-        server.wait_healthy(cfg.openenv_start_timeout_s)
+        server.wait_healthy(cfg.start_timeout_s)
         return server
 
     def wait_healthy(self, timeout_s: float) -> None:
@@ -495,7 +495,7 @@ class LocalServer:
                 return
             time.sleep(0.1)
         else:
-            why = f"no answer from {self.url}/health within {timeout_s:g} s (env.openenv_start_timeout_s)"
+            why = f"no answer from {self.url}/health within {timeout_s:g} s (env.openenv.start_timeout_s)"
         last = _last_line(self.log)
         self.stop()
         raise UserError(f"{self.what}: {why}" + (f"; its last output: {last}" if last else ""))
@@ -510,7 +510,7 @@ class LocalServer:
 
 
 def server_python() -> str:
-    """The Python that serves env.openenv_app: this one, or the one named by $FORGEWEAVE_OPENENV_PYTHON (Ray sets it
+    """The Python that serves env.openenv.app: this one, or the one named by $FORGEWEAVE_OPENENV_PYTHON (Ray sets it
     to the driver's for rollout actors run by vLLM's venv, which has no openenv-core) where that path exists."""
     named = os.environ.get(SERVER_PYTHON, "")
     return named if named and Path(named).exists() else sys.executable

@@ -29,7 +29,7 @@ Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024), each a config ke
 10. multi-turn episodes (`env.environment_factory`, `env.tools`; forge/env): one token sequence per episode; the loss
    counts only the tokens the policy sampled (`Rollouts.loss_mask`), environment and tool tokens are attended to
    only, and an episode cut by a limit is left out of the loss (`env.mask_truncated` = True).
-11. on-policy distillation (`reward.teacher`): a teacher's log-ratio as [N, T] advantages, or its top-k KL in the loss.
+11. on-policy distillation (`distill.teacher`): a teacher's log-ratio as [N, T] advantages, or its top-k KL in the loss.
 
 Randomness is derived, never carried: step t's prompts are rows (t - 1) * B .. t * B - 1 of a seeded order
 (`forge.data.prompt_batch`), its rollout is seeded from (seed, t) (`forge.rollout.base.rollout_seed`) and the update's
@@ -125,7 +125,7 @@ def grpo_loss(logp, old_logp, advantages, mask, *, algo: AlgoConfig, totals: Ste
     assert algo.beta == 0 or ref_logp is not None, "beta > 0 needs reference log-probs"
     kl_ref = k3_kl(ref_logp, logp) if algo.beta > 0 else None  # [n, T]
     per_token = per_token if kl_ref is None else per_token + algo.beta * kl_ref
-    per_token = per_token if distill is None else per_token + distill  # a teacher's top-k KL (reward.teacher_topk)
+    per_token = per_token if distill is None else per_token + distill  # a teacher's top-k KL (distill.topk)
     kl_old = (ratio.detach() - 1) - log_ratio.detach()  # approximate KL to pi_old
     loss = normalise(per_token, mask, totals)
     m = mask.bool()

@@ -7,17 +7,17 @@ rows, no generation) and each sampled token t gets
     r_t = log p_teacher(y_t | x, y_<t) - log p_student(y_t | x, y_<t)        (minus the per-token reverse KL)
 
 on the tokens the loss counts (`Rollouts.loss_mask`: environment and tool tokens get none). Its per-token
-advantage is r_t itself (`reward.teacher_discount` = 0, token-local, as the published recipes do) or the discounted
+advantage is r_t itself (`distill.discount` = 0, token-local, as the published recipes do) or the discounted
 return sum_k gamma^k r_{t+k} over the completion's later sampled tokens (gamma in (0, 1]). The reward stage adds it
-to the verifiers' group advantage: A_t = A_verifiers + reward.teacher_weight * A_distill_t, a [N, T] tensor
+to the verifiers' group advantage: A_t = A_verifiers + distill.weight * A_distill_t, a [N, T] tensor
 (`forge.advantages`); with no verifiers A_verifiers is 0 (pure distillation). Nothing is normalised per group: the
 reverse KL is already on an absolute scale.
 
-`reward.teacher_topk` = k > 0 replaces that sampled-token reward (GKD, Agarwal et al. 2024, with the divergence cut to
+`distill.topk` = k > 0 replaces that sampled-token reward (GKD, Agarwal et al. 2024, with the divergence cut to
 the teacher's top k): the teacher also returns its k most likely tokens at each sampled position, and the update adds
-`teacher_weight` times the exact reverse KL between the student's and the teacher's next-token distributions over
+`distill.weight` times the exact reverse KL between the student's and the teacher's next-token distributions over
 those k tokens and one bucket for the rest (`forge.losses.topk_reverse_kl`; or the forward KL,
-`reward.teacher_divergence`) to each sampled token's loss. The sampled-token reward only says the student's own
+`distill.divergence`) to each sampled token's loss. The sampled-token reward only says the student's own
 token was unlikely; the divergence names the ones the teacher expected. `distill/reverse_kl` is still reported (from the sampled tokens), beside `distill/topk_kl`.
 
 Where this departs from the recipes it follows (Agarwal et al. 2024, "On-policy distillation of language models";
@@ -43,7 +43,7 @@ from forge.model_config import ModelConfig
 from forge.models import _load, check_model_dir, default_device, load_tokenizer
 from forge.precision import update_bf16
 from forge.records import Rollouts, TeacherTopK
-from forge.rewards.config import RewardConfig
+from forge.rewards.distill_config import DistillConfig
 
 
 @dataclass(frozen=True)
@@ -51,24 +51,24 @@ class TeacherScores:
     """What the teacher says of a step's rollouts."""
 
     logp: torch.Tensor  # [N, T] its log-prob of every sampled token
-    topk_ids: torch.Tensor | None = None  # [N, T, k] its k most likely tokens at each position (reward.teacher_topk)
+    topk_ids: torch.Tensor | None = None  # [N, T, k] its k most likely tokens at each position (distill.topk)
     topk_logp: torch.Tensor | None = None  # [N, T, k] their log-probs
 
     def topk(self, weight: float, divergence: str) -> TeacherTopK | None:
-        """The top k as the update takes it (None without reward.teacher_topk)."""
+        """The top k as the update takes it (None without distill.topk)."""
         return None if self.topk_ids is None else TeacherTopK(self.topk_ids, self.topk_logp, weight, divergence)
 
 
 class Teacher:
     """A frozen teacher model loaded once for the run; `logprobs(rollouts)` scores a step's sampled tokens."""
 
-    def __init__(self, reward: RewardConfig, model: ModelConfig, *, batch_size: int, temperature: float,
+    def __init__(self, distill: DistillConfig, model: ModelConfig, *, batch_size: int, temperature: float,
                  autocast_bf16: bool = False):  # fmt: skip
-        """Load `reward.teacher`; a missing directory or a tokenizer other than `model`'s (the policy's) is one
+        """Load `distill.teacher`; a missing directory or a tokenizer other than `model`'s (the policy's) is one
         UserError. `batch_size`, `temperature`: the rollout's; `autocast_bf16`: the update's."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        path, student_tok = check_teacher_dir(reward.teacher), load_tokenizer(model)
+        path, student_tok = check_teacher_dir(distill.teacher), load_tokenizer(model)
         check_same_vocab(path, _load(AutoTokenizer.from_pretrained, path), student_tok)
         teacher = _load(AutoModelForCausalLM.from_pretrained, path, dtype=torch.float32)  # fp32, as the policy
         check_vocab_rows(path, teacher, len(student_tok))
@@ -76,16 +76,16 @@ class Teacher:
         self.model = teacher.to(self.device).eval().requires_grad_(False)
         self.bf16 = update_bf16(autocast_bf16, self.device.type)
         self.batch_size, self.temperature = batch_size, temperature
-        self.k, self.vocab = reward.teacher_topk, len(student_tok)  # top-k ids: the policy's tokens only
+        self.k, self.vocab = distill.topk, len(student_tok)  # top-k ids: the policy's tokens only
         if self.k > self.vocab:
-            raise UserError(f"reward.teacher_topk={self.k} is more than the tokenizer's {self.vocab} tokens: "
+            raise UserError(f"distill.topk={self.k} is more than the tokenizer's {self.vocab} tokens: "
                             "lower it (16 covers nearly all of a trained teacher's mass)")  # fmt: skip
 
     @torch.no_grad()
     def logprobs(self, ro: Rollouts) -> TeacherScores:
         """The teacher's log-prob of every completion token at the sampling temperature (rollout.temperature, the
         one the student's sampling log-probs have), teacher-forced over the whole episode (every real token
-        attended), and with reward.teacher_topk its top k at each position; read only where `ro.loss_mask` is 1."""
+        attended), and with distill.topk its top k at each position; read only where `ro.loss_mask` is 1."""
         from forge.trainer import chunked_scores, completion_logits
 
         logp, ids, top = [], [], []
@@ -107,10 +107,10 @@ def check_teacher_dir(path: str) -> str:
     """`path` when it is a local HF model directory (config.json, whole weight files); else one UserError."""
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise UserError(f"reward.teacher '{path}' does not exist: point it at a local HF causal LM directory")
+        raise UserError(f"distill.teacher '{path}' does not exist: point it at a local HF causal LM directory")
     if not (p / "config.json").is_file():
-        raise UserError(f"reward.teacher '{path}' has no config.json: point it at a local HF causal LM directory")
-    check_model_dir(p, fix="point reward.teacher at a whole model directory")
+        raise UserError(f"distill.teacher '{path}' has no config.json: point it at a local HF causal LM directory")
+    check_model_dir(p, fix="point distill.teacher at a whole model directory")
     return str(p)
 
 
@@ -120,7 +120,7 @@ def check_same_vocab(path: str, teacher_tok, student_tok) -> None:
     if a != b:
         differ = len(set(a.items()) ^ set(b.items()))
         raise UserError(
-            f"reward.teacher '{path}' has a different tokenizer from the policy's ({len(a)} vs {len(b)} tokens, "
+            f"distill.teacher '{path}' has a different tokenizer from the policy's ({len(a)} vs {len(b)} tokens, "
             f"{differ} entries differ): distillation needs a teacher with the student's tokenizer"
         )
 
@@ -129,7 +129,7 @@ def check_vocab_rows(path: str, model, vocab: int) -> None:
     """The teacher's output layer has a row for every token id of the policy's tokenizer; else one UserError."""
     rows = model.get_output_embeddings().weight.shape[0]
     if rows < vocab:
-        raise UserError(f"reward.teacher '{path}' has {rows} output rows for a {vocab}-token tokenizer: "
+        raise UserError(f"distill.teacher '{path}' has {rows} output rows for a {vocab}-token tokenizer: "
                         "use a teacher with the student's vocabulary")  # fmt: skip
 
 

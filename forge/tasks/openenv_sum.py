@@ -12,7 +12,7 @@ WebSocket sessions at once:
     python -m uvicorn forge.tasks.openenv_sum:app --host 127.0.0.1 --port 8000
 
 forge never imports this module itself (it needs openenv-core, fastapi and fastmcp, the `openenv` extra): the
-server runs in a process of its own (`env.openenv_app=forge.tasks.openenv_sum:app`).
+server runs in a process of its own (`env.openenv.app=forge.tasks.openenv_sum:app`).
 """
 
 from __future__ import annotations

@@ -167,7 +167,7 @@ def test_a_growing_run_is_read_again_on_the_next_refresh(tiny_run, runs_copy, mo
 
 
 def test_a_distillation_run_shows_the_reverse_kl_by_step_and_by_position(runs_copy, monkeypatch):
-    """A run with reward.teacher logs distill/reverse_kl and its profile over quarters of the sampled tokens
+    """A run with distill.teacher logs distill/reverse_kl and its profile over quarters of the sampled tokens
     (forge/rewards/teacher.py): the page draws the KL per step and the first vs last step's profile."""
     path = runs_copy / RUN / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
@@ -186,7 +186,7 @@ def test_a_distillation_run_shows_the_reverse_kl_by_step_and_by_position(runs_co
     assert got == pytest.approx({**{("step 1", f"quarter {q}"): q for q in range(1, 5)},
                                  **{("step 12", f"quarter {q}"): q / 12 for q in range(1, 5)}})  # fmt: skip
     assert "teacher seconds per step" in shown
-    for r in rows[1:]:  # reward.teacher_topk: the top-k divergence the loss minimises, drawn beside it
+    for r in rows[1:]:  # distill.topk: the top-k divergence the loss minimises, drawn beside it
         r["distill/topk_kl"] = 0.5 / r["step"]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     title = "reverse KL to the teacher (mean over sampled tokens) and the weighted top-k one the loss minimises"

@@ -1,7 +1,7 @@
 """The OpenEnv server the tests start (one process, several environments): forge/tasks/openenv_sum.py's MCP sum
 environment at `/` (64 sessions), its typed-action twin at `/guess`, the MCP one capped at 2 sessions at `/capped`,
 at `/slow` an MCP environment whose `wait` tool sleeps (tool timeouts), and at `/text` the sum task with a text action
-(`message`: env.openenv_text_action) and an instruction as its reset observation. Served with
+(`message`: env.openenv.text_action) and an instruction as its reset observation. Served with
 `python -m uvicorn tests.env.openenv_server:app`; built only from openenv-core's own classes."""
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import torch
 
 from forge.config import ConfigError, EnvConfig
 from forge.env.agent import AgentHost
+from forge.env.config import AgentConfig
 from forge.env.openai_server import OpenAIServer, chat_response
 from forge.metrics import episode_metrics
 from forge.records import SamplingParams
@@ -117,7 +118,7 @@ def test_an_agent_plays_two_requests_and_its_sequence_is_what_the_model_sampled(
     '?' (the agent's message, loss 0), reply 2 (loss 1); every sampled segment is one the backend returned for
     exactly the tokens before it, with its log-probs, which the model's own forward pass gives back."""
     backend = tiny_backend(tok)
-    cfg = EnvConfig(max_turns=4, max_tokens=40, agent_batch_wait_ms=5000)  # batches wait for every episode
+    cfg = EnvConfig(max_turns=4, max_tokens=40, agent=AgentConfig(batch_wait_ms=5000))  # batches wait for every episode
     host = AgentHost(sum_agent, tok, cfg, "tiny-random", use_template=False)
     sample, seen = recording(backend.generate_ids)
     try:
@@ -244,17 +245,17 @@ def moody_agent(base_url: str, row: dict):
 def test_agents_that_raise_hang_or_misbehave_fail_their_own_episode_in_one_line(tok):
     kinds = ["ok", "raise", "hang", "text", "silent", "stream"]
     rows = [{"prompt": "q", "model_input": "q", "kind": k} for k in kinds]
-    host = AgentHost(moody_agent, tok, EnvConfig(agent_timeout_s=1.0), "tiny-random", use_template=False)
+    host = AgentHost(moody_agent, tok, EnvConfig(agent=AgentConfig(timeout_s=1.0)), "tiny-random", use_template=False)
     t0 = time.perf_counter()
     try:
         ro = host.rollouts(scripted(tok, ["2"], "?"), rows, SamplingParams(max_new_tokens=4, n=1), version=0)
     finally:
         host.close()
-    assert time.perf_counter() - t0 < 2.5  # the hung agent is left behind after env.agent_timeout_s
+    assert time.perf_counter() - t0 < 2.5  # the hung agent is left behind after env.agent.timeout_s
     failures = dict(zip(kinds, ro.episodes.failures, strict=True))
     assert failures["ok"] == "" and ro.episodes.environments[0].reward == 1.0
     assert failures["raise"] == "agent moody_agent raised ValueError: boom second line"
-    assert failures["hang"] == "agent moody_agent did not return within env.agent_timeout_s=1 s"
+    assert failures["hang"] == "agent moody_agent did not return within env.agent.timeout_s=1 s"
     assert failures["text"] == "agent moody_agent returned a str: return a float or None"
     assert failures["silent"] == "agent moody_agent made no request to its base URL"
     assert "streaming is not supported yet" in failures["stream"]
@@ -314,11 +315,12 @@ def test_smollm2s_template_bridges_replies_and_tool_calls_without_re_tokenising(
 
 
 def test_env_agent_is_checked_at_start():
-    with pytest.raises(ConfigError, match="env.agent' and env.environment_factory both give the environment"):
-        EnvConfig(agent="tests.env.agents:sum_agent", environment_factory="m:C").check("env.")
-    with pytest.raises(ConfigError, match="must look like 'pkg.module:function'"):
-        EnvConfig(agent="sum_agent").check("env.")
-    assert EnvConfig(agent="tests.env.agents:sum_agent").enabled
+    agent = AgentConfig(fn="tests.env.agents:sum_agent")
+    with pytest.raises(ConfigError, match="env.agent.fn' and env.environment_factory both give the environment"):
+        EnvConfig(agent=agent, environment_factory="m:C").check("env.")
+    with pytest.raises(ConfigError, match="'env.agent.fn' must look like 'pkg.module:function'"):
+        AgentConfig(fn="sum_agent").check("env.agent.")
+    assert EnvConfig(agent=agent).enabled and EnvConfig(agent=agent).source_key == "env.agent.fn"
 
 
 @pytest.mark.slow
@@ -327,7 +329,7 @@ def test_a_training_run_with_an_agent_logs_its_reward_and_the_reward_rises(tmp_p
     from forge.tracking import read_metrics
 
     sets = ["steps=30", "threads=1", "tracking.mlflow=false", "checkpoint.every=0", "eval.every=0",
-            "env.agent=tests.env.agents:sum_agent", "env.max_tokens=12", "rollout.prompts_per_step=8",
+            "env.agent.fn=tests.env.agents:sum_agent", "env.max_tokens=12", "rollout.prompts_per_step=8",
             "rollout.group_size=8", "rollout.max_new_tokens=3", "update.lr=2e-3", "data.train_size=200"]  # fmt: skip
     forge.train(preset="tiny", overrides=sets, run_dir=tmp_path / "run", progress=False)
     rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] > 0 and "reward/mean" in r]

@@ -20,10 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import forge
 from forge.config import ConfigError, EnvConfig, RunConfig
 from forge.env.chat import ChatFormat
+from forge.env.config import OpenEnvConfig
 from forge.env.episode import run_episodes
 from forge.env.openenv import LocalServer, _free_port, connect, replica_sessions
 from forge.env.rewards import env_reward
@@ -34,6 +36,11 @@ from tests.env.test_episode import scripted
 
 TEST_APP = "tests.env.openenv_server:app"
 SUM_APP = "forge.tasks.openenv_sum:app"
+
+
+def oe(**openenv) -> EnvConfig:
+    """An env section whose environment is the OpenEnv server `openenv` (env.openenv's keys) names."""
+    return EnvConfig(openenv=OpenEnvConfig(**openenv))
 torch.set_num_threads(1)
 
 
@@ -43,7 +50,7 @@ def call(name: str, **arguments) -> str:
 
 @pytest.fixture(scope="module")
 def server():
-    s = LocalServer.start(EnvConfig(openenv_app=TEST_APP))
+    s = LocalServer.start(OpenEnvConfig(app=TEST_APP))
     yield s
     s.stop()
 
@@ -58,7 +65,7 @@ def play(tok, client, turns, rows=None, n=2, **limits):
 
 
 def test_an_mcp_servers_tools_answer_the_calls_and_its_reward_and_done_end_the_episode(server, tok):
-    client = connect(EnvConfig(openenv_url=server.url), episodes=4)
+    client = connect(oe(url=server.url), episodes=4)
     assert client.mcp and client.max_sessions == 4 and [s["function"]["name"] for s in client.schemas] == ["check"]
     # turn 1 a wrong guess, turn 2 an argument the tool refuses (an MCP tool error), turn 3 the right guess: done
     ro = play(tok, client, [call("check", guess=2), call("check", guess="x"), call("check", guess=3), "3"],
@@ -75,7 +82,7 @@ def test_an_mcp_servers_tools_answer_the_calls_and_its_reward_and_done_end_the_e
 
 
 def test_an_environment_with_its_own_action_gets_one_step_tool_with_the_action_schema(server, tok):
-    client = connect(EnvConfig(openenv_url=server.url + "/guess"), episodes=2)
+    client = connect(oe(url=server.url + "/guess"), episodes=2)
     assert not client.mcp
     (schema,) = client.schemas
     assert schema["function"]["name"] == "step" and list(schema["function"]["parameters"]["properties"]) == ["guess"]
@@ -85,25 +92,25 @@ def test_an_environment_with_its_own_action_gets_one_step_tool_with_the_action_s
 
 
 def test_the_servers_session_cap_is_found_at_start_and_kept(server, tok):
-    client = connect(EnvConfig(openenv_url=server.url + "/capped"), episodes=8)
+    client = connect(oe(url=server.url + "/capped"), episodes=8)
     assert client.max_sessions == 2  # the server refused the third session it was asked for
     rows = [{"prompt": f"{a}+0=", "model_input": f"{a}+0=", "answer": str(a)} for a in range(4)]
     ro = play(tok, client, [call("check", guess=9), "9"], rows=rows, n=2)
     # 8 episodes of two turns, each a session the server would refuse beyond 2 at once: none failed
     assert ro.episodes.failures == [""] * 8 and ro.episodes.turns == [2] * 8
-    with pytest.raises(UserError, match="env.openenv_max_sessions=3, but .* accepts only 2 sessions") as err:
-        connect(EnvConfig(openenv_url=server.url + "/capped", openenv_max_sessions=3), episodes=8)
+    with pytest.raises(UserError, match="env.openenv.max_sessions=3, but .* accepts only 2 sessions") as err:
+        connect(oe(url=server.url + "/capped", max_sessions=3), episodes=8)
     assert "\n" not in str(err.value)
     # Ray's rollout replicas share the cap evenly (the driver finds it once); more replicas than sessions: one line
-    assert replica_sessions(EnvConfig(openenv_url=server.url + "/capped"), episodes=8, replicas=2) == 1
+    assert replica_sessions(oe(url=server.url + "/capped"), episodes=8, replicas=2) == 1
     with pytest.raises(UserError, match=r"holds 2 sessions at once, fewer than rollout.replicas=3 \(one each\)"):
-        replica_sessions(EnvConfig(openenv_url=server.url + "/capped"), episodes=8, replicas=3)
+        replica_sessions(oe(url=server.url + "/capped"), episodes=8, replicas=3)
 
 
 def test_episodes_travel_to_another_process_without_their_session_or_server(tok):
     """Ray pickles the episodes' environments for the reward actor: what the server said goes, the socket and the
     server process stay; the server is still stopped by the process that started it."""
-    client = connect(EnvConfig(openenv_app=SUM_APP), episodes=2)
+    client = connect(oe(app=SUM_APP), episodes=2)
     try:
         ro = play(tok, client, [call("check", guess=3), "3"])
         env = ro.episodes.environments[0]
@@ -117,7 +124,7 @@ def test_episodes_travel_to_another_process_without_their_session_or_server(tok)
 
 
 def test_a_tool_call_past_the_timeout_is_an_error_answer_and_the_session_goes_on(server, tok):
-    client = connect(EnvConfig(openenv_url=server.url + "/slow", tool_timeout_s=0.3), episodes=1)
+    client = connect(EnvConfig(openenv=OpenEnvConfig(url=server.url + "/slow"), tool_timeout_s=0.3), episodes=1)
     ro = play(tok, client, [call("wait", seconds=1.0), call("wait", seconds=0), "done"], n=1, timeout=0.3)
     answers = [t["content"] for t in ro.episodes.transcripts[0] if t["role"] == "tool"]
     # the late answer to the first call is read and dropped: the second call gets its own
@@ -126,8 +133,8 @@ def test_a_tool_call_past_the_timeout_is_an_error_answer_and_the_session_goes_on
 
 
 def test_a_server_dying_mid_episode_fails_the_episodes_in_flight(tok):
-    own = LocalServer.start(EnvConfig(openenv_app=SUM_APP))
-    client = connect(EnvConfig(openenv_url=own.url), episodes=2)
+    own = LocalServer.start(OpenEnvConfig(app=SUM_APP))
+    client = connect(oe(url=own.url), episodes=2)
     turns = scripted(tok, [call("check", guess=2), call("check", guess=3)])
 
     # the second turn: the server is killed before the policy's call reaches it
@@ -148,36 +155,37 @@ def test_a_server_dying_mid_episode_fails_the_episodes_in_flight(tok):
 
 
 def _sets(url: str, steps: int) -> list[str]:
-    return [f"steps={steps}", "threads=1", "tracking.mlflow=false", "env.environment_factory=", f"env.openenv_url={url}",
-            "reward.verifiers=[env_reward,math_answer]", "rollout.prompts_per_step=4", "rollout.group_size=4",
-            "data.train_size=64", "eval.every=0", "eval.max_problems=4"]  # fmt: skip
+    return [f"steps={steps}", "threads=1", "tracking.mlflow=false", "env.environment_factory=",
+            f"env.openenv.url={url}", "reward.verifiers=[env_reward,math_answer]", "rollout.prompts_per_step=4",
+            "rollout.group_size=4", "data.train_size=64", "eval.every=0", "eval.max_problems=4"]  # fmt: skip
 
 
 def test_an_unreachable_server_a_command_that_dies_and_bad_keys_are_one_line_naming_them(tmp_path):
     url = f"http://127.0.0.1:{_free_port()}"
-    with pytest.raises(UserError, match=f"env.openenv_url='{url}': no OpenEnv server answers {url}/health") as err:
+    with pytest.raises(UserError, match=f"env.openenv.url='{url}': no OpenEnv server answers {url}/health") as err:
         forge.train(preset="tiny-multiturn", overrides=_sets(url, 1), run_dir=tmp_path / "a", progress=False)
     assert "\n" not in str(err.value)
     command = f"{sys.executable} -c 'import sys; sys.exit(3)' {{port}}"
-    with pytest.raises(UserError, match="env.openenv_command=.*exited with code 3") as err:
-        connect(EnvConfig(openenv_command=command), episodes=1)
+    with pytest.raises(UserError, match="env.openenv.command=.*exited with code 3") as err:
+        connect(oe(command=command), episodes=1)
     assert "\n" not in str(err.value)
     for sets, key in [
-        ({"openenv_url": url, "openenv_app": SUM_APP}, "env.openenv_app"),
-        ({"openenv_command": "serve --port 8000"}, "env.openenv_command"),
-        ({"openenv_url": "127.0.0.1:8000"}, "env.openenv_url"),
-        ({"openenv_app": SUM_APP, "environment_factory": "forge.tasks.multiturn:SumEnv"}, "env.environment_factory"),
+        ({"openenv.url": url, "openenv.app": SUM_APP}, "env.openenv.app"),
+        ({"openenv.command": "serve --port 8000"}, "env.openenv.command"),
+        ({"openenv.url": "127.0.0.1:8000"}, "env.openenv.url"),
+        ({"openenv.app": SUM_APP, "environment_factory": "forge.tasks.multiturn:SumEnv"}, "env.environment_factory"),
     ]:
         cfg = RunConfig()
         for k, v in sets.items():
-            setattr(cfg.env, k, v)
+            section, _, name = k.rpartition(".")
+            setattr(getattr(cfg.env, section) if section else cfg.env, name, v)
         with pytest.raises(ConfigError, match=f"config key '{key}'"):
             cfg.validate()
     cfg = RunConfig()
-    cfg.env.openenv_url, cfg.env.openenv_max_sessions, cfg.rollout.replicas = url, 1, 2  # replicas share its sessions
-    with pytest.raises(ConfigError, match="config key 'env.openenv_max_sessions' is 1, fewer than rollout.replicas=2"):
+    cfg.env.openenv.url, cfg.env.openenv.max_sessions, cfg.rollout.replicas = url, 1, 2  # replicas share its sessions
+    with pytest.raises(ConfigError, match="config key 'env.openenv.max_sessions' is 1, fewer than rollout.replicas=2"):
         cfg.validate()
-    cfg.rollout.backend, cfg.env.openenv_max_sessions = "vllm", 2  # any backend, in Ray's actors too
+    cfg.rollout.backend, cfg.env.openenv.max_sessions = "vllm", 2  # any backend, in Ray's actors too
     cfg.validate()
 
 
@@ -196,7 +204,7 @@ def _children(marker: str) -> list[int]:
 
 
 def test_a_tiny_model_trains_against_a_server_forgeweave_starts_and_stops(tmp_path):
-    sets = [s for s in _sets("", 3) if not s.startswith("env.openenv_url")] + [f"env.openenv_app={SUM_APP}"]
+    sets = [s for s in _sets("", 3) if not s.startswith("env.openenv.url")] + [f"env.openenv.app={SUM_APP}"]
     forge.train(preset="tiny-multiturn", overrides=sets, run_dir=tmp_path / "run", progress=False)
     rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
     assert len(rows) == 3 and all(r["env/turns"] >= 1 and r["env/failed"] == 0 for r in rows)
@@ -208,14 +216,14 @@ def test_the_cli_and_a_config_file_point_at_a_server(server, runs_dir):
     from flows.cli import main
 
     config = runs_dir.parent / "run.yaml"
-    config.write_text("preset: tiny-multiturn\nenv:\n  environment_factory: ''\n  openenv_max_sessions: 4\n")
+    config.write_text("preset: tiny-multiturn\nenv:\n  environment_factory: ''\n  openenv:\n    max_sessions: 4\n")
     argv = ["run", "--config", str(config), "--name", "oe", "--runs-dir", str(runs_dir), "--quiet", "--no-prefect"]
-    sets = [s for s in _sets(server.url, 2) if s != "env.environment_factory="]  # env.openenv_url by --set
+    sets = [s for s in _sets(server.url, 2) if s != "env.environment_factory="]  # env.openenv.url by --set
     assert main(argv + [a for s in sets for a in ("--set", s)]) == 0
     rows = [r for r in read_metrics(runs_dir / "oe" / "metrics.jsonl") if "reward/mean" in r]
     assert len(rows) == 2 and all(r["env/failed"] == 0 for r in rows)
-    saved = (runs_dir / "oe" / "config.yaml").read_text()
-    assert f"openenv_url: {server.url}" in saved and "openenv_max_sessions: 4" in saved
+    saved = yaml.safe_load((runs_dir / "oe" / "config.yaml").read_text())["env"]["openenv"]
+    assert (saved["url"], saved["max_sessions"]) == (server.url, 4)
 
 
 def _comparable(row: dict) -> dict:
@@ -235,7 +243,7 @@ def _kill_after_checkpoint(run: Path, step: int, server: LocalServer, done: thre
 @pytest.mark.slow
 def test_killing_the_server_mid_run_stops_it_after_the_failing_steps_and_resume_continues_exactly(tmp_path):
     port = _free_port()
-    server = LocalServer.start(EnvConfig(openenv_app=SUM_APP), port=port)
+    server = LocalServer.start(OpenEnvConfig(app=SUM_APP), port=port)
     # checkpoints every 4 steps, stop after 2 all-failed steps: the kill right after checkpoint 4 stops the run before
     # checkpoint 8, so the resume starts from 4 (no checkpoint holds an update made with failed episodes)
     sets = _sets(server.url, 10) + ["checkpoint.every=4", "checkpoint.async_save=false", "reward.max_failing_steps=2"]
@@ -259,7 +267,7 @@ def test_killing_the_server_mid_run_stops_it_after_the_failing_steps_and_resume_
         assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-000004"]
 
         server.stop()
-        server = LocalServer.start(EnvConfig(openenv_app=SUM_APP), port=port)  # back at the same address
+        server = LocalServer.start(OpenEnvConfig(app=SUM_APP), port=port)  # back at the same address
         forge.train(run_dir=run, resume=True, progress=False)
     finally:
         server.stop()
@@ -289,8 +297,8 @@ def guesses(tok, turns: list[str], eos: bool = True):
 
 
 def play_text(tok, server, turns, eos=True, **env):
-    cfg = EnvConfig(openenv_url=server.url + "/text", openenv_text_action="message", max_turns=3, max_tokens=2000,
-                    **env)  # fmt: skip
+    cfg = EnvConfig(openenv=OpenEnvConfig(url=server.url + "/text", text_action="message"), max_turns=3,
+                    max_tokens=2000, **env)  # fmt: skip
     client = connect(cfg, episodes=2)
     rows = [{"prompt": "1+2=", "model_input": "1+2=", "answer": "3"}]
     params = SamplingParams(max_new_tokens=64, n=2, seed=0)
@@ -300,7 +308,7 @@ def play_text(tok, server, turns, eos=True, **env):
 
 
 def test_a_text_action_server_is_answered_with_plain_replies(server, tok):
-    """Issue 44: env.openenv_text_action=message: no tool is offered (the prompt has no tools line), each plain reply
+    """Issue 44: env.openenv.text_action=message: no tool is offered (the prompt has no tools line), each plain reply
     is a step {"message": reply}, the observation's text comes back as a user turn until the server says done. The
     reset observation (the instruction) follows the prompt and is the transcript's first segment (role environment).
     A reply that looks like a tool call is still a message."""
@@ -330,15 +338,15 @@ def test_a_cut_reply_goes_to_the_text_action_with_cut_reply_continue(server, tok
 
 
 def test_text_action_keys_that_cannot_work_are_one_line(server):
-    with pytest.raises(UserError, match="env.openenv_text_action='message': .* is an MCP environment"):
-        connect(EnvConfig(openenv_url=server.url, openenv_text_action="message"), episodes=1)
+    with pytest.raises(UserError, match="env.openenv.text_action='message': .* is an MCP environment"):
+        connect(oe(url=server.url, text_action="message"), episodes=1)
     with pytest.raises(UserError, match=r"has no text field 'text'; its fields: \['message'\]"):
-        connect(EnvConfig(openenv_url=server.url + "/text", openenv_text_action="text"), episodes=1)
+        connect(oe(url=server.url + "/text", text_action="text"), episodes=1)
     with pytest.raises(UserError, match=r"has no text field 'guess'"):  # an integer field
-        connect(EnvConfig(openenv_url=server.url + "/guess", openenv_text_action="guess"), episodes=1)
+        connect(oe(url=server.url + "/guess", text_action="guess"), episodes=1)
     cfg = RunConfig()
-    cfg.env.openenv_text_action = "message"
-    with pytest.raises(ConfigError, match="config key 'env.openenv_text_action' applies to an OpenEnv server"):
+    cfg.env.openenv.text_action = "message"
+    with pytest.raises(ConfigError, match="config key 'env.openenv.text_action' applies to an OpenEnv server"):
         cfg.validate()
 
 
@@ -346,7 +354,7 @@ def test_a_model_that_never_calls_tools_trains_against_a_text_action_server(serv
     """Acceptance 2 of issue 44 on the tiny model: the text server (tests/env/openenv_server.py `/text`) plays
     every episode by its replies (cut ones too: env.cut_reply=continue, the random model rarely ends a turn in 3
     tokens); the server's reward (env_reward) is scored and the update runs."""
-    sets = _sets(server.url + "/text", 2) + ["env.openenv_text_action=message", "rollout.max_new_tokens=3",
+    sets = _sets(server.url + "/text", 2) + ["env.openenv.text_action=message", "rollout.max_new_tokens=3",
                                               "env.cut_reply=continue"]  # fmt: skip
     forge.train(preset="tiny-multiturn", overrides=sets, run_dir=tmp_path / "run", progress=False)
     rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]

@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from forge.config import EnvConfig
+from forge.env.config import OpenEnvConfig
 from forge.presets import tiny_multiturn
 from forge.tracking import read_metrics
 from tests.flows.test_ray_exec import POOLS, cluster, run  # noqa: F401  (cluster: the module's fixture)
@@ -121,17 +121,17 @@ def test_vllm_actors_learn_the_multiturn_task_one_step_off_policy(cluster, tmp_p
 def openenv_cfg(url: str = "", app: str = "", **kw):
     """`episode_cfg` with the sum task served by OpenEnv (forge/tasks/openenv_sum.py) instead of `SumEnv`."""
     cfg = episode_cfg(**kw)
-    cfg.env.environment_factory, cfg.env.openenv_url, cfg.env.openenv_app = "", url, app
+    cfg.env.environment_factory, cfg.env.openenv.url, cfg.env.openenv.app = "", url, app
     return cfg
 
 
 def test_two_hf_replicas_share_an_openenv_servers_sessions_and_play_what_one_process_plays(cluster, tmp_path):  # noqa: F811
-    """Issue 30 on every mode: two hf rollout actors are clients of one OpenEnv server at env.openenv_url that holds
+    """Issue 30 on every mode: two hf rollout actors are clients of one OpenEnv server at env.openenv.url that holds
     2 sessions at once (tests/env/openenv_server.py's /capped); the driver finds the cap and gives each actor one, so
     no episode is refused, and every metric equals the in-process run against the same server (which opens 2)."""
     from forge.env.openenv import LocalServer
 
-    server = LocalServer.start(EnvConfig(openenv_app="tests.env.openenv_server:app"))
+    server = LocalServer.start(OpenEnvConfig(app="tests.env.openenv_server:app"))
     try:
         ray_dir, ref_dir = tmp_path / "ray", tmp_path / "in-process"
         cfg, ref = (openenv_cfg(server.url + "/capped", steps=2, replicas=n) for n in (2, 1))

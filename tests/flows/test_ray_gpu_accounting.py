@@ -129,7 +129,7 @@ def test_a_teacher_in_a_gpu_pool_of_its_own_sees_that_pools_gpu(cluster, tmp_pat
     cfg.pools.append(
         {"name": "distill", "kind": "gpu", "devices": [0], "memory_gib": 24, "host": "node-t", "stages": ["teacher"]}
     )
-    cfg.reward.teacher = save(*load_policy(cfg.model, seed=1), tmp_path / "teacher")
+    cfg.distill.teacher = save(*load_policy(cfg.model, seed=1), tmp_path / "teacher")
     plan, _ = plan_run(cfg)
     assert (plan.for_stage("teacher").pool, plan.for_stage("teacher").devices) == ("distill", (0,))
     assert plan.for_stage("update").devices == (0,) and plan.for_stage("rollout").devices == (1,)

@@ -5,7 +5,7 @@ The simulated two-node cluster of tests/flows/test_ray_exec.py (pool `gen`: prep
 its actor runs on the `train` node; the reward actor loads no teacher and reads the teacher actor's [N, T]
 log-probs and [N, T, k] top k by reference, and the driver hands the top k to the update actor. The teacher is the
 tiny student edited to prefer one token (tests/rewards/test_teacher.py's `prefers`); pure distillation (no verifier,
-the top-k divergence: reward.teacher_topk = 8, the path with the most to carry between actors; the sampled-token
+the top-k divergence: distill.topk = 8, the path with the most to carry between actors; the sampled-token
 reward alone is the same path without the top k) must raise the student's probability of that token and lower the
 reverse KL, and the first steps must equal the same run in this process (teacher inside the reward worker), though
 the Ray run's teacher actor is killed at step 3 (the loop rebuilds every actor and resumes from the checkpoint at
@@ -47,7 +47,7 @@ def distill_cfg(tmp_path, steps: int, execution: str):
     cfg.eval.every, cfg.eval.k, cfg.eval.max_problems, cfg.eval.verifiers = 0, 0, 4, ["format_integer"]
     cfg.checkpoint.every = 2  # the killed teacher's run resumes from step 2
     cfg.reward.verifiers = []
-    cfg.reward.teacher, cfg.reward.teacher_topk = str(tmp_path / "teacher"), 8
+    cfg.distill.teacher, cfg.distill.topk = str(tmp_path / "teacher"), 8
     return cfg
 
 
@@ -84,7 +84,7 @@ def runs(cluster, tmp_path_factory):  # noqa: F811
 
 def test_the_plan_places_the_teacher_beside_update(tmp_path):
     cfg = distill_cfg(tmp_path, STEPS, "ray")
-    with pytest.raises(Exception, match=r"reward.teacher '.*teacher' does not exist"):
+    with pytest.raises(Exception, match=r"distill.teacher '.*teacher' does not exist"):
         plan_run(cfg)  # no directory yet: one line naming it, at planning
     start, tok = load_policy(cfg.model, seed=cfg.seed)
     save(start, tok, tmp_path / "teacher")

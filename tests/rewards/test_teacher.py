@@ -53,14 +53,14 @@ def prefers(model, tok, token: str, gap: float = 1.0):
     return m
 
 
-def distill_cfg(teacher: str, **reward) -> RunConfig:
+def distill_cfg(teacher: str, **distill) -> RunConfig:
     cfg = RunConfig()
     cfg.rollout.max_new_tokens, cfg.rollout.temperature = T, 1.0
     cfg.model.tiny.hidden, cfg.model.tiny.layers = 32, 1
     cfg.update.adaptive.enabled, cfg.update.max_grad_norm = False, 0.0
-    cfg.reward.verifiers, cfg.reward.teacher = [], teacher
-    for k, v in reward.items():
-        setattr(cfg.reward, k, v)
+    cfg.reward.verifiers, cfg.distill.teacher = [], teacher
+    for k, v in distill.items():
+        setattr(cfg.distill, k, v)
     return cfg
 
 
@@ -98,7 +98,7 @@ def test_teacher_equal_to_student_gives_zero_reverse_kl_and_zero_gradient(tok, s
 
 @pytest.mark.parametrize("divergence", ["reverse", "forward"])
 def test_topk_divergence_equal_teacher_zero_and_full_vocabulary_exact(tok, student, tmp_path, divergence):
-    """reward.teacher_topk: the sampled-token term leaves the advantages and the update adds the teacher's top-k
+    """distill.topk: the sampled-token term leaves the advantages and the update adds the teacher's top-k
     KL. A teacher equal to the student: 0 and no gradient (against a far teacher's). With k = the whole vocabulary
     (no rest bucket) it is the exact KL, sum_v q (log q - log p) (reverse) or sum_v p (log p - log q) (forward), at
     every loss token."""
@@ -106,8 +106,8 @@ def test_topk_divergence_equal_teacher_zero_and_full_vocabulary_exact(tok, stude
     m = ro.loss_mask.bool()
     stats = {}
     for name, teacher in (("same", student), ("far", prefers(student, tok, X))):
-        cfg = distill_cfg(save(teacher, tok, tmp_path / name), teacher_topk=8, teacher_weight=0.5,
-                          teacher_divergence=divergence)  # fmt: skip
+        cfg = distill_cfg(save(teacher, tok, tmp_path / name), topk=8, weight=0.5,
+                          divergence=divergence)  # fmt: skip
         batch = reward_worker(cfg).score(rows(), ro, 1)
         top = batch.teacher_topk
         assert top.ids.shape == top.logp.shape == (*ro.completion_ids.shape, 8) and top.weight == 0.5
@@ -118,7 +118,7 @@ def test_topk_divergence_equal_teacher_zero_and_full_vocabulary_exact(tok, stude
     assert stats["same"].grad_norm < 1e-4 * stats["far"].grad_norm, (stats["same"].grad_norm, stats["far"])
 
     teacher, vocab = prefers(student, tok, X), len(tok)
-    cfg = distill_cfg(save(teacher, tok, tmp_path / "all"), teacher_topk=vocab)
+    cfg = distill_cfg(save(teacher, tok, tmp_path / "all"), topk=vocab)
     top = reward_worker(cfg).score(rows(), ro, 1).teacher_topk
     args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
     every = torch.arange(vocab).expand(*ro.completion_ids.shape, vocab)
@@ -131,8 +131,8 @@ def test_topk_divergence_equal_teacher_zero_and_full_vocabulary_exact(tok, stude
 
 
 def test_topk_distillation_needs_a_token_local_objective():
-    with pytest.raises(ConfigError, match=r"'reward.teacher_topk' is set, but .* reward.teacher_discount=0") as e:
-        distill_cfg("t", teacher_topk=4, teacher_discount=0.9).validate()
+    with pytest.raises(ConfigError, match=r"'distill.topk' is set, but .* distill.discount=0") as e:
+        distill_cfg("t", topk=4, discount=0.9).validate()
     assert "\n" not in str(e.value)
 
 
@@ -141,7 +141,7 @@ def test_reward_is_the_log_ratio_on_sampled_tokens_weighted_beside_verifiers(tok
     teacher = prefers(student, tok, X)
     ro = on_policy(student, make_rollouts(tok))
     ro = dataclasses.replace(ro, loss_mask=ro.completion_mask * torch.tensor([[1, 0, 1, 1]]))  # position 1: env
-    cfg = distill_cfg(save(teacher, tok, tmp_path / "teacher"), teacher_weight=0.5)
+    cfg = distill_cfg(save(teacher, tok, tmp_path / "teacher"), weight=0.5)
     cfg.reward.verifiers = ["math_answer"]
     batch = reward_worker(cfg).score(rows(), ro, 1)
     args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
@@ -183,7 +183,7 @@ def test_non_finite_teacher_log_probs_skip_the_step(tok, student, tmp_path):
 
 
 def test_bad_teachers_are_one_line_errors(tok, student, tmp_path):
-    with pytest.raises(UserError, match=r"reward.teacher '.*nowhere' does not exist") as e:
+    with pytest.raises(UserError, match=r"distill.teacher '.*nowhere' does not exist") as e:
         reward_worker(distill_cfg(str(tmp_path / "nowhere")))
     assert "\n" not in str(e.value)
     (tmp_path / "empty").mkdir()
@@ -194,12 +194,14 @@ def test_bad_teachers_are_one_line_errors(tok, student, tmp_path):
     with pytest.raises(UserError, match="different tokenizer from the policy's") as e:
         reward_worker(distill_cfg(save(student, other, tmp_path / "other")))
     assert "\n" not in str(e.value) and "other" in str(e.value)
-    with pytest.raises(UserError, match=r"reward.teacher_topk=1000 is more than the tokenizer's \d+ tokens"):
-        reward_worker(distill_cfg(save(student, tok, tmp_path / "same"), teacher_topk=1000))
+    with pytest.raises(UserError, match=r"distill.topk=1000 is more than the tokenizer's \d+ tokens"):
+        reward_worker(distill_cfg(save(student, tok, tmp_path / "same"), topk=1000))
     with pytest.raises(ConfigError, match="reward.verifiers"):  # no verifier and no teacher: nothing to learn from
         distill_cfg("").validate()
+    cfg = distill_cfg("t")
+    cfg.reward.aggregate = "ensemble"
     with pytest.raises(ConfigError, match="reward.aggregate=ensemble combines verifiers"):
-        distill_cfg("t", aggregate="ensemble").validate()
+        cfg.validate()
 
 
 def run_cfg(steps: int) -> RunConfig:
@@ -227,7 +229,7 @@ def test_a_teacher_equal_to_the_sampling_policy_gives_zero_reverse_kl_in_a_run(t
 
     cfg = run_cfg(1)
     start, tok = load_policy(cfg.model, seed=cfg.seed)
-    cfg.reward.teacher = save(start, tok, tmp_path / "teacher")
+    cfg.distill.teacher = save(start, tok, tmp_path / "teacher")
     train(cfg, run_dir=tmp_path / "run", progress=False)
     assert reverse_kls(tmp_path / "run") == [pytest.approx(0.0, abs=1e-5)]
 
@@ -246,7 +248,7 @@ def test_distillation_raises_the_preferred_tokens_probability(tmp_path):
 
     cfg = run_cfg(30)
     start, tok = load_policy(cfg.model, seed=cfg.seed)
-    cfg.reward.teacher = save(prefers(start, tok, X, gap=2.0), tok, tmp_path / "teacher")
+    cfg.distill.teacher = save(prefers(start, tok, X, gap=2.0), tok, tmp_path / "teacher")
     train(cfg, run_dir=tmp_path / "run", progress=False)
     end, _ = load_policy(dataclasses.replace(cfg.model, path=str(tmp_path / "run/checkpoints/step-000030")))
     prompts = tok(["1+2=", "4+4=", "3+5=", "0+6="], return_tensors="pt")
@@ -259,7 +261,7 @@ def test_distillation_raises_the_preferred_tokens_probability(tmp_path):
 
 
 def test_topk_distillation_names_the_token_the_sampled_reward_has_to_find(tmp_path):
-    """The same run with reward.teacher_topk = 8, 10 steps: the divergence names X at every position, so p(X) rises
+    """The same run with distill.topk = 8, 10 steps: the divergence names X at every position, so p(X) rises
     at once (measured 0.010 -> 0.53; 1.000 after 30 steps), where the sampled-token reward has barely moved yet
     (0.010 -> 0.010; 0.82 after 30 steps) because X must first be sampled to be rewarded.
 
@@ -274,9 +276,9 @@ def test_topk_distillation_names_the_token_the_sampled_reward_has_to_find(tmp_pa
     after = {}
     for k in (0, 8):
         cfg = run_cfg(10)
-        cfg.reward.teacher_topk = k
+        cfg.distill.topk = k
         start, tok = load_policy(cfg.model, seed=cfg.seed)
-        cfg.reward.teacher = save(prefers(start, tok, X, gap=2.0), tok, tmp_path / f"teacher-{k}")
+        cfg.distill.teacher = save(prefers(start, tok, X, gap=2.0), tok, tmp_path / f"teacher-{k}")
         train(cfg, run_dir=tmp_path / f"run-{k}", progress=False)
         end, _ = load_policy(dataclasses.replace(cfg.model, path=str(tmp_path / f"run-{k}/checkpoints/step-000010")))
         prompts = tok(["1+2=", "4+4=", "3+5=", "0+6="], return_tensors="pt")

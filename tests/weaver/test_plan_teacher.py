@@ -73,7 +73,7 @@ def test_a_gpu_teacher_takes_the_gpu_with_most_room_else_a_one_line_error():
                                         r"other GPU stages is 21.1 GiB \(gpu: 2 x 24 GiB\): declare a pool "
                                         r"\(cpu or gpu\) with stages: \[teacher\]$") as e:  # fmt: skip
         plan(needs, [CPU_BOX, gpus(2, 24)])
-    assert e.value.stage == "teacher"  # flows.planning.make_plan names reward.teacher's directory in its line
+    assert e.value.stage == "teacher"  # flows.planning.make_plan names distill.teacher's directory in its line
 
 
 def test_update_gives_up_a_gpu_for_a_teacher_no_gpu_has_room_for():
