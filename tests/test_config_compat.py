@@ -194,7 +194,7 @@ def test_a_config_yaml_of_the_previous_release_loads_to_the_same_values(capsys):
 
 
 # keys that release did not have; a saved config gets the default
-ADDED_SINCE = ["orchestration.reserve_timeout_s", "rollout.weight_transport"]
+ADDED_SINCE = ["orchestration.reserve_timeout_s", "rollout.weight_transport", "rollout.weight_check"]
 
 
 def old_layout(new: dict) -> dict:
