@@ -112,18 +112,18 @@ def _read_only_filesystem(req: dict) -> None:
 
 def _build_root(req: dict, new: str) -> None:
     """On a small tmpfs at `new`: bind mounts of the paths in `root_paths()` (read-only: their mounts were made so),
-    the harmless devices, an empty /dev/shm, the work tmpfs on /tmp and a fresh /proc; then the tmpfs read-only."""
+    the harmless devices, an empty /dev/shm, the work tmpfs on /tmp and a fresh /proc; then the tmpfs read-only.
+    The sources are opened first: the tmpfs covers `new` (/tmp), where one of them may lie."""
+    sources = [(p, _source(p)) for p in [*root_paths(), *(f"/dev/{n}" for n in ("null", "zero", "full", "urandom"))]]
     _mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=256k,nr_inodes=4096,mode=0755")
-    for path in root_paths():
-        _graft(path, new)
-    for name in ("null", "zero", "full", "random", "urandom"):
-        _graft("/dev/" + name, new)
+    for path, source in sources:
+        _graft(path, source, new)
     for name in ("/dev/shm", "/tmp", "/proc"):
         os.makedirs(new + name, 0o755, exist_ok=True)
+    os.symlink("urandom", new + "/dev/random")
     owner = f",uid={req['uid']},gid={req['gid']}" if req["mode"] == "root" else ""
-    _mount(
-        "tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={req['tmpfs_kb']}k,nr_inodes=1024,mode=0700{owner}"
-    )
+    work = f"size={req['tmpfs_kb']}k,nr_inodes=1024,mode=0700{owner}"
+    _mount("tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, work)
     # a proc of this PID namespace only: the sandbox's own processes (userns mode writes its uid_map there)
     _mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     _mount("none", new, "", MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
@@ -131,29 +131,39 @@ def _build_root(req: dict, new: str) -> None:
 
 def root_paths() -> list[str]:
     """What the sandbox's root holds: the system's programs and libraries (/usr and the /bin, /lib... beside it), the
-    dynamic linker's cache and the time zone from /etc, and the Python installation (sys.base_prefix, where the
-    standard library lives, and the directory of the interpreter binary). Not the venv (`-I -S`: its packages are
-    not importable in the sandbox anyway), not this script (loaded already), nothing of a home, /run, /var or the
-    working tree. Paths under another in the list are dropped (bound with it)."""
+    dynamic linker's cache and the time zone from /etc, the Python installation (sys.base_prefix: the interpreter and
+    its standard library) and the interpreter at sys.executable's path (a venv's bin/python: the file alone, so that
+    code starting `sys.executable` works). Not the venv's packages (`-I -S`: not importable in the sandbox anyway),
+    not this script (loaded already), nothing of a home, /run, /var or the working tree. Paths under another in the
+    list are dropped (bound with it)."""
     paths = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache", "/etc/localtime"]
-    paths += [os.path.realpath(sys.base_prefix), os.path.dirname(os.path.realpath(sys.executable))]
+    paths += [os.path.realpath(sys.base_prefix), os.path.dirname(os.path.realpath(sys.executable)), sys.executable]
     paths = sorted({os.path.normpath(p) for p in paths if os.path.lexists(p)})
     return [p for p in paths if not any(p.startswith(q + "/") for q in paths)]
 
 
-def _graft(path: str, new: str) -> None:
-    """`path` at the same place under `new`: a symlink as the same symlink (/lib -> usr/lib), a directory or file as
-    a bind mount of it; the directories above it made here (0755, empty but for what is grafted)."""
+def _source(path: str) -> str | int:
+    """What to graft at `path`: for a symlink right under / (merged /usr: /lib -> usr/lib) its target, to make the
+    same link; else an O_PATH descriptor of what it resolves to."""
+    if os.path.islink(path) and os.path.dirname(path) == "/":
+        return os.readlink(path)
+    return os.open(path, os.O_PATH | os.O_CLOEXEC)
+
+
+def _graft(path: str, source: str | int, new: str) -> None:
+    """`source` (`_source`) at `path` under `new`: the same symlink, or a bind mount of the file or directory; the
+    directories above it made here (0755, empty but for what is grafted)."""
     inside = new + path
     os.makedirs(os.path.dirname(inside), 0o755, exist_ok=True)
-    if os.path.islink(path):
-        os.symlink(os.readlink(path), inside)
+    if isinstance(source, str):
+        os.symlink(source, inside)
         return
-    if os.path.isdir(path):
+    if os.path.isdir(f"/proc/self/fd/{source}"):
         os.mkdir(inside, 0o755)
     else:
         os.close(os.open(inside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-    _mount(path, inside, "", MS_BIND | MS_REC)
+    _mount(f"/proc/self/fd/{source}", inside, "", MS_BIND | MS_REC)
+    os.close(source)
 
 
 def _pivot_root(new: str) -> None:
