@@ -4,11 +4,13 @@ Reads one JSON request on stdin, then (mode "root" or "userns"):
 
   S (this process, session leader): new mount, network, PID, IPC and UTS namespaces (plus a user namespace in
     "userns" mode); forks C and exits with C's status.
-  C (PID 1 of the new PID namespace; dies with S through PR_SET_PDEATHSIG): remounts every mount read-only,
-    mounts a fresh size-capped tmpfs on /tmp (the work dir) and read-only empty ones on /var/tmp and /dev/shm,
-    a fresh /proc; forks W and exits when W does, which makes the kernel kill everything left in the namespace.
-  W: rlimits, no_new_privs, drops to an unprivileged uid (root mode: a fresh uid per slot; userns mode: a nested
-    user namespace), points fd 1/2 at a capped file, then writes "ready" on the results fd, execs the program
+  C (PID 1 of the new PID namespace; dies with S through PR_SET_PDEATHSIG): remounts every mount read-only, builds
+    a fresh root on a tmpfs (read-only bind mounts of /usr, /bin, /lib..., two files of /etc, the Python
+    installation; /dev/null and its like; a fresh size-capped tmpfs on /tmp, the work dir; a fresh /proc) and
+    pivots into it, detaching the old root: no home, /run, /var, socket or checkout is left to reach. Forks W and
+    exits when W does, which makes the kernel kill everything left in the namespace.
+  W: rlimits, no_new_privs, drops to an unprivileged uid with no groups (root mode: a fresh uid per slot; userns
+    mode: a nested user namespace in which it is nobody, 65534), points fd 1/2 at a capped file, then writes "ready" on the results fd, execs the program
     ("loaded" or "load <error>") and evaluates each check, writing its VALUE as JSON ("<i> <json>", or "<i> !")
     as soon as it ends, then "done"; with `output_kb` in the request (the `python` tool), then what the program
     printed, as "output <hex>". W never sees an expected value and judges nothing: forge compares the values
