@@ -93,7 +93,9 @@ def _fake_user(root: Path, owner: int = -1, group: int = -1) -> dict:
     os.chmod(sockets[0], 0o600 if owner >= 0 else 0o666)
     os.chmod(sockets[1], 0o660 if owner >= 0 else 0o666)
     for path in [root, *root.rglob("*")]:
-        os.lchown(path, owner, group if str(path) == sockets[1] else owner)
+        os.lchown(path, owner, owner)
+    if group >= 0:  # like Docker's: root's, and open to a group the user is in
+        os.lchown(sockets[1], 0, group)
     files = [str(home / n) for n in secrets] + ["/etc/shadow", "/root/.bashrc", str(Path.cwd() / "pyproject.toml")]
     return {
         "FILES": files,
@@ -172,9 +174,9 @@ def _python_for(uid: int) -> str | None:
 @pytest.mark.skipif(os.geteuid() != 0, reason="drops to an unprivileged uid to play the user: needs root")
 @pytest.mark.usefixtures("clean_machine")
 def test_as_an_ordinary_user_the_sandbox_sees_none_of_their_data_sockets_or_groups():
-    """The mode an ordinary user gets (userns), run as one: uid U with a supplementary group G that may use their
-    Docker-like socket (0660, group G), a bus socket 0600 and a 0600 key of their own. The kernel keeps U's groups
-    for access checks (an unprivileged user namespace cannot drop them), so only hiding the paths stops this."""
+    """The mode an ordinary user gets (userns), run as one: uid U with a supplementary group G that may use a
+    Docker-like socket (0660, root's, group G), a bus socket 0600 and a 0600 key of their own. The kernel keeps U's
+    groups for access checks (an unprivileged user namespace cannot drop them), so only hiding the paths stops this."""
     user, group = 1_800_000_000 + os.getpid() % 100_000, 1_800_100_000 + os.getpid() % 100_000
     python = _python_for(user)
     if python is None:
@@ -199,7 +201,7 @@ def test_as_an_ordinary_user_the_sandbox_sees_none_of_their_data_sockets_or_grou
         pytest.skip(f"an unprivileged user cannot create namespaces here: {result.detail}")
     assert result.status == "ok", result
     leaked, (uid, euid, gid, egid, groups, _) = json.loads(result.output)
-    assert leaked == []
+    assert leaked == [], leaked
     assert (uid, euid, gid, egid) == (65534,) * 4 and user not in groups and group not in groups
 
 
