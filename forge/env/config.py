@@ -102,7 +102,10 @@ class EnvConfig:
     """Token budget of an episode after its prompt, sampled and tool tokens together (0 = 4 x rollout.max_new_tokens);
     an episode that reaches it is cut (truncated)."""
     tool_timeout_s: float = ranged(10.0, ">= 0", "seconds (0 = no limit)")
-    """Seconds one tool call may take; past it the model gets an error message as the tool's answer."""
+    """Seconds one tool call may take; past it the model gets an error message as the tool's answer (the call's thread
+    runs on: after forge.env.tools.MAX_STUCK_TOOLS such calls, an episode that calls a tool fails instead)."""
+    max_tool_calls_per_turn: int = ranged(16, ">= 1")
+    """Tool calls answered per policy turn; the turn's further calls are not run and get one error answer."""
     episode_timeout_s: float = ranged(0.0, ">= 0", "seconds (0 = no limit)")
     """Wall-clock seconds an episode may run (sampling and tools); one past it is cut after its current turn."""
     mask_truncated: bool = True

@@ -55,7 +55,7 @@ from forge.env.chat import ChatFormat
 from forge.env.config import EnvConfig
 from forge.env.openenv import OpenEnvClient, OpenEnvEpisode
 from forge.env.parse import parse_tool_calls
-from forge.env.tools import Tool, call_tool, environment_tools
+from forge.env.tools import Tool, ToolsExhausted, call_tool, environment_tools
 from forge.errors import UserError
 from forge.records import Episodes, Rollouts
 from forge.rollout.base import SamplingParams, cat_padded
@@ -154,6 +154,8 @@ def play_turn(ep: Episode, new: list[int], logprobs: list[float], cfg: EnvConfig
         ep.done, ep.truncated, ep.finish = True, True, "length"
         return
     answers = _answer(ep, calls, cfg)
+    if ep.failure:  # no thread left for a tool
+        return
     remote = ep.env if isinstance(ep.env, OpenEnvEpisode) else None
     if remote is not None and remote.failure:
         ep.fail(remote.failure)
@@ -206,16 +208,29 @@ def _on_reply(ep: Episode, text: str, cfg: EnvConfig, budget: int, fmt: ChatForm
 
 
 def _answer(ep: Episode, calls, cfg: EnvConfig) -> list[tuple[str, str]]:
-    t0, answers = time.perf_counter(), []
-    for call in calls:
+    """The answers to the turn's first env.max_tool_calls_per_turn calls, and one error answer for the rest (each
+    counted as a failed call). Fails the episode when no thread is left for a tool (`ToolsExhausted`)."""
+    t0, answers, cap = time.perf_counter(), [], cfg.max_tool_calls_per_turn
+    for call in calls[:cap]:
         ep.calls += 1
         if call.error:
             answer, failed = call.error, True
         else:
-            answer, failed = call_tool(ep.tools, call.name, call.arguments, cfg.tool_timeout_s)
+            try:
+                answer, failed = call_tool(ep.tools, call.name, call.arguments, cfg.tool_timeout_s)
+            except ToolsExhausted as e:
+                ep.fail(str(e))
+                break
         ep.errors += failed
         answers.append((call.name or "error", answer))
         ep.transcript.append({"role": "tool", "name": call.name, "content": answer, "error": failed})
+    if len(calls) > cap and not ep.failure:
+        ep.calls, ep.errors = ep.calls + len(calls) - cap, ep.errors + len(calls) - cap
+        answer = (
+            f"Error: {len(calls)} tool calls in one turn; only the first {cap} were run (env.max_tool_calls_per_turn)"
+        )
+        answers.append(("error", answer))
+        ep.transcript.append({"role": "tool", "name": None, "content": answer, "error": True})
     ep.seconds += time.perf_counter() - t0
     return answers
 

@@ -9,10 +9,10 @@ tool call, `forge.env.episode`) are not tools either.
 
 from __future__ import annotations
 
-import concurrent.futures
 import importlib
 import inspect
 import json
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,11 +21,20 @@ from transformers.utils import get_json_schema
 from forge.errors import UserError
 
 NOT_TOOLS = ("reset", "reward", "on_reply")  # on_reply: forge.env.episode.REPLY_HOOK
-_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="forge-tool")
+MAX_STUCK_TOOLS = 16
+"""Tool calls a process lets run on past env.tool_timeout_s (Python cannot kill a thread: each holds one until its
+tool returns). With this many still running, a tool call is refused (`ToolsExhausted`: its episode fails) rather
+than start one more thread that may never end."""
+_stuck: list[threading.Thread] = []
+_stuck_lock = threading.Lock()
 
 
 class ToolError(Exception):
     """A tool's own error answer (e.g. a remote server's): its text goes to the model as is and counts as an error."""
+
+
+class ToolsExhausted(Exception):
+    """MAX_STUCK_TOOLS tool calls are still running past their timeout: the episode that wants another one fails."""
 
 
 @dataclass(frozen=True)
@@ -73,22 +82,62 @@ def check_environment(factory: Callable) -> None:
 
 def call_tool(tools: dict[str, Tool], name: str, arguments: dict, timeout_s: float) -> tuple[str, bool]:
     """(the tool's answer as text, whether it is an error). Unknown tool, bad arguments, a raise or a timeout: an
-    error text the model reads, never an exception (a `ToolError`'s text as it is)."""
+    error text the model reads (a `ToolError`'s text as it is). The one exception: `ToolsExhausted`, when
+    MAX_STUCK_TOOLS earlier calls still run past their timeout (the caller fails the episode)."""
     if name not in tools:
         return f"Error: unknown tool '{name}'; available: {', '.join(tools) or 'none'}", True
     tool = tools[name]
+    if not tool.times_itself:
+        _claim_thread(name)
     try:
         if tool.times_itself:
             result = tool.fn(**arguments)
         else:
-            result = _POOL.submit(tool.fn, **arguments).result(timeout=timeout_s or None)
-    except concurrent.futures.TimeoutError:
-        return f"Error: tool '{name}' timed out after {timeout_s:g} s", True  # its thread runs on, unread
+            finished, result = _timed_call(name, tool.fn, arguments, timeout_s)
+            if not finished:  # its thread runs on, unread (counted in _stuck until it ends)
+                return f"Error: tool '{name}' timed out after {timeout_s:g} s", True
     except ToolError as e:
         return str(e), True
     except Exception as e:  # the tool raised (or got arguments it does not take)
         return f"Error: tool '{name}' raised {type(e).__name__}: {e}", True
     return (result if isinstance(result, str) else json.dumps(result, default=str)), False
+
+
+def _claim_thread(name: str) -> None:
+    """ToolsExhausted when MAX_STUCK_TOOLS earlier calls are still running past their timeout."""
+    with _stuck_lock:
+        _stuck[:] = [t for t in _stuck if t.is_alive()]
+        if len(_stuck) >= MAX_STUCK_TOOLS:
+            raise ToolsExhausted(
+                f"tool '{name}' not called: {len(_stuck)} earlier tool calls still run past env.tool_timeout_s "
+                "(a thread cannot be stopped); fix the tool that hangs"
+            )
+
+
+def _timed_call(name: str, fn: Callable, arguments: dict, timeout_s: float) -> tuple[bool, object]:
+    """(finished, fn(**arguments)), run in a daemon thread of its own and waited for `timeout_s` (0: for ever); the
+    tool's exception is raised here. A thread past its timeout runs on, counted in `_stuck` until it ends; being a
+    daemon, it does not keep the process from exiting."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(**arguments)
+        except Exception as e:
+            box["error"] = e
+        except BaseException as e:  # SystemExit in a tool is the tool's error, not the run's end
+            box["error"] = RuntimeError(f"{type(e).__name__}: {e}")
+
+    thread = threading.Thread(target=run, name=f"forge-tool-{name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s or None)
+    if thread.is_alive():
+        with _stuck_lock:
+            _stuck.append(thread)
+        return False, None
+    if "error" in box:
+        raise box["error"]
+    return True, box.get("value")
 
 
 def load_object(spec: str, key: str) -> object:

@@ -4,11 +4,13 @@ Reads one JSON request on stdin, then (mode "root" or "userns"):
 
   S (this process, session leader): new mount, network, PID, IPC and UTS namespaces (plus a user namespace in
     "userns" mode); forks C and exits with C's status.
-  C (PID 1 of the new PID namespace; dies with S through PR_SET_PDEATHSIG): remounts every mount read-only,
-    mounts a fresh size-capped tmpfs on /tmp (the work dir) and read-only empty ones on /var/tmp and /dev/shm,
-    a fresh /proc; forks W and exits when W does, which makes the kernel kill everything left in the namespace.
-  W: rlimits, no_new_privs, drops to an unprivileged uid (root mode: a fresh uid per slot; userns mode: a nested
-    user namespace), points fd 1/2 at a capped file, then writes "ready" on the results fd, execs the program
+  C (PID 1 of the new PID namespace; dies with S through PR_SET_PDEATHSIG): remounts every mount read-only, builds
+    a fresh root on a tmpfs (read-only bind mounts of /usr, /bin, /lib..., two files of /etc, the Python
+    installation; /dev/null and its like; a fresh size-capped tmpfs on /tmp, the work dir; a fresh /proc) and
+    pivots into it, detaching the old root: no home, /run, /var, socket or checkout is left to reach. Forks W and
+    exits when W does, which makes the kernel kill everything left in the namespace.
+  W: rlimits, no_new_privs, drops to an unprivileged uid with no groups (root mode: a fresh uid per slot; userns
+    mode: a nested user namespace in which it is nobody, 65534), points fd 1/2 at a capped file, then writes "ready" on the results fd, execs the program
     ("loaded" or "load <error>") and evaluates each check, writing its VALUE as JSON ("<i> <json>", or "<i> !")
     as soon as it ends, then "done"; with `output_kb` in the request (the `python` tool), then what the program
     printed, as "output <hex>". W never sees an expected value and judges nothing: forge compares the values
@@ -39,9 +41,11 @@ MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 1024, 2048
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 _KEEP_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
                "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME}  # fmt: skip
+MNT_DETACH = 2
+NOBODY = 65534  # the sandbox's uid and gid inside its user namespace (userns mode)
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217, "i686": 217}
 _libc = ctypes.CDLL(None, use_errno=True)
-_STDLIB = os.path.dirname(os.__file__)
-STDLIB_VIEW = "/tmp/.stdlib"
+NEW_ROOT = "/tmp"  # where the sandbox's root is built before pivoting into it (over the host's /tmp, in its namespace)
 
 
 class _TestTimeout(BaseException):
@@ -69,6 +73,8 @@ def _write(path: str, text: str) -> None:
 def _enter_namespaces(mode: str) -> None:
     flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
     uid, gid = os.geteuid(), os.getegid()
+    if mode == "userns" and uid == 0:
+        os.setgroups([])  # an unprivileged user cannot drop its groups: the user namespace keeps them (unmapped)
     _check(_libc.unshare(flags | (CLONE_NEWUSER if mode == "userns" else 0)), "unshare")
     if mode == "userns":
         _write("/proc/self/setgroups", "deny")
@@ -89,7 +95,8 @@ def _mount_points() -> list[tuple[str, int]]:
 
 
 def _read_only_filesystem(req: dict) -> None:
-    """Everything read-only; a private tmpfs on /tmp; empty read-only /var/tmp and /dev/shm; a fresh /proc."""
+    """A fresh root holding only what the interpreter needs, every piece read-only, a private tmpfs on /tmp and a
+    fresh /proc; then pivot into it, so nothing else of the machine (homes, /run, /work, sockets) is reachable."""
     _mount("none", "/", "", MS_REC | MS_PRIVATE)
     for target, keep in _mount_points():
         try:
@@ -97,35 +104,81 @@ def _read_only_filesystem(req: dict) -> None:
         except OSError as e:
             if os.path.exists(target) and not target.startswith(("/proc", "/sys")):
                 raise OSError(e.errno, f"cannot make {target} read-only: {e.strerror}") from None
-    owner = f",uid={req['uid']},gid={req['gid']}" if req["mode"] == "root" else ""
-    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={req['tmpfs_kb']}k,nr_inodes=1024,mode=0700{owner}")
-    _expose_stdlib()
-    for target in ("/var/tmp", "/dev/shm"):
-        if os.path.isdir(target):
-            _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0555")
+    umask = os.umask(0o022)  # the sandbox uid must traverse the directories made here
     try:
-        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    except OSError:
-        pass  # the old /proc stays (read-only); processes outside this PID namespace cannot be signalled anyway
+        _build_root(req, NEW_ROOT)
+    finally:
+        os.umask(umask)
+    _pivot_root(NEW_ROOT)
 
 
-def _expose_stdlib() -> None:
-    """Bind the standard library read-only at /tmp/.stdlib: the sandbox uid may not be able to reach the real one
-    (e.g. a Python under /root), and granting it read access to everything would expose the machine's secrets."""
-    os.mkdir(STDLIB_VIEW, 0o755)
-    _mount(_STDLIB, STDLIB_VIEW, "", MS_BIND | MS_REC)
-    _mount("none", STDLIB_VIEW, "", MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+def _build_root(req: dict, new: str) -> None:
+    """On a small tmpfs at `new`: bind mounts of the paths in `root_paths()` (read-only: their mounts were made so),
+    the harmless devices, an empty /dev/shm, the work tmpfs on /tmp and a fresh /proc; then the tmpfs read-only.
+    The sources are opened first: the tmpfs covers `new` (/tmp), where one of them may lie."""
+    sources = [(p, _source(p)) for p in [*root_paths(), *(f"/dev/{n}" for n in ("null", "zero", "full", "urandom"))]]
+    _mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=256k,nr_inodes=4096,mode=0755")
+    for path, source in sources:
+        _graft(path, source, new)
+    for name in ("/dev/shm", "/tmp", "/proc"):
+        os.makedirs(new + name, 0o755, exist_ok=True)
+    os.symlink("urandom", new + "/dev/random")
+    owner = f",uid={req['uid']},gid={req['gid']}" if req["mode"] == "root" else ""
+    work = f"size={req['tmpfs_kb']}k,nr_inodes=1024,mode=0700{owner}"
+    _mount("tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, work)
+    # a proc of this PID namespace only: the sandbox's own processes (userns mode writes its uid_map there)
+    _mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    _mount("none", new, "", MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def _use_stdlib_view() -> None:
-    def view(paths: list[str]) -> list[str]:
-        return [STDLIB_VIEW + p[len(_STDLIB) :] if p.startswith(_STDLIB) else p for p in paths]
+def root_paths() -> list[str]:
+    """What the sandbox's root holds: the system's programs and libraries (/usr and the /bin, /lib... beside it), the
+    dynamic linker's cache and the time zone from /etc, the Python installation (sys.base_prefix: the interpreter and
+    its standard library) and the interpreter at sys.executable's path (a venv's bin/python: the file alone, so that
+    code starting `sys.executable` works). Not the venv's packages (`-I -S`: not importable in the sandbox anyway),
+    not this script (loaded already), nothing of a home, /run, /var or the working tree. Paths under another in the
+    list are dropped (bound with it)."""
+    paths = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache", "/etc/localtime"]
+    paths += [os.path.realpath(sys.base_prefix), os.path.dirname(os.path.realpath(sys.executable)), sys.executable]
+    paths = sorted({os.path.normpath(p) for p in paths if os.path.lexists(p)})
+    return [p for p in paths if not any(p.startswith(q + "/") for q in paths)]
 
-    sys.path[:] = [p for p in view(sys.path) if p.startswith(STDLIB_VIEW)]
-    for module in list(sys.modules.values()):  # packages imported already look for submodules at the new place
-        if isinstance(getattr(module, "__path__", None), list):
-            module.__path__[:] = view(module.__path__)
-    sys.path_importer_cache.clear()
+
+def _source(path: str) -> str | int:
+    """What to graft at `path`: for a symlink right under / (merged /usr: /lib -> usr/lib) its target, to make the
+    same link; else an O_PATH descriptor of what it resolves to."""
+    if os.path.islink(path) and os.path.dirname(path) == "/":
+        return os.readlink(path)
+    return os.open(path, os.O_PATH | os.O_CLOEXEC)
+
+
+def _graft(path: str, source: str | int, new: str) -> None:
+    """`source` (`_source`) at `path` under `new`: the same symlink, or a bind mount of the file or directory; the
+    directories above it made here (0755, empty but for what is grafted)."""
+    inside = new + path
+    os.makedirs(os.path.dirname(inside), 0o755, exist_ok=True)
+    if isinstance(source, str):
+        os.symlink(source, inside)
+        return
+    if os.path.isdir(f"/proc/self/fd/{source}"):
+        os.mkdir(inside, 0o755)
+    else:
+        os.close(os.open(inside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    _mount(f"/proc/self/fd/{source}", inside, "", MS_BIND | MS_REC)
+    os.close(source)
+
+
+def _pivot_root(new: str) -> None:
+    """Make `new` this mount namespace's root and detach the old one (pivot_root(".", ".") as in pivot_root(2)). A
+    chroot would leave the old root in the namespace, reachable again by a process that gets CAP_SYS_CHROOT in a user
+    namespace of its own, and the kernel refuses user namespaces to chrooted processes (userns mode needs one)."""
+    number = _SYS_PIVOT_ROOT.get(os.uname().machine)
+    if number is None:
+        raise OSError(38, f"pivot_root: no syscall number known for {os.uname().machine}")
+    os.chdir(new)
+    _check(_libc.syscall(ctypes.c_long(number), b".", b"."), "pivot_root")
+    _check(_libc.umount2(b".", MNT_DETACH), "detach the old root")
+    os.chdir("/")
 
 
 def _limits(req: dict) -> None:
@@ -152,13 +205,13 @@ def _drop_privileges(req: dict) -> None:
         os.setresuid(req["uid"], req["uid"], req["uid"])
     elif req["mode"] == "userns":
         # we are uid 0 of our own user namespace, with its capabilities (enough to undo the read-only mounts);
-        # a nested namespace mapping uid 1 onto us, then setuid(1), drops them all
+        # a nested namespace mapping nobody (65534) onto us, then setuid(65534), drops them all
         _check(_libc.unshare(CLONE_NEWUSER), "unshare user")
         _write("/proc/self/setgroups", "deny")
-        _write("/proc/self/uid_map", "1 0 1")
-        _write("/proc/self/gid_map", "1 0 1")
-        os.setresgid(1, 1, 1)
-        os.setresuid(1, 1, 1)
+        _write("/proc/self/uid_map", f"{NOBODY} 0 1")
+        _write("/proc/self/gid_map", f"{NOBODY} 0 1")
+        os.setresgid(NOBODY, NOBODY, NOBODY)
+        os.setresuid(NOBODY, NOBODY, NOBODY)
 
 
 def _worker(req: dict, results: int) -> None:
@@ -167,8 +220,6 @@ def _worker(req: dict, results: int) -> None:
     _drop_privileges(req)
     if req["mode"] == "none":  # no PID namespace to take us down with the runner
         _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
-    if req["mode"] != "none":
-        _use_stdlib_view()
     work = req.get("workdir") or "/tmp/work"
     os.makedirs(work, mode=0o700, exist_ok=True)
     os.chdir(work)

@@ -29,15 +29,17 @@ when it raises nothing), each with its own time limit. The score is passed / tot
 to load, hangs, or breaks a limit (it keeps the tests passed before); None when the answer is not a valid test
 spec (a data error: NaN in the scores, counted in `reward/code_exec/failures`).
 
-What this still trusts: that the expected values cannot be read from inside the sandbox some other way (it can
-read world-readable files: hidden tests kept in a world-readable file, as forge's shipped tasks are, could be
-found and echoed back); the values of pair checks and the verdicts of free-form tests in trusted suites, which
+What this still trusts: that the expected values cannot be read from inside the sandbox some other way (it sees
+/usr and the Python installation, nothing else of the machine: hidden tests in a readable file there, e.g. forge's
+shipped tasks when forge is installed into the base interpreter rather than a venv or checkout, could be echoed); the values of pair checks and the verdicts of free-form tests in trusted suites, which
 come from the program's own interpreter; in mode "none" (no namespaces), that the program does not read forge's
 memory (it runs as the same user). `code_judge.suspicious` counts completions that reach for these tricks.
 
 Isolation (docs/code-exec.md has the threat model): new network (no interfaces but a down loopback), mount,
-PID, IPC and UTS namespaces; every mount read-only except a private size-capped tmpfs on /tmp that is the working
-directory; a fresh unprivileged uid (or a nested user namespace where we are not root); no_new_privs; rlimits on CPU
+PID, IPC and UTS namespaces; a fresh root that holds only read-only binds of the system's programs and libraries and
+the Python installation, a private size-capped tmpfs on /tmp that is the working directory, and a /proc of its own
+(no home, /run, socket or checkout is there to read); a fresh unprivileged uid with no groups (or, where we are not
+root, a nested user namespace in which the code is nobody); no_new_privs; rlimits on CPU
 seconds, address space, file size, processes, open files; an empty environment; stdout/stderr to a capped file; a
 wall-clock timeout after which the whole process group is killed, and the PID namespace takes every process the
 program started with it. Where no namespace can be created the verifier refuses to start unless
