@@ -52,7 +52,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from forge.errors import DiskFull, UserError
+from forge.errors import ABSENT_ERRNOS, DiskFull, UserError, storage_error
 from forge.io import FULL, atomic_write_text, check_safetensors, human_bytes, safetensors_problem
 from forge.model_config import ModelConfig
 
@@ -571,7 +571,11 @@ _STEP_DIR = re.compile(r"step-\d{6,}")
 def _pointer_name(pointer: Path) -> str | None:
     try:
         return pointer.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError):
+    except OSError as e:
+        if e.errno not in ABSENT_ERRNOS:
+            raise storage_error(pointer, e) from None
+        return None
+    except UnicodeDecodeError:
         return None
 
 
@@ -601,7 +605,11 @@ def checkpoint_problem(ckpt: Path) -> str:
     for name, keys in (("checkpoint.json", {"step"}), (STATE_JSON, {"step", "trainer"})):
         try:
             info = json.loads((ckpt / name).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        except OSError as e:
+            if e.errno not in ABSENT_ERRNOS:  # the storage failed, not the file: stop, change nothing
+                raise storage_error(ckpt / name, e) from None
+            return f"has a damaged {name} (missing, or not JSON)"
+        except ValueError:
             return f"has a damaged {name} (missing, or not JSON)"
         if not isinstance(info, dict) or not keys <= info.keys() or step not in (None, info["step"]):
             return f"has a {name} that is not the record of its step"

@@ -8,3 +8,19 @@ class UserError(Exception):
 class DiskFull(UserError):
     """A write the disk refused (no space, a quota, the file-size limit): the message names the path and the bytes
     it needed. The failure path's own bookkeeping writes may meet it too and then stay silent (forge.loop)."""
+
+
+class StorageError(UserError):
+    """A read the storage failed (an I/O error, a stale network handle), not a damaged file: whoever meets it stops
+    and changes nothing (a resume does not fall back to an older checkpoint, cut the run's records or let retention
+    delete checkpoints); the message names the path and says to retry once the storage answers."""
+
+
+# errno values that mean "the file is not there" (a missing or damaged checkpoint), not "the storage failed"
+ABSENT_ERRNOS = frozenset({2, 20})  # ENOENT, ENOTDIR
+
+
+def storage_error(path, e: OSError) -> StorageError:
+    """The one line for a failed read of `path` that is not the file's absence."""
+    return StorageError(f"{path}: {e.strerror or e} while reading it: the storage failed, not the file; retry once "
+                        "it answers (nothing was changed)")  # fmt: skip

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from forge.errors import DiskFull, UserError
+from forge.errors import ABSENT_ERRNOS, DiskFull, UserError, storage_error
 
 # no space, over a quota, over the process's file-size limit (RLIMIT_FSIZE, with SIGXFSZ ignored)
 FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
@@ -152,6 +152,8 @@ def safetensors_problem(path: str | Path) -> str:
                 return f"truncated: {size} bytes, shorter than its header says"
             header = json.loads(f.read(length).decode("utf-8"))
     except OSError as e:
+        if e.errno not in ABSENT_ERRNOS:  # an I/O error, a stale handle: the storage, not the file (a retry may do)
+            raise storage_error(path, e) from None
         return f"cannot be read: {e.strerror}"
     except ValueError:  # json and unicode errors
         return "its header is not valid JSON (truncated or not a safetensors file)"

@@ -339,3 +339,44 @@ def test_a_metrics_append_over_the_size_limit_leaves_no_half_line(tmp_path):
     assert out.stdout.strip() == (f"cannot write '{path}': File too large (the write needed 33 B); free space (or "
                                   "raise the quota / file-size limit), then --resume"), out.stderr  # fmt: skip
     assert path.read_text() == '{"step": 1}\n'
+
+
+# ---------------------------------------------------------------- a storage that fails is not a damaged checkpoint
+
+
+@pytest.mark.parametrize("failing", ["latest", "checkpoint.json", "model.safetensors"])
+def test_a_read_error_on_resume_stops_and_changes_nothing(finished, tmp_path, monkeypatch, failing):
+    """An I/O error (EIO) reading the newest checkpoint is the storage, not damage: no fall back to an older
+    checkpoint (whose resume would cut the run's records and let retention delete the newer ones), one line."""
+    import builtins
+    import errno
+    import pathlib
+
+    from forge.checkpoint import resume_checkpoint
+    from forge.errors import StorageError
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(finished / "checkpoints", root)
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    bad = root / ("latest" if failing == "latest" else f"step-000003/{failing}")
+    read_text, real_open = pathlib.Path.read_text, builtins.open
+
+    def eio(path):
+        if Path(path) == bad:
+            raise OSError(errno.EIO, "Input/output error", str(path))
+
+    def failing_read_text(self, *args, **kwargs):
+        eio(self)
+        return read_text(self, *args, **kwargs)
+
+    def failing_open(path, *args, **kwargs):
+        eio(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "read_text", failing_read_text)
+    monkeypatch.setattr(builtins, "open", failing_open)
+    with pytest.raises(StorageError, match=r"Input/output error while reading it: the storage failed, not the file"):
+        resume_checkpoint(root)
+    monkeypatch.undo()
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+    assert resume_checkpoint(root) == (root / "step-000003", "")  # once the storage answers: the newest, as before
