@@ -54,8 +54,10 @@ class Rollouts:
     seconds: float = 0.0  # the sampler's own time for this batch (its busy time, not the caller's wait)
     loss_mask: torch.Tensor | None = None  # [N, T] 1 only on tokens the policy sampled; None given = completion_mask
     episodes: Episodes | None = None  # multi-turn: per-episode counts and transcripts; None = single-turn
+    single_turn: bool = field(init=False, default=True)  # no loss mask was given: it is the completion mask
 
     def __post_init__(self):
+        object.__setattr__(self, "single_turn", self.loss_mask is None)
         if self.loss_mask is None:  # single-turn: every real completion token was sampled
             object.__setattr__(self, "loss_mask", self.completion_mask)
 

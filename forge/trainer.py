@@ -79,7 +79,7 @@ from forge.trainer_config import AlgoConfig, UpdateConfig
 def _loss_mask(ro: Rollouts, rows: slice, width: int, device) -> torch.Tensor | None:
     """The micro-batch's loss mask [n, width], or None where it equals the completion mask (single-turn): the
     single-turn update then runs exactly the code it ran before loss masks existed."""
-    if ro.loss_mask is ro.completion_mask:
+    if ro.single_turn:
         return None
     return ro.loss_mask[rows, :width].to(device)
 

@@ -75,7 +75,7 @@ def concat_rollouts(parts: list[Rollouts], pad_id: int) -> Rollouts:
 
 def _concat_loss_masks(parts: list[Rollouts]) -> torch.Tensor | None:
     """The parts' loss masks side by side; None (= the completion mask) when every part is single-turn, so the
-    merged record stays single-turn for the trainer too (`forge.trainer._loss_mask` checks the identity)."""
-    if all(p.loss_mask is p.completion_mask for p in parts):
+    merged record stays single-turn for the trainer too (`Rollouts.single_turn`)."""
+    if all(p.single_turn for p in parts):
         return None
     return cat_padded([p.loss_mask for p in parts], 0, left=False)
