@@ -117,18 +117,35 @@ def _build_root(req: dict, new: str) -> None:
     the harmless devices, an empty /dev/shm, the work tmpfs on /tmp and a fresh /proc; then the tmpfs read-only.
     The sources are opened first: the tmpfs covers `new` (/tmp), where one of them may lie."""
     sources = [(p, _source(p)) for p in [*root_paths(), *(f"/dev/{n}" for n in ("null", "zero", "full", "urandom"))]]
+    on_tmp = [(p, src) for p, src in sources if p.startswith("/tmp/")]  # a venv in a checkout under /tmp
     _mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=256k,nr_inodes=4096,mode=0755")
     for path, source in sources:
-        _graft(path, source, new)
+        if (path, source) not in on_tmp:
+            _graft(path, source, new)
     for name in ("/dev/shm", "/tmp", "/proc"):
         os.makedirs(new + name, 0o755, exist_ok=True)
     os.symlink("urandom", new + "/dev/random")
     owner = f",uid={req['uid']},gid={req['gid']}" if req["mode"] == "root" else ""
     work = f"size={req['tmpfs_kb']}k,nr_inodes=1024,mode=0700{owner}"
     _mount("tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, work)
+    _graft_on_tmp(on_tmp, new)
     # a proc of this PID namespace only: the sandbox's own processes (userns mode writes its uid_map there)
     _mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     _mount("none", new, "", MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def _graft_on_tmp(on_tmp: list[tuple[str, str | int]], new: str) -> None:
+    """Paths under /tmp (the interpreter of a venv in a checkout under /tmp), which the work tmpfs would hide: each
+    top directory (/tmp/<name>) becomes a small tmpfs over the work one, the paths are grafted into it, and it is made
+    read-only, so the code can run them but writes nothing there."""
+    tops = sorted({"/tmp/" + path.split("/")[2] for path, _ in on_tmp})
+    for top in tops:
+        os.makedirs(new + top, 0o755, exist_ok=True)
+        _mount("tmpfs", new + top, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,nr_inodes=256,mode=0755")
+    for path, source in on_tmp:
+        _graft(path, source, new)
+    for top in tops:
+        _mount("none", new + top, "", MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
 def root_paths() -> list[str]:
