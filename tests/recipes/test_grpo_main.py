@@ -12,7 +12,7 @@ from flows.cli import main
 from forge.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
-SETS = ["steps=8", "eval.every=4", "checkpoint.every=4", "seed=1", "tracking.mlflow=false"]
+SETS = ["steps=4", "eval.every=2", "checkpoint.every=2", "seed=1", "tracking.mlflow=false"]
 
 
 def learned(run: Path) -> list[dict]:
@@ -33,8 +33,8 @@ def test_module_entry_point_trains_as_the_cli_does(runs_dir, tmp_path):
     summary = json.loads((tmp_path / "alone" / "summary.json").read_text())
     assert out.stdout.strip().endswith(f"eval pass@1 {summary['eval']['initial']['pass@1']} -> "
                                        f"{summary['eval']['final']['pass@1']}")  # fmt: skip
-    assert learned(tmp_path / "alone") == learned(runs_dir / "cli") and len(learned(runs_dir / "cli")) == 9
-    weights = [(d / "checkpoints" / "step-000008" / "model.safetensors").read_bytes()
+    assert learned(tmp_path / "alone") == learned(runs_dir / "cli") and len(learned(runs_dir / "cli")) == 5
+    weights = [(d / "checkpoints" / "step-000004" / "model.safetensors").read_bytes()
                for d in (tmp_path / "alone", runs_dir / "cli")]  # fmt: skip
     assert weights[0] == weights[1]
 
