@@ -1,5 +1,7 @@
 """Errors meant for people: the CLI prints their message as one line, without a traceback."""
 
+import errno
+
 
 class UserError(Exception):
     """Bad input a user can fix (file, config key, path). The message names what and says what to do."""
@@ -17,7 +19,7 @@ class StorageError(UserError):
 
 
 # errno values that mean "the file is not there" (a missing or damaged checkpoint), not "the storage failed"
-ABSENT_ERRNOS = frozenset({2, 20})  # ENOENT, ENOTDIR
+ABSENT_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR})
 
 
 def storage_error(path, e: OSError) -> StorageError:

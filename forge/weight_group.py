@@ -392,20 +392,19 @@ class WeightGroup:
         buckets are a collective."""
         assert self.rank > 0 and self.store is not None, "stream is for ranks 1..N, after connect"
         sync, self.syncs, got = self.syncs, self.syncs + 1, {}
-        store = self._ipc_store()
+        store = self._ipc_store() if self.backend == "ipc" else None
         for index in range(len(plan.buckets)):
-            if self.backend == "ipc":
-                bucket = self._ipc_bucket(store, plan, sync, index)
-                self._note(plan, index, bucket, sync, got)
-                pairs = [(name, t.clone()) for name, t in _views(plan, index, bucket)]
-                del bucket
-                self._ack(store, sync, index)
-            else:
-                bucket = next(self._empty_buckets(plan, index))
+            if store is None:  # a fresh buffer: the previous one is the loader's to keep or drop
+                bucket = self._empty_bucket(plan, index)
                 self._broadcast(bucket)
                 self._note(plan, index, bucket, sync, got)
                 pairs = _views(plan, index, bucket)
-                del bucket
+            else:
+                bucket = self._ipc_bucket(store, plan, sync, index)
+                self._note(plan, index, bucket, sync, got)
+                pairs = [(name, t.clone()) for name, t in _views(plan, index, bucket)]
+                self._ack(store, sync, index)
+            del bucket
             yield from pairs
             del pairs
         self._verify(got, sync)
@@ -426,9 +425,13 @@ class WeightGroup:
         self._verify(got, sync)
         return plan.nbytes
 
-    def _empty_buckets(self, plan: WeightPlan, start: int = 0) -> Iterator[torch.Tensor]:
-        for dtype, numel in plan.buckets[start:]:
-            yield torch.empty(numel, dtype=_dtype(dtype), device=self.device)
+    def _empty_buckets(self, plan: WeightPlan) -> Iterator[torch.Tensor]:
+        for index in range(len(plan.buckets)):
+            yield self._empty_bucket(plan, index)
+
+    def _empty_bucket(self, plan: WeightPlan, index: int) -> torch.Tensor:
+        dtype, numel = plan.buckets[index]
+        return torch.empty(numel, dtype=_dtype(dtype), device=self.device)
 
     def close(self) -> None:
         """Drop the group (a member that died leaves it unusable: the caller builds a new one)."""

@@ -64,18 +64,19 @@ def _receiver(rank: int, world: int, port: int, plan, steps: int, out: str, back
 
 
 def _count_buckets(group: WeightGroup) -> dict:
-    """Track the receive buffers `group` makes (gloo: `_empty_buckets`; ipc: the clones of each mapped bucket)."""
+    """Track the receive buffers `group` makes (gloo: `_empty_bucket`); counted as each pair arrives (the loader's
+    last tensor of the bucket before is its own to drop)."""
     import weakref
 
     live: dict = {"refs": [], "max": 0}
-    make = group._empty_buckets
+    make = group._empty_bucket
 
-    def tracked(plan, start=0):
-        for buffer in make(plan, start):
-            live["refs"].append(weakref.ref(buffer))
-            yield buffer
+    def tracked(plan, index):
+        buffer = make(plan, index)
+        live["refs"].append(weakref.ref(buffer))
+        return buffer
 
-    group._empty_buckets = tracked
+    group._empty_bucket = tracked
     return live
 
 
