@@ -4,8 +4,9 @@ One synthetic scored batch (random prompts and completions of fixed length, rand
 Llama, `--steps` updates per setting after one warm-up update. 1 process: the in-process Trainer (the rollout
 shares its module, nothing to publish). N processes: N update-rank actors on a private local Ray instance (one
 torch.distributed group over gloo, as in Ray execution), timed from the driver (the batch into the object store,
-the update on the ranks, rank 0's new weights back as an object and read here, as a rollout actor would); the
-ranks' own update time and the weight hand-over (rank 0's state dict -> object store -> a reader) are shown apart.
+the update on the ranks, then rank 0's full weights gathered and returned here as an object); the ranks' own update
+time and that hand-over (rank 0's state dict -> object store -> the driver) are shown apart. Ray mode itself moves
+weights through the weight group (`flows.ray_sync`; bench/weight_sync.py compares the two).
 On a machine with 2 busy CPU cores no speed-up is to be expected: the ranks share the cores the single process had
 (`--threads 1` gives every process one thread; sharing 2 threads on a loaded machine mostly measures OpenMP
 oversubscription of the one-process run).
@@ -53,7 +54,9 @@ def synthetic_batch(vocab: int, n: int, prompt_len: int, tokens: int, seed: int 
     return rollouts, advantages  # what an update takes
 
 
-def measure(cfg: RunConfig, processes: int, batch: tuple[Rollouts, torch.Tensor], steps: int, threads: int) -> dict[str, float]:
+def measure(
+    cfg: RunConfig, processes: int, batch: tuple[Rollouts, torch.Tensor], steps: int, threads: int
+) -> dict[str, float]:
     """`threads` CPU threads in all: the single process gets them all, each of N ranks threads // N."""
     cfg.threads = max(1, threads // processes)
     torch.set_num_threads(threads)
@@ -93,15 +96,14 @@ def _on_ray(cfg: RunConfig, processes: int, batch: tuple[Rollouts, torch.Tensor]
                "CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "1"}  # fmt: skip
         ranks = [StageActor.options(runtime_env={"env_vars": env}).remote(env) for _ in range(processes)]
         addr, port = ray.get(ranks[0].rendezvous.remote())
-        ray.get([a.start.remote("update", cfg, rank=r, world=processes, master_addr=addr, master_port=port)
-                 for r, a in enumerate(ranks)])  # fmt: skip
+        ray.get([a.start.remote("update", cfg, rank=r, world=processes, master_addr=addr, master_port=port,
+                                micro_update=update_micro_batch) for r, a in enumerate(ranks)])  # fmt: skip
 
         def step():
-            ref = ray.put(batch)
-            calls = [a.call.options(num_returns=2).remote("step", ref, True) for a in ranks]
-            stats = ray.get([c[0] for c in calls])[0]
+            ro_ref, adv_ref = ray.put(batch[0]), ray.put(batch[1])
+            stats = ray.get([a.call.remote("step", ro_ref, adv_ref) for a in ranks])[0]
             t0 = time.perf_counter()
-            ray.get(calls[0][1])  # rank 0's weights, as a rollout actor reads them
+            ray.get([a.call.remote("weights") for a in ranks])  # the full weights on rank 0, every rank gathering
             return stats, time.perf_counter() - t0
 
         step()  # warm-up

@@ -26,9 +26,9 @@ and the plan's thread count. Bundles are spread over their pool's nodes (`SPREAD
 Weights move once per step through the weight group (`forge.weight_group`, started with the actors): update rank 0
 hosts it, rollout actor i joins as rank 1 + i*TP (colocated, `rollout.weight_transport` ipc: one group per GPU, each
 update rank hosting one for the rollout actors on its own GPU; `weaver.apply.weight_transport` says which); the
-driver submits the receives, then the sends, and only the plan
-(names, shapes, bucket layout) crosses Ray — the object store carries no weights (`group = False` keeps the old
-object-store path, as a control for tests and bench/weight_sync.py). The rollouts stay where the rollout actor put
+driver submits the receives, then the sends (`flows.ray_sync.WeightSync`, the one component that does it), and only
+the plan (names, shapes, bucket layout) crosses Ray: the object store carries no weights (bench/weight_sync.py keeps
+the object-store path as its baseline). The rollouts stay where the rollout actor put
 them (several replicas' parts are merged and put once); the reward actor and the update ranks read that copy, and
 the advantages go by `ray.put`.
 
@@ -70,6 +70,7 @@ import forge
 from flows.planning import object_store_bytes
 from flows.ray_actor import StageActor
 from flows.ray_reserve import Reservation, reserve
+from flows.ray_sync import WeightSync
 from forge.checkpoint import SaveReport
 from forge.config import RunConfig
 from forge.data import train_row_count
@@ -202,8 +203,6 @@ def _reset_token_cache() -> None:
 class RayStages:
     """`forge.stages.Stages` over Ray actors placed by Weaver's plan. Needs `ray_session` (or ray.init) first."""
 
-    group = True  # weights by the weight group (`forge.weight_group`); False: through the object store (the old path)
-
     def __init__(self, cfg: RunConfig, run_dir: Path, plan: dict | None, micro_update: MicroUpdate):
         """`micro_update`: the recipe's update math (`forge.recipes.grpo.update_micro_batch`), which each update rank
         actor receives by reference (its module is importable there)."""
@@ -213,12 +212,8 @@ class RayStages:
         self.plan = Plan.from_dict(plan)
         cores = {p["name"]: int(p.get("cpu_cores", 1)) for p in plan.get("pools", [])}
         self.actors: dict[str, list] = {}
-        self.policy_version = 0
-        self._loads: list = []  # weight loads an asynchronous update queued on the rollout actors
-        self._sends: list = []  # and the weight group's sends on the update ranks that go with them
         self._started: dict[int, list[tuple[int, ray.ObjectRef]]] = {}  # step -> prefetched generate calls
         self._stored: tuple[Rollouts, ray.ObjectRef] | None = None  # the last rollouts and their object-store copy
-        self._load_seconds = 0.0
         self.places: dict[str, list[dict]] = {}  # stage -> each actor's `where` at start (its node's address)
         self.reservation: Reservation | None = None
         self.pad_id = load_tokenizer(cfg.model).pad_token_id
@@ -227,19 +222,25 @@ class RayStages:
         os.environ[SECRET_ENV] = secrets.token_hex(32)  # this run's weight-group secret: every actor's environment
         try:
             self.reservation = self._reserve(cores)
-            self.transport = self._transport()
+            routes = self._routes()
             self._start_trainers(self.reservation.of("update"), micro_update)
             self._start_rollouts(self.reservation.of("rollout"), cores)
             self._start_scorers(train_row_count(run_dir))
             self.balancer = ThroughputBalancer(len(self.actors["rollout"]))
-            if self.group:
-                self._start_weight_group()
-            self._publish(0)
+            tp = cfg.rollout.tensor_parallel_size if cfg.rollout.backend == "vllm" else 1  # ranks per engine
+            self.sync = WeightSync(routes, self.actors["update"], self.actors["rollout"], self._get, tp)
+            self.sync.start(self.places)
+            self.sync.publish(0)
         except BaseException:
             self.close()
             raise
 
     # ------------------------------------------------------------ start
+
+    @property
+    def policy_version(self) -> int:
+        """The version the rollout actors hold (or will, once the syncs queued behind their generates land)."""
+        return self.sync.version
 
     def _reserve(self, cores: dict[str, int]) -> Reservation:
         """The run's placement group for every process it starts (`flows.ray_reserve`): each asks for its share of
@@ -319,67 +320,15 @@ class RayStages:
         openenv = dataclasses.replace(self.cfg.env.openenv, max_sessions=share)
         return dataclasses.replace(self.cfg, env=dataclasses.replace(self.cfg.env, openenv=openenv))
 
-    def _transport(self) -> WeightRoutes | None:
+    def _routes(self) -> WeightRoutes:
         """Which weight groups carry the weights (rollout.weight_transport, `weaver.apply.weight_transport`): one
         broadcast group hosted by update rank 0, or (ipc) one group per update rank that shares its GPU with rollout
-        actors; None on the object-store path. A plan that mixes colocated and separate engines is one line, before
-        any actor starts."""
-        if not self.group:
-            return None
+        actors. A plan that mixes colocated and separate engines is one line, before any actor starts."""
         try:
             return weight_transport(self.cfg.rollout.weight_transport, self.reservation.of("update"),
                                     self.reservation.of("rollout"))  # fmt: skip
         except PlanError as e:
             raise UserError(str(e)) from None
-
-    def _start_weight_group(self) -> None:
-        """Each hosting update rank (`self.transport.groups`: rank 0 alone for the broadcast group; under ipc every
-        rank that shares its GPU with rollout actors) opens a weight group (`forge.weight_group`) on its node; its
-        rollout actors join it, the k-th as ranks 1 + k*TP onwards, over a broadcast (gloo/NCCL) or, colocated, CUDA
-        IPC handles. Only the plan (names, shapes, bucket layout) crosses Ray. Rebuilt with the actors."""
-        assert self.transport is not None
-        ranks, rollouts = self.actors["update"], self.actors["rollout"]
-        tp = self.cfg.rollout.tensor_parallel_size if self.cfg.rollout.backend == "vllm" else 1  # ranks per engine
-        backend = "ipc" if self.transport.transport == "ipc" else ""  # '': gloo on CPU, NCCL on CUDA
-        groups = self.transport.groups
-        addrs = {r: self.places["update"][r]["node_ip"] for r in groups}
-        hosts = [
-            ranks[r].call.remote("host_weight_group", addrs[r], 1 + tp * len(g), backend) for r, g in groups.items()
-        ]
-        hosted = dict(zip(groups, self._get(hosts, "update"), strict=True))  # rank -> (plan, port)
-        ips, calls = [p["node_ip"] for p in self.places["rollout"]], []
-        for r, members in groups.items():
-            (plan, port), world = hosted[r], 1 + tp * len(members)
-            calls.append(ranks[r].call.remote("connect_weight_group", addrs[r], port))
-            calls += [rollouts[i].call.remote("join_weight_group", 1 + k * tp, world, addrs[r], port, plan, ips[i],
-                                              backend) for k, i in enumerate(members)]  # fmt: skip
-        self._get(calls, "update")
-
-    def _publish(self, version: int) -> float:
-        """The current weights to every rollout actor, from rank 0 (or under ipc from the rank on its GPU; every rank
-        joins: a collective under FSDP); seconds from the call to the last actor's load."""
-        if self.group:
-            t0 = time.perf_counter()
-            receives, sends = self._sync_calls(version)
-            self._get(receives, "rollout")
-            self._get(sends, "update")
-            self.policy_version = version
-            return time.perf_counter() - t0
-        refs = [a.call.remote("weights") for a in self.actors["update"]]
-        return self._load(refs[0], version, others=refs[1:])
-
-    def _sync_calls(self, version: int) -> tuple[list, list]:
-        """Submit one weight-group sync: the receive on every rollout actor first, then the send on the ranks (so
-        no actor waits in the collective behind a call that waits for another)."""
-        receives = [a.call.remote("receive_weights", version) for a in self.actors["rollout"]]
-        return receives, [a.call.remote("send_weights") for a in self.actors["update"]]
-
-    def _load(self, weights_ref, version: int, others: list = ()) -> float:
-        t0 = time.perf_counter()
-        self._get([a.call.remote("load_weights", weights_ref, version) for a in self.actors["rollout"]], "rollout")
-        self._get(list(others), "update")
-        self.policy_version = version
-        return time.perf_counter() - t0
 
     # ------------------------------------------------------------ Stages
 
@@ -407,7 +356,7 @@ class RayStages:
         """The request's rollouts: the prefetched calls' results, else sampled now. A failed call is forgotten, so a
         retry samples again."""
         parts = self._started.pop(request.step, None) or self._submit(request)
-        self._collect_loads(wait=False)  # a load queued behind this rollout must not hold up the trainer
+        self.sync.collect(wait=False)  # a sync queued behind this rollout must not hold up the trainer
         got = self._get([ref for _, ref in parts], "rollout")
         for (i, _), ro in zip(parts, got, strict=True):  # the replica's own sampling time
             self.balancer.observe(i, int(ro.completion_mask.sum()), max(ro.seconds, 1e-6))
@@ -437,53 +386,22 @@ class RayStages:
         return dataclasses.replace(batch, reward_metrics={**batch.reward_metrics, "perf/teacher_s": seconds})
 
     def update(self, rollouts: Rollouts, advantages: torch.Tensor, teacher: TeacherTopK | None = None) -> UpdateStats:
-        """One step on every rank; rank 0's new weights go to the rollout actors. On-policy the loop waits for them
-        to load; asynchronous (`algo.max_staleness` > 0) the loads queue behind the generate calls in flight and
-        `sync_seconds` is the rollout actors' own load time of the previous version. `teacher` (the teacher's top
-        k, distill.topk) goes by `ray.put` like the advantages."""
+        """One step on every rank, then the new weights to the rollout actors (`self.sync`). On-policy the loop waits
+        for them to load (`sync_seconds`: the whole publish -> loaded path); asynchronous (`algo.max_staleness` > 0)
+        the sync queues behind the generate calls in flight and `sync_seconds` is the last finished one's receive
+        time. `teacher` (the teacher's top k, distill.topk) goes by `ray.put` like the advantages."""
         ro_ref, adv_ref = self._ref(rollouts), ray.put(advantages)
         top_ref = None if teacher is None else ray.put(teacher)
-        if self.group:
-            return self._update_by_group(ro_ref, adv_ref, top_ref)
-        calls = [a.call.options(num_returns=2).remote("step", ro_ref, adv_ref, True, top_ref)
-                 for a in self.actors["update"]]  # fmt: skip
-        stats = self._get([c[0] for c in calls], "update")[0]  # every rank: a dead one is named, not a peer's error
+        stats = self._get([a.call.remote("step", ro_ref, adv_ref, top_ref) for a in self.actors["update"]], "update")[0]
         if self.cfg.algo.max_staleness > 0:
-            self._loads += [a.call.remote("load_weights", calls[0][1], stats.policy_version)
-                            for a in self.actors["rollout"]]  # fmt: skip
-            self.policy_version = stats.policy_version
-            return dataclasses.replace(stats, sync_seconds=self._load_seconds)
-        return dataclasses.replace(stats, sync_seconds=self._load(calls[0][1], stats.policy_version))
-
-    def _update_by_group(self, ro_ref, adv_ref, top_ref=None) -> UpdateStats:
-        """`update` with the weight group: every rank steps, then rank 0 broadcasts. On-policy, `sync_seconds` is the
-        whole publish -> loaded path; asynchronous, the receives queue behind the generate calls in flight (the
-        sends wait in the collective for them) and `sync_seconds` is the last finished sync's receive time."""
-        stats = self._get([a.call.remote("step", ro_ref, adv_ref, False, top_ref) for a in self.actors["update"]],
-                          "update")  # fmt: skip
-        stats = stats[0][0]
-        if self.cfg.algo.max_staleness > 0:
-            receives, sends = self._sync_calls(stats.policy_version)
-            self._loads += receives
-            self._sends += sends
-            self.policy_version = stats.policy_version
-            return dataclasses.replace(stats, sync_seconds=self._load_seconds)
-        return dataclasses.replace(stats, sync_seconds=self._publish(stats.policy_version))
-
-    def _collect_loads(self, wait: bool = True) -> None:
-        """Check the weight loads an asynchronous update queued (re-raising a failed one), and the weight group's
-        sends beside them: all of them, or with `wait=False` those done already."""
-        if done := _done(self._loads, wait):
-            self._load_seconds = max(self._get(done, "rollout"))
-            self._loads = [ref for ref in self._loads if ref not in done]
-        if sent := _done(self._sends, wait):
-            self._get(sent, "update")
-            self._sends = [ref for ref in self._sends if ref not in sent]
+            self.sync.queue(stats.policy_version)
+            return dataclasses.replace(stats, sync_seconds=self.sync.load_seconds)
+        return dataclasses.replace(stats, sync_seconds=self.sync.publish(stats.policy_version))
 
     def evaluate(self, rows: list[dict], step: int, probe: bool = False) -> dict:
-        self._collect_loads()
+        self.sync.collect()
         return self._get(
-            [self.actors["rollout"][0].call.remote("evaluate", rows, step, self.policy_version, probe)], "rollout"
+            [self.actors["rollout"][0].call.remote("evaluate", rows, step, self.sync.version, probe)], "rollout"
         )[0]
 
     def save(self, root: Path, step: int, payload: dict, eval_score: float | None) -> None:
@@ -498,7 +416,7 @@ class RayStages:
         versions = self._get([a.call.remote("restore", str(ckpt)) for a in self.actors["update"]], "update")
         self._get([self.reward_actor.call.remote("load_state_dict", reward_state)], "reward")
         self._started = {}
-        self._publish(versions[0])
+        self.sync.publish(versions[0])
 
     def reward_state(self) -> dict | None:
         return self._get([self.reward_actor.call.remote("state_dict")], "reward")[0]
@@ -585,13 +503,6 @@ def _chunk(params: SamplingParams, first_prompt: int) -> SamplingParams:
     first = first_prompt * params.n
     seed = params.seed if params.seed is None else params.seed + first
     return params if first == 0 else dataclasses.replace(params, seed=seed, first_row=first)
-
-
-def _done(refs: list, wait: bool) -> list:
-    """`refs`, or (not `wait`) those of them finished already."""
-    if not refs or wait:
-        return list(refs)
-    return ray.wait(refs, num_returns=len(refs), timeout=0)[0]
 
 
 def _check_pools(plan: Plan, run_dir: Path) -> None:

@@ -136,7 +136,7 @@ class LocalStages:
         return self.reward_worker.score(rows, rollouts, step)
 
     def update(self, rollouts: Rollouts, advantages: torch.Tensor, teacher: TeacherTopK | None = None) -> UpdateStats:
-        stats, _ = self.trainer.step(rollouts, advantages, publish=False, teacher=teacher)
+        stats = self.trainer.step(rollouts, advantages, teacher)
         self.rollout_worker.load_weights(None, stats.policy_version)  # the same module: nothing moves
         return stats
 

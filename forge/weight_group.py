@@ -15,6 +15,10 @@ tensor). Peak extra memory on the sender is one bucket, never a second copy of t
 (plus what vLLM's loader itself keeps while it fuses a layer's parts). Only the `WeightPlan` (names, dtypes, shapes, bucket
 layout: a few kB) travels by other means (Ray), once per group.
 
+Every sync begins with each receiver saying it is ready (a signed store key) and rank 0 waiting for all of them
+(`ready_timeout`) before the first bucket: a receive queued behind other work (asynchronous GRPO's generate calls)
+never leaves rank 0 inside an open collective whose timeout (NCCL's watchdog) runs while the receiver is busy.
+
 Departures from peers: OpenRLHF and TRL broadcast parameter by parameter (one collective per tensor; buckets here,
 as verl's checkpoint engine does), and build their group through vLLM's `StatelessProcessGroup` / PyNccl, which the
 trainer's venv cannot import; this module uses torch's own backend classes on both sides. The version label is not
@@ -160,13 +164,17 @@ class WeightGroup:
     receivers call `connect` with rank 0's address and port. Every member's `connect` blocks until all have come."""
 
     def __init__(self, rank: int, world: int, backend: str = "", timeout: timedelta = DEFAULT_TIMEOUT,
-                 device: torch.device | None = None, secret: bytes | None = None, check: bool = True):  # fmt: skip
+                 device: torch.device | None = None, secret: bytes | None = None, check: bool = True,
+                 ready_timeout: timedelta | None = None):  # fmt: skip
         """`backend`: gloo, nccl or ipc (handles through the store; see the module docstring); '' = gloo on CPU,
         nccl on CUDA. `device`: where this member's buckets live; by default the current CUDA device under NCCL (and
         under ipc when CUDA is available), else the CPU. A CUDA device with gloo (which stages each bucket through
         host memory) is how scripts/gpu_check.py runs two members on one GPU, where NCCL refuses two ranks.
         `secret`: the members' shared secret (default `weight_secret()`). `check` (rank 0's; the receivers follow
-        it): every sync's integrity check (`fingerprint`)."""
+        it): every sync's integrity check (`fingerprint`). `ready_timeout` (rank 0's): how long a `send` waits for
+        every receiver to begin the sync before any bucket moves (default: `timeout`); longer where receives queue
+        behind other work (asynchronous GRPO: behind the generate calls in flight), so that no collective is open,
+        and no timeout runs, while a receiver is still busy."""
         if world < 2 or not 0 <= rank < world:
             raise ValueError(f"weight group: rank {rank} of world {world} (needs world >= 2)")
         self.rank, self.world = rank, world
@@ -174,6 +182,7 @@ class WeightGroup:
         if self.backend not in BACKENDS:
             raise ValueError(f"weight group: backend must be gloo, nccl or ipc, got {self.backend!r}")
         self.timeout = timeout
+        self.ready_timeout = ready_timeout or timeout
         self.secret = secret if secret is not None else weight_secret()
         self.store: dist.TCPStore | None = None
         self.pg = None
@@ -284,17 +293,30 @@ class WeightGroup:
                 "receiver on update rank 0's host and device (set rollout.weight_transport=group)"
             )
 
-    def _wait(self, store: dist.Store, keys: dict[str, int], what: str) -> None:
-        """Wait for `keys` (key -> the rank that writes it) within the group's timeout; else one line naming the
+    def _wait(self, store: dist.Store, keys: dict[str, int], what: str, timeout: timedelta | None = None) -> None:
+        """Wait for `keys` (key -> the rank that writes it) within `timeout` (the group's); else one line naming the
         ranks that did not answer."""
+        timeout = timeout or self.timeout
         try:
-            store.wait(list(keys), self.timeout)
+            store.wait(list(keys), timeout)
         except dist.DistStoreError:
             missing = sorted({r for k, r in keys.items() if not store.check([k])})
             raise RuntimeError(
-                f"weight group (ipc): rank {self.rank} waited {self.timeout.total_seconds():.0f} s to {what}, no word "
-                f"from rank {', '.join(map(str, missing))} (died or hangs): rebuild the group"
+                f"weight group ({self.backend}): rank {self.rank} waited {timeout.total_seconds():.0f} s to {what}, "
+                f"no word from rank {', '.join(map(str, missing))} (died or hangs): rebuild the group"
             ) from None
+
+    def _ready(self, sync: int) -> None:
+        """A receiver: say it has begun sync `sync` (rank 0 sends nothing before every receiver has)."""
+        self._put(self.store, f"ready/{sync}/{self.rank}", b"1")
+
+    def _await_ready(self, sync: int) -> None:
+        """Rank 0: wait, within `ready_timeout`, until every receiver has begun sync `sync`."""
+        keys = {f"ready/{sync}/{r}": r for r in range(1, self.world)}
+        self._wait(self.store, keys, f"see every receiver begin sync {sync}", self.ready_timeout)
+        for k in keys:
+            self._get_signed(self.store, k)
+            self.store.delete_key(k)
 
     def _broadcast(self, buffer: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
@@ -307,6 +329,7 @@ class WeightGroup:
         the check on, the fingerprints of what was packed go to the store (signed) for the receivers to compare."""
         assert self.rank == 0 and self.store is not None, "send is rank 0's, after connect"
         sync, self.syncs, self.sent = self.syncs, self.syncs + 1, {}
+        self._await_ready(sync)
         if self.backend == "ipc":
             self._send_ipc(plan, iter(tensors), sync)
             return plan.nbytes
@@ -377,7 +400,9 @@ class WeightGroup:
         key = f"{sync}/{index}"
         self._wait(store, {key: 0}, f"receive bucket {index} of sync {sync}")
         raw = self._get_signed(store, key)
-        return rebuild(checked_handle(load_handle(raw, self.device.type), plan.buckets[index], self.device), self.device)
+        return rebuild(
+            checked_handle(load_handle(raw, self.device.type), plan.buckets[index], self.device), self.device
+        )
 
     def _ack(self, store: dist.Store, sync: int, index: int) -> None:
         if self.device.type == "cuda":  # the copies out of the sender's memory are done before it is freed
@@ -392,6 +417,7 @@ class WeightGroup:
         buckets are a collective."""
         assert self.rank > 0 and self.store is not None, "stream is for ranks 1..N, after connect"
         sync, self.syncs, got = self.syncs, self.syncs + 1, {}
+        self._ready(sync)
         store = self._ipc_store() if self.backend == "ipc" else None
         for index in range(len(plan.buckets)):
             if store is None:  # a fresh buffer: the previous one is the loader's to keep or drop
@@ -415,6 +441,7 @@ class WeightGroup:
         which goes back to it once `load` returns: `load` copies what it keeps). Returns bytes received."""
         assert self.rank > 0 and self.store is not None, "receive is for ranks 1..N, after connect"
         sync, self.syncs, got = self.syncs, self.syncs + 1, {}
+        self._ready(sync)
         if self.backend == "ipc":
             self._receive_ipc(plan, load, sync, got)
         else:

@@ -86,6 +86,7 @@ if TYPE_CHECKING:
 
 # a rank waits in a collective while the other ranks are still busy (slow micro-batches, a checkpoint)
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+QUEUED_SYNC_WAIT = timedelta(days=1)  # asynchronous GRPO: how long a send waits for receivers still generating
 
 
 def where() -> dict:
@@ -409,6 +410,7 @@ class TrainerWorker:
         self.rank, self.world, self.checkpoint_cfg = rank, world, checkpoint
         self.publish = functools.partial(publish_dtype, rollout, model_cfg.dtype)
         self.weight_check = rollout.weight_check  # the weight group's integrity check (its receivers follow it)
+        self.queued_syncs = algo.max_staleness > 0  # asynchronous: a sync's receives wait behind generate calls
         accelerator = None
         if world > 1:
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
@@ -440,15 +442,14 @@ class TrainerWorker:
     def policy_version(self) -> int:
         return self.trainer.policy_version
 
-    def step(self, rollouts: Rollouts, advantages: torch.Tensor, publish: bool = True,
-             teacher: TeacherTopK | None = None) -> tuple[UpdateStats, dict[str, torch.Tensor] | None]:  # fmt: skip
-        """Train on this rank's share of the step; (stats, the new full weights on CPU on rank 0 if `publish`).
-        Colocated with a rollout engine on CUDA (`releases`), the rank then releases its gradients and cached blocks
-        (`release_memory`) before the engine wakes for the sync."""
+    def step(self, rollouts: Rollouts, advantages: torch.Tensor, teacher: TeacherTopK | None = None) -> UpdateStats:
+        """Train on this rank's share of the step (the weights then go out through the weight group, `send_weights`;
+        in process the rollout worker shares the module). Colocated with a rollout engine on CUDA (`releases`), the
+        rank then releases its gradients and cached blocks (`release_memory`) before the engine wakes for the sync."""
         stats = self.trainer.update(rollouts, advantages, teacher)
         if self.releases:
             release_memory(self.trainer.optimizer)
-        return stats, self.weights() if publish else None
+        return stats
 
     def weights(self) -> dict[str, torch.Tensor] | None:
         """The full weights on CPU (rank 0; None on the others) in the dtype the rollout engines run in
@@ -466,7 +467,10 @@ class TrainerWorker:
         each sync sends, the port). `connect_weight_group` next. Rank 0 hosts the broadcast group; under ipc any rank
         hosts the group of the engines on its own GPU (each rank holds the full weights at a publish)."""
         assert self.rank == 0 or backend == "ipc", "only update rank 0 hosts a broadcast weight group"
-        self.weight_group = WeightGroup(0, world, backend, check=self.weight_check)
+        # asynchronous, a receiver begins a sync only after the generate calls queued before it: the send waits for
+        # that without a limit of its own (a receiver that dies is the driver's to see: it closes the group)
+        ready = QUEUED_SYNC_WAIT if self.queued_syncs else None
+        self.weight_group = WeightGroup(0, world, backend, check=self.weight_check, ready_timeout=ready)
         shapes = self.trainer.publish_shapes()
         self.weight_plan = make_plan(shapes, self.publish(shapes[0][1]))
         port = self.weight_group.host(address)

@@ -2,7 +2,8 @@
 receivers are spawned processes that save what they receive. Bit-identical tensors after the cast, several syncs
 over one group, a group rebuilt after a receiver was SIGKILLed, and the metadata-only plan. The ipc transport
 (colocated mode) the same way on the CPU: shared-memory buckets, handles and acks through the store, a dead receiver
-named after the group's timeout, a receiver elsewhere refused at connect. (Unrelated processes, two Ray actors,
+named after the group's timeout, a receiver elsewhere refused at connect. A receive that begins after the group's
+timeout (queued behind generate calls) still gets its sync. (Unrelated processes, two Ray actors,
 share buckets in tests/flows/test_weight_sync_ray.py.)"""
 
 from __future__ import annotations
@@ -168,6 +169,7 @@ def test_ipc_a_dead_receiver_is_named_after_the_timeout_and_one_elsewhere_is_ref
     procs = _start(3, port, plan, 1, tmp_path, "ipc")
     group.connect(HOST, port, local_address=HOST)
     group.timeout = timedelta(seconds=3)  # joining took the spawned processes' start-up; the sync gets 3 s
+    group.store.wait(["ready/0/2"], timedelta(seconds=30))  # rank 2 has begun the sync (it begins at once)
     os.kill(procs[1].pid, signal.SIGKILL)  # rank 2
     procs[1].join(timeout=10)
     with pytest.raises(RuntimeError, match=r"rank 0 waited 3 s to have bucket 0 of sync 0 acked, no word from rank 2 "):
@@ -182,6 +184,48 @@ def test_ipc_a_dead_receiver_is_named_after_the_timeout_and_one_elsewhere_is_ref
     procs[0].join(timeout=30)
     assert procs[0].exitcode != 0  # the receiver refused itself too
     group.close()
+
+
+def _late_receiver(port: int, plan, delay_s: float, out: str) -> None:
+    """Rank 1 of 2 with a 2 s group timeout that begins its receive `delay_s` late (as a receive queued behind
+    generate calls does under asynchronous GRPO)."""
+    import time
+
+    torch.set_num_threads(1)
+    group = WeightGroup(1, 2, "gloo", timeout=timedelta(seconds=2))
+    group.connect(HOST, port, local_address=HOST)
+    time.sleep(delay_s)
+    got: dict[str, torch.Tensor] = {}
+    group.receive(plan, lambda pairs: got.update({n: t.clone() for n, t in pairs}))
+    torch.save(got, Path(out) / "late.pt")
+
+
+def test_a_receive_that_begins_after_the_groups_timeout_still_gets_the_sync(tmp_path):
+    """A send waits for every receiver to begin (`ready_timeout`) before any collective opens, so a receiver
+    that starts 4 s late in a group whose timeout is 2 s gets the sync, bit for bit; with the wait left at the
+    group's timeout the sender says who never began, in one line."""
+    plan = plan_for(weights(0).items(), torch.float32)
+    ctx = mp.get_context("spawn")
+    for ready_s, ok in ((60, True), (2, False)):
+        group = WeightGroup(0, 2, "gloo", timeout=timedelta(seconds=60), ready_timeout=timedelta(seconds=ready_s))
+        port = group.host(HOST)
+        proc = ctx.Process(target=_late_receiver, args=(port, plan, 4.0, str(tmp_path)), daemon=True)
+        proc.start()
+        group.connect(HOST, port, local_address=HOST)
+        group.timeout = timedelta(seconds=2)  # joining took the process's start-up; each collective gets 2 s now
+        if ok:
+            assert group.send(plan, weights(0).items()) == plan.nbytes
+            proc.join(timeout=30)
+            assert proc.exitcode == 0
+            got, want = torch.load(tmp_path / "late.pt"), expected(0, torch.float32)
+            assert all(torch.equal(got[k], v) for k, v in want.items())
+        else:
+            with pytest.raises(RuntimeError, match=r"rank 0 waited 2 s to see every receiver begin sync 0, no word "
+                                                   r"from rank 1 \(died or hangs\)"):  # fmt: skip
+                group.send(plan, weights(0).items())
+            proc.kill()
+            proc.join(timeout=10)
+        group.close()
 
 
 def test_copy_into_loads_in_place_and_a_tied_head_follows():

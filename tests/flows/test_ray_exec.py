@@ -155,12 +155,18 @@ class KillsAnEngine(EvenSplit):
     AT = 3
     before: list[dict] = []  # where the workers (and their weight-group places) were when the engine was killed
 
-    def _sync_calls(self, version: int):
-        if version == self.AT and not self.before:
-            self.wait_saved()
-            self.before.append(self.where())
-            os.kill(self.before[0]["rollout"][1]["pid"], signal.SIGKILL)
-        return super()._sync_calls(version)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        submit = self.sync.submit
+
+        def killing(version: int):  # the weight sync's submit, with the kill first
+            if version == self.AT and not self.before:
+                self.wait_saved()
+                self.before.append(self.where())
+                os.kill(self.before[0]["rollout"][1]["pid"], signal.SIGKILL)
+            return submit(version)
+
+        self.sync.submit = killing
 
 
 def test_two_vllm_engines_share_a_weight_group_and_one_killed_in_a_sync_rebuilds_it(cluster, tmp_path):
@@ -170,7 +176,7 @@ def test_two_vllm_engines_share_a_weight_group_and_one_killed_in_a_sync_rebuilds
       in-process run is tested with 2 hf replicas (tests/flows/test_ray_episodes.py); a single-rank vLLM reference
       run here was dropped to keep the suite's time.
     - Engine 1 SIGKILLed as step 3's sync starts: the loss surfaces at once (not after the group's timeout, with
-      engine 0 waiting in the broadcast), the actors and the weight group are rebuilt (a new store port, the new
+      engine 0 waiting in the broadcast and rank 0 for engine 1 to begin the sync), the actors and the weight group are rebuilt (a new store port, the new
       engines' processes at ranks 1 and 2), the run resumes from the checkpoint at step 2 and ends with the metrics and
       weights of the uninterrupted run.
     Every run pins the replicas' split (`EvenSplit`)."""

@@ -39,7 +39,7 @@ def synchronous_by_hand(cfg, run_dir) -> dict[str, torch.Tensor]:
     for step in range(1, cfg.steps + 1):
         rows = prompt_batch(train, cfg.seed, (step - 1) * r.prompts_per_step, r.prompts_per_step)
         ro = rollout.generate([row["model_input"] for row in rows], params, trainer.policy_version)
-        trainer.step(ro, reward.score(rows, ro, step).advantages, publish=False)
+        trainer.step(ro, reward.score(rows, ro, step).advantages)
         rollout.load_weights(None, trainer.policy_version)
     return {k: v.detach().clone() for k, v in trainer.trainer.unwrapped.state_dict().items()}
 
