@@ -31,13 +31,16 @@ def sum_agent(base_url: str, row: dict) -> float:
     return 1.0 if numbers and numbers[-1] == str(row["answer"]) else 0.25 if numbers else 0.0
 
 
-def rewriting_agent(base_url: str, row: dict) -> None:
-    """Asks twice, the second time with a rewritten history (the first question dropped): a prefix break; None
-    leaves the reward to the verifiers."""
-    first = post(base_url, {"model": "policy", "messages": [{"role": "user", "content": row["model_input"]}]})
-    reply = first["choices"][0]["message"]["content"]
-    post(base_url, {"model": "policy", "messages": [{"role": "user", "content": f"{reply}+0="}]})
-    return None
+def summarising_agent(base_url: str, row: dict) -> float:
+    """Asks the row's question; starts over from a summary of that exchange (history rewritten: a second training
+    sequence), then goes on with that conversation (appended: the second sequence continues). Reward: the final
+    reply's length / 10, so episodes differ."""
+    ask = lambda messages: post(base_url, {"model": "policy", "messages": messages, "max_tokens": 3})  # noqa: E731
+    first = ask([{"role": "user", "content": row["model_input"]}])["choices"][0]["message"]
+    summary = [{"role": "user", "content": f"Earlier you said {first['content']}. {row['model_input']}"}]
+    second = ask(summary)["choices"][0]["message"]
+    final = ask([*summary, second, {"role": "user", "content": "!"}])["choices"][0]["message"]
+    return len(final["content"]) / 10
 
 
 def raising_agent(base_url: str, row: dict) -> float:
