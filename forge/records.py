@@ -101,6 +101,9 @@ class Episodes:
     # episode's one advantage (forge.sequences)
     requests: list[int] = field(default_factory=list)
     prefix_breaks: list[int] = field(default_factory=list)
+    refused: list[int] = field(default_factory=list)  # agent episodes: requests answered with an error (malformed,
+    # unsupported, past a limit)
+    timed_out: list[bool] = field(default_factory=list)  # agent episodes: failed past env.agent.timeout_s
     more_sequences: list[list[TokenSequence]] = field(default_factory=list)
 
     @staticmethod

@@ -108,6 +108,8 @@ class AgentEpisode:
     failure: str = ""
     truncated: bool = False
     seconds: float = 0.0
+    refused: int = 0  # requests answered with an error while it ran
+    timed_out: bool = False
 
 
 @dataclass
@@ -162,6 +164,14 @@ class AgentHost:
             raise pending.error
         return pending.response
 
+    def refused(self, episode: str, error: RequestError) -> None:
+        """Count a request of a running episode that was answered with `error` (malformed, unsupported, past a
+        limit); requests to unknown or ended episodes are not anyone's."""
+        with self.cond:
+            ep = self.live.get(episode)
+            if ep is not None and not ep.done:
+                ep.refused += 1
+
     def _episode(self, episode: str) -> AgentEpisode:
         ep = self.live.get(episode)
         if ep is None or ep.done:
@@ -209,6 +219,7 @@ class AgentHost:
         now = time.perf_counter()
         for ep in episodes:
             if ep.thread is not None and not ep.done and now - ep.started > self.cfg.agent.timeout_s:
+                ep.timed_out = True
                 self._finish(ep, None, f"agent {self.name} did not return within env.agent.timeout_s="
                                        f"{self.cfg.agent.timeout_s:g} s")  # fmt: skip
         running = [e for e in episodes if e.thread is not None and not e.done]
@@ -453,7 +464,8 @@ def agent_rollouts(episodes: list[AgentEpisode], tok, group_size: int, version: 
             for (_, seqs), masked in zip(played, ro.episodes.masked, strict=True)]  # fmt: skip
     finals = [ep.calls[-1].choices[0].text if ep.calls else "" for ep in episodes]
     counts = dict(requests=[len(ep.calls) for ep in episodes], prefix_breaks=[len(s) for s in more],
-                  more_sequences=more)  # fmt: skip
+                  more_sequences=more, refused=[ep.refused for ep in episodes],
+                  timed_out=[ep.timed_out for ep in episodes])  # fmt: skip
     return dataclasses.replace(ro, texts=finals, episodes=dataclasses.replace(ro.episodes, **counts))
 
 
