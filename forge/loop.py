@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -153,9 +154,13 @@ def verifier_streaks(state: LoopState, batch: ScoredBatch) -> LoopState:
 
 
 def environment_streak(state: LoopState, rollouts: Rollouts) -> LoopState:
-    """Steps in a row on which the environment failed every episode (an OpenEnv server gone), this step counted."""
+    """Steps in a row on which the environment failed every episode (an OpenEnv server gone, every agent raising),
+    this step counted; such a step says so in one line (the commonest reason)."""
     failures = rollouts.episodes.failures if rollouts.episodes is not None else []
     if failures and all(failures):
+        (why, count), *others = sorted(Counter(failures).items(), key=lambda kv: (-kv[1], kv[0]))
+        say(f"forgeweave: step {state.step}: every episode failed ({len(failures)}); {count} with: {error_line(why)}"
+            + (f" (and {len(others)} other reason{'s' * (len(others) > 1)})" if others else ""))  # fmt: skip
         return dataclasses.replace(state, env_failing=state.env_failing + 1, env_error=failures[0])
     return dataclasses.replace(state, env_failing=0, env_error="")
 
@@ -174,7 +179,7 @@ def stop_reason(state: LoopState, batch: ScoredBatch, limits: Limits) -> str:
     if limit and state.env_failing >= limit:
         return (f"step {state.step}: the environment failed every episode for {state.env_failing} steps in a row "
                 f"(reward.max_failing_steps={limit}): {error_line(state.env_error)}; bring the environment server "
-                "back, then --resume")  # fmt: skip
+                "back (or fix the agent, env.agent.fn), then --resume")  # fmt: skip
     for name, count in state.failing.items():
         if limit and count >= limit:
             return (f"step {state.step}: verifier '{name}' failed on every item for {count} steps in a row "

@@ -8,7 +8,8 @@ Per-token objectives, each [n, T] -> ([n, T] loss, [n, T] clipped low, [n, T] cl
 Normalisers, each returning *this micro-batch's share* of the step loss, divided by counts taken over the whole
 step (all micro-batches, all ranks: `StepTotals`), so summing the shares gives the same number however the step's
 batch was split:
-  sequence_mean   mean_i (sum_t m L / sum_t m)    original GRPO (biased toward short answers), GSPO
+  sequence_mean   mean_i (sum_t m L / sum_t m)    original GRPO (biased toward short answers), GSPO; an episode of
+                                                  several sequences is one i, its tokens all of theirs
   horizon_mean    sum m L / (N * T_max)           Dr. GRPO
   token_mean      sum m L / sum m                 DAPO, CISPO
 `sequence_log_ratio` is GSPO's one ratio per sequence; `k3_kl` the KL estimator to the reference policy;
@@ -33,11 +34,14 @@ MAX_LOG_RATIO = 20.0  # log-ratios are clamped to +-20 before exp: one wild toke
 
 @dataclass(frozen=True)
 class StepTotals:
-    """Global counts of one update step, used as loss normalisers."""
+    """The counts the loss normalisers divide by: the update step's, over all micro-batches and ranks, and (where an
+    episode is several training sequences, `forge.sequences`) the micro-batch's rows' episodes'."""
 
-    sequences: int  # N over the whole step
-    tokens: int  # completion tokens over the whole step
+    sequences: int  # N over the whole step: episodes (an episode of several sequences counts once)
+    tokens: int  # loss tokens over the whole step
     max_len: int  # T_max (completion horizon)
+    row_tokens: torch.Tensor | None = None  # [n] the loss tokens of each row's episode (all its sequences); None:
+    # each row is its episode. The sequence mean divides a row's loss sum by it, so an episode counts once.
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,8 @@ def cispo_objective(ratio, adv, logp, cfg: AlgoConfig):
 
 
 def sequence_mean(per_token, mask, totals: StepTotals) -> torch.Tensor:
-    per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
+    tokens = mask.sum(1).clamp(min=1) if totals.row_tokens is None else totals.row_tokens.to(mask.dtype).clamp(min=1)
+    per_seq = (per_token * mask).sum(1) / tokens  # an episode's sequences: each's share of its episode's mean
     return per_seq.sum() / totals.sequences
 
 

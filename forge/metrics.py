@@ -82,9 +82,12 @@ def episode_metrics(ro: Rollouts) -> dict[str, float]:
     seconds in the environment and tools; the share of episode tokens the loss counts; `env/cut_frac`, the share of
     policy turns cut by rollout.max_new_tokens (no eos sampled); and `env/failed`, the number of episodes whose
     environment failed (an OpenEnv server gone, an agent that raised). Agent episodes (env.agent) add the requests
-    and the prefix breaks (requests that rewrote the history: not trained) per episode."""
+    and the prefix breaks (requests that rewrote the history: each begins a training sequence of its own) per
+    episode, and the step's counts of requests answered with an error (`env/agent_refused`) and of episodes failed
+    past env.agent.timeout_s (`env/agent_timed_out`, among `env/failed`)."""
     e, n = ro.episodes, max(ro.num_completions, 1)
-    agent = {"env/agent_requests": sum(e.requests) / n, "env/agent_prefix_breaks": sum(e.prefix_breaks) / n}
+    agent = {"env/agent_requests": sum(e.requests) / n, "env/agent_prefix_breaks": sum(e.prefix_breaks) / n,
+             "env/agent_refused": float(sum(e.refused)), "env/agent_timed_out": float(sum(e.timed_out))}  # fmt: skip
     return ({} if not e.requests else agent) | {
         "env/failed": float(sum(bool(f) for f in e.failures)),
         "env/turns": sum(e.turns) / n,

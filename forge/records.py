@@ -67,6 +67,17 @@ class Rollouts:
 
 
 @dataclass(frozen=True)
+class TokenSequence:
+    """One training sequence of token ids: a prompt, then the tokens after it (`Episodes.more_sequences`)."""
+
+    prompt_ids: list[int]
+    ids: list[int]  # after the prompt: sampled tokens and what the environment or agent added between them
+    loss: list[int]  # 1 on sampled tokens (all 0 in an episode taken out of the loss)
+    logprobs: list[float]  # sampling log-probs, 0 off the sampled tokens
+    turns: int = 1  # policy turns (requests) in it
+
+
+@dataclass(frozen=True)
 class Episodes:
     """Per-episode figures of a multi-turn rollout, one entry per row of its `Rollouts` ([N] each)."""
 
@@ -84,10 +95,16 @@ class Episodes:
     failures: list[str] = field(default_factory=list)  # why the environment failed each episode ('' = it did not):
     # a failed episode is out of the loss (masked) and unscored by the reward stage
     cut_turns: list[int] = field(default_factory=list)  # policy turns cut by rollout.max_new_tokens (no eos sampled)
-    # agent episodes (env.agent, forge.env.agent); empty otherwise: chat completion requests answered, and requests
-    # whose prompt did not extend the previous request's prompt and reply (history rewritten: not trained)
+    # agent episodes (env.agent, forge.env.agent); empty otherwise: chat completion requests answered; prefix breaks,
+    # requests whose prompt extends no earlier request's prompt and reply (history rewritten), each starting a
+    # training sequence of its own; and those sequences, after the episode's row (the first), trained with the
+    # episode's one advantage (forge.sequences)
     requests: list[int] = field(default_factory=list)
     prefix_breaks: list[int] = field(default_factory=list)
+    refused: list[int] = field(default_factory=list)  # agent episodes: requests answered with an error (malformed,
+    # unsupported, past a limit)
+    timed_out: list[bool] = field(default_factory=list)  # agent episodes: failed past env.agent.timeout_s
+    more_sequences: list[list[TokenSequence]] = field(default_factory=list)
 
     @staticmethod
     def concat(parts: list[Episodes | None]) -> Episodes | None:
@@ -188,6 +205,8 @@ class MicroBatch:
     ref_logp: torch.Tensor | None = None  # [n, T] the reference policy's (algo.beta > 0)
     loss_mask: torch.Tensor | None = None  # [n, T] 1 on the tokens the loss counts (sampled); None = completion_mask
     teacher: TeacherTopK | None = None  # [n, T, k] the teacher's top k (distill.topk > 0)
+    episode_tokens: torch.Tensor | None = None  # [n] loss tokens of each row's whole episode, where an episode is
+    # several sequences (forge.sequences); None = each row is its episode
 
     @property
     def train_mask(self) -> torch.Tensor:

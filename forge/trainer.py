@@ -64,6 +64,7 @@ from forge.lr import AdaptiveLR, scheduled_lr
 from forge.models import is_peft, merged_weights
 from forge.precision import update_bf16
 from forge.records import MicroBatch, MicroStats, Rollouts, TeacherTopK, UpdateStats
+from forge.sequences import TrainingRows, training_rows
 from forge.shared_prefix import (
     PackingCost,
     completion_lengths,
@@ -302,14 +303,16 @@ class Trainer:
 
     def update(self, rollouts: Rollouts, advantages: torch.Tensor, teacher: TeacherTopK | None = None) -> UpdateStats:
         """One update on this rank's share of the step's rows: `update.num_iterations` passes of the micro-batches
-        through `micro_update` (the recipe's math), one optimizer step each. `advantages`: [N], or [N, T] per token;
+        through `micro_update` (the recipe's math), one optimizer step each; the rows are the episodes', then the
+        further sequences of agent episodes that are several (`forge.sequences`). `advantages`: [N], or [N, T] per token;
         `teacher`: the teacher's top k at every position, whose KL the loss adds (distill.topk)."""
         start, lr = time.perf_counter(), self.current_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         torch.manual_seed(update_seed(self.seed, self.step + 1, self.accelerator.process_index))
-        micro = self._micro_batches(rollouts, advantages, self._my_rows(rollouts.num_completions), teacher)
-        totals = StepTotals(sequences=rollouts.num_completions, tokens=int(rollouts.loss_mask.sum()),
+        rows = training_rows(rollouts, advantages)  # an agent episode's further sequences join as rows
+        micro = self._micro_batches(rows, self._my_rows(rows.rollouts.num_completions), teacher)
+        totals = StepTotals(sequences=rows.episodes, tokens=int(rows.rollouts.loss_mask.sum()),
                             max_len=self.max_new_tokens)  # fmt: skip
         passes = [self._one_pass(micro, totals) for _ in range(self.update_cfg.num_iterations)]
         mean = lambda k: sum(p[k] for p in passes) / len(passes)  # noqa: E731
@@ -339,10 +342,10 @@ class Trainer:
         start = rank * size + min(rank, extra)
         return range(start, start + size + (rank < extra))
 
-    def _micro_batches(self, ro: Rollouts, advantages: torch.Tensor, rows: range,
-                       teacher: TeacherTopK | None = None) -> list[MicroBatch]:  # fmt: skip
+    def _micro_batches(self, step: TrainingRows, rows: range, teacher: TeacherTopK | None = None) -> list[MicroBatch]:
         """The rank's rows in micro-batches of update.micro_batch_size, with pi_old's log-probs when several PPO
         passes need them fixed and the reference's when algo.beta > 0."""
+        ro, advantages, episode_tokens = step.rollouts, step.advantages, step.episode_tokens
         size, device, out = self.update_cfg.micro_batch_size, self.accelerator.device, []
         for i in range(rows.start, rows.stop, size):
             sl = slice(i, min(i + size, rows.stop))
@@ -352,7 +355,8 @@ class Trainer:
                             ro.completion_ids[sl, :width].to(device), ro.completion_mask[sl, :width].to(device),
                             adv, ro.sampling_logprobs[sl, :width].to(device),
                             loss_mask=_loss_mask(ro, sl, width, device),
-                            teacher=None if teacher is None else teacher.rows(sl, width, device))  # fmt: skip
+                            teacher=None if teacher is None else teacher.rows(sl, width, device),
+                            episode_tokens=None if episode_tokens is None else episode_tokens[sl].to(device))  # fmt: skip
             old = self._fixed_logprobs(mb, self.model) if self.update_cfg.num_iterations > 1 else None
             ref = self._reference_logprobs(mb) if self.algo.beta > 0 else None
             out.append(dataclasses.replace(mb, old_logp=old, ref_logp=ref))
@@ -388,7 +392,8 @@ class Trainer:
         acc = dict.fromkeys(MICRO_SUMS, 0.0)
         for i, mb in enumerate(micro):
             with self._grad_sync(i == len(micro) - 1):
-                stats = self.micro_update(policy, mb, algo, totals, backward=backward)
+                counts = dataclasses.replace(totals, row_tokens=mb.episode_tokens)  # None: each row its episode
+                stats = self.micro_update(policy, mb, algo, counts, backward=backward)
             for k in acc:
                 acc[k] += getattr(stats, k)
         acc = self._sum_over_ranks(acc)  # before the step: every rank decides on the same global loss

@@ -11,16 +11,17 @@ each request and wait; the calling thread takes the queue once every running epi
 sampling setting; a request's `n` choices are n contexts). Each choice draws from a seed of its own, the episode's
 seed plus its draw count times `TURN_SEED_STRIDE`, as episode turns do.
 
-The training sequence (`episode_sequence`): the first request's prompt, then its reply (loss mask 1, its sampling
-log-probs), then the tokens the next request's prompt adds after it (loss mask 0, log-prob 0), its reply, and so
-on, as long as each request's prompt ids start with the previous prompt's ids plus one of its replies' ids (the
-choice the agent kept). `forge.env.agent_chat.AgentChat.bridge` makes that the case for a chat loop that appends:
-the sampled ids are reused, only the template's text is tokenised. A request that does not extend the previous one
-(the agent rewrote, summarised or dropped history, or a template re-renders earlier turns) is a prefix break,
-counted per episode (`Episodes.prefix_breaks`, the metric `env/agent_prefix_breaks`): the episode's sequence ends
-before it, and that request and all after it are not trained (their replies still reach the agent, and the final
-one is what the verifiers read). Departure from the issue's target: it asks for one more sequence per break with
-the same reward; a `Rollouts` row is one sequence per episode, so the first chain alone is trained.
+The training sequences (`episode_sequences`): the first request's prompt, then its reply (loss mask 1, its sampling
+log-probs), then the tokens the next request's prompt adds after it (loss mask 0, log-prob 0), its reply, and so on,
+as long as each request's prompt ids start with an earlier request's prompt ids plus one of its replies' ids (the
+choice the agent kept). `forge.env.agent_chat.AgentChat.bridge` makes that the case for a chat loop that appends: the
+sampled ids are reused, only the template's text is tokenised. A request that extends no earlier one (the agent
+rewrote, summarised or dropped history, or a template re-renders earlier turns) is a prefix break: it begins a
+training sequence of its own (its whole prompt, loss 0, then its reply), which later requests may continue; a
+request continues the latest sequence whose last request it extends (agents that interleave two conversations keep
+two sequences). The episode's first sequence is its `Rollouts` row; the others are `Episodes.more_sequences`, trained
+with the episode's one reward and advantage (`forge.sequences`: an episode counts once in the loss normalisers);
+`Episodes.prefix_breaks` (the metric `env/agent_prefix_breaks`) counts them per episode.
 
 Limits: `env.max_turns` requests per episode and `env.max_tokens` tokens after the first prompt (0 = 4 x
 rollout.max_new_tokens); a request past one is answered 400 (code `episode_limit`) and the episode is truncated (out
@@ -55,7 +56,7 @@ from forge.env.openai_server import (
     chat_response,
     new_episode_id,
 )
-from forge.records import Episodes, Rollouts, SamplingParams
+from forge.records import Episodes, Rollouts, SamplingParams, TokenSequence
 
 MODEL_ALIAS = "policy"  # a model id every agent may use, beside the run's model.path
 IDLE_WAKE_S = 0.2  # how often the calling thread looks at the agents' clocks while nothing is queued
@@ -107,6 +108,8 @@ class AgentEpisode:
     failure: str = ""
     truncated: bool = False
     seconds: float = 0.0
+    refused: int = 0  # requests answered with an error while it ran
+    timed_out: bool = False
 
 
 @dataclass
@@ -161,6 +164,14 @@ class AgentHost:
             raise pending.error
         return pending.response
 
+    def refused(self, episode: str, error: RequestError) -> None:
+        """Count a request of a running episode that was answered with `error` (malformed, unsupported, past a
+        limit); requests to unknown or ended episodes are not anyone's."""
+        with self.cond:
+            ep = self.live.get(episode)
+            if ep is not None and not ep.done:
+                ep.refused += 1
+
     def _episode(self, episode: str) -> AgentEpisode:
         ep = self.live.get(episode)
         if ep is None or ep.done:
@@ -208,6 +219,7 @@ class AgentHost:
         now = time.perf_counter()
         for ep in episodes:
             if ep.thread is not None and not ep.done and now - ep.started > self.cfg.agent.timeout_s:
+                ep.timed_out = True
                 self._finish(ep, None, f"agent {self.name} did not return within env.agent.timeout_s="
                                        f"{self.cfg.agent.timeout_s:g} s")  # fmt: skip
         running = [e for e in episodes if e.thread is not None and not e.done]
@@ -301,20 +313,27 @@ class AgentHost:
         return _Job(pending, ep, ids, params, seeds)
 
     def _prompt_ids(self, ep: AgentEpisode, req: ChatRequest) -> list[int]:
-        """The request's token ids: bridged from the last request where it extends it, else rendered whole."""
-        last = ep.calls[-1] if ep.calls else None
-        size = len(last.messages) if last else 0
-        if last is None or len(req.messages) <= size or req.tools != last.tools:
-            return self.fmt.ids(req.messages, req.tools)
+        """The request's token ids: bridged from the latest earlier request it extends, else rendered whole."""
+        for last in reversed(ep.calls):
+            if (ids := self._bridged(last, req)) is not None:
+                return ids
+        return self.fmt.ids(req.messages, req.tools)
+
+    def _bridged(self, last: Call, req: ChatRequest) -> list[int] | None:
+        """`last`'s prompt ids, the sampled ids of the reply `req` continues and the template's diff after it; None
+        where `req`'s messages are not `last`'s, one of its replies and more (or the tools changed)."""
+        size = len(last.messages)
+        if len(req.messages) <= size or req.tools != last.tools:
+            return None
         if not all(same_message(a, b) for a, b in zip(req.messages[:size], last.messages, strict=True)):
-            return self.fmt.ids(req.messages, req.tools)
+            return None
         for choice in last.choices:
             if same_message(req.messages[size], choice.message):
                 tail = self.fmt.bridge(req.messages[:size], req.messages[size], req.messages[size + 1 :], req.tools,
                                         choice.ended)  # fmt: skip
                 if tail is not None:
                     return last.prompt_ids + choice.ids + tail
-        return self.fmt.ids(req.messages, req.tools)
+        return None
 
     def _reply(self, job: _Job, outs: list[tuple[list[int], list[float]]]) -> None:
         """Record the sampled choices against the episode and answer the request."""
@@ -377,44 +396,53 @@ def _checked_reward(value: object, name: str) -> tuple[float | None, str]:
     return float(value), ""
 
 
-@dataclass(frozen=True)
-class Sequence:
-    """An agent episode as one training sequence (`episode_sequence`)."""
-
-    prompt_ids: list[int]  # the first request's
-    ids: list[int]  # after the prompt: replies and what the requests added between them
-    loss: list[int]  # 1 on sampled tokens
-    logprobs: list[float]  # sampling log-probs, 0 off the sampled tokens
-    trained: int  # requests in the sequence (its policy turns)
-    breaks: int  # requests that do not extend the one before (history rewritten)
-
-
-def episode_sequence(calls: list[Call]) -> Sequence:
-    """The episode's training sequence: its first chain of requests, each prompt extending the last prompt plus the
-    reply the agent kept; the requests after the first break are left out (and every break counted).
+def episode_sequences(calls: list[Call]) -> list[TokenSequence]:
+    """The episode's training sequences, in the order they began: each request continues the sequence whose last
+    request's prompt plus one of its replies its prompt extends (the latest such), or begins one (a prefix break). A
+    sequence is its first prompt, then per request its reply (the choice the next request kept; loss 1, its
+    log-probs) and what the next request's prompt adds after it (loss 0, log-prob 0).
 
     >>> c = lambda p, *outs: Call([], [], p, [Choice(o, [-0.5] * len(o), True, {}, {}, "", "stop") for o in outs], 0)
-    >>> s = episode_sequence([c([1, 2], [3], [4]), c([1, 2, 4, 9], [5]), c([7], [8])])
-    >>> s.ids, s.loss, s.logprobs, s.trained, s.breaks
-    ([4, 9, 5], [1, 0, 1], [-0.5, 0.0, -0.5], 2, 1)
+    >>> calls = [c([1, 2], [3], [4]), c([1, 2, 4, 9], [5]), c([7], [8]), c([1, 2, 4, 9, 5, 6], [0])]
+    >>> [(s.prompt_ids, s.ids, s.loss, s.turns) for s in episode_sequences(calls)]
+    [([1, 2], [4, 9, 5, 6, 0], [1, 0, 1, 0, 1], 3), ([7], [8], [1], 1)]
     """
+    parents = _parents(calls)
+    kept = {p[0]: p[1] for p in parents if p is not None}
+    head: list[int] = []  # each request's sequence's first request
+    chains: dict[int, list[int]] = {}
+    for k, parent in enumerate(parents):
+        head.append(k if parent is None else head[parent[0]])
+        chains.setdefault(head[k], []).append(k)
+    return [_sequence(calls, chain, kept) for chain in chains.values()]
+
+
+def _parents(calls: list[Call]) -> list[tuple[int, int] | None]:
+    """Per request, (the earlier request it continues, the index of the choice it kept), or None where it begins a
+    sequence. Only a sequence's last request can be continued (a second continuation of one begins a sequence)."""
+    parents: list[tuple[int, int] | None] = []
+    tails: list[int] = []  # the last request of each sequence so far
+    for k, call in enumerate(calls):
+        found = next(((j, i) for j in reversed(tails) if (i := _kept(calls[j], call)) is not None), None)
+        if found is not None:
+            tails.remove(found[0])
+        tails.append(k)
+        parents.append(found)
+    return parents
+
+
+def _sequence(calls: list[Call], chain: list[int], kept: dict[int, int]) -> TokenSequence:
+    prompt = calls[chain[0]].prompt_ids
     ids: list[int] = []
     loss: list[int] = []
     logprobs: list[float] = []
-    trained, breaks = 0, 0
-    for k, call in enumerate(calls):
-        extends = k == 0 or _kept(calls[k - 1], call) is not None
-        breaks += not extends
-        if not extends or trained < k:
-            continue
-        if k:
-            added = call.prompt_ids[len(calls[0].prompt_ids) + len(ids) :]
+    for i, k in enumerate(chain):
+        if i:  # what this request's prompt adds after the last reply: the agent's messages, the template's text
+            added = calls[k].prompt_ids[len(prompt) + len(ids) :]
             ids, loss, logprobs = ids + added, loss + [0] * len(added), logprobs + [0.0] * len(added)
-        kept = _kept(call, calls[k + 1]) if k + 1 < len(calls) else None
-        choice = call.choices[kept or 0]
+        choice = calls[k].choices[kept.get(k, 0)]
         ids, loss, logprobs = ids + choice.ids, loss + [1] * len(choice.ids), logprobs + choice.logprobs
-        trained += 1
-    return Sequence(calls[0].prompt_ids, ids, loss, logprobs, trained, breaks)
+    return TokenSequence(prompt, ids, loss, logprobs, turns=len(chain))
 
 
 def _kept(call: Call, after: Call) -> int | None:
@@ -427,47 +455,56 @@ def _kept(call: Call, after: Call) -> int | None:
 
 
 def agent_rollouts(episodes: list[AgentEpisode], tok, group_size: int, version: int, mask_truncated: bool) -> Rollouts:
-    """The episodes as one record (`forge.env.episode.to_rollouts`): each its training sequence, the verifiers' text
-    its final reply, `Episodes.requests` and `prefix_breaks` per episode, an `AgentResult` as its environment."""
+    """The episodes as one record (`forge.env.episode.to_rollouts`): each its first training sequence as its row, the
+    others in `Episodes.more_sequences` (all out of the loss where the episode is), the verifiers' text its final
+    reply, `Episodes.requests` and `prefix_breaks` per episode, an `AgentResult` as its environment."""
     played = [_as_episode(ep, tok, version) for ep in episodes]
     ro = to_rollouts([e for e, _ in played], tok, group_size, version, mask_truncated)
+    more = [[dataclasses.replace(s, loss=[0] * len(s.loss)) for s in seqs] if masked else seqs
+            for (_, seqs), masked in zip(played, ro.episodes.masked, strict=True)]  # fmt: skip
     finals = [ep.calls[-1].choices[0].text if ep.calls else "" for ep in episodes]
-    counts = dict(requests=[len(ep.calls) for ep in episodes], prefix_breaks=[b for _, b in played])
+    counts = dict(requests=[len(ep.calls) for ep in episodes], prefix_breaks=[len(s) for s in more],
+                  more_sequences=more, refused=[ep.refused for ep in episodes],
+                  timed_out=[ep.timed_out for ep in episodes])  # fmt: skip
     return dataclasses.replace(ro, texts=finals, episodes=dataclasses.replace(ro.episodes, **counts))
 
 
-def _as_episode(ep: AgentEpisode, tok, version: int) -> tuple[Episode, int]:
-    """(the loop's `Episode` record of an agent episode, its prefix breaks)."""
+def _as_episode(ep: AgentEpisode, tok, version: int) -> tuple[Episode, list[TokenSequence]]:
+    """(the loop's `Episode` record of an agent episode: its first sequence, its further sequences)."""
     result = AgentResult(ep.reward, len(ep.calls), ep.failure)
     if not ep.calls:  # failed before its first request: the row's text stands as the prompt, nothing is trained
         ids = tok(ep.row.get("model_input", ""), add_special_tokens=False)["input_ids"] or [tok.eos_token_id]
         out = Episode(result, {}, tok.decode(ids), ids, [], seconds=ep.seconds, done=True)
         out.fail(ep.failure)
-        return out, 0
-    seq = episode_sequence(ep.calls)
+        return out, []
+    first, *more = episode_sequences(ep.calls)
     last = ep.calls[-1].choices[0]
-    out = Episode(result, {}, tok.decode(seq.prompt_ids), seq.prompt_ids, [], ids=seq.ids, loss=seq.loss,
-                  logprobs=seq.logprobs, transcript=_transcript(ep.calls, version), turns=seq.trained,
+    out = Episode(result, {}, tok.decode(first.prompt_ids), first.prompt_ids, [], ids=first.ids, loss=first.loss,
+                  logprobs=first.logprobs, transcript=_transcript(ep.calls, version), turns=len(ep.calls),
                   cuts=sum(c.finish == "length" for call in ep.calls for c in call.choices[:1]),
                   calls=sum(len(c.message.get("tool_calls", [])) for call in ep.calls for c in call.choices[:1]),
                   seconds=ep.seconds, truncated=ep.truncated, done=True,
                   finish="length" if ep.truncated or last.finish == "length" else "stop")  # fmt: skip
     if ep.failure:
         out.fail(ep.failure)
-    return out, seq.breaks
+    return out, more
 
 
 def _transcript(calls: list[Call], version: int) -> list[dict]:
     """The segments a reader sees: the first request's messages (role "environment": the prompt), then per request
-    the messages it added (a rewritten history is one note) and its first choice's reply."""
+    the messages it added to the request it continues (a request that begins a training sequence: a note, then all
+    its messages; one that goes back to an earlier sequence: a note) and its first choice's reply."""
     out = [{"role": "environment", "content": f"[{m['role']}] {m['content']}"} for m in calls[0].messages]
-    for k, call in enumerate(calls):
+    parents, begun = _parents(calls), [0]  # begun: the first request of each sequence
+    for k, (call, parent) in enumerate(zip(calls, parents, strict=True)):
+        if k and parent is None:
+            begun.append(k)
+            out.append({"role": "environment", "content": f"(history rewritten: training sequence {len(begun)} "
+                        "begins here)"})  # fmt: skip
+        elif k and parent[0] != k - 1:
+            out.append({"role": "environment", "content": f"(continues request {parent[0] + 1})"})
+        start = 0 if parent is None else len(calls[parent[0]].messages) + 1
         if k:
-            before = calls[k - 1].messages
-            kept = _kept(calls[k - 1], call)
-            if kept is None:
-                out.append({"role": "environment", "content": "(history rewritten: not trained from here)"})
-            start = len(before) + 1 if kept is not None else 0
             out += [{"role": "tool" if m["role"] == "tool" else "user", "content": m["content"]}
                     for m in call.messages[start:]]  # fmt: skip
         out.append({"role": "assistant", "content": call.choices[0].text, "policy_version": call.version})

@@ -11,8 +11,9 @@ to the next, and the assistant message a sampled reply becomes (`forge.env.agent
   assistant messages it was answered with, then new messages (a chat loop that appends), its token ids are the last
   request's prompt ids, the sampled ids of that reply, never re-tokenised, and the template's token diff after the
   reply (what closes the reply turn and the new messages up to the next generation prompt). Anything else (history
-  rewritten, tools changed, a template that rewrites earlier turns) is rendered whole and tokenised: the episode's
-  sequence breaks there (`forge.env.agent.episode_sequence`).
+  rewritten, tools changed, a template that rewrites earlier turns) is rendered whole and tokenised: the episode
+  then begins another training sequence there (`forge.env.agent.episode_sequences`). `AgentHost` tries the bridge
+  from every earlier request, latest first.
 - A reply (`reply_message`): its text read for tool calls with `forge.env.parse`'s conventions when the request
   offered tools; calls that cannot be read leave the reply as text.
 """

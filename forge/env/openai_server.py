@@ -77,6 +77,8 @@ class ChatBackend(Protocol):
         """The chat.completion object answering `request` (RequestError for what cannot be answered)."""
         ...
 
+    # optional: `refused(episode, error)`, told of every request under an episode's URL answered with an error
+
 
 class _Server(ThreadingHTTPServer):
     request_queue_size = 1024  # listen backlog: every episode of a step may connect at once (the default 5 resets)
@@ -119,14 +121,16 @@ def _handler(backend: ChatBackend) -> type[BaseHTTPRequestHandler]:
             self._answer(lambda episode, kind: _completion(backend, episode, kind, self._body()))
 
         def _answer(self, route) -> None:
+            match = _ROUTE.match(self.path.split("?", 1)[0])
             try:
-                match = _ROUTE.match(self.path.split("?", 1)[0])
                 if match is None:
                     raise RequestError(404, f"no such endpoint {self.path!r}: use an episode's base URL", None,
                                        "not_found")  # fmt: skip
                 status, body = 200, route(*match.groups())
             except RequestError as e:
                 status, body = e.status, e.body()
+                if match is not None and hasattr(backend, "refused"):  # counted against its episode (optional)
+                    backend.refused(match.group(1), e)
             except Exception as e:  # a bug here must answer the agent, not hang it
                 status, body = 500, RequestError(500, f"{type(e).__name__}: {e}").body()
             data = json.dumps(body).encode()

@@ -18,7 +18,7 @@ from forge.env.config import AgentConfig
 from forge.env.openai_server import OpenAIServer, chat_response
 from forge.metrics import episode_metrics
 from forge.records import SamplingParams
-from tests.env.agents import post, rewriting_agent, sum_agent
+from tests.env.agents import post, sum_agent
 
 ROWS = [
     {"prompt": "3+4=", "model_input": "3+4=", "answer": "7"},
@@ -215,18 +215,83 @@ def test_a_stop_string_cuts_the_reply_text_and_its_tokens_after_it(tok):
     assert kept == tok("7+", add_special_tokens=False)["input_ids"]  # sampled up to the stop string, trained as such
 
 
-def test_a_history_rewrite_ends_the_sequence_there_and_is_counted(tok):
-    host = AgentHost(rewriting_agent, tok, EnvConfig(), "tiny-random", use_template=False)
+def sampled_segments(ro) -> list[tuple[tuple, tuple, tuple]]:
+    """(context, sampled ids, their log-probs) of every run of loss-mask 1 in every row of `ro`."""
+    out = []
+    for i in range(ro.num_completions):
+        prompt = ro.prompt_ids[i][ro.prompt_mask[i].bool()].tolist()
+        n = int(ro.completion_mask[i].sum())
+        ids, loss, lps = ro.completion_ids[i][:n].tolist(), ro.loss_mask[i][:n].tolist(), ro.sampling_logprobs[i][:n]
+        k = 0
+        while k < n:
+            if not loss[k]:
+                k += 1
+                continue
+            end = loss.index(0, k) if 0 in loss[k:] else n
+            out.append((tuple(prompt + ids[:k]), tuple(ids[k:end]), tuple(lps[k:end].tolist())))
+            k = end
+    return out
+
+
+def test_a_history_rewrite_makes_a_second_sequence_with_the_episodes_reward_and_advantage(tok):
+    """summarising_agent asks, starts over from a summary (a prefix break), then appends to the new conversation:
+    two sequences per episode (1 request, then 2), every sampled segment one the engine sampled for exactly its
+    context; the reward stage scores the episode once and both sequences train with its advantage."""
+    from forge.rewards.config import RewardConfig
+    from forge.sequences import training_rows
+    from forge.workers import RewardWorker
+    from tests.env.agents import summarising_agent
+
+    backend = tiny_backend(tok)
+    host = AgentHost(summarising_agent, tok, EnvConfig(max_tokens=60), "tiny-random", use_template=False)
+    sample, seen = recording(backend.generate_ids)
+    try:
+        ro = host.rollouts(sample, ROWS, SamplingParams(max_new_tokens=3, n=2, seed=0), version=0)
+    finally:
+        host.close()
+    e = ro.episodes
+    assert e.requests == [3] * 4 and e.prefix_breaks == [1] * 4 and e.turns == [3] * 4 and not any(e.failures)
+    assert [[s.turns for s in more] for more in e.more_sequences] == [[2]] * 4
+    for i, more in enumerate(e.more_sequences):
+        assert tok.decode(more[0].prompt_ids).startswith("Earlier you said ")
+        assert more[0].prompt_ids[-4:] == tok(ROWS[i // 2]["model_input"], add_special_tokens=False)["input_ids"]
+    scored = RewardWorker(RewardConfig(), advantage="zscore", seed=0, steps=1, prompts_per_step=2).score(ROWS, ro, 1)
+    own = [x.reward for x in e.environments]
+    assert scored.rewards.tolist() == pytest.approx(own) and len(set(own)) > 1  # the agent's, one per episode
+    rows = training_rows(ro, scored.advantages)
+    assert rows.episodes == 4 and rows.rollouts.num_completions == 8
+    assert torch.equal(rows.advantages, torch.cat([scored.advantages, scored.advantages]))  # row i+4: episode i's
+    assert sorted(sampled_segments(rows.rollouts)) == sorted(seen) and len(seen) == 12  # 4 episodes x 3 requests
+    assert episode_metrics(ro)["env/agent_prefix_breaks"] == 1.0
+    assert "training sequence 2 begins here" in json.dumps(e.transcripts[0])
+
+
+def test_an_agent_that_appends_stays_one_sequence(tok):
+    from forge.sequences import training_rows
+
+    host = AgentHost(sum_agent, tok, EnvConfig(max_tokens=40), "tiny-random", use_template=False)
     try:
         ro = host.rollouts(scripted(tok, ["5"], "?"), ROWS, SamplingParams(max_new_tokens=4, n=1, seed=0), version=0)
     finally:
         host.close()
-    assert ro.episodes.requests == [2, 2] and ro.episodes.prefix_breaks == [1, 1] and ro.episodes.turns == [1, 1]
-    five = tok("5", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    assert ro.completion_ids[0][ro.completion_mask[0].bool()].tolist() == five  # the first request's reply only
-    assert ro.loss_mask[0].tolist()[: len(five)] == [1, 1] and not any(ro.episodes.failures)
-    assert episode_metrics(ro)["env/agent_prefix_breaks"] == 1.0
-    assert "history rewritten" in json.dumps(ro.episodes.transcripts[0])
+    assert ro.episodes.more_sequences == [[], []] and ro.episodes.prefix_breaks == [0, 0]
+    assert training_rows(ro, torch.zeros(2)).rollouts is ro
+
+
+def test_the_sequences_of_a_failed_episode_are_all_out_of_the_loss(tok):
+    """env.max_turns=2: summarising_agent's third request is refused, it raises, its episode fails after two
+    sequences; neither trains."""
+    from forge.sequences import training_rows
+    from tests.env.agents import summarising_agent
+
+    host = AgentHost(summarising_agent, tok, EnvConfig(max_turns=2, max_tokens=60), "tiny-random", use_template=False)
+    try:
+        ro = host.rollouts(scripted(tok, ["5"], "?"), ROWS, SamplingParams(max_new_tokens=4, n=1, seed=0), version=0)
+    finally:
+        host.close()
+    assert ro.episodes.prefix_breaks == [1, 1] and all("env.max_turns=2" in f for f in ro.episodes.failures)
+    assert [len(more[0].loss) for more in ro.episodes.more_sequences] == [2, 2]  # '5' eos: kept, not trained
+    assert training_rows(ro, torch.ones(2)).rollouts.loss_mask.sum() == 0
 
 
 def moody_agent(base_url: str, row: dict):
