@@ -67,18 +67,18 @@ def measure(preset: str, repeats: int, overrides: list[str]) -> dict[str, list[f
     out: dict[str, list[float]] = {k: [] for k in ("sync", "stall", "write", "step_alone", "step_during", "bytes")}
     with tempfile.TemporaryDirectory(prefix="forgeweave-ckpt-bench-") as d:
         root = str(Path(d) / "checkpoints")
-        out["step_alone"].append(timed(lambda: w.step(*batch, publish=False)))  # AdamW now holds its moments
+        out["step_alone"].append(timed(lambda: w.step(*batch)))  # AdamW now holds its moments
         for i in range(repeats):
             cfg.checkpoint.async_save = False
             out["sync"].append(timed(lambda: (w.save(root, 2 * i + 1, {}, None), w.wait_saved())))  # noqa: B023
             cfg.checkpoint.async_save = True
             out["stall"].append(timed(lambda: w.save(root, 2 * i + 2, {}, None)))  # noqa: B023
-            out["step_during"].append(timed(lambda: w.step(*batch, publish=False)))
+            out["step_during"].append(timed(lambda: w.step(*batch)))
             report = w.wait_saved()
             out["stall"][-1] += report.stall_seconds  # the update's optimizer step waited for the host copy
             out["write"].append(report.seconds)
             out["bytes"].append(float(report.bytes))
-            out["step_alone"].append(timed(lambda: w.step(*batch, publish=False)))
+            out["step_alone"].append(timed(lambda: w.step(*batch)))
     out["step_alone"] = out["step_alone"][1:]  # the first step also allocated AdamW's state
     return out
 

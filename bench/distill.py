@@ -90,7 +90,7 @@ def run_mode(mode: str, args, progress: bool) -> dict:
         "mode": mode, "pass": {m["step"]: m["eval/pass@1"] for m in metrics if "eval/pass@1" in m},
         "s_per_step": step_s[len(step_s) // 2] if step_s else None, "wall_s": round(wall),
         "reverse_kl": [round(m["distill/reverse_kl"], 4) for m in metrics if "distill/reverse_kl" in m],
-        "teacher_s": [round(m["perf/teacher_s"], 2) for m in metrics if "perf/teacher_s" in m],
+        "teacher_s": [round(m["time/teacher_s"], 2) for m in metrics if "time/teacher_s" in m],
     }  # fmt: skip
 
 

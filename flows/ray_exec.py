@@ -13,8 +13,8 @@ run. Started once per run (and again after a recovery), each actor loads its mod
   evaluation runs on replica 0 (Weaver: evaluate runs in rollout);
 - reward: one actor (`RewardWorker`) on reward's pool;
 - teacher (with `distill.teacher`, on-policy distillation): one actor (`TeacherWorker`) on the teacher stage's pool
-  (Weaver: beside update by default, or a cpu pool reserved for it); each step it scores the rollouts (its [N, T]
-  log-probs go by reference to the reward actor, which then loads no teacher of its own).
+  (Weaver: beside update by default, or a cpu pool reserved for it); the loop's teacher stage: it scores the rollouts
+  (read by reference), its [N, T] log-probs go to the reward actor and its top k to the update ranks.
 
 Placement: each pool's nodes offer the custom resource `pool:<name>` (`ray start --resources '{"pool:gen": 1}'`)
 and every actor asks for a sliver of its pool's (`weaver.apply.actor_specs`) and for its share of the pool's CPUs,
@@ -77,7 +77,8 @@ from forge.data import train_row_count
 from forge.env.openenv import SERVER_PYTHON, replica_sessions
 from forge.errors import UserError
 from forge.models import load_tokenizer
-from forge.records import RolloutRequest, Rollouts, ScoredBatch, TeacherTopK, UpdateStats
+from forge.records import RolloutRequest, Rollouts, ScoredBatch, UpdateStats
+from forge.rewards.teacher import TeacherScores
 from forge.rollout.base import SamplingParams, concat_rollouts
 from forge.stages import WorkerLost
 from forge.weight_group import SECRET_ENV
@@ -217,7 +218,7 @@ class RayStages:
         self.places: dict[str, list[dict]] = {}  # stage -> each actor's `where` at start (its node's address)
         self.reservation: Reservation | None = None
         self.pad_id = load_tokenizer(cfg.model).pad_token_id
-        self.teacher = _has_teacher(cfg, self.plan)
+        self.distills = _has_teacher(cfg, self.plan)  # a teacher actor of its own
         _check_pools(self.plan, self.run_dir)
         os.environ[SECRET_ENV] = secrets.token_hex(32)  # this run's weight-group secret: every actor's environment
         try:
@@ -247,7 +248,7 @@ class RayStages:
         its pool's CPUs (what the pool declares, at most what its nodes have) and the GPUs the plan gives it."""
         specs = [*actor_specs(self.plan, "update", cores), *self._rollout_specs(cores),
                  actor_specs(self.plan, "reward", cores)[0]]  # fmt: skip
-        if self.teacher:
+        if self.distills:
             specs.append(actor_specs(self.plan, "teacher", cores)[0])
         nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
         specs = with_ray_cpus(specs, ray_pool_cpus({s.pool: cores.get(s.pool, 1) for s in specs}, nodes))
@@ -276,12 +277,11 @@ class RayStages:
         self.places["update"] = self._get(starts, "update")
 
     def _start_scorers(self, train_rows: int) -> None:
-        """The reward actor and, distilling, the teacher actor (the reward actor then loads no teacher), started
-        together: each loads what it needs at the same time."""
+        """The reward actor and, distilling, the teacher actor, started together: each loads what it needs at the
+        same time."""
         self.reward_actor = self._actor(self.reservation.of("reward")[0], "reward")
-        starts = {"reward": self.reward_actor.start.remote("reward", self.cfg, train_rows,
-                                                           load_teacher=not self.teacher)}  # fmt: skip
-        if self.teacher:
+        starts = {"reward": self.reward_actor.start.remote("reward", self.cfg, train_rows)}
+        if self.distills:
             self.teacher_actor = self._actor(self.reservation.of("teacher")[0], "teacher")
             starts["teacher"] = self.teacher_actor.start.remote("teacher", self.cfg)
         for stage, ref in starts.items():
@@ -371,27 +371,23 @@ class RayStages:
             self._stored = (rollouts, ray.put(rollouts))
         return self._stored[1]
 
-    def reward(self, rows: list[dict], rollouts: Rollouts, step: int) -> ScoredBatch:
-        """The reward actor's scores; with a teacher, its actor scores the rollouts first and the reward actor reads
-        the [N, T] log-probs by reference (`perf/teacher_s`: the teacher call, submitted to finished)."""
-        ro_ref = self._ref(rollouts)
-        if not self.teacher:
-            return self._get([self.reward_actor.call.remote("score", rows, ro_ref, step)], "reward")[0]
-        start = time.perf_counter()
-        logp = self.teacher_actor.call.remote("logprobs", ro_ref)
-        scored = self.reward_actor.call.remote("score", rows, ro_ref, step, logp)
-        self._get([logp], "teacher")  # a dead teacher is named as such, not as the reward actor's failed argument
-        seconds = time.perf_counter() - start
-        batch = self._get([scored], "reward")[0]
-        return dataclasses.replace(batch, reward_metrics={**batch.reward_metrics, "perf/teacher_s": seconds})
+    def teacher(self, rollouts: Rollouts) -> TeacherScores:
+        """The teacher actor's scores of the rollouts (read by reference from the object store)."""
+        return self._get([self.teacher_actor.call.remote("logprobs", self._ref(rollouts))], "teacher")[0]
 
-    def update(self, rollouts: Rollouts, advantages: torch.Tensor, teacher: TeacherTopK | None = None) -> UpdateStats:
+    def reward(self, rows: list[dict], rollouts: Rollouts, step: int,
+               teacher: TeacherScores | None = None) -> ScoredBatch:  # fmt: skip
+        """The reward actor's scores (distilling, with the teacher's [N, T] log-probs; its top k is the update's)."""
+        logp = None if teacher is None else dataclasses.replace(teacher, topk=None)
+        return self._get([self.reward_actor.call.remote("score", rows, self._ref(rollouts), step, logp)], "reward")[0]
+
+    def update(self, rollouts: Rollouts, advantages: torch.Tensor, teacher: TeacherScores | None = None) -> UpdateStats:
         """One step on every rank, then the new weights to the rollout actors (`self.sync`). On-policy the loop waits
         for them to load (`sync_seconds`: the whole publish -> loaded path); asynchronous (`algo.max_staleness` > 0)
         the sync queues behind the generate calls in flight and `sync_seconds` is the last finished one's receive
-        time. `teacher` (the teacher's top k, distill.topk) goes by `ray.put` like the advantages."""
+        time. The teacher's top k (distill.topk), if any, goes by `ray.put` like the advantages."""
         ro_ref, adv_ref = self._ref(rollouts), ray.put(advantages)
-        top_ref = None if teacher is None else ray.put(teacher)
+        top_ref = None if teacher is None or teacher.topk is None else ray.put(teacher.topk)
         stats = self._get([a.call.remote("step", ro_ref, adv_ref, top_ref) for a in self.actors["update"]], "update")[0]
         if self.cfg.algo.max_staleness > 0:
             self.sync.queue(stats.policy_version)

@@ -70,15 +70,13 @@ def teacher(cfg: RunConfig) -> Teacher:
                    autocast_bf16=cfg.update.autocast_bf16)  # fmt: skip
 
 
-def reward_worker(cfg: RunConfig, train_rows: int = 0, load_teacher: bool = True) -> RewardWorker:
-    """The reward stage's worker; `load_teacher`: load `distill.teacher` in it (False: a `TeacherWorker` elsewhere
-    passes its log-probs to `score`, as in Ray mode)."""
+def reward_worker(cfg: RunConfig, train_rows: int = 0) -> RewardWorker:
+    """The reward stage's worker (distilling, `score` is given the teacher stage's scores)."""
     from forge.workers import RewardWorker
 
-    loaded = teacher(cfg) if cfg.distill.teacher and load_teacher else None
     return RewardWorker(cfg.reward, advantage=cfg.algo.advantage, seed=cfg.seed, steps=cfg.steps,
                         prompts_per_step=cfg.rollout.prompts_per_step, answer_column=cfg.data.answer_column,
-                        train_rows=train_rows, distill=cfg.distill, teacher=loaded)  # fmt: skip
+                        train_rows=train_rows, distill=cfg.distill)  # fmt: skip
 
 
 def teacher_worker(cfg: RunConfig) -> TeacherWorker:
@@ -91,8 +89,9 @@ def teacher_worker(cfg: RunConfig) -> TeacherWorker:
 
 
 def local_workers(cfg: RunConfig, run_dir: Path, micro_update: MicroUpdate
-                  ) -> tuple[TrainerWorker, RolloutWorker, RewardWorker]:  # fmt: skip
-    """The three in-process workers; the rollout samples from the trainer's own module."""
+                  ) -> tuple[TrainerWorker, RolloutWorker, RewardWorker, Teacher | None]:  # fmt: skip
+    """The in-process workers (and, with `distill.teacher`, the teacher); the rollout samples from the trainer's
+    own module."""
     from forge.data import train_row_count
 
     if cfg.algo.max_staleness > 0:  # the rollout samples from the trainer's own module: no older weights exist
@@ -102,7 +101,7 @@ def local_workers(cfg: RunConfig, run_dir: Path, micro_update: MicroUpdate
         )
     update = trainer_worker(cfg, micro_update=micro_update)
     rollout = rollout_worker(cfg, model=update.trainer.unwrapped, tokenizer=update.tokenizer)
-    return update, rollout, reward_worker(cfg, train_row_count(run_dir))
+    return update, rollout, reward_worker(cfg, train_row_count(run_dir)), teacher(cfg) if cfg.distill.teacher else None
 
 
 def local_stages(cfg: RunConfig, run_dir: Path, plan: dict | None, micro_update: MicroUpdate) -> LocalStages:

@@ -142,6 +142,7 @@ class Run:
     limits: Limits
     probe_rows: int  # collapse.probe_max_problems
     async_save: bool  # checkpoint.async_save
+    distills: bool  # distill.teacher is set: each step runs the teacher stage
 
 
 def verifier_streaks(state: LoopState, batch: ScoredBatch) -> LoopState:

@@ -42,7 +42,7 @@ def step_metrics(ro: Rollouts, batch: ScoredBatch, stats: UpdateStats, times: di
         m[f"reward/{name}/failures"] = float(batch.verifier_failures[name])
         m[f"reward/{name}/errors"] = float(batch.verifier_errored.get(name, 0))
     m.update(batch.reward_metrics)  # e.g. reward/majority_share, reward/code_exec/suspicious
-    if batch.teacher_topk is not None:  # the top-k reverse KL the update minimised (weighted), per sampled token
+    if stats.teacher_kl is not None:  # the top-k reverse KL the update minimised (weighted), per sampled token
         m["distill/topk_kl"] = stats.teacher_kl
     m.update(
         {

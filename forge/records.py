@@ -142,7 +142,6 @@ class ScoredBatch:
     # the aggregation's own `reward/...` figures; reward/code_exec/suspicious with code_exec among the verifiers
     reward_metrics: dict[str, float] = field(default_factory=dict)
     ensemble_report: dict | None = None  # on steps the label-free ensemble was refit: its report
-    teacher_topk: TeacherTopK | None = None  # distill.topk > 0: the distribution the update pulls toward
 
 
 @dataclass(frozen=True)
@@ -188,7 +187,8 @@ class UpdateStats:
     is_truncated_frac: float = 0.0  # tis: share of tokens whose importance weight hit algo.is_cap
     skipped: int = 0  # optimizer steps (PPO passes) skipped because the loss or gradient norm was not finite
     kl_ref: float = 0.0  # k3 KL to the reference policy (algo.beta > 0; 0 otherwise)
-    teacher_kl: float = 0.0  # distill.topk: the weighted top-k KL per token, before the first pass
+    teacher_kl: float | None = None  # distill.topk: the weighted top-k KL per token, before the first pass (None
+    # without a top k)
 
 
 @dataclass(frozen=True)

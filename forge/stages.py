@@ -31,7 +31,8 @@ from typing import Any, Protocol
 import torch
 
 from forge.checkpoint import SaveReport
-from forge.records import RolloutRequest, Rollouts, ScoredBatch, TeacherTopK, UpdateStats
+from forge.records import RolloutRequest, Rollouts, ScoredBatch, UpdateStats
+from forge.rewards.teacher import Teacher, TeacherScores
 from forge.workers import RewardWorker, RolloutWorker, TrainerWorker
 
 
@@ -40,6 +41,7 @@ class Stage(enum.Enum):
 
     PREPARE = "prepare"  # writes data/ atomically from the config: the same files again
     ROLLOUT = "rollout"  # sampled from the step's derived seed: the same samples again
+    TEACHER = "teacher"  # distilling: the teacher's log-probs of the samples, teacher-forced: the same again
     REWARD = "reward"  # pure scores; the ensemble replaces its entry for the step
     UPDATE = "update"  # never repeated: a second attempt would take a second optimizer step
     EVALUATE = "evaluate"  # measures only (seeded)
@@ -79,13 +81,20 @@ class Stages(Protocol):
         """The request's completions, sampled from its policy version with its seed (collects a prefetched one)."""
         ...
 
-    def reward(self, rows: list[dict], rollouts: Rollouts, step: int) -> ScoredBatch:
-        """Per-verifier scores, rewards and group advantages of step `step`'s rollouts of `rows`."""
+    def teacher(self, rollouts: Rollouts) -> TeacherScores:
+        """The distillation teacher's log-probs of the rollouts' sampled tokens (and its top k with distill.topk);
+        asked only when the run distills (`distill.teacher`)."""
         ...
 
-    def update(self, rollouts: Rollouts, advantages: torch.Tensor, teacher: TeacherTopK | None = None) -> UpdateStats:
+    def reward(self, rows: list[dict], rollouts: Rollouts, step: int,
+               teacher: TeacherScores | None = None) -> ScoredBatch:  # fmt: skip
+        """Per-verifier scores, rewards and group advantages of step `step`'s rollouts of `rows` (distilling, plus
+        the teacher's per-token term from `teacher`)."""
+        ...
+
+    def update(self, rollouts: Rollouts, advantages: torch.Tensor, teacher: TeacherScores | None = None) -> UpdateStats:
         """One update; the rollout workers then hold the new weights (`sync_seconds`: moving them). `teacher`: the
-        teacher's top k, whose KL the loss adds (distill.topk)."""
+        teacher stage's scores, whose top k's KL the loss adds (distill.topk)."""
         ...
 
     def evaluate(self, rows: list[dict], step: int, probe: bool = False) -> dict:
@@ -118,8 +127,10 @@ class LocalStages:
     """All workers in this process: one update process; the rollout samples from the trainer's own module
     (`rollout_worker` was built on `trainer`'s model: weight sync is free)."""
 
-    def __init__(self, trainer: TrainerWorker, rollout_worker: RolloutWorker, reward_worker: RewardWorker):
+    def __init__(self, trainer: TrainerWorker, rollout_worker: RolloutWorker, reward_worker: RewardWorker,
+                 teacher: Teacher | None = None):  # fmt: skip
         self.trainer, self.rollout_worker, self.reward_worker = trainer, rollout_worker, reward_worker
+        self.teacher_model = teacher  # distill.teacher, loaded once (None: the run does not distill)
 
     @property
     def policy_version(self) -> int:
@@ -132,11 +143,16 @@ class LocalStages:
         """Sampled with the request's seed: a retry samples the same batch again."""
         return self.rollout_worker.generate(request.prompts, request.params, request.policy_version, request.rows)
 
-    def reward(self, rows: list[dict], rollouts: Rollouts, step: int) -> ScoredBatch:
-        return self.reward_worker.score(rows, rollouts, step)
+    def teacher(self, rollouts: Rollouts) -> TeacherScores:
+        assert self.teacher_model is not None, "the teacher stage runs only when the run distills"
+        return self.teacher_model.logprobs(rollouts)
 
-    def update(self, rollouts: Rollouts, advantages: torch.Tensor, teacher: TeacherTopK | None = None) -> UpdateStats:
-        stats = self.trainer.step(rollouts, advantages, teacher)
+    def reward(self, rows: list[dict], rollouts: Rollouts, step: int,
+               teacher: TeacherScores | None = None) -> ScoredBatch:  # fmt: skip
+        return self.reward_worker.score(rows, rollouts, step, teacher)
+
+    def update(self, rollouts: Rollouts, advantages: torch.Tensor, teacher: TeacherScores | None = None) -> UpdateStats:
+        stats = self.trainer.step(rollouts, advantages, None if teacher is None else teacher.topk)
         self.rollout_worker.load_weights(None, stats.policy_version)  # the same module: nothing moves
         return stats
 

@@ -328,7 +328,8 @@ class Trainer:
         return UpdateStats(
             loss=mean("loss"), kl_old=kl_old, kl_ref=kl_ref, clip_frac_low=mean("clip_low"),
             clip_frac_high=mean("clip_high"), entropy=passes[0]["entropy"], logprob_diff=passes[0]["logprob_diff"],
-            is_truncated_frac=passes[0]["is_truncated"], teacher_kl=passes[0]["teacher_kl"], grad_norm=mean("grad_norm"),
+            is_truncated_frac=passes[0]["is_truncated"], grad_norm=mean("grad_norm"),
+            teacher_kl=None if teacher is None else passes[0]["teacher_kl"],
             lr=lr, lr_scale=scale,
             tokens=totals.tokens, seconds=time.perf_counter() - start, policy_version=self.policy_version,
             skipped=skipped,

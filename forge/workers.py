@@ -12,13 +12,12 @@ node Weaver planned for its stage. Nothing here knows which: no Ray, no Prefect.
   `forge.weight_group`) or as a dict (`load_weights(weights, version)`) and refuses to sample for another version.
 - `RewardWorker`: verifiers -> the reward (`reward.aggregate`: weighted, mean, majority vote or the label-free
   ensemble; forge/rewards/aggregate.py) -> group advantages (`score`); with `distill.teacher`, plus the teacher's
-  per-token distillation advantage ([N, T]; forge/rewards/teacher.py): in-process the teacher is loaded once in
-  this worker; in Ray mode a `TeacherWorker` of its own scores the rollouts and `score` gets its log-probs.
-- `TeacherWorker`: the distillation teacher (`distill.teacher`, loaded once): `logprobs(rollouts)` -> [N, T] (and
-  [N, T, k] top k with `distill.topk`).
+  per-token distillation advantage ([N, T]; forge/rewards/teacher.py) from the teacher stage's scores it is given.
+- `TeacherWorker`: the teacher stage in a process of its own (Ray mode; in process `forge.stages.LocalStages` holds
+  the `Teacher` itself): `logprobs(rollouts)` -> [N, T] (and the [N, T, k] top k with `distill.topk`, which the
+  update's loss consumes).
 - `TrainerWorker`: one update rank (rank r of a world of N: a torch.distributed group, gloo on CPU, NCCL on GPU,
-  with Accelerate inside); `step` trains on the rank's share of a batch (and returns the new weights on rank 0 if
-  asked); rank 0 hosts the weight group and `send_weights` broadcasts them to the rollout workers (colocated, ipc:
+  with Accelerate inside); `step` trains on the rank's share of a batch; rank 0 hosts the weight group and `send_weights` broadcasts them to the rollout workers (colocated, ipc:
   every rank hosts the group of the rollout workers on its GPU);
   `save` starts a checkpoint (every rank snapshots and writes its own shard, in a background thread by default)
   and `wait_saved` waits for it.
@@ -81,7 +80,7 @@ from forge.trainer_config import AlgoConfig, UpdateConfig
 from forge.weight_group import WeightGroup, WeightPlan, copy_into, make_plan
 
 if TYPE_CHECKING:
-    from forge.rewards.teacher import Teacher, TeacherScores
+    from forge.rewards.teacher import TeacherScores
     from forge.trainer import MicroUpdate
 
 # a rank waits in a collective while the other ranks are still busy (slow micro-batches, a checkpoint)
@@ -255,13 +254,11 @@ class RewardWorker:
     """The reward stage: per-verifier scores, the aggregated reward (`reward.aggregate`), group advantages."""
 
     def __init__(self, reward: RewardConfig, *, advantage: str, seed: int, steps: int, prompts_per_step: int,
-                 answer_column: str = "answer", train_rows: int = 0, distill: DistillConfig | None = None,
-                 teacher: Teacher | None = None):  # fmt: skip
+                 answer_column: str = "answer", train_rows: int = 0, distill: DistillConfig | None = None):  # fmt: skip
         """`advantage`: algo's estimator; `steps`, `prompts_per_step`: the run's, for TRL's trainer_state;
         `answer_column`: data's (hidden from verifiers with reward.label_free: `hidden_columns`); `train_rows`: the training split's size,
-        for trainer_state.epoch (0 = unknown: epoch stays 0); `distill`: the distillation section (None: off);
-        `teacher`: the loaded `distill.teacher` (`forge.rewards.teacher.Teacher`), or None when a `TeacherWorker`
-        elsewhere passes its log-probs to `score`, as in Ray mode."""
+        for trainer_state.epoch (0 = unknown: epoch stays 0); `distill`: the distillation section (None: off; on,
+        `score` is given the teacher stage's scores)."""
         self.reward_cfg, self.advantage, self.seed, self.answer_column = reward, advantage, seed, answer_column
         self.steps, self.prompts_per_step, self.train_rows = steps, prompts_per_step, train_rows
         self.verifiers = resolve_verifiers(reward.verifiers, reward)
@@ -272,14 +269,13 @@ class RewardWorker:
             names = [name for name, _ in self.verifiers]
             self.aggregator = EnsembleAggregator(names, reward.ensemble, seed)
         self.distill_cfg = distill if distill is not None else DistillConfig()
-        self.teacher = teacher  # on-policy distillation: loaded once, scores every step's tokens
 
     def score(
         self, rows: list[dict], rollouts: Rollouts, step: int, teacher: TeacherScores | None = None
     ) -> ScoredBatch:
         """Score step `step`'s completions; safe to repeat for the same step (the ensemble replaces its entry).
-        `teacher`: the teacher's log-probs of the sampled tokens (`TeacherWorker.logprobs`), when a teacher worker
-        of its own computed them; else, with `distill.teacher`, this worker's teacher does."""
+        `teacher`: the teacher stage's scores of the sampled tokens (`forge.rewards.teacher.Teacher.logprobs`), which
+        a run with `distill.teacher` passes: their log-probs become the per-token distillation advantage."""
         g = rollouts.group_size
         result = score_completions(
             self.verifiers,
@@ -312,35 +308,27 @@ class RewardWorker:
             rewards = agent_rewards(rollouts.episodes, rewards)
         if failed.any():
             rewards = rewards.masked_fill(failed, 0.0)
-        advantages, topk = group_advantages(rewards, g, self.advantage), None  # [N]
-        if self.distill_cfg.teacher:  # + weight * the teacher's per-token advantage: [N, T]; or its top k
-            advantages, topk, distill = self.distill(advantages, rollouts, teacher)
+        advantages = group_advantages(rewards, g, self.advantage)  # [N]
+        if self.distill_cfg.teacher:  # + weight * the teacher's per-token advantage: [N, T] (or, with its top k, 0)
+            advantages, distill = self.distill(advantages, rollouts, teacher)
             extra = {**extra, **distill}
         if "code_exec" in result.names:  # completions that reach for a forgery's tools (they score 0 regardless)
             extra = {**extra, "reward/code_exec/suspicious": float(count_suspicious(rollouts.texts))}
         return ScoredBatch(result.names, result.scores, rewards, advantages, result.failures,
                            verifier_errors=result.errors, verifier_errored=result.errored, reward_metrics=extra,
-                           ensemble_report=report, teacher_topk=topk)  # fmt: skip
+                           ensemble_report=report)  # fmt: skip
 
-    def distill(self, advantages: torch.Tensor, rollouts: Rollouts, teacher: TeacherScores | None = None
-                ) -> tuple[torch.Tensor, TeacherTopK | None, dict[str, float]]:  # fmt: skip
-        """The [N, T] advantages with the teacher's term (forge/rewards/teacher.py), its top k for the update
-        (distill.topk: then the top-k divergence in the loss replaces the sampled-token term) and
-        `distill/reverse_kl`; with this worker's own teacher (no `teacher` given) also its seconds
-        (`perf/teacher_s`; in Ray mode the driver times the teacher actor's call)."""
+    def distill(self, advantages: torch.Tensor, rollouts: Rollouts, teacher: TeacherScores | None
+                ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+        """The [N, T] advantages with the teacher's term (forge/rewards/teacher.py; weight 0 when the teacher's top k
+        goes to the loss instead, distill.topk) and `distill/reverse_kl`."""
         from forge.rewards.teacher import distill_advantages
 
-        timed = {}
         if teacher is None:
-            if self.teacher is None:
-                raise RuntimeError("this reward worker holds no teacher: pass the teacher worker's log-probs")
-            start = time.perf_counter()
-            teacher = self.teacher.logprobs(rollouts)
-            timed = {"perf/teacher_s": time.perf_counter() - start}
+            raise RuntimeError("distill.teacher is set but the reward stage got no teacher scores (the teacher stage)")
         d = self.distill_cfg
         weight = 0.0 if d.topk else d.weight  # 0 * a non-finite log-prob still skips the step
-        combined, metrics = distill_advantages(advantages, teacher.logp, rollouts, weight, d.discount)
-        return combined, teacher.topk(d.weight, d.divergence), {**metrics, **timed}
+        return distill_advantages(advantages, teacher.logp, rollouts, weight, d.discount)
 
     def trainer_state(self, step: int):
         """What TRL passes reward functions as `trainer_state`: a transformers TrainerState. While step `step` is

@@ -131,12 +131,12 @@ def test_restore_continues_exactly(tmp_path: Path, tok, async_save):
     the same weights and AdamW moments, bitwise, and the same LR controller, step and policy version."""
     a = worker(tok, async_save, adaptive=True, max_grad_norm=1.0)
     batch = make_batch(tok)
-    a.step(*batch, publish=False), a.step(*batch, publish=False)
+    a.step(*batch), a.step(*batch)
     ckpt = save(a, tmp_path, 2).path
-    a.step(*batch, publish=False)
+    a.step(*batch)
     b = worker(tok, async_save, adaptive=True, max_grad_norm=1.0)
     assert b.restore(ckpt) == 2
-    b.step(*batch, publish=False)
+    b.step(*batch)
     want, got = weights_and_moments(a), weights_and_moments(b)
     assert want.keys() == got.keys() and any(k.endswith(".exp_avg_sq") for k in want)
     for k in want:
@@ -146,7 +146,7 @@ def test_restore_continues_exactly(tmp_path: Path, tok, async_save):
 
 def test_load_weights_restores_parameters_into_fresh_model(tmp_path: Path, tok):
     w = worker(tok)
-    w.step(*make_batch(tok), publish=False)  # move off init so a re-init could not pass by accident
+    w.step(*make_batch(tok))  # move off init so a re-init could not pass by accident
     ckpt = Path(save(w, tmp_path, 1).path)
     model = w.trainer.unwrapped
     other = build_tiny_model(tok, hidden=32, layers=1, seed=1)
@@ -191,10 +191,10 @@ def test_async_save_returns_before_the_write_and_keeps_the_snapshot(tmp_path: Pa
 
     monkeypatch.setattr(ckpt_mod, "write_shards", held)
     w, root, batch = worker(tok, async_save=True), tmp_path / "checkpoints", make_batch(tok)
-    w.step(*batch, publish=False)
+    w.step(*batch)
     at_save = {k: v.clone() for k, v in w.trainer.unwrapped.state_dict().items()}
     w.save(str(root), 1, {}, None)  # returns with the write held: training continues
-    w.step(*batch, publish=False)
+    w.step(*batch)
     assert latest_checkpoint(root) is None and (root / ".step-000001.partial").is_dir()
     second = threading.Thread(target=w.save, args=(str(root), 2, {}, None))
     second.start()
@@ -219,10 +219,10 @@ def test_the_next_optimizer_step_waits_for_the_host_copy(tmp_path: Path, tok, mo
 
     monkeypatch.setattr(ckpt_mod, "host_copy", slow_copy)
     w, batch = worker(tok, async_save=True), make_batch(tok)
-    w.step(*batch, publish=False)
+    w.step(*batch)
     before = {k: v.clone() for k, v in w.trainer.unwrapped.state_dict().items()}
     w.save(str(tmp_path), 1, {}, None)
-    update = threading.Thread(target=w.step, args=(*batch, False))
+    update = threading.Thread(target=w.step, args=batch)
     update.start()
     time.sleep(0.5)
     assert update.is_alive()  # forward/backward done, the optimizer step waits: the weights are still unchanged

@@ -18,6 +18,7 @@ from forge.checkpoint import ADAPTER, ADAPTER_CONFIG, WEIGHTS, shard_keys
 from forge.config import ConfigError, RunConfig, apply_overrides, dump_yaml, from_dict
 from forge.errors import UserError
 from forge.models import add_lora, build_char_tokenizer, build_tiny_model, is_peft, load_policy, merged_weights
+from forge.sequences import training_rows
 from forge.trainer import token_logprobs
 from tests.grpo_parts import TrainerWorker
 from tests.test_trainer import make_batch, make_cfg
@@ -94,7 +95,7 @@ def test_only_the_adapter_is_trainable_and_the_optimizer_holds_only_it():
     in_optimizer = {id(p) for g in w.trainer.optimizer.param_groups for p in g["params"]}
     assert in_optimizer == {id(p) for p in model.parameters() if p.requires_grad}
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    stats, _ = w.step(*make_batch(w.tokenizer), publish=False)
+    stats = w.step(*make_batch(w.tokenizer))
     assert stats.grad_norm > 0
     assert all(torch.equal(base[n], p) for n, p in model.named_parameters() if n in base)  # base frozen
 
@@ -121,7 +122,8 @@ def test_published_weights_are_merged_and_load_into_a_plain_rollout_copy(tok):
     w = lora_worker(rank=4)
     batch = make_batch(w.tokenizer)
     for _ in range(2):
-        _, published = w.step(*batch, publish=True)
+        w.step(*batch)
+    published = w.weights()  # what a sync sends: rank 0's full weights in the engine's dtype
     plain = build_tiny_model(tok, hidden=32, layers=1, seed=0)
     plain.load_state_dict(published)
     ro = batch.rollouts
@@ -138,12 +140,12 @@ def test_reference_is_the_base_model_with_the_adapter_disabled(tok):
     w = lora_worker(rank=4, beta=0.1)
     assert w.trainer.ref_model is None
     batch = make_batch(w.tokenizer)
-    first = w.step(*batch, publish=False)[0]
+    first = w.step(*batch)
     assert first.kl_ref == 0.0
     for _ in range(3):
-        stats = w.step(*batch, publish=False)[0]
+        stats = w.step(*batch)
     assert stats.kl_ref > 0
-    micro = w.trainer._micro_batches(*batch, range(batch.rollouts.num_completions))
+    micro = w.trainer._micro_batches(training_rows(*batch), range(batch.rollouts.num_completions))
     ref = torch.cat([w.trainer._reference_logprobs(mb) for mb in micro])
     base = build_tiny_model(tok, hidden=32, layers=1, seed=0).eval()
     ro = batch.rollouts
@@ -164,7 +166,7 @@ def save(w: TrainerWorker, root: Path, step: int):
 
 def test_checkpoint_holds_only_the_adapter(tmp_path: Path):
     w = lora_worker(rank=4)
-    w.step(*make_batch(w.tokenizer), publish=False)
+    w.step(*make_batch(w.tokenizer))
     ckpt = Path(save(w, tmp_path, 1).path)
     files = {p.name: p.stat().st_size for p in ckpt.iterdir() if p.is_file()}
     assert ADAPTER in files and ADAPTER_CONFIG in files and WEIGHTS not in files and "config.json" not in files
@@ -186,12 +188,12 @@ def test_lora_restore_continues_exactly(tmp_path: Path, async_save):
     holds bitwise the same adapter and AdamW moments (and the base weights it never trained)."""
     a = lora_worker(rank=4, async_save=async_save, adaptive=True, max_grad_norm=1.0)
     batch = make_batch(a.tokenizer)
-    a.step(*batch, publish=False), a.step(*batch, publish=False)
+    a.step(*batch), a.step(*batch)
     ckpt = save(a, tmp_path, 2).path
-    a.step(*batch, publish=False)
+    a.step(*batch)
     b = lora_worker(rank=4, async_save=async_save, adaptive=True, max_grad_norm=1.0)
     assert b.restore(ckpt) == 2
-    b.step(*batch, publish=False)
+    b.step(*batch)
     want, got = (dict(w.trainer.checkpoint_tensors(with_model=True)[0]) for w in (a, b))
     assert want.keys() == got.keys() and any(".lora_B." in k and k.endswith("exp_avg_sq") for k in want)
     for k in want:
@@ -202,7 +204,7 @@ def test_lora_restore_continues_exactly(tmp_path: Path, async_save):
 
 def test_resume_with_another_rank_is_one_line(tmp_path: Path):
     a = lora_worker(rank=4)
-    a.step(*make_batch(a.tokenizer), publish=False)
+    a.step(*make_batch(a.tokenizer))
     ckpt = save(a, tmp_path, 1).path
     with pytest.raises(UserError, match="does not match this run's adapter"):
         lora_worker(rank=8).restore(ckpt)

@@ -175,10 +175,10 @@ def test_a_colocated_trainer_rank_releases_gradients_then_its_cache_after_the_st
     params = list(w.trainer.unwrapped.parameters())
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: seen.append([p.grad is None for p in params]))
     w.releases = True
-    w.step(make_rollouts(tok), torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0]), publish=False)
+    w.step(make_rollouts(tok), torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0]))
     assert seen == [[True] * len(params)]  # called once, after every gradient was released
     w.releases = False
-    w.step(make_rollouts(tok), torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0]), publish=False)
+    w.step(make_rollouts(tok), torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0]))
     assert len(seen) == 1 and any(p.grad is not None for p in params)  # not colocated: the gradients stay
 
 

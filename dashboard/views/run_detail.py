@@ -98,7 +98,7 @@ def curves(name: str) -> None:
             title, kl = f"{title} and the weighted top-k one the loss minimises", [*kl, "distill/topk_kl"]
         _grid([("reverse KL to the teacher", charts.lines(frame, kl, title)),
                ("by position", charts.position_profile(frame)),
-               ("teacher seconds", charts.lines(frame, ["perf/teacher_s"], "teacher seconds per step"))])  # fmt: skip
+               ("teacher seconds", charts.lines(frame, ["time/teacher_s"], "teacher seconds per step"))])  # fmt: skip
 
 
 def _grid(specs: list[tuple]) -> None:

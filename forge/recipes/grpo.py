@@ -1,4 +1,4 @@
-"""GRPO, top to bottom: prep, then [rollout -> reward -> update -> (evaluate, probe, checkpoint)] x steps.
+"""GRPO, top to bottom: prep, then [rollout -> (teacher) -> reward -> update -> (evaluate, probe, checkpoint)] x steps.
 
 `run(cfg, run_dir)` is the only step loop in forgeweave (`python -m forge.recipes.grpo --preset tiny` runs it alone,
 no Prefect, no Ray); `update_micro_batch` and `grpo_loss` are the update math, which the trainer (`forge.trainer`)
@@ -21,14 +21,12 @@ Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024), each a config ke
    norm per unit of mean |advantage| spikes (`update.adaptive.signal` = grad_norm).
 7. a step whose loss or gradient norm is not finite is skipped (`update.max_skipped_steps` = 3 in a row stop).
 8. each micro-batch is packed without padding, a group's prompt computed once (`update.shared_prefix` = True).
-9. asynchronous GRPO (`algo.max_staleness` = 0 by default): with k >= 1 the rollouts of steps t+1..t+k start
-   before the update of step t, at most k versions behind (in a multi-turn run, per episode: its oldest turn's
-   version), corrected with truncated importance weights (`algo.is_correction` = auto). The schedule is fixed, not
-   timing-dependent, and no rollout starts past the next checkpoint, so a run gives the same result however fast
-   its actors are, and resumes exactly.
-10. multi-turn episodes (`env.environment_factory`, `env.tools`; forge/env): one token sequence per episode; the loss
-   counts only the tokens the policy sampled (`Rollouts.loss_mask`), environment and tool tokens are attended to
-   only, and an episode cut by a limit is left out of the loss (`env.mask_truncated` = True).
+9. asynchronous GRPO (`algo.max_staleness` = 0 by default): with k >= 1 the rollouts of steps t+1..t+k start before
+   the update of step t, at most k versions behind (multi-turn: an episode's oldest turn), corrected with truncated
+   importance weights (`algo.is_correction` = auto). The schedule is fixed, and no rollout starts past the next
+   checkpoint, so a run gives the same result however fast its actors are, and resumes exactly.
+10. multi-turn episodes (forge/env): the loss counts only sampled tokens (`Rollouts.loss_mask`; environment, tool and
+   agent tokens are attended to only); an episode cut by a limit is left out (`env.mask_truncated` = True).
 11. on-policy distillation (`distill.teacher`): a teacher's log-ratio as [N, T] advantages, or its top-k KL in the loss.
 
 Randomness is derived, never carried: step t's prompts are rows (t - 1) * B .. t * B - 1 of a seeded order
@@ -39,9 +37,9 @@ greedy pass@1 on a probe set the reward never sees; when it falls while reward/m
 to the best-probe checkpoint or stops (`collapse.action`). Faults: a `WorkerLost` rebuilds the stages and continues
 from the last checkpoint (`orchestration.max_restarts`).
 
-Run directory: config.yaml (+ config_changes.jsonl), plan.json, status.json, data/, metrics.jsonl, samples.jsonl,
-eval/step-NNNNNN.json, eval/probe-step-NNNNNN.json, checkpoints/step-NNNNNN/ + latest, ensemble/step-NNNNNN.json,
-guard.jsonl, workers.json, inputs/ (datasets given to forge.train) and, once finished, summary.json.
+Run directory: config.yaml (+ config_changes.jsonl), plan.json, status.json, data/, metrics.jsonl, samples.jsonl, eval/
+(step-NNNNNN.json, probe-step-NNNNNN.json), checkpoints/step-NNNNNN/ + latest, ensemble/step-NNNNNN.json, guard.jsonl,
+workers.json, inputs/ (datasets given to forge.train) and, once finished, summary.json.
 """
 
 from __future__ import annotations
@@ -200,14 +198,18 @@ def grpo_step(run: Run, state: LoopState, step: int) -> LoopState:
     with clock("rollout"):  # 1. G samples for each of B prompts, from a policy <= k versions old
         rollouts = run.runner(Stage.ROLLOUT, step, run.work.rollout, request)
     stale = checked_staleness(step, run.work.policy_version, sampled_versions(rollouts), run.max_staleness)
-    with clock("reward"):  # 2. verifiers -> reward -> group-relative advantages
-        scores = run.runner(Stage.REWARD, step, run.work.reward, request.rows, rollouts, step)
+    teacher = None
+    if run.distills:  # 1b. the teacher's log-probs of the samples: a dense reward, and its top k for the loss
+        with clock("teacher"):
+            teacher = run.runner(Stage.TEACHER, step, run.work.teacher, rollouts)
+    with clock("reward"):  # 2. verifiers -> reward -> group-relative advantages (+ the teacher's per-token term)
+        scores = run.runner(Stage.REWARD, step, run.work.reward, request.rows, rollouts, step, teacher)
     state = dataclasses.replace(state, shown_errors=show_verifier_errors(scores, step, state.shown_errors))
     state = verifier_streaks(environment_streak(state, rollouts), scores)
     if reason := stop_reason(state, scores, run.limits):  # a verifier or the environment failing on every item
         raise UserError(reason)
     with clock("update"):  # 3. log-probs -> ratio -> loss -> backward -> step (update_micro_batch); new weights out
-        stats = run.runner(Stage.UPDATE, step, run.work.update, rollouts, scores.advantages, scores.teacher_topk)
+        stats = run.runner(Stage.UPDATE, step, run.work.update, rollouts, scores.advantages, teacher)
     if reason := stop_reason(state := update_streak(state, stats), scores, run.limits):  # non-finite updates
         raise UserError(reason)
     report = None

@@ -56,7 +56,7 @@ def loop_context(cfg: RunConfig, work: Stages, runner: StageRunner, record: RunR
     sampling = SamplingParams(r.max_new_tokens, r.temperature, r.top_p, r.group_size, cfg.seed)
     return Run(work, runner, Data.read(record.run_dir), record, schedule(cfg), cfg.seed, r.prompts_per_step,
                sampling, cfg.algo.max_staleness, limits, cfg.collapse.probe_max_problems,
-               cfg.checkpoint.async_save)  # fmt: skip
+               cfg.checkpoint.async_save, bool(cfg.distill.teacher))  # fmt: skip
 
 
 def prepare_data(cfg: RunConfig, run_dir: Path) -> dict:

@@ -48,15 +48,11 @@ from forge.rewards.distill_config import DistillConfig
 
 @dataclass(frozen=True)
 class TeacherScores:
-    """What the teacher says of a step's rollouts."""
+    """What the teacher says of a step's rollouts (the loop's teacher stage): the reward stage turns `logp` into
+    the per-token distillation advantage, the update's loss adds the KL to `topk`."""
 
     logp: torch.Tensor  # [N, T] its log-prob of every sampled token
-    topk_ids: torch.Tensor | None = None  # [N, T, k] its k most likely tokens at each position (distill.topk)
-    topk_logp: torch.Tensor | None = None  # [N, T, k] their log-probs
-
-    def topk(self, weight: float, divergence: str) -> TeacherTopK | None:
-        """The top k as the update takes it (None without distill.topk)."""
-        return None if self.topk_ids is None else TeacherTopK(self.topk_ids, self.topk_logp, weight, divergence)
+    topk: TeacherTopK | None = None  # [N, T, k] its k most likely tokens at each position, weighted (distill.topk)
 
 
 class Teacher:
@@ -77,6 +73,7 @@ class Teacher:
         self.bf16 = update_bf16(autocast_bf16, self.device.type)
         self.batch_size, self.temperature = batch_size, temperature
         self.k, self.vocab = distill.topk, len(student_tok)  # top-k ids: the policy's tokens only
+        self.weight, self.divergence = distill.weight, distill.divergence  # the loss's top-k term
         if self.k > self.vocab:
             raise UserError(f"distill.topk={self.k} is more than the tokenizer's {self.vocab} tokens: "
                             "lower it (16 covers nearly all of a trained teacher's mass)")  # fmt: skip
@@ -100,7 +97,7 @@ class Teacher:
                 ids.append(scores[2].cpu())
         if not self.k:
             return TeacherScores(torch.cat(logp))
-        return TeacherScores(torch.cat(logp), torch.cat(ids), torch.cat(top))
+        return TeacherScores(torch.cat(logp), TeacherTopK(torch.cat(ids), torch.cat(top), self.weight, self.divergence))
 
 
 def check_teacher_dir(path: str) -> str:

@@ -173,7 +173,7 @@ def test_a_distillation_run_shows_the_reverse_kl_by_step_and_by_position(runs_co
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     for r in rows[1:]:  # step 0 is the initial evaluation: no rollouts, no teacher
         s = r["step"]
-        r.update({"distill/reverse_kl": 1.0 / s, "perf/teacher_s": 0.1,
+        r.update({"distill/reverse_kl": 1.0 / s, "time/teacher_s": 0.1,
                   **{f"distill/reverse_kl_q{q}": q / s for q in range(1, 5)}})  # fmt: skip
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     at = open_page(runs_copy, monkeypatch, "run_detail")

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from forge.compose import reward_worker
+from forge.compose import reward_worker, teacher
 from forge.config import ConfigError, RunConfig
 from forge.errors import UserError
 from forge.losses import TOPK_DIVERGENCES
@@ -73,6 +73,12 @@ def rows():
     return [{"prompt": p, "answer": str(eval(p[:-1]))} for p in PROMPTS]  # 1+2= -> 3
 
 
+def scored(cfg: RunConfig, ro):
+    """The teacher stage's scores of `ro` and the reward stage's batch made with them (step 1)."""
+    scores = teacher(cfg).logprobs(ro)
+    return reward_worker(cfg).score(rows(), ro, 1, scores), scores
+
+
 def on_policy(model, ro, temperature: float = 1.0):
     """The rollouts with the sampler's log-probs those of `model` at `temperature` (what it sampled them with)."""
     args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
@@ -87,10 +93,9 @@ def test_teacher_equal_to_student_gives_zero_reverse_kl_and_zero_gradient(tok, s
     cfg = distill_cfg(save(student, tok, tmp_path / "teacher"))
     cfg.rollout.temperature = temperature
     ro = on_policy(student, make_rollouts(tok), temperature)
-    batch = reward_worker(cfg).score(rows(), ro, 1)
+    batch, scores = scored(cfg, ro)
     assert batch.advantages.shape == ro.completion_ids.shape  # [N, T]: per token
-    assert batch.reward_metrics["distill/reverse_kl"] == 0.0
-    assert batch.reward_metrics["perf/teacher_s"] > 0
+    assert batch.reward_metrics["distill/reverse_kl"] == 0.0 and scores.topk is None
     assert torch.equal(batch.advantages, torch.zeros_like(batch.advantages))
     stats = Trainer(copy.deepcopy(student), cfg, total_steps=1).update(ro, batch.advantages)
     assert stats.grad_norm == 0.0 and stats.skipped == 0  # the distillation term has no gradient
@@ -105,11 +110,11 @@ def test_topk_divergence_equal_teacher_zero_and_full_vocabulary_exact(tok, stude
     ro = on_policy(student, make_rollouts(tok))
     m = ro.loss_mask.bool()
     stats = {}
-    for name, teacher in (("same", student), ("far", prefers(student, tok, X))):
-        cfg = distill_cfg(save(teacher, tok, tmp_path / name), topk=8, weight=0.5,
+    for name, model in (("same", student), ("far", prefers(student, tok, X))):
+        cfg = distill_cfg(save(model, tok, tmp_path / name), topk=8, weight=0.5,
                           divergence=divergence)  # fmt: skip
-        batch = reward_worker(cfg).score(rows(), ro, 1)
-        top = batch.teacher_topk
+        batch, scores = scored(cfg, ro)
+        top = scores.topk  # the teacher stage's, for the update's loss (not in the reward stage's record)
         assert top.ids.shape == top.logp.shape == (*ro.completion_ids.shape, 8) and top.weight == 0.5
         assert top.divergence == divergence
         assert torch.equal(batch.advantages, torch.zeros_like(batch.advantages))  # replaced by the loss term
@@ -119,7 +124,7 @@ def test_topk_divergence_equal_teacher_zero_and_full_vocabulary_exact(tok, stude
 
     teacher, vocab = prefers(student, tok, X), len(tok)
     cfg = distill_cfg(save(teacher, tok, tmp_path / "all"), topk=vocab)
-    top = reward_worker(cfg).score(rows(), ro, 1).teacher_topk
+    top = scored(cfg, ro)[1].topk
     args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
     every = torch.arange(vocab).expand(*ro.completion_ids.shape, vocab)
     with torch.no_grad():
@@ -143,7 +148,7 @@ def test_reward_is_the_log_ratio_on_sampled_tokens_weighted_beside_verifiers(tok
     ro = dataclasses.replace(ro, loss_mask=ro.completion_mask * torch.tensor([[1, 0, 1, 1]]))  # position 1: env
     cfg = distill_cfg(save(teacher, tok, tmp_path / "teacher"), weight=0.5)
     cfg.reward.verifiers = ["math_answer"]
-    batch = reward_worker(cfg).score(rows(), ro, 1)
+    batch, _ = scored(cfg, ro)
     args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
     with torch.no_grad():
         r = (token_logprobs(teacher, *args).logp - ro.sampling_logprobs) * ro.loss_mask
@@ -173,7 +178,7 @@ def test_non_finite_teacher_log_probs_skip_the_step(tok, student, tmp_path):
         broken.get_input_embeddings().weight.fill_(math.nan)
     cfg = distill_cfg(save(broken, tok, tmp_path / "teacher"))
     ro = on_policy(student, make_rollouts(tok))
-    batch = reward_worker(cfg).score(rows(), ro, 1)
+    batch, _ = scored(cfg, ro)
     assert math.isnan(batch.reward_metrics["distill/reverse_kl"])
     policy = copy.deepcopy(student)
     stats = Trainer(policy, cfg, total_steps=1).update(ro, batch.advantages)
@@ -184,18 +189,18 @@ def test_non_finite_teacher_log_probs_skip_the_step(tok, student, tmp_path):
 
 def test_bad_teachers_are_one_line_errors(tok, student, tmp_path):
     with pytest.raises(UserError, match=r"distill.teacher '.*nowhere' does not exist") as e:
-        reward_worker(distill_cfg(str(tmp_path / "nowhere")))
+        teacher(distill_cfg(str(tmp_path / "nowhere")))
     assert "\n" not in str(e.value)
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="has no config.json"):
-        reward_worker(distill_cfg(str(tmp_path / "empty")))
+        teacher(distill_cfg(str(tmp_path / "empty")))
     other = build_char_tokenizer()
     other.add_tokens(["<tool>"])
     with pytest.raises(UserError, match="different tokenizer from the policy's") as e:
-        reward_worker(distill_cfg(save(student, other, tmp_path / "other")))
+        teacher(distill_cfg(save(student, other, tmp_path / "other")))
     assert "\n" not in str(e.value) and "other" in str(e.value)
     with pytest.raises(UserError, match=r"distill.topk=1000 is more than the tokenizer's \d+ tokens"):
-        reward_worker(distill_cfg(save(student, tok, tmp_path / "same"), topk=1000))
+        teacher(distill_cfg(save(student, tok, tmp_path / "same"), topk=1000))
     with pytest.raises(ConfigError, match="reward.verifiers"):  # no verifier and no teacher: nothing to learn from
         distill_cfg("").validate()
     cfg = distill_cfg("t")
