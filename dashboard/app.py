@@ -1,4 +1,4 @@
-"""The dashboard's router: `streamlit run dashboard/app.py` (or `forgeweave dashboard`) serves these pages.
+"""The dashboard's router: `forgeweave dashboard` serves these pages (it sets up the login dashboard/login.py asks for).
 
 Each page is one module under views/. Pages only read run directories (and MLflow); the runs directory is
 $FORGEWEAVE_RUNS_DIR, default ./runs. No page runs for a session that has not signed in (dashboard/login.py).
