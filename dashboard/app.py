@@ -1,14 +1,15 @@
-"""The dashboard's router: `streamlit run dashboard/app.py` (or `forgeweave dashboard`) serves these pages.
+"""The dashboard's router: `forgeweave dashboard` serves these pages (it sets up the login dashboard/login.py asks for).
 
 Each page is one module under views/. Pages only read run directories (and MLflow); the runs directory is
-$FORGEWEAVE_RUNS_DIR, default ./runs.
+$FORGEWEAVE_RUNS_DIR, default ./runs. No page runs for a session that has not signed in (dashboard/login.py).
 """
 
 import streamlit as st
 
-from dashboard import loaders
+from dashboard import loaders, login
 
 st.set_page_config(page_title="forgeweave", page_icon=":material/model_training:", layout="wide")
+login.require()  # before any page, loader or navigation: until then the session gets the login prompt only
 pages = [
     st.Page("views/runs.py", title="Runs", icon=":material/list:", default=True),
     st.Page("views/run_detail.py", title="Run detail", icon=":material/monitoring:", url_path="run"),

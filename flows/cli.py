@@ -111,7 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="register the Prefect deployments (pipeline, evaluate, prepare) and serve them")
     _runs_dir_arg(sv)
     sv.add_argument("--limit", type=int, default=None, help="most flow runs at once (default: no limit)")
-    srv = sub.add_parser("server", help="start a Prefect server (UI + API) on 127.0.0.1")
+    srv = sub.add_parser("server", help="start the runs dir's Prefect server (UI + API) on 127.0.0.1, asking for its "
+                         "credentials")  # fmt: skip
+    _runs_dir_arg(srv)
     srv.add_argument("--port", type=int, default=4200)
     wk = sub.add_parser(
         "worker",
@@ -119,10 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     wk.add_argument("--pool", required=True, help="Prefect work pool name (a pool's `work_pool` in the config)")
     wk.add_argument("--poll", type=float, default=1.0, help="seconds between polls for new stage runs (default 1)")
-    d = sub.add_parser("dashboard", help="serve the Streamlit dashboard of the runs dir on 127.0.0.1")
+    d = sub.add_parser(
+        "dashboard", help="serve the Streamlit dashboard of the runs dir on 127.0.0.1 (asks for a login)"
+    )
     _runs_dir_arg(d)
     d.add_argument("--port", type=int, default=8501)
-    ml = sub.add_parser("mlflow", help="start the MLflow UI/server on 127.0.0.1 for the runs dir's MLflow store")
+    ml = sub.add_parser("mlflow", help="start the MLflow UI/server on 127.0.0.1 for the runs dir's MLflow store, asking "
+                        "for its credentials")  # fmt: skip
     _runs_dir_arg(ml)
     ml.add_argument("--port", type=int, default=5000)
     sy = sub.add_parser("sync", help="send a run's MLflow records that could not be sent during the run")
@@ -361,6 +366,11 @@ def cmd_serve(args) -> int:
             "PREFECT_API_URL is not set: start a server (`forgeweave server`) and export "
             "PREFECT_API_URL=http://127.0.0.1:4200/api"
         )
+    from flows.stack import credentials_for
+
+    # the runs dir's own Prefect server (`up`'s or `forgeweave server --runs-dir` alone) asks for its auth string
+    for key, value in credentials_for(Path(args.runs_dir), os.environ["PREFECT_API_URL"]).items():
+        os.environ.setdefault(key, value)
     print("serving deployments (Ctrl-C to stop):")
     for name, what in DEPLOYMENTS.items():
         print(f"  {name:<46} {what}")
@@ -369,12 +379,11 @@ def cmd_serve(args) -> int:
 
 
 def cmd_server(args) -> int:
-    """Replace this process with `prefect server start` bound to 127.0.0.1 (so its PID is the server's)."""
-    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    env.setdefault("PREFECT_UI_API_URL", f"http://127.0.0.1:{args.port}/api")  # else the UI calls port 4200
-    prefect = Path(sys.executable).with_name("prefect")
-    print(f"Prefect UI/API on http://127.0.0.1:{args.port} — export PREFECT_API_URL=http://127.0.0.1:{args.port}/api")
-    os.execve(prefect, [str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(args.port)], env)
+    """Replace this process with the runs dir's Prefect server on 127.0.0.1, as `up` starts it (its credentials,
+    database and home under <runs-dir>/.stack): flows.stack.start_alone."""
+    from flows.stack import start_alone
+
+    return start_alone("prefect", args.runs_dir, args.port)
 
 
 def cmd_worker(args) -> int:
@@ -395,14 +404,21 @@ DASHBOARD_HOSTS = ("127.0.0.1", "localhost")  # the names the dashboard is serve
 def cmd_dashboard(args) -> int:
     """Replace this process with `streamlit run dashboard/app.py` on 127.0.0.1 (so its PID is the server's).
 
-    The runs dir travels as $FORGEWEAVE_RUNS_DIR (absolute); PYTHONPATH names the checkout holding `dashboard`."""
+    The runs dir travels as $FORGEWEAVE_RUNS_DIR (absolute); PYTHONPATH names the checkout holding `dashboard`. The
+    app asks each browser session for a login (dashboard/login.py): the runs dir's stack credentials or the token of
+    the URL printed here, both in its environment (flows.stack.dashboard_env), which only this user may read."""
     import dashboard
+    from flows.stack import credentials_note, dashboard_env
+    from flows.stack_auth import DASHBOARD_TOKEN_VAR, credentials_path
 
     app = Path(dashboard.__file__).with_name("app.py")
     runs = Path(args.runs_dir).resolve()
     root = str(app.parent.parent)
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    runs.mkdir(parents=True, exist_ok=True)
+    login = dashboard_env(runs)
     env = {**os.environ, "FORGEWEAVE_RUNS_DIR": str(runs), "PYTHONPATH": path, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    env |= login
     settings = {
         "server.address": "127.0.0.1",
         "server.port": str(args.port),
@@ -415,24 +431,19 @@ def cmd_dashboard(args) -> int:
     # DNS rebinding: a page of another site, its name re-pointed at 127.0.0.1, must not get the app's data; all of it
     # goes over the WebSocket, which Streamlit then opens only for these names in the Host header (403 otherwise)
     flags += [arg for host in DASHBOARD_HOSTS for arg in ("--server.allowedHosts", host)]
-    print(f"dashboard on http://127.0.0.1:{args.port} (runs: {runs}); Ctrl-C to stop", flush=True)
+    print(
+        f"dashboard on http://127.0.0.1:{args.port}/?token={login[DASHBOARD_TOKEN_VAR]} (runs: {runs}); Ctrl-C to stop"
+    )
+    print(credentials_note(credentials_path(runs / ".stack")), flush=True)
     os.execve(sys.executable, [sys.executable, "-m", "streamlit", "run", str(app), *flags], env)
 
 
 def cmd_mlflow(args) -> int:
-    """Replace this process with `mlflow server` on 127.0.0.1 over <runs-dir>/mlflow.db (the embedded store)."""
-    from flows.tracking.mlflow_tracker import default_uri
+    """Replace this process with the runs dir's MLflow server on 127.0.0.1 over <runs-dir>/mlflow.db (the embedded
+    store), running MLflow's basic-auth app as `up` does: flows.stack.start_alone."""
+    from flows.stack import start_alone
 
-    runs = Path(args.runs_dir).resolve()
-    runs.mkdir(parents=True, exist_ok=True)
-    # job execution off: 2 processes (~0.5 GB) instead of ~10 (1.9 GB); one worker is plenty for one user
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
-    mlflow = Path(sys.executable).with_name("mlflow")
-    argv = [str(mlflow), "server", "--host", "127.0.0.1", "--port", str(args.port), "--workers", "1"]
-    argv += ["--backend-store-uri", default_uri(runs), "--artifacts-destination", str(runs / "mlartifacts")]
-    print(f"MLflow UI on http://127.0.0.1:{args.port} — export MLFLOW_TRACKING_URI=http://127.0.0.1:{args.port}")
-    sys.stdout.flush()
-    os.execve(mlflow, argv, env)
+    return start_alone("mlflow", args.runs_dir, args.port)
 
 
 def cmd_sync(args) -> int:

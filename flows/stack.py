@@ -274,15 +274,7 @@ def services(cfg: StackConfig, creds: stack_auth.Credentials, mlflow_auth: dict[
     the dashboard (their clients) get them; `mlflow_auth` is the MLflow server's basic-auth setup. No secret is in
     any argv (any local user reads those with `ps`): they travel in the environment or in 0600 files it names."""
     p = cfg.ports
-    own = {k: v for k, v in os.environ.items() if k not in AUTH_VARS and k not in ("RAY_ADDRESS", "PGPASSFILE")}
-    base = own | client_env(cfg)
-    prefect_db, mlflow_db = store_uris(cfg)
-    prefect_env = {
-        "PREFECT_HOME": str(cfg.state_dir / "prefect-home"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_LOGGING_LEVEL": "WARNING",
-    }
-    api = client_env(cfg)["PREFECT_API_URL"]
+    own, base = _own_env(), _base_env(cfg)
     out = {}
     if cfg.db == "postgres":
         out["postgres"] = Service(
@@ -293,30 +285,12 @@ def services(cfg: StackConfig, creds: stack_auth.Credentials, mlflow_auth: dict[
             stop_signal=signal.SIGINT,  # "fast shutdown": roll back open transactions, exit
             user=PG_OS_USER if os.geteuid() == 0 else None,
         )  # fmt: skip
-    server_env = {**base, **prefect_env, "PREFECT_API_DATABASE_CONNECTION_URL": prefect_db, **store_env(cfg)}
-    server_env["PREFECT_SERVER_API_AUTH_STRING"] = creds.prefect_auth_string  # every API call but health: 401 without
-    # the UI asks its API at this URL: without it, a server on another port serves a UI that calls 127.0.0.1:4200
-    server_env |= {
-        "PREFECT_UI_API_URL": api,
-        "PREFECT_SERVER_API_HOST": "127.0.0.1",
-        "PREFECT_SERVER_API_PORT": str(p.prefect),
-    }
-    out["prefect"] = Service(
-        "prefect", (_bin("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(p.prefect)), server_env,
-        p.prefect, f"http://127.0.0.1:{p.prefect}", f"http://127.0.0.1:{p.prefect}/api/health",
-    )  # fmt: skip
-    mlflow_env = {**base, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
-    # `mlflow server` reads --backend-store-uri from this variable (click's envvar): a store URI stays out of argv
-    mlflow_env |= {"MLFLOW_BACKEND_STORE_URI": mlflow_db, **store_env(cfg)}
-    out["mlflow"] = Service(
-        "mlflow",
-        (_bin("mlflow"), "server", "--app-name", "basic-auth", "--host", "127.0.0.1", "--port", str(p.mlflow),
-         "--workers", "1", "--artifacts-destination", str(cfg.runs_dir / "mlartifacts")),
-        mlflow_env | mlflow_auth, p.mlflow, f"http://127.0.0.1:{p.mlflow}", f"http://127.0.0.1:{p.mlflow}/health",
-    )  # fmt: skip
+    out["prefect"] = prefect_service(cfg, creds)
+    out["mlflow"] = mlflow_service(cfg, mlflow_auth)
     cli = (sys.executable, "-m", "flows.cli")
     repo = str(Path(__file__).resolve().parent.parent)
     path = os.pathsep.join(x for x in (repo, os.environ.get("PYTHONPATH", "")) if x)
+    # `forgeweave dashboard` adds the login it asks for (the same credentials file: flows.stack.dashboard_env)
     out["dashboard"] = Service(
         "dashboard", (*cli, "dashboard", "--runs-dir", str(cfg.runs_dir), "--port", str(p.dashboard)),
         {**base, **creds.env(), "PYTHONPATH": path}, p.dashboard, f"http://127.0.0.1:{p.dashboard}",
@@ -329,29 +303,69 @@ def services(cfg: StackConfig, creds: stack_auth.Credentials, mlflow_auth: dict[
     # credentials its tracker takes from the runs dir for that server only (a run's tracking.uri may name another)
     out["serve"] = Service(
         "serve", (*cli, "serve", "--runs-dir", str(cfg.runs_dir)),
-        {**base, **prefect_env, **creds.prefect_env(), "PYTHONPATH": path}, p.prefect, f"http://127.0.0.1:{p.prefect}/deployments",
+        {**base, **_prefect_home(cfg), **creds.prefect_env(), "PYTHONPATH": path}, p.prefect,
+        f"http://127.0.0.1:{p.prefect}/deployments",
         f"http://127.0.0.1:{p.prefect}/api/deployments/name/forgeweave-grpo/pipeline", health_auth="prefect",
     )  # fmt: skip
     return out
 
 
+def _own_env() -> dict[str, str]:
+    """This process's environment without credentials or addresses meant for other servers."""
+    return {k: v for k, v in os.environ.items() if k not in AUTH_VARS and k not in ("RAY_ADDRESS", "PGPASSFILE")}
+
+
+def _base_env(cfg: StackConfig) -> dict[str, str]:
+    return _own_env() | client_env(cfg)
+
+
+def _prefect_home(cfg: StackConfig) -> dict[str, str]:
+    return {
+        "PREFECT_HOME": str(cfg.state_dir / "prefect-home"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+    }
+
+
+def prefect_service(cfg: StackConfig, creds: stack_auth.Credentials) -> Service:
+    """The Prefect server (UI + API) of the runs dir, asking every API call but health for `creds`."""
+    p = cfg.ports
+    prefect_db, _ = store_uris(cfg)
+    env = {**_base_env(cfg), **_prefect_home(cfg), "PREFECT_API_DATABASE_CONNECTION_URL": prefect_db, **store_env(cfg)}
+    env["PREFECT_SERVER_API_AUTH_STRING"] = creds.prefect_auth_string  # every API call but health: 401 without
+    # the UI asks its API at this URL: without it, a server on another port serves a UI that calls 127.0.0.1:4200
+    env |= {
+        "PREFECT_UI_API_URL": client_env(cfg)["PREFECT_API_URL"],
+        "PREFECT_SERVER_API_HOST": "127.0.0.1",
+        "PREFECT_SERVER_API_PORT": str(p.prefect),
+    }
+    return Service(
+        "prefect", (_bin("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(p.prefect)), env,
+        p.prefect, f"http://127.0.0.1:{p.prefect}", f"http://127.0.0.1:{p.prefect}/api/health",
+    )  # fmt: skip
+
+
+def mlflow_service(cfg: StackConfig, mlflow_auth: dict[str, str]) -> Service:
+    """The MLflow server of the runs dir, running MLflow's basic-auth app set up by `mlflow_auth`."""
+    p = cfg.ports
+    _, mlflow_db = store_uris(cfg)
+    # job execution off: 2 processes (~0.5 GB) instead of ~10 (1.9 GB); one worker is plenty for one user
+    env = {**_base_env(cfg), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    # `mlflow server` reads --backend-store-uri from this variable (click's envvar): a store URI stays out of argv
+    env |= {"MLFLOW_BACKEND_STORE_URI": mlflow_db, **store_env(cfg)}
+    return Service(
+        "mlflow",
+        (_bin("mlflow"), "server", "--app-name", "basic-auth", "--host", "127.0.0.1", "--port", str(p.mlflow),
+         "--workers", "1", "--artifacts-destination", str(cfg.runs_dir / "mlartifacts")),
+        env | mlflow_auth, p.mlflow, f"http://127.0.0.1:{p.mlflow}", f"http://127.0.0.1:{p.mlflow}/health",
+    )  # fmt: skip
+
+
 def ray_client_env(cfg: StackConfig) -> dict[str, str]:
     """Ray authenticates its clients with a token: the head's, made once and kept in the state dir (owner-only);
     a driver connecting to the head needs these two variables."""
-    token = secret_file(cfg.state_dir / "ray_auth_token", secrets.token_hex(32))
+    token = stack_auth.secret_file(cfg.state_dir / "ray_auth_token", secrets.token_hex(32))
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
-
-
-def secret_file(path: Path, secret: str) -> Path:
-    """`path`, holding `secret` if it did not exist yet (created owner-only: never readable by others, even briefly;
-    one found with wider rights is narrowed to 0600)."""
-    if not path.is_file():
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(secret)
-    os.chmod(path, 0o600)
-    return path
 
 
 def write_private(path: Path, text: str) -> Path:
@@ -424,7 +438,8 @@ def pg_bin(name: str) -> Path:
 
 def pg_password(cfg: StackConfig) -> str:
     """The cluster's password, made once and kept beside it (owner-only), and the PGPASSFILE its clients read."""
-    password = secret_file(cfg.state_dir / "postgres.password", secrets.token_urlsafe(18)).read_text().strip()
+    password_file = stack_auth.secret_file(cfg.state_dir / "postgres.password", secrets.token_urlsafe(18))
+    password = password_file.read_text().strip()
     # host:port:database:user:password; token_urlsafe makes no ':' or backslash, which pgpass would need escaped
     write_private(pg_passfile(cfg), f"127.0.0.1:*:*:{PG_USER}:{password}\n")
     return password
@@ -591,14 +606,89 @@ def up(cfg: StackConfig) -> dict:
 
 def _credentials(cfg: StackConfig, state: dict) -> tuple[stack_auth.Credentials, dict[str, str]]:
     """The stack's credentials (made on the first `up`, then reused) and the MLflow server's auth setup."""
+    creds, fresh = credentials(cfg.runs_dir, state)
+    return creds, stack_auth.mlflow_server_env(cfg.state_dir, creds, fresh)
+
+
+def credentials(runs_dir: Path, state: dict | None = None) -> tuple[stack_auth.Credentials, bool]:
+    """(the runs dir's stack credentials, whether they were made just now): made by whichever of `up` or a server
+    started alone comes first, then reused by all. Refused while the stack runs without its credentials file (its
+    servers hold the old ones: new ones would lock its clients out)."""
+    state_dir = Path(runs_dir).resolve() / STATE_DIR
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # a new one is the owner's (an existing one is up's)
+    state = state if state is not None else (read_state(runs_dir) or {"services": {}})
     running = sorted(n for n, rec in state["services"].items() if alive(rec))
-    if running and stack_auth.read_credentials(cfg.state_dir) is None:
+    if running and stack_auth.read_credentials(state_dir) is None:
         raise UserError(
-            f"{stack_auth.credentials_path(cfg.state_dir)} is missing while the stack runs ({', '.join(running)}): "
+            f"{stack_auth.credentials_path(state_dir)} is missing while the stack runs ({', '.join(running)}): "
             "`forgeweave down`, then `forgeweave up` makes new credentials"
         )
-    creds, fresh = stack_auth.ensure_credentials(cfg.state_dir)
-    return creds, stack_auth.mlflow_server_env(cfg.state_dir, creds, fresh)
+    return stack_auth.ensure_credentials(state_dir)
+
+
+def credentials_note(path: Path) -> str:
+    """The line a started server prints about its credentials (where they are, never what they are)."""
+    return (f"credentials: {path} (owner-only; the Prefect UI asks for its PREFECT_API_AUTH_STRING, MLflow and the "
+            "dashboard for MLFLOW_TRACKING_USERNAME/PASSWORD)")  # fmt: skip
+
+
+# ---------------------------------------------------------------- servers started alone
+
+ALONE_DIR = "alone"  # <runs>/.stack/alone/<service>-<port>.json: a server `forgeweave server` / `mlflow` started
+
+
+def start_alone(name: str, runs_dir: str, port: int) -> int:
+    """`forgeweave server` (name "prefect") or `forgeweave mlflow`: replace this process with the server `up` starts
+    for the runs dir (the same argv, environment, store and credentials), on `port`. It is recorded (PID, start
+    time, client URL) so that this runs dir's clients (`serve`, `run`, the tracker, the dashboard) give it the
+    credentials while it runs, and nothing else does."""
+    cfg = StackConfig(Path(runs_dir).resolve(), ports=Ports(**{name: port}))
+    cfg.runs_dir.mkdir(parents=True, exist_ok=True)
+    creds, fresh = credentials(cfg.runs_dir)
+    if name == "prefect":
+        svc = prefect_service(cfg, creds)
+    else:
+        svc = mlflow_service(cfg, stack_auth.mlflow_server_env(cfg.state_dir, creds, fresh))
+    key = "PREFECT_API_URL" if name == "prefect" else "MLFLOW_TRACKING_URI"
+    _record_alone(cfg, svc, {key: client_env(cfg)[key]})
+    print(f"{name} on {svc.url} (runs: {cfg.runs_dir}) — export {key}={client_env(cfg)[key]}")
+    print(credentials_note(stack_auth.credentials_path(cfg.state_dir)))
+    print(f"  `forgeweave serve|run --runs-dir {cfg.runs_dir}` use them by themselves; other clients: "
+          f"set -a; . {stack_auth.credentials_path(cfg.state_dir)}; set +a", flush=True)  # fmt: skip
+    os.execve(svc.argv[0], list(svc.argv), svc.env)
+
+
+def _record_alone(cfg: StackConfig, svc: Service, env: dict[str, str]) -> None:
+    """Note this process (about to become `svc`: execve keeps the PID) as a server of the runs dir; records of
+    servers that are gone are removed."""
+    folder = stack_auth.private_dir(cfg.state_dir / ALONE_DIR)
+    for path, rec in _alone_records(cfg.runs_dir):
+        if not alive(rec):
+            path.unlink(missing_ok=True)
+    rec = {"pid": os.getpid(), "start": start_time(os.getpid()), "env": env}
+    write_private(folder / f"{svc.name}-{svc.port}.json", json.dumps(rec))
+
+
+def _alone_records(runs_dir: Path) -> list[tuple[Path, dict]]:
+    out = []
+    for path in sorted((Path(runs_dir).resolve() / STATE_DIR / ALONE_DIR).glob("*.json")):
+        try:
+            out.append((path, json.loads(path.read_text())))
+        except (OSError, ValueError):
+            continue  # being replaced, or not ours to read: no credentials for it
+    return out
+
+
+def dashboard_env(runs_dir: Path) -> dict[str, str]:
+    """What `forgeweave dashboard` adds to its environment: the login it asks for (flows.stack_auth.dashboard_env)
+    and, as a client, the credentials of this runs dir's Prefect / MLflow server that $PREFECT_API_URL /
+    $MLFLOW_TRACKING_URI name (unless set: the user's win)."""
+    creds, _ = credentials(runs_dir)
+    env = stack_auth.dashboard_env(Path(runs_dir).resolve() / STATE_DIR, creds)
+    for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
+        found = credentials_for(Path(runs_dir), os.environ.get(key, ""))
+        env |= {k: v for k, v in found.items() if not os.environ.get(k)}
+    return env
 
 
 def _start(cfg: StackConfig, state: dict, svc: Service, started: list[str]) -> None:
@@ -661,36 +751,42 @@ def down(runs_dir: Path) -> list[str]:
 
 def use_stack(runs_dir: str) -> dict[str, str]:
     """For `forgeweave run`: when a stack is up for this runs dir, take its Prefect/MLflow URLs (unless the
-    environment already names others) and, when the environment then points at its Prefect API, that API's
-    credentials (unless set); returns the URLs that were set. MLflow's are left to the tracker, which sets them only
-    for the URI it really tracks to (a config's tracking.uri may name another server: it must not get them)."""
+    environment already names others); when the environment then points at a Prefect API of this runs dir (the
+    stack's, or a `forgeweave server` started alone), that API's credentials (unless set). Returns the URLs that were
+    set. MLflow's are left to the tracker, which sets them only for the URI it really tracks to (a config's
+    tracking.uri may name another server: it must not get them)."""
     state = read_state(Path(runs_dir)) if Path(runs_dir).is_dir() else None
-    if not state or not all(alive(state["services"][n]) for n in ("prefect", "mlflow") if n in state["services"]):
-        return {}
-    if not {"prefect", "mlflow"} <= set(state["services"]):
-        return {}
-    taken = {k: v for k, v in state["env"].items() if k != "FORGEWEAVE_RUNS_DIR" and not os.environ.get(k)}
-    os.environ.update(taken)
+    taken = {}
+    services = (state or {}).get("services", {})
+    if {"prefect", "mlflow"} <= set(services) and all(alive(services[n]) for n in ("prefect", "mlflow")):
+        taken = {k: v for k, v in state["env"].items() if k != "FORGEWEAVE_RUNS_DIR" and not os.environ.get(k)}
+        os.environ.update(taken)
     for key, value in credentials_for(Path(runs_dir), os.environ.get("PREFECT_API_URL", "")).items():
         os.environ.setdefault(key, value)
     return taken
 
 
 def credentials_for(runs_dir: Path, url: str) -> dict[str, str]:
-    """The client variables of this runs dir's stack credentials when `url` is its Prefect API or MLflow server
-    ({} for any other URL, or when there is no stack state or no credentials file)."""
-    state_dir = Path(runs_dir).resolve() / STATE_DIR
-    if not url or not state_path(runs_dir).is_file():
-        return {}
-    creds = stack_auth.read_credentials(state_dir)
-    env = (read_state(runs_dir) or {}).get("env", {})
+    """The client variables of this runs dir's stack credentials when `url` is the Prefect API or MLflow server of
+    this runs dir that runs now (`up`'s, or one started alone); {} for any other URL (a port another user took after
+    the server stopped included), or when there is no credentials file."""
+    creds = stack_auth.read_credentials(Path(runs_dir).resolve() / STATE_DIR) if url else None
     if creds is None:
         return {}
-    if url.rstrip("/") == env.get("PREFECT_API_URL", "").rstrip("/"):
-        return creds.prefect_env()
-    if url.rstrip("/") == env.get("MLFLOW_TRACKING_URI", "").rstrip("/"):
-        return creds.mlflow_env()
+    for key, server in _live_servers(Path(runs_dir)):
+        if url.rstrip("/") == server.rstrip("/"):
+            return creds.prefect_env() if key == "PREFECT_API_URL" else creds.mlflow_env()
     return {}
+
+
+def _live_servers(runs_dir: Path) -> list[tuple[str, str]]:
+    """(client variable, URL) of each Prefect API and MLflow server of the runs dir that runs now."""
+    state = read_state(runs_dir) or {"services": {}}
+    out = []
+    for name, key in (("prefect", "PREFECT_API_URL"), ("mlflow", "MLFLOW_TRACKING_URI")):
+        if name in state["services"] and alive(state["services"][name]):
+            out.append((key, state["env"][key]))
+    return out + [item for _, rec in _alone_records(runs_dir) if alive(rec) for item in rec["env"].items()]
 
 
 # ---------------------------------------------------------------- command line
@@ -720,8 +816,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     fresh = state["started"]
     print(f"stack up in {time.time() - t0:.1f} s ({', '.join(fresh) + ' started' if fresh else 'already running'});"
           f" state: {state_path(cfg.runs_dir)}")  # fmt: skip
-    print(f"credentials: {state['credentials']} (owner-only; the Prefect UI asks for its PREFECT_API_AUTH_STRING, "
-          "MLflow for MLFLOW_TRACKING_USERNAME/PASSWORD)")  # fmt: skip
+    print(credentials_note(state["credentials"]))
+    if "dashboard" in state["services"]:  # the same token `forgeweave dashboard` prints (its log is up's)
+        print(f"dashboard: {state['services']['dashboard']['url']}/?token={stack_auth.dashboard_token(cfg.state_dir)}")
     _print_table(status(cfg.runs_dir))
     _print_env(state)
     return 0

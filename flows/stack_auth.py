@@ -18,6 +18,10 @@ earlier versions shipped, `password1234`, is refused there). When credentials ar
 while the user database already exists, `up` sets the admin's password in it to the new one first, so the file
 always says what works. The Flask secret the app needs (MLFLOW_FLASK_SERVER_SECRET_KEY, for the CSRF token of its
 sign-up form) is made for each start and never stored.
+
+The same file serves the servers started alone (`forgeweave server`, `mlflow`: `flows.stack.start_alone`) and the
+dashboard, which asks for a login: the MLflow user and password above, or the token of the URL it prints (kept in
+`auth/dashboard.token`, 0600; it opens the read-only dashboard and nothing else).
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ AUTH_DIR = "auth"
 CREDENTIALS_FILE = "credentials.env"
 MLFLOW_AUTH_INI = "mlflow-auth.ini"
 MLFLOW_AUTH_DB = "mlflow-auth.db"
+DASHBOARD_TOKEN = "dashboard.token"
+# what the dashboard app accepts (dashboard/login.py reads them; the dashboard never imports flows)
+DASHBOARD_LOGIN_VAR = "FORGEWEAVE_DASHBOARD_LOGIN"  # "user:password"
+DASHBOARD_TOKEN_VAR = "FORGEWEAVE_DASHBOARD_TOKEN"  # the ?token= of the URL `forgeweave dashboard` prints
 USER = "forgeweave"  # the user name of both servers (Prefect's basic auth takes any name: the string is the secret)
 
 
@@ -96,6 +104,29 @@ def read_credentials(state_dir: Path) -> Credentials | None:
     if not all(env.get(k) for k in keys):
         return None
     return Credentials(*(env[k].strip() for k in keys))
+
+
+def secret_file(path: Path, secret: str) -> Path:
+    """`path`, holding `secret` if it did not exist yet (created owner-only: never readable by others, even briefly;
+    one found with wider rights is narrowed to 0600)."""
+    if not path.is_file():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secret)
+    os.chmod(path, 0o600)
+    return path
+
+
+def dashboard_token(state_dir: Path) -> str:
+    """The token of the dashboard's URL: made once, then reused (a printed URL keeps working across restarts)."""
+    return secret_file(auth_dir(state_dir) / DASHBOARD_TOKEN, secrets.token_urlsafe(24)).read_text().strip()
+
+
+def dashboard_env(state_dir: Path, creds: Credentials) -> dict[str, str]:
+    """What the dashboard checks a visitor against: the stack's MLflow user and password, and the URL token."""
+    login = f"{creds.mlflow_username}:{creds.mlflow_password}"
+    return {DASHBOARD_LOGIN_VAR: login, DASHBOARD_TOKEN_VAR: dashboard_token(state_dir)}
 
 
 def mlflow_server_env(state_dir: Path, creds: Credentials, fresh: bool) -> dict[str, str]:

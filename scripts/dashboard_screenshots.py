@@ -36,18 +36,19 @@ def train(runs_dir: Path) -> None:
 
 def shoot(runs_dir: Path, out: Path) -> None:
     first, second = RUNS
-    with served_dashboard(runs_dir, out / "dashboard.log") as url, chromium_page(1400, 1000) as page:
-        page.goto(url)
+    with served_dashboard(runs_dir, out / "dashboard.log") as signed, chromium_page(1400, 1000) as page:
+        url, token = signed.split("/?token=")  # each goto is a new session: each signs in with the token
+        page.goto(signed)
         table_cell(page, first)
         charts_drawn(page, 2)
         page.screenshot(path=out / "dashboard-runs.png")
         page.set_viewport_size({"width": 1400, "height": 2800})
-        page.goto(f"{url}/run?run={first}")
+        page.goto(f"{url}/run?run={first}&token={token}")
         page.get_by_text("reward (mean ± std, per verifier)").wait_for(timeout=WAIT_MS)
         charts_drawn(page, 10)
         page.screenshot(path=out / "dashboard-run-detail.png")
         page.set_viewport_size({"width": 1400, "height": 1300})
-        page.goto(f"{url}/compare")
+        page.goto(f"{url}/compare?token={token}")
         page.get_by_text("Config differences").wait_for(timeout=WAIT_MS)
         charts_drawn(page, 1)
         page.screenshot(path=out / "dashboard-compare.png")

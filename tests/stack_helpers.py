@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from flows.reaper import descendants
-from tests.servers import REPO, free_port, listening
+from tests.servers import REPO, free_port, listening, start, stop, wait_http
 
 UP_TIMEOUT_S = 150  # what the test allows `up` on 2 cores shared with other jobs; docs/stack.md has the measured time
 
@@ -57,3 +57,18 @@ def process_trees(state: dict) -> dict[str, dict[int, int]]:
 
 def stack_sockets(state: dict) -> set[tuple[str, int]]:
     return listening([pid for tree in process_trees(state).values() for pid in tree])
+
+
+@contextlib.contextmanager
+def server_alone(command: str, runs: Path, log: Path, env: dict | None = None) -> Iterator[str]:
+    """`forgeweave server|mlflow --runs-dir RUNS` on a free port, in its own session, until the block ends; yields its
+    base URL once its health check (open without credentials) answers. Its output goes to `log`."""
+    port = free_port()
+    health = f"http://127.0.0.1:{port}" + ("/api/health" if command == "server" else "/health")
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    proc = start([sys.executable, "-m", "flows.cli", command, "--runs-dir", str(runs), "--port", str(port)], env, log)
+    try:
+        wait_http(health, timeout=120, proc=proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc)

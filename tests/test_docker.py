@@ -227,6 +227,9 @@ def test_servers_ask_for_credentials_and_none_is_committed():
     assert env["prefect"]["PREFECT_SERVER_API_AUTH_STRING"] == env["worker"]["PREFECT_API_AUTH_STRING"]
     assert env["mlflow"]["MLFLOW_AUTH_ADMIN_PASSWORD"] == env["worker"]["MLFLOW_TRACKING_PASSWORD"]
     assert env["mlflow"]["MLFLOW_AUTH_ADMIN_USERNAME"] == env["worker"]["MLFLOW_TRACKING_USERNAME"]
+    # the dashboard asks a browser for MLflow's user and password (it starts without a URL token here)
+    login = env["dashboard"]["FORGEWEAVE_DASHBOARD_LOGIN"]
+    assert login == f"{env['worker']['MLFLOW_TRACKING_USERNAME']}:{env['mlflow']['MLFLOW_AUTH_ADMIN_PASSWORD']}"
     ini = (DOCKER / "mlflow-auth.ini").read_text()
     assert "admin_password" not in ini and "sqlite:////mlflow-auth/" in ini
     assert "PREFECT_API_AUTH_STRING" in " ".join(services["worker"]["healthcheck"]["test"])  # the API asks for it

@@ -21,6 +21,7 @@ import pytest
 from mlflow import MlflowClient
 
 from flows.cli import main
+from flows.stack_auth import read_credentials
 from flows.tracking.mlflow_tracker import default_uri, tracker_for_run
 from forge.config import RunConfig
 from forge.rundir import git_commit
@@ -269,7 +270,14 @@ def test_run_is_recorded_in_default_store(runs_dir, monkeypatch):
 
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    for key in ("reward/mean", "train/loss", "train/kl_old", "train/kl_ref", "perf/rollout_tokens_per_s", "time/update_s"):
+    for key in (
+        "reward/mean",
+        "train/loss",
+        "train/kl_old",
+        "train/kl_ref",
+        "perf/rollout_tokens_per_s",
+        "time/update_s",
+    ):
         expected = [(r["step"], pytest.approx(r[key])) for r in rows if key in r]
         assert [s for s, _ in expected] == [1, 2, 3, 4, 5, 6]
         assert _history(client, run.info.run_id, key) == expected, key
@@ -297,13 +305,17 @@ def _free_port() -> int:
 
 
 def _cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **(env or {})}
+    """`python -m flows.cli ARGS`, without this process's MLflow credentials (a run or `sync` of a runs dir whose
+    server asks for them takes them from the runs dir itself)."""
+    own = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")}
+    env = {**own, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **(env or {})}
     cmd = [sys.executable, "-m", "flows.cli", *args]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
 def _start_server(runs_dir: Path, port: int) -> subprocess.Popen:
-    """`forgeweave mlflow` in its own process group (it replaces itself with `mlflow server` + a worker)."""
+    """`forgeweave mlflow` in its own process group (it replaces itself with `mlflow server` + a worker); it asks for
+    the runs dir's stack credentials (<runs>/.stack/auth/credentials.env, made by the first start)."""
     server = _cli("mlflow", "--runs-dir", str(runs_dir), "--port", str(port), start_new_session=True)
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -339,12 +351,15 @@ def _server_steps(client, name: str, key: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_server_outage_mid_run_then_sync_delivers_everything(runs_dir):
+def test_server_outage_mid_run_then_sync_delivers_everything(runs_dir, monkeypatch):
     """Acceptance 2: stop the MLflow server mid-run: training goes on; once the server is back,
-    `forgeweave sync` sends the rest and the server has every step's metrics exactly once."""
+    `forgeweave sync` sends the rest and the server has every step's metrics exactly once. The server asks for the
+    runs dir's credentials: the run and `sync` take them themselves, this test's client from the file."""
     port = _free_port()
     uri = f"http://127.0.0.1:{port}"
     server = _start_server(runs_dir, port)
+    for key, value in read_credentials(runs_dir / ".stack").mlflow_env().items():
+        monkeypatch.setenv(key, value)
     settings = [
         "steps=14",
         "eval.every=5",

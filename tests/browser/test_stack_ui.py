@@ -5,7 +5,7 @@ with the auth string, and answer MLflow's HTTP basic-auth challenge with the use
 
 1. the Prefect UI: the `pipeline` deployment → Run → Custom run, preset `tiny` and short overrides, Submit; the
    flow run's page shows it Completed, and the run directory it made is a valid, finished run;
-2. the Streamlit dashboard shows that run with its curves;
+2. the Streamlit dashboard, opened with the token of the URL `up` prints, shows that run with its curves;
 3. the MLflow UI: two finished runs of the forgeweave experiment (the UI's and one `forgeweave run` made against
    the stack) selected, Compare: the metric chart and the parameters that differ.
 
@@ -123,8 +123,10 @@ def test_prefect_ui_custom_run_completes(ui_run, stack):
 
 def test_dashboard_shows_the_ui_run(ui_run, stack, tmp_path):
     runs, state = stack
+    signed = re.search(r"^dashboard: (http://\S+)$", state["up_stdout"], re.M).group(1)
+    assert signed.startswith(state["services"]["dashboard"]["url"] + "/?token=")
     with chromium_page(1400, 2400) as page:
-        page.goto(state["services"]["dashboard"]["url"] + f"/run?run={UI_RUN}")
+        page.goto(signed.replace("/?", f"/run?run={UI_RUN}&"))
         page.get_by_text(str(ui_run["dir"].resolve()), exact=True).wait_for(timeout=WAIT_MS)  # the run's directory
         page.get_by_text("3/3", exact=True).wait_for(timeout=WAIT_MS)  # steps done / planned
         page.get_by_text("reward (mean ± std, per verifier)").wait_for(timeout=WAIT_MS)

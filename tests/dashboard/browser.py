@@ -7,6 +7,7 @@ functions that need it; it drives /usr/bin/chromium (never a browser playwright 
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -43,12 +44,13 @@ def start_cli(args: list[str], log: Path, env: dict | None = None) -> subprocess
 
 @contextlib.contextmanager
 def served_dashboard(runs_dir: Path, log: Path) -> Iterator[str]:
-    """`forgeweave dashboard` on a free port for the duration of the block; yields its URL."""
+    """`forgeweave dashboard` on a free port for the duration of the block; yields the URL it printed, which holds
+    the token that signs a browser in (`http://127.0.0.1:PORT/?token=...`)."""
     port = free_port()
     proc = start_cli(["dashboard", "--runs-dir", str(runs_dir), "--port", str(port)], log)
     try:
         wait_http(f"http://127.0.0.1:{port}/_stcore/health", timeout=120, proc=proc)
-        yield f"http://127.0.0.1:{port}"
+        yield re.search(r"dashboard on (http://\S+)", log.read_text()).group(1)
     finally:
         stop(proc)
 

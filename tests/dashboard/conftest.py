@@ -97,10 +97,26 @@ def read_metrics(run: Path) -> list[dict]:
     return read(run / "metrics.jsonl")
 
 
-def open_page(runs: Path, monkeypatch, page: str | None = None) -> AppTest:
-    """Run the app on `runs` (through its router), switch to views/<page>.py, and check nothing raised."""
+# the secrets `forgeweave dashboard` gives the app (dashboard/login.py); a page test signs in with the token
+LOGIN = {"FORGEWEAVE_DASHBOARD_LOGIN": "forgeweave:test-password", "FORGEWEAVE_DASHBOARD_TOKEN": "test-token"}
+
+
+def open_app(runs: Path, monkeypatch, token: str | None = None) -> AppTest:
+    """The app on `runs` through its router, with the login set up as `forgeweave dashboard` does; opened with
+    `?token=TOKEN` when given (not run yet)."""
     monkeypatch.setenv("FORGEWEAVE_RUNS_DIR", str(runs))
-    at = AppTest.from_file(str(APP), default_timeout=60).run()
+    for key, value in LOGIN.items():
+        monkeypatch.setenv(key, value)
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    if token is not None:
+        at.query_params["token"] = token
+    return at
+
+
+def open_page(runs: Path, monkeypatch, page: str | None = None) -> AppTest:
+    """Run the app on `runs` (through its router, signed in with the URL token), switch to views/<page>.py, and
+    check nothing raised."""
+    at = open_app(runs, monkeypatch, LOGIN["FORGEWEAVE_DASHBOARD_TOKEN"]).run()
     if page:
         at.switch_page(f"views/{page}.py").run()
     assert not at.exception, [e.message for e in at.exception]

@@ -26,6 +26,10 @@ def test_runs_and_run_detail_in_chromium(tiny_run, tmp_path):
         pytest.fail(f"{CHROMIUM} is missing: `make setup` installs it (apt-get install chromium)")
     log = tmp_path / "dashboard.log"
     with served_dashboard(tiny_run.parent, log) as url, chromium_page() as page:
+        base, token = url.split("/?token=")
+        page.goto(base)  # without the token: the login prompt, no run data
+        page.get_by_role("button", name="Log in").wait_for(timeout=WAIT_MS)
+        assert RUN not in page.content()
         page.goto(url)
         page.get_by_text("1 run — 0 running, 1 finished, 0 failed").wait_for(timeout=WAIT_MS)
         table_cell(page, RUN)
@@ -47,7 +51,7 @@ def test_runs_and_run_detail_in_chromium(tiny_run, tmp_path):
         try:
             steps.wait_for(timeout=30_000)
         except PlaywrightTimeout:
-            page.reload()
+            page.goto(f"{base}/run?run={RUN}&token={token}")  # a reload is a new session: signed in again
             steps.wait_for(timeout=WAIT_MS)
         page.get_by_text("reward (mean ± std, per verifier)").wait_for(timeout=WAIT_MS)
         charts_drawn(page, 10)

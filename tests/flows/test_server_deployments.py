@@ -6,15 +6,22 @@ import asyncio
 import json
 import subprocess
 import time
+from pathlib import Path
 
+from flows import stack_auth
 from tests.servers import BIN, REPO, stop
 
 
-async def _trigger_and_wait(api_url: str, params: dict, timeout: float) -> object:
-    # an explicit client: this test process may already hold settings for the embedded server of other tests
+def _client(api_url: str, runs: Path):
+    """An explicit client (this test process may already hold settings for the embedded server of other tests) with
+    the auth string of the runs dir's server."""
     from prefect.client.orchestration import PrefectClient
 
-    async with PrefectClient(api_url) as client:
+    return PrefectClient(api_url, auth_string=stack_auth.read_credentials(runs / ".stack").prefect_auth_string)
+
+
+async def _trigger_and_wait(api_url: str, params: dict, timeout: float, runs: Path) -> object:
+    async with _client(api_url, runs) as client:
         deadline = time.time() + 180
         while True:
             try:
@@ -51,7 +58,7 @@ def test_ui_trigger_runs_the_pipeline(prefect_server, tmp_path):
         params = {"preset": "tiny", "name": "from-ui", "overrides": ["steps=3", "eval.k=0", "eval.every=3"]}
         run = _run(api_url, params, tmp_path)
         ray_run = _run(api_url, {"preset": "tiny", "name": "from-ui-ray", "overrides": ray_overrides}, tmp_path)
-        ray_tasks = asyncio.run(_task_run_names(api_url, str(ray_run.id)))
+        ray_tasks = asyncio.run(_task_run_names(api_url, str(ray_run.id), runs))
     finally:
         stop(serve)
         log.close()
@@ -71,18 +78,17 @@ def test_ui_trigger_runs_the_pipeline(prefect_server, tmp_path):
 
 def _run(api_url: str, params: dict, tmp_path):
     try:
-        run = asyncio.run(_trigger_and_wait(api_url, params, timeout=300))
+        run = asyncio.run(_trigger_and_wait(api_url, params, 300, tmp_path / "runs"))
     except Exception as e:
         raise AssertionError(f"{e!r}; serve log: {(tmp_path / 'serve.log').read_text()[-3000:]}") from e
     assert run.state.is_completed(), (tmp_path / "serve.log").read_text()[-3000:]
     return run
 
 
-async def _task_run_names(api_url: str, flow_run_id: str) -> set[str]:
-    from prefect.client.orchestration import PrefectClient
+async def _task_run_names(api_url: str, flow_run_id: str, runs: Path) -> set[str]:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    async with PrefectClient(api_url) as client:
+    async with _client(api_url, runs) as client:
         for _ in range(60):  # task-run records arrive as events: give the server a moment
             runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
             names = {r.name for r in runs if r.state is not None and r.state.is_completed()}

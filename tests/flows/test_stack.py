@@ -171,6 +171,12 @@ def _check_auth(runs: Path, state: dict, creds: stack_auth.Credentials, deployme
     assert f"export PREFECT_API_AUTH_STRING={creds.prefect_auth_string}" in env
     dashboard_env = Path(f"/proc/{state['services']['dashboard']['pid']}/environ").read_bytes().split(b"\0")
     assert f"MLFLOW_TRACKING_PASSWORD={creds.mlflow_password}".encode() in dashboard_env
+    # the dashboard asks for a login (tests/dashboard/test_login.py): the stack's MLflow user and password, or the
+    # token of the URL `up` prints (kept beside the credentials, 0600)
+    token = (path.parent / "dashboard.token").read_text().strip()
+    assert f"dashboard: {state['services']['dashboard']['url']}/?token={token}" in state["up_stdout"].splitlines()
+    assert f"FORGEWEAVE_DASHBOARD_TOKEN={token}".encode() in dashboard_env
+    assert f"FORGEWEAVE_DASHBOARD_LOGIN={creds.mlflow_username}:{creds.mlflow_password}".encode() in dashboard_env
     probe = f"from dashboard.mlflow_store import read_index; print(repr(read_index({mlflow!r}).error))"
     for extra, ok in ((creds.mlflow_env(), True), ({}, False)):
         env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING_")} | extra
@@ -270,9 +276,10 @@ def _check_secrets_private(runs: Path, state: dict) -> None:
     line, which any local user reads; the files holding them are 0600, the stack's state dir and logs the owner's."""
     state_dir = runs / ".stack"
     creds = stack_auth.read_credentials(state_dir)
+    token_file = stack_auth.auth_dir(state_dir) / stack_auth.DASHBOARD_TOKEN
     found = [creds.prefect_auth_string.split(":", 1)[1], creds.mlflow_password,
-             Path(state["ray_env"]["RAY_AUTH_TOKEN_PATH"]).read_text()]  # fmt: skip
-    secret_files = [stack_auth.credentials_path(state_dir), Path(state["ray_env"]["RAY_AUTH_TOKEN_PATH"])]
+             Path(state["ray_env"]["RAY_AUTH_TOKEN_PATH"]).read_text(), token_file.read_text()]  # fmt: skip
+    secret_files = [stack_auth.credentials_path(state_dir), Path(state["ray_env"]["RAY_AUTH_TOKEN_PATH"]), token_file]
     if state["db"] == "postgres":
         found.append((state_dir / "postgres.password").read_text().strip())
         secret_files += [state_dir / "postgres.password", state_dir / "postgres.pgpass"]
