@@ -34,7 +34,8 @@ Rules, in the order `plan` applies them:
    pool's RAM, if declared, holds both, else as rule 5.
 An impossible plan raises `PlanError` with one line naming the stage, what it needs and what the pools have.
 
-Memory estimates (`stage_needs`): update holds fp32 weights + grads + AdamW moments = 16 bytes/param, plus a
+Memory estimates (`stage_needs`): where the model's shape and the run's tokens are known, `weaver.memory`'s
+per-device terms (the caller passes `update_gib_for` and `rollout_gib`). Otherwise, per parameter: update holds fp32 weights + grads + AdamW moments = 16 bytes/param, plus a
 reference model's weights when the KL penalty needs one, x1.25 for activations, +1 GiB runtime; each DDP process
 holds the full state, each FSDP process 1/N of it (the reference is sharded too). Rollout/evaluate
 hold weights in the rollout's dtype (default 2 bytes/param bf16 on GPU, 4 fp32 on CPU) plus an equal KV-cache
