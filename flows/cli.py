@@ -349,11 +349,13 @@ def cmd_export(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from flows.planning import plan_run
+    from flows.planning import memory_report, plan_run, resolve_pools
 
     cfg = resolve_config(args.preset, args.config, args.overrides)
     plan, _ = plan_run(cfg, pools_file=args.pools)
     print(plan.table())
+    print()
+    print(memory_report(cfg, plan, resolve_pools(cfg, args.pools)))
     return 0
 
 

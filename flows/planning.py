@@ -13,10 +13,14 @@ from forge.config import RunConfig, read_yaml_file
 from forge.errors import UserError
 from weaver import discover
 from weaver.errors import PlanError
+from weaver.memory import Breakdown, ModelShape, TokenShape, UpdateSetup, rollout_memory, update_memory
 from weaver.plan import Plan, StageNeed, plan, stage_needs
 from weaver.pools import Pool, autodetect_pools, pools_from_dicts
 
 KNOWN_PARAMS = {"smollm2-135m-instruct": 134_515_008}
+KNOWN_CONFIGS = {"smollm2-135m-instruct": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                 "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+                 "tie_word_embeddings": True}}  # fmt: skip
 TINY_VOCAB = 99  # forge.models.build_char_tokenizer: 95 printable characters (no tabs/newlines) + 4 specials
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 TEACHER_BYTES = BYTES["float32"]  # forge.rewards.teacher.Teacher loads fp32, whatever its dtype
@@ -31,16 +35,38 @@ def estimate_params(cfg: RunConfig) -> int:
     if m.path in KNOWN_PARAMS:
         return KNOWN_PARAMS[m.path]
     if m.path == "tiny-random":
-        h = m.tiny.hidden
-        heads = max(1, h // m.tiny.head_dim)
-        return params_from_config({"hidden_size": h, "intermediate_size": 4 * h, "num_hidden_layers": m.tiny.layers,
-                                   "num_attention_heads": heads, "num_key_value_heads": heads,
-                                   "vocab_size": TINY_VOCAB, "tie_word_embeddings": True})  # fmt: skip
+        return params_from_config(_tiny_config(cfg))
     d = Path(m.path).expanduser()
     if not (d / "config.json").is_file():
         return 1_000_000_000  # a hub id: plan conservatively for a 1B model
     config = _read_json(d / "config.json")
     return params_from_safetensors(d, config) or params_from_config(config)
+
+
+def _tiny_config(cfg: RunConfig) -> dict:
+    h = cfg.model.tiny.hidden
+    heads = max(1, h // cfg.model.tiny.head_dim)
+    return {"hidden_size": h, "intermediate_size": 4 * h, "num_hidden_layers": cfg.model.tiny.layers,
+            "num_attention_heads": heads, "num_key_value_heads": heads, "vocab_size": TINY_VOCAB,
+            "tie_word_embeddings": True}  # fmt: skip
+
+
+def model_shape(cfg: RunConfig) -> ModelShape | None:
+    """The policy's decoder shape from its config.json (or the built-in's), None where it is not known (a hub id,
+    a config without Llama-style sizes)."""
+    path = cfg.model.path
+    if path == "tiny-random":
+        config = _tiny_config(cfg)
+    elif path in KNOWN_CONFIGS:
+        config = KNOWN_CONFIGS[path]
+    elif (Path(path).expanduser() / "config.json").is_file():
+        config = _read_json(Path(path).expanduser() / "config.json")
+    else:
+        return None
+    try:
+        return ModelShape.from_config(config)
+    except KeyError:  # GPT-2-style or unusual configs: the per-parameter estimate plans them
+        return None
 
 
 def params_from_config(c: dict) -> int:
@@ -153,10 +179,91 @@ def run_needs(cfg: RunConfig, pools: list[Pool]) -> list[StageNeed]:
         gpu_memory_gib=gpu_gib,
         teacher_params=teacher_params(cfg),
         teacher_bytes_per_param=TEACHER_BYTES,
+        **_token_needs(cfg, gpu),
     )
     if gpu and vllm:
         _check_engine_fits(cfg, params, gpu_gib)
     return needs
+
+
+def _token_needs(cfg: RunConfig, gpu: bool) -> dict:
+    """stage_needs' memory-model arguments: update GiB per shard count and rollout GiB, where the shape is known
+    (LoRA keeps the per-parameter estimate: its frozen base has no gradients or moments)."""
+    shape = model_shape(cfg)
+    if shape is None or cfg.model.lora.rank:
+        return {}
+    return {
+        "update_gib_for": lambda shards: update_breakdown(cfg, shape, shards, gpu).total_gib,
+        "rollout_gib": _rollout_floor_gib(rollout_breakdown(cfg, shape, gpu), cfg.rollout.backend == "vllm"),
+    }
+
+
+def _rollout_floor_gib(b: Breakdown, vllm: bool) -> float:
+    """A rollout device's GiB: everything for an hf copy; without the KV cache for a vLLM engine, whose cache fills
+    the fraction of the GPU it reserves (stage_needs takes the larger) and schedules fewer sequences at once when
+    they do not all fit."""
+    return (b.total - (dict(b.terms)["kv_cache"] if vllm else 0)) / 2**30
+
+
+def update_breakdown(cfg: RunConfig, shape: ModelShape, shards: int, gpu: bool) -> Breakdown:
+    """One update process's memory for this run over `shards` FSDP ranks (1 = DDP or one process): micro-batches of
+    `update.micro_batch_size` rows (at most the step's B*G) of `data.max_prompt_tokens` + `rollout.max_new_tokens`
+    tokens; bf16 autocast on GPUs (forge uses it on every CUDA GPU with bf16), `update.autocast_bf16` on a CPU."""
+    u, r = cfg.update, cfg.rollout
+    rows = min(u.micro_batch_size, r.prompts_per_step * r.group_size)
+    ddp = u.num_processes if u.strategy == "ddp" else 1
+    setup = UpdateSetup(
+        master_bytes=BYTES[cfg.model.dtype], autocast_bf16=gpu or u.autocast_bf16,
+        gradient_checkpointing=cfg.model.gradient_checkpointing, shards=shards, ddp_world=max(1, ddp),
+        completion_only=u.logits_completion_only, reference_bytes=reference_bytes(cfg),
+    )  # fmt: skip
+    return update_memory(shape, TokenShape(rows, cfg.data.max_prompt_tokens, r.max_new_tokens), setup)
+
+
+def rollout_breakdown(cfg: RunConfig, shape: ModelShape, gpu: bool) -> Breakdown:
+    """One rollout device's memory: weights in the rollout's dtype (1/tp each), the KV cache of its concurrent
+    sequences (an hf copy: `rollout.batch_size` at a time; a vLLM engine: the step's B*G over the replicas) of
+    prompt + completion tokens in that dtype, one weight-sync bucket."""
+    r = cfg.rollout
+    vllm = r.backend == "vllm"
+    tp = r.tensor_parallel_size if vllm and gpu else 1
+    sequences = -(-r.prompts_per_step * r.group_size // max(1, r.replicas)) if vllm else r.batch_size
+    dtype = rollout_bytes(cfg, gpu)
+    tokens = cfg.data.max_prompt_tokens + r.max_new_tokens
+    return rollout_memory(shape, sequences=sequences, tokens_per_sequence=tokens, weight_bytes=dtype,
+                          kv_bytes=dtype, tp=tp)  # fmt: skip
+
+
+def memory_report(cfg: RunConfig, result: Plan, pools: list[Pool]) -> str:
+    """The per-device memory of the planned update and rollout, term by term (`forgeweave plan` prints it); one
+    line saying why where the model's shape is not known."""
+    shape = model_shape(cfg)
+    if shape is None or cfg.model.lora.rank:
+        why = "LoRA" if shape is not None else f"no config.json for '{cfg.model.path}'"
+        return f"memory per device: from the parameter count only ({why})"
+    gpu = any(p.kind == "gpu" for p in pools)
+    update = result.for_stage("update")
+    shards = update.processes if cfg.update.strategy == "fsdp" and gpu and update.processes > 1 else 1
+    u, r = cfg.update, cfg.rollout
+    rows = min(u.micro_batch_size, r.prompts_per_step * r.group_size)
+    head = (f"update, per process ({update.processes} process{'es' if update.processes > 1 else ''}, "
+            f"{'FSDP x' + str(shards) if shards > 1 else u.strategy if update.processes > 1 else 'one process'}; "
+            f"micro-batch {rows} x ({cfg.data.max_prompt_tokens} + {r.max_new_tokens}) tokens"
+            f"{', gradient checkpointing' if cfg.model.gradient_checkpointing else ''}):")  # fmt: skip
+    lines = [head, *update_breakdown(cfg, shape, shards, gpu).lines()]
+    rollout = rollout_breakdown(cfg, shape, gpu)
+    tp = r.tensor_parallel_size if r.backend == "vllm" and gpu else 1
+    lines.append(f"rollout, per device ({r.backend}{f', tensor parallel {tp}' if tp > 1 else ''}):")
+    lines += rollout.lines()
+    if r.backend == "vllm" and gpu:
+        gib = min(p.memory_gib for p in pools if p.kind == "gpu")
+        budget = r.vllm.gpu_memory_utilization * gib * 2**30
+        kv = dict(rollout.terms)["kv_cache"]
+        room = max(0.0, budget - (rollout.total - kv))
+        lines.append(f"  the engine reserves gpu_memory_utilization {r.vllm.gpu_memory_utilization} x {gib:g} GiB "
+                     f"= {budget / 2**30:.1f} GiB; its KV cache gets {room / 2**30:.1f} GiB of it: "
+                     f"{min(1.0, room / kv) if kv else 1.0:.0%} of the step's sequences at once")  # fmt: skip
+    return "\n".join(lines)
 
 
 def teacher_params(cfg: RunConfig) -> int:

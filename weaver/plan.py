@@ -34,7 +34,8 @@ Rules, in the order `plan` applies them:
    pool's RAM, if declared, holds both, else as rule 5.
 An impossible plan raises `PlanError` with one line naming the stage, what it needs and what the pools have.
 
-Memory estimates (`stage_needs`): update holds fp32 weights + grads + AdamW moments = 16 bytes/param, plus a
+Memory estimates (`stage_needs`): where the model's shape and the run's tokens are known, `weaver.memory`'s
+per-device terms (the caller passes `update_gib_for` and `rollout_gib`). Otherwise, per parameter: update holds fp32 weights + grads + AdamW moments = 16 bytes/param, plus a
 reference model's weights when the KL penalty needs one, x1.25 for activations, +1 GiB runtime; each DDP process
 holds the full state, each FSDP process 1/N of it (the reference is sharded too). Rollout/evaluate
 hold weights in the rollout's dtype (default 2 bytes/param bf16 on GPU, 4 fp32 on CPU) plus an equal KV-cache
@@ -45,7 +46,6 @@ its weights (`teacher_bytes_per_param` each) +1 GiB, beside update (rule 8).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
@@ -96,6 +96,8 @@ def stage_needs(
     gpu_memory_gib: float = 0.0,
     teacher_params: int = 0,
     teacher_bytes_per_param: float = 4.0,
+    update_gib_for: Callable[[int], float] | None = None,
+    rollout_gib: float = 0.0,
 ) -> list[StageNeed]:
     """The pipeline stages for a model of `model_params` parameters; 0 replicas/processes = as many as fit
     (on CPU: one, since more processes give no speed-up there). On GPUs each rollout replica is a vLLM engine
@@ -107,20 +109,25 @@ def stage_needs(
     `rollout_bytes_per_param` (0 = 2 on GPU, 4 on CPU) x2 for a KV-cache margin; an engine that reserves a
     fraction of its GPU (`engine_fraction` of `gpu_memory_gib`, vLLM's gpu_memory_utilization) takes that.
     `teacher_params` > 0 adds a sixth stage, `teacher` (on-policy distillation): one process of update's kind
-    holding `teacher_bytes_per_param` per parameter +1 GiB, placed beside update (rule 8)."""
+    holding `teacher_bytes_per_param` per parameter +1 GiB, placed beside update (rule 8).
+
+    Where the model's shape and the run's token shapes are known (`weaver.memory`), `update_gib_for(shards)` gives
+    the update's GiB per process over that many FSDP shards (it replaces the per-parameter estimate, and sizes the
+    automatic shard count), and `rollout_gib` a rollout device's GiB (weights, KV cache, one sync bucket)."""
     if model_params <= 0 or rollout_replicas < 0 or update_processes < 0 or rollout_tp < 1:
         raise PlanError(
             f"stage_needs: model_params must be > 0 and counts >= 0, got {model_params}, "
             f"rollout_replicas={rollout_replicas}, update_processes={update_processes}, rollout_tp={rollout_tp}"
         )
     ref = reference_bytes_per_param
-    shards = (update_processes or _fewest_shards(model_params, gpu_memory_gib, ref)) if update_sharded and gpu else 1
-    update_gib = update_memory_gib(model_params, shards, ref)
+    per_shards = update_gib_for or (lambda n: update_memory_gib(model_params, n, ref))
+    shards = (update_processes or _fewest_shards(per_shards, gpu_memory_gib)) if update_sharded and gpu else 1
+    update_gib = per_shards(shards)
     weight_bytes = rollout_bytes_per_param or (2 if gpu else 4)
     generate_gib = 2 * model_params * weight_bytes / GIB + RUNTIME_GIB  # weights + equal KV-cache margin
     kind: StageKind = "gpu" if gpu else "cpu"
     tp = rollout_tp if gpu else 1
-    rollout_gib = 2 * model_params * weight_bytes / GIB / tp + RUNTIME_GIB
+    rollout_gib = rollout_gib or 2 * model_params * weight_bytes / GIB / tp + RUNTIME_GIB
     if gpu and engine_fraction > 0 and gpu_memory_gib > 0:
         rollout_gib = generate_gib = max(rollout_gib, engine_fraction * gpu_memory_gib)
     update_range = (shards, shards if update_processes else 0) if shards > 1 else _count_range(update_processes, gpu)
@@ -160,12 +167,12 @@ def update_memory_gib(model_params: int, shards: int = 1, reference_bytes: float
     return model_params * per_param * ACTIVATION_MARGIN / shards / GIB + RUNTIME_GIB
 
 
-def _fewest_shards(model_params: int, gpu_memory_gib: float, reference_bytes: float = 0.0) -> int:
-    """The fewest FSDP ranks whose per-rank update state fits one GPU of `gpu_memory_gib` (1 if unknown)."""
+def _fewest_shards(per_shards: Callable[[int], float], gpu_memory_gib: float, most: int = 1024) -> int:
+    """The fewest FSDP ranks whose per-rank update memory (`per_shards(n)` GiB) fits one GPU of `gpu_memory_gib`
+    (1 if unknown; `most` when none does: the plan then says it does not fit)."""
     if gpu_memory_gib <= RUNTIME_GIB:
         return 1
-    per_rank = model_params * (UPDATE_BYTES_PER_PARAM + reference_bytes) * ACTIVATION_MARGIN / GIB
-    return max(1, math.ceil(per_rank / (gpu_memory_gib - RUNTIME_GIB)))
+    return next((n for n in range(1, most + 1) if per_shards(n) <= gpu_memory_gib), most)
 
 
 def _count_range(n: int, gpu: bool) -> tuple[int, int]:
