@@ -504,12 +504,15 @@ class TrainerWorker:
         return self.saver.wait()
 
     def _snapshot(self, step: int, payload: dict, eval_score: float | None) -> Snapshot:
-        """This rank's part of checkpoint `step`: its DCP tensors and the HF weights (one process, tied copies
-        once), both live (`host_snapshot` copies them), and rank 0's state as JSON + tensor copies."""
+        """This rank's part of checkpoint `step`: its DCP tensors (FSDP: its shards; DDP: rank 0 holds them all,
+        the replicas the others hold are the same) and the HF weights (one process, tied copies once), both live
+        (`host_snapshot` copies them), and rank 0's state as JSON + tensor copies."""
         model, file = self.trainer.unwrapped, WEIGHTS
         lora = is_peft(model)  # only the adapter is saved (rank 0: under DDP every rank holds all of it)
         hf = not lora and self.world == 1 and self.checkpoint_cfg.hf_model
         shards, plain = self.trainer.checkpoint_tensors(with_model=not hf and not lora)
+        if self.rank != 0 and not self.trainer.fsdp:  # DDP: every rank holds the same weights and AdamW moments;
+            shards = {}  # rank 0's are the checkpoint, so no other rank copies them to host (or writes them)
         weights = None
         if lora:
             weights, file = (adapter_state(model) if self.rank == 0 else None), ADAPTER
