@@ -21,8 +21,8 @@ engine's prefix cache keeps the earlier turns' KV blocks between turns.
 Weights: the engine starts from dummy weights (`load_format="dummy"`; only the config and tokenizer are written)
 and refuses to generate before its first sync. In a run every version, 0 included, comes by broadcast over the
 weight group (`forge.weight_group`): `WeightReceiver`, mixed into each vLLM worker through `worker_extension_cls`,
-joins the group and receives the buckets through `collective_rpc`; `sync_weights` takes an in-memory dict (the
-object-store path, kept as a control). Either way the tensors go through the model's own checkpoint-name loader
+joins the group and receives the buckets through `collective_rpc`; `sync_weights` takes an in-memory dict (what the
+tests' stand-in engines load; Ray mode never sends one). Either way the tensors go through the model's own checkpoint-name loader
 (vLLM's in-place `reload_weights`: fuses q/k/v and gate/up, repacks for CPU), then the prefix cache is reset, since
 cached KV blocks were computed by the old weights. The engine core runs in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by `engine_env`): no grandchild processes to orphan.
