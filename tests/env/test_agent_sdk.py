@@ -37,7 +37,7 @@ def test_an_agents_sdk_agent_with_a_function_tool_is_one_sequence_of_sampled_tok
 
 @pytest.mark.slow
 def test_a_training_run_with_an_agents_sdk_agent_raises_its_reward(tmp_path):
-    """30 steps of 8 prompts x 8 SDK episodes (one request each) on the tiny preset; ~15-20 s a run (threads=1, 2-core
+    """30 steps of 8 prompts x 8 SDK episodes (one request each) on the tiny preset; 15-24 s a run (threads=1, 2-core
     Xeon beside a benchmark; it was ~180 s while each episode's client loaded the CA bundle and the evaluations at
     steps 0 and 30 played 275 episodes each: eval.max_problems=1, eval.k=0 keep them to one).
 
