@@ -74,7 +74,8 @@ class AgentConfig:
     """Agent episodes running at once; the next starts when one ends."""
     batch_wait_ms: float = ranged(5.0, ">= 0", "milliseconds")
     """How long the endpoint holds a request for others to join its batch (it samples at once when every running
-    episode has a request waiting)."""
+    episode has a request waiting). Short by default: where the agents' own work spreads their requests (an SDK agent
+    on the tiny preset), 50 ms made fewer, larger batches and no faster step (docs/agents.md, Batching)."""
     request_sampling: bool = False
     """Honour a request's `temperature` and `top_p`. False (default): every request samples at the step's
     (rollout.temperature in training), the distribution the trainer's log-probs assume; the request's are ignored."""
