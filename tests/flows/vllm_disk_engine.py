@@ -21,3 +21,34 @@ def disk_greedy(cfg, model_dir: str, prompts: list[str], tokens: int) -> list[li
     requests = [TokensPrompt(prompt_token_ids=tok(p, add_special_tokens=False).input_ids) for p in prompts]
     params = VSampling(temperature=0, max_tokens=tokens, stop_token_ids=[tok.eos_token_id], top_k=0)
     return [list(o.outputs[0].token_ids) for o in llm.generate(requests, params, use_tqdm=False)]
+
+
+def track_receive_buffers(worker) -> None:
+    """Inside a vLLM worker: from now on count the weight group's receive buffers alive as each (name, tensor) pair
+    of a sync reaches vLLM's loader (the largest count is kept on the worker)."""
+    import gc
+    import weakref
+
+    from forge.weight_group import WeightGroup
+
+    group, live = worker.forgeweave_group, []
+    make, stream = WeightGroup._empty_bucket, group.stream
+    worker.forgeweave_live_max = 0
+
+    def tracked(plan, index):
+        buffer = make(group, plan, index)
+        live.append(weakref.ref(buffer))
+        return buffer
+
+    def counted(plan):
+        for pair in stream(plan):
+            gc.collect()
+            worker.forgeweave_live_max = max(worker.forgeweave_live_max, sum(r() is not None for r in live))
+            yield pair
+
+    group._empty_bucket, group.stream = tracked, counted
+
+
+def live_receive_buffers(worker) -> int:
+    """The most receive buffers alive at once since `track_receive_buffers`."""
+    return worker.forgeweave_live_max
