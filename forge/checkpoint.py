@@ -52,8 +52,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from forge.errors import ABSENT_ERRNOS, DiskFull, UserError, storage_error
-from forge.io import FULL, atomic_write_text, check_safetensors, human_bytes, safetensors_problem
+from forge.errors import DiskFull, StorageError, UserError
+from forge.io import (
+    FULL,
+    atomic_write_text,
+    check_safetensors,
+    human_bytes,
+    read_retrying,
+    read_text_retrying,
+    safetensors_problem,
+)
 from forge.model_config import ModelConfig
 
 STATE_JSON = "trainer_state.json"
@@ -228,8 +236,11 @@ def load_adapter(model, ckpt: Path) -> None:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
+    path = Path(ckpt) / ADAPTER
     try:
-        state = load_file(Path(ckpt) / ADAPTER)
+        state = read_retrying(path, lambda: load_file(path))
+    except StorageError:  # the storage kept failing the read: not damage
+        raise
     except Exception as e:  # missing, truncated or edited file
         raise damaged(ckpt, e) from None
     mismatch = UserError(
@@ -569,13 +580,10 @@ _STEP_DIR = re.compile(r"step-\d{6,}")
 
 
 def _pointer_name(pointer: Path) -> str | None:
+    """The name `latest` holds; None when it is gone or not UTF-8 (a StorageError when the storage keeps failing)."""
     try:
-        return pointer.read_text(encoding="utf-8").strip()
-    except OSError as e:
-        if e.errno not in ABSENT_ERRNOS:
-            raise storage_error(pointer, e) from None
-        return None
-    except UnicodeDecodeError:
+        return read_text_retrying(pointer).strip()
+    except (OSError, UnicodeDecodeError):  # absent, or garbage
         return None
 
 
@@ -603,13 +611,9 @@ def checkpoint_problem(ckpt: Path) -> str:
         return f"has no {STATE_JSON}" + (legacy if (ckpt / LEGACY_STATE).is_file() else "")
     step = int(ckpt.name.removeprefix("step-")) if _STEP_DIR.fullmatch(ckpt.name) else None
     for name, keys in (("checkpoint.json", {"step"}), (STATE_JSON, {"step", "trainer"})):
-        try:
-            info = json.loads((ckpt / name).read_text(encoding="utf-8"))
-        except OSError as e:
-            if e.errno not in ABSENT_ERRNOS:  # the storage failed, not the file: stop, change nothing
-                raise storage_error(ckpt / name, e) from None
-            return f"has a damaged {name} (missing, or not JSON)"
-        except ValueError:
+        try:  # the storage failing the read (after retries) is a StorageError: stop, change nothing
+            info = json.loads(read_text_retrying(ckpt / name))
+        except (OSError, ValueError):  # absent, or not JSON
             return f"has a damaged {name} (missing, or not JSON)"
         if not isinstance(info, dict) or not keys <= info.keys() or step not in (None, info["step"]):
             return f"has a {name} that is not the record of its step"
@@ -672,12 +676,16 @@ def load_state(ckpt: Path) -> dict:
             f"checkpoint '{ckpt}' has no {STATE_JSON} (a pickled {LEGACY_STATE} from an older forgeweave is never "
             "loaded): start the run again, or resume it with the forgeweave version that wrote it"
         )
+    tensors_file = ckpt / STATE_TENSORS
     try:
-        tensors = load_file(ckpt / STATE_TENSORS) if (ckpt / STATE_TENSORS).is_file() else {}
-        state = join_tensors(json.loads((ckpt / STATE_JSON).read_text(encoding="utf-8")), tensors)
+        tensors = read_retrying(tensors_file, lambda: load_file(tensors_file)) if tensors_file.is_file() else {}
+        text = read_text_retrying(ckpt / STATE_JSON)
+        state = join_tensors(json.loads(text), tensors)
         if not isinstance(state, dict) or not {"step", "trainer"} <= state.keys():
             raise ValueError("missing keys")
         return state
+    except StorageError:  # the storage kept failing the read: not damage
+        raise
     except Exception as e:  # json, safetensors (SafetensorError), unicode, a missing tensor key
         raise damaged(ckpt, e) from None
 
@@ -699,7 +707,9 @@ def read_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     for f in sorted(Path(ckpt).glob("*.safetensors")):
         if f.name != STATE_TENSORS:
             try:
-                state.update(load_file(f))
+                state.update(read_retrying(f, lambda f=f: load_file(f)))
+            except StorageError:  # the storage kept failing the read: not damage
+                raise
             except Exception as e:  # SafetensorError on a truncated or edited file
                 raise damaged(ckpt, e) from None
     return state

@@ -22,7 +22,14 @@ class StorageError(UserError):
 ABSENT_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR})
 
 
-def storage_error(path, e: OSError) -> StorageError:
-    """The one line for a failed read of `path` that is not the file's absence."""
-    return StorageError(f"{path}: {e.strerror or e} while reading it: the storage failed, not the file; retry once "
-                        "it answers (nothing was changed)")  # fmt: skip
+def absent(e: OSError) -> bool:
+    """Whether `e` says the file is not there (ENOENT, ENOTDIR; also a FileNotFoundError without an errno, as
+    safetensors raises it), not that the storage failed."""
+    return e.errno in ABSENT_ERRNOS or isinstance(e, (FileNotFoundError, NotADirectoryError))
+
+
+def storage_error(path, e: OSError, tries: int = 1) -> StorageError:
+    """The one line for a failed read of `path` that is not the file's absence (`tries`: the reads that failed)."""
+    tried = f" ({tries} reads failed)" if tries > 1 else ""
+    return StorageError(f"{path}: {e.strerror or e} while reading it: the storage failed, not the file{tried}; retry "
+                        "once it answers (nothing was changed)")  # fmt: skip

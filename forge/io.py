@@ -12,6 +12,11 @@ the file's length before it).
 `safetensors_problem(path)` says why a file is not a whole safetensors file (the 8-byte header length, the JSON
 header and every tensor's byte range against the file's size; no tensor is read), and `check_safetensors` turns
 that into a one-line UserError naming the file: every weight file read from a path a user gave goes through it.
+
+`read_retrying(path, read)` tries a read again when the storage fails (an OSError that is not the file's absence:
+EIO, a stale network handle), READ_ATTEMPTS times in all, and then raises a `StorageError`: the readers a resume
+depends on (checkpoint files, `latest`, metrics.jsonl) use it. Only the read is retried, never the check of what
+was read: a damaged file is damaged on every read.
 """
 
 from __future__ import annotations
@@ -22,10 +27,20 @@ import functools
 import json
 import os
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from forge.errors import ABSENT_ERRNOS, DiskFull, UserError, storage_error
+from forge.errors import DiskFull, UserError, absent, storage_error
+
+# A read the storage failed is tried 3 times in all, 0.2 s then 0.4 s apart (0.6 s at most per file). The faults a
+# retry cures (a network or FUSE mount reconnecting, an NFS RPC retried, a disk's read retried after a bus reset)
+# pass within a fraction of a second; an outage lasts minutes, and more tries would only delay its one line (the
+# user's next --resume is the retry for that). A resume reads about ten such files.
+READ_ATTEMPTS = 3
+READ_BACKOFF_S = 0.2  # before the second try; doubled before each next one
+T = TypeVar("T")
 
 # no space, over a quota, over the process's file-size limit (RLIMIT_FSIZE, with SIGXFSZ ignored)
 FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
@@ -127,7 +142,7 @@ def truncate_jsonl(path: str | Path, step: int) -> None:
     path = Path(path)
     if not path.exists():
         return
-    data = path.read_bytes()
+    data = read_retrying(path, path.read_bytes)
     kept = b"".join(line + b"\n" for line in data.split(b"\n") if 0 <= _line_step(line) <= step)
     if kept != data:
         atomic_write_bytes(path, kept)
@@ -141,20 +156,49 @@ def _line_step(line: bytes) -> int:
     return row["step"] if isinstance(row, dict) and isinstance(row.get("step"), int) else -1
 
 
+def read_retrying(path: str | Path, read: Callable[[], T]) -> T:
+    """`read()`, the read of `path`, tried again when the storage fails it (any OSError but the file's absence),
+    READ_ATTEMPTS times in all with READ_BACKOFF_S doubling between; then a StorageError naming `path`. The file's
+    absence (ENOENT, ENOTDIR) is raised at once as it came, and so is any other exception (what was read is damaged:
+    a retry would read the same)."""
+    attempt = 1
+    while True:
+        try:
+            return read()
+        except OSError as e:
+            if absent(e):
+                raise
+            if attempt >= READ_ATTEMPTS:
+                raise storage_error(path, e, attempt) from None
+        time.sleep(READ_BACKOFF_S * 2 ** (attempt - 1))
+        attempt += 1
+
+
+def read_text_retrying(path: str | Path) -> str:
+    """The UTF-8 text of `path`, read by `read_retrying`."""
+    return read_retrying(path, functools.partial(Path(path).read_text, encoding="utf-8"))
+
+
+def _header_bytes(path: str | Path) -> tuple[int, int, bytes]:
+    """(the file's size, the header length its first 8 bytes give, the header's bytes: b"" when it cannot fit)."""
+    size = Path(path).stat().st_size
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        return size, length, f.read(length) if size >= 8 and length <= size - 8 else b""
+
+
 def safetensors_problem(path: str | Path) -> str:
     """Why `path` is not a whole safetensors file ("" when it is): its header length, JSON header and tensor byte
-    ranges are checked against the file's size; no tensor is read."""
+    ranges are checked against the file's size; no tensor is read. The storage failing the read (after
+    `read_retrying`'s tries) is a StorageError, not a problem of the file."""
     try:
-        size = Path(path).stat().st_size
-        with open(path, "rb") as f:
-            length = int.from_bytes(f.read(8), "little")
-            if size < 8 or length > size - 8:
-                return f"truncated: {size} bytes, shorter than its header says"
-            header = json.loads(f.read(length).decode("utf-8"))
-    except OSError as e:
-        if e.errno not in ABSENT_ERRNOS:  # an I/O error, a stale handle: the storage, not the file (a retry may do)
-            raise storage_error(path, e) from None
-        return f"cannot be read: {e.strerror}"
+        size, length, head = read_retrying(path, functools.partial(_header_bytes, path))
+    except OSError as e:  # absent
+        return f"cannot be read: {e.strerror or e}"
+    if size < 8 or length > size - 8:
+        return f"truncated: {size} bytes, shorter than its header says"
+    try:
+        header = json.loads(head.decode("utf-8"))
     except ValueError:  # json and unicode errors
         return "its header is not valid JSON (truncated or not a safetensors file)"
     try:

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Protocol
 
-from forge.io import append_text, truncate_jsonl
+from forge.io import append_text, read_retrying, truncate_jsonl
 
 
 class Tracker(Protocol):
@@ -85,11 +85,12 @@ def read_metrics(path: Path, strict: bool = False) -> list[dict]:
     """Read metrics.jsonl, one row per step: rows of the same step are merged in file order (a checkpoint's
     record is a second row of its step, written when the save is durable); a torn last line (a run killed
     mid-write) is ignored. Other damaged lines (not UTF-8, not a JSON object with an integer step) are skipped,
-    or, with `strict` (a resume, which rewrites the file), a UserError naming the line."""
+    or, with `strict` (a resume, which rewrites the file), a UserError naming the line; with `strict` a read the
+    storage fails is tried again (`forge.io.read_retrying`), then a StorageError."""
     from forge.errors import UserError
 
     rows: dict = {}
-    lines = path.read_bytes().split(b"\n")
+    lines = (read_retrying(path, path.read_bytes) if strict else path.read_bytes()).split(b"\n")
     for n, raw in enumerate(lines, 1):
         if not raw.strip():
             continue

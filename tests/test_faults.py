@@ -344,39 +344,129 @@ def test_a_metrics_append_over_the_size_limit_leaves_no_half_line(tmp_path):
 # ---------------------------------------------------------------- a storage that fails is not a damaged checkpoint
 
 
-@pytest.mark.parametrize("failing", ["latest", "checkpoint.json", "model.safetensors"])
-def test_a_read_error_on_resume_stops_and_changes_nothing(finished, tmp_path, monkeypatch, failing):
-    """An I/O error (EIO) reading the newest checkpoint is the storage, not damage: no fall back to an older
-    checkpoint (whose resume would cut the run's records and let retention delete the newer ones), one line."""
+def fail_reads(monkeypatch, bad: Path, times: int | None = None) -> dict[str, int]:
+    """Make the first `times` reads of `bad` (None: every one) fail with EIO, through the ways forge reads a file
+    (Path.read_text / read_bytes, open); returns the counts of reads of it ("read") and of those that failed."""
     import builtins
     import errno
     import pathlib
 
-    from forge.checkpoint import resume_checkpoint
-    from forge.errors import StorageError
+    import forge.io
 
-    root = tmp_path / "checkpoints"
-    shutil.copytree(finished / "checkpoints", root)
-    before = sorted(p.relative_to(root) for p in root.rglob("*"))
-    bad = root / ("latest" if failing == "latest" else f"step-000003/{failing}")
-    read_text, real_open = pathlib.Path.read_text, builtins.open
+    monkeypatch.setattr(forge.io, "READ_BACKOFF_S", 0.01)  # the tries, not the waits
+    count = {"read": 0, "failed": 0}
+    read_text, read_bytes, real_open = pathlib.Path.read_text, pathlib.Path.read_bytes, builtins.open
 
     def eio(path):
         if Path(path) == bad:
-            raise OSError(errno.EIO, "Input/output error", str(path))
+            count["read"] += 1
+            if times is None or count["failed"] < times:
+                count["failed"] += 1
+                raise OSError(errno.EIO, "Input/output error", str(path))
 
     def failing_read_text(self, *args, **kwargs):
         eio(self)
         return read_text(self, *args, **kwargs)
 
+    def failing_read_bytes(self):
+        eio(self)
+        return read_bytes(self)
+
     def failing_open(path, *args, **kwargs):
-        eio(path)
+        if isinstance(path, (str, os.PathLike)):
+            eio(path)
         return real_open(path, *args, **kwargs)
 
     monkeypatch.setattr(pathlib.Path, "read_text", failing_read_text)
+    monkeypatch.setattr(pathlib.Path, "read_bytes", failing_read_bytes)
     monkeypatch.setattr(builtins, "open", failing_open)
-    with pytest.raises(StorageError, match=r"Input/output error while reading it: the storage failed, not the file"):
+    return count
+
+
+def _in_run(run: Path, failing: str) -> Path:
+    if failing == "metrics.jsonl":
+        return run / "metrics.jsonl"
+    return run / "checkpoints" / ("latest" if failing == "latest" else f"step-000003/{failing}")
+
+
+@pytest.mark.parametrize("failing", ["latest", "checkpoint.json", "trainer_state.json", "model.safetensors"])
+def test_a_read_error_on_resume_stops_and_changes_nothing(finished, tmp_path, monkeypatch, failing):
+    """An I/O error (EIO) reading the newest checkpoint that persists through forge.io.READ_ATTEMPTS reads is the
+    storage, not damage: no fall back to an older checkpoint (whose resume would cut the run's records and let
+    retention delete the newer ones), one line."""
+    from forge.checkpoint import resume_checkpoint
+    from forge.errors import StorageError
+    from forge.io import READ_ATTEMPTS
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(finished / "checkpoints", root)
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    reads = fail_reads(monkeypatch, _in_run(tmp_path, failing))
+    with pytest.raises(StorageError, match=r"Input/output error while reading it: the storage failed, not the file "
+                       r"\(3 reads failed\); retry once it answers \(nothing was changed\)$") as err:  # fmt: skip
         resume_checkpoint(root)
+    assert "\n" not in str(err.value) and reads == {"read": READ_ATTEMPTS, "failed": READ_ATTEMPTS} == {
+        "read": 3,
+        "failed": 3,
+    }
     monkeypatch.undo()
     assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
     assert resume_checkpoint(root) == (root / "step-000003", "")  # once the storage answers: the newest, as before
+
+
+@pytest.mark.parametrize("failing", ["latest", "checkpoint.json", "trainer_state.json", "model.safetensors",
+                                     "metrics.jsonl"])  # fmt: skip
+def test_a_read_that_fails_once_on_resume_is_retried_and_resumes_from_the_newest_checkpoint(
+    finished, tmp_path, monkeypatch, capsys, failing
+):
+    """Issue 46, acceptance 5: the first read of a file the resume depends on fails with EIO, the second succeeds:
+    the run resumes from step 3 (the newest checkpoint, no fall back, no line about it) and goes on to step 4;
+    metrics.jsonl and samples.jsonl up to step 3 are kept byte for byte."""
+    run = tmp_path / "runs" / "base"
+    shutil.copytree(finished, run)
+    kept, samples = _lines_upto(run, 3), _lines_upto(run, 3, "samples.jsonl")
+    reads = fail_reads(monkeypatch, _in_run(run, failing), times=1)
+    capsys.readouterr()
+    assert main(_resume(run, "steps=4")) == 0
+    assert reads["failed"] == 1 and reads["read"] >= 2  # failed once, read again
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("forgeweave")] == []
+    assert _lines_upto(run, 3) == kept and _lines_upto(run, 3, "samples.jsonl") == samples  # history intact
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3, 4]  # step 4 after step 3, nothing redone
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-000004"
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == [f"step-00000{i}" for i in range(1, 5)]
+
+
+def test_only_a_read_the_storage_failed_is_tried_again(finished, tmp_path, monkeypatch):
+    """forge.io.read_retrying retries an OSError that is not absence, READ_ATTEMPTS times in all; a missing file and
+    what the read returned being damaged are not retried: a damaged checkpoint.json is read once and is damage."""
+    import errno
+
+    import forge.io
+    from forge.io import read_retrying
+
+    monkeypatch.setattr(forge.io, "READ_BACKOFF_S", 0.01)
+
+    def failing(e: Exception):
+        def read():
+            tries.append(1)
+            raise e
+
+        return read
+
+    for e, expected, n in [
+        (OSError(errno.ESTALE, "Stale file handle"), "StorageError", 3),
+        (OSError(errno.ENOENT, "No such file or directory"), "FileNotFoundError", 1),  # OSError picks the class
+        (FileNotFoundError("No such file"), "FileNotFoundError", 1),  # as safetensors raises it: no errno
+        (ValueError("not JSON"), "ValueError", 1),
+    ]:
+        tries: list[int] = []
+        with pytest.raises(Exception) as err:
+            read_retrying(tmp_path / "f", failing(e))
+        assert (type(err.value).__name__, len(tries)) == (expected, n)
+    ckpt = tmp_path / "step-000003"
+    shutil.copytree(finished / "checkpoints" / "step-000003", ckpt)
+    (ckpt / "checkpoint.json").write_text("{")
+    reads = fail_reads(monkeypatch, ckpt / "checkpoint.json", times=0)
+    assert checkpoint_problem(ckpt) == "has a damaged checkpoint.json (missing, or not JSON)"
+    assert reads == {"read": 1, "failed": 0}

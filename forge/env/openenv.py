@@ -28,9 +28,14 @@ environment per request and close it, so they cannot hold a multi-turn episode: 
   session and waits until the server has closed it, so its slot is free for the next episode.
 - Failures: a session that cannot open, a connection that drops, a reset or close not answered within
   `env.openenv.timeout_s` set `failure`: the episode loop ends that episode, leaves it out of the loss and counts
-  it. An error answer to a step (an action that does not fit the schema, an MCP tool error) is the tool's error
-  answer, not a failure. A step not answered within `env.tool_timeout_s` is answered with a timeout error and the
-  episode goes on; the server's late answer is read and dropped before the session's next request.
+  it. So does an answer that is not JSON (or nests too deeply to parse), whose data is not a JSON object, or whose
+  reward is not a finite number (`finite_reward`: a string, an array, an object, `1e309` or `Infinity`, which parse
+  as inf, `NaN`; a bool counts as 0/1, as openenv-core's own type allows): the failure line names the request and
+  what came, e.g. `reset: the answer's reward is not a finite number (received the number inf)`, and no such value
+  reaches the reward stage. An error answer to a step (an action that does not fit the schema, an MCP tool error)
+  is the tool's error answer, not a failure. A step not answered within `env.tool_timeout_s` is answered with a
+  timeout error and the episode goes on; the server's late answer is read and dropped before the session's next
+  request.
 - A server forgeweave starts (`env.openenv.app`: `python -m uvicorn APP`; `env.openenv.command` with `{port}`)
   runs in a process group of its own on 127.0.0.1 at a free port, its output in a temporary log file; `stop()`
   ends it by its PID (SIGTERM, then SIGKILL) when the run's workers close, after a failure too, and at interpreter
@@ -47,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shlex
 import signal
@@ -134,8 +140,10 @@ class Session:
             raise SessionLost(f"the connection was lost: {_why(e)}") from None
         try:
             reply = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: arrays nested thousands deep
             raise SessionLost(f"the server sent something that is not JSON: {str(raw)[:100]!r}") from None
+        if isinstance(reply, dict) and not isinstance(reply.get("data") or {}, dict):
+            raise SessionLost(f"the server's answer has data that is not a JSON object: {str(raw)[:100]!r}")
         return reply if isinstance(reply, dict) else {}
 
     def _settle(self) -> None:
@@ -176,8 +184,8 @@ class OpenEnvEpisode:
         except SessionLost as e:
             self._fail(f"step: {e}")
             return None
-        observation = self._observe(data)
-        return None if self.done else answer_text(observation)[0]
+        observation = self._observe(data, "step")
+        return None if self.done or self.failure else answer_text(observation)[0]
 
     def reset(self, **row) -> str | None:
         """Open the session and reset it with the row's columns; the first observation's text (None: empty)."""
@@ -190,7 +198,7 @@ class OpenEnvEpisode:
         except (SessionLost, ServerError) as e:  # gone, or refused (e.g. at capacity: another client holds slots)
             self._fail(f"reset: {e}")
             return None
-        return observation_text(self._observe(data))
+        return observation_text(self._observe(data, "reset"))
 
     def tools(self) -> list[Tool]:
         """The server's tools, each a step on this episode's session."""
@@ -223,17 +231,24 @@ class OpenEnvEpisode:
         except SessionLost as e:
             self._fail(f"step: {e}")
             raise ToolError(f"Error: the environment failed ({e})") from None
-        text, error = answer_text(self._observe(data))
+        text, error = answer_text(self._observe(data, "step"))
+        if self.failure:  # the answer itself was refused (its reward)
+            raise ToolError(f"Error: the environment failed ({self.failure})")
         if error:
             raise ToolError(f"Error: tool '{name}': {text}")
         return text
 
-    def _observe(self, data: dict) -> dict:
-        """Keep the answer's reward and done; its observation."""
+    def _observe(self, data: dict, request: str) -> dict:
+        """Keep the answer's reward and done; its observation. A reward that is not a finite number fails the
+        episode (`request` names the request in the line), so that it never reaches the reward stage."""
         reward = data.get("reward")
-        if isinstance(reward, (int, float)):
-            self.reward = float(reward)
-            self.rewards.append(self.reward)
+        if reward is not None:
+            value = finite_reward(reward)
+            if value is None:
+                self._fail(f"{request}: the answer's reward is not a finite number (received {_shown(reward)})")
+            else:
+                self.reward = value
+                self.rewards.append(value)
         self.done = bool(data.get("done"))
         observation = data.get("observation")
         return observation if isinstance(observation, dict) else {}
@@ -436,6 +451,33 @@ def answer_text(observation: dict) -> tuple[str, bool]:
     texts = [c.get("text", "") for c in content if isinstance(c, dict) and c.get("type") == "text"]
     text = "\n".join(texts) if texts else json.dumps(result.get("structured_content", result.get("data")), default=str)
     return text, bool(result.get("is_error"))
+
+
+def finite_reward(value) -> float | None:
+    """An answer's reward as a float: a finite JSON number, or a bool (openenv-core's `Observation.reward` is `bool |
+    int | float | None`); None for anything else: a string, an array, an object, a number beyond float (JSON's
+    `1e309`, which Python's json reads as inf; an integer of 400 digits), `Infinity` or `NaN`.
+
+    >>> finite_reward(1), finite_reward(-0.5), finite_reward(True)
+    (1.0, -0.5, 1.0)
+    >>> [finite_reward(json.loads(t)) for t in ('1e309', 'NaN', '"1.0"', '[1]', '{"r": 1}', '1' + '0' * 400)]
+    [None, None, None, None, None, None]
+    """
+    if not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _shown(value) -> str:
+    """A JSON value for a one-line message: its kind and at most ~60 characters of it (inf and nan as Python names
+    them, which is what a `1e309` or `Infinity` became)."""
+    kinds = {str: "the string", list: "the array", dict: "the object"}
+    text = repr(value) if isinstance(value, float) else " ".join(json.dumps(value, default=str).split())
+    return f"{kinds.get(type(value), 'the number')} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 def observation_text(observation: dict) -> str | None:

@@ -41,6 +41,8 @@ SUM_APP = "forge.tasks.openenv_sum:app"
 def oe(**openenv) -> EnvConfig:
     """An env section whose environment is the OpenEnv server `openenv` (env.openenv's keys) names."""
     return EnvConfig(openenv=OpenEnvConfig(**openenv))
+
+
 torch.set_num_threads(1)
 
 
@@ -363,3 +365,79 @@ def test_a_model_that_never_calls_tools_trains_against_a_text_action_server(serv
     assert all(r["env/turns"] > 1 and "reward/env_reward/mean" in r for r in rows)  # the server answered replies
     sample = json.loads((tmp_path / "run" / "samples.jsonl").read_text().splitlines()[0])
     assert sample["transcript"][0]["role"] == "environment"
+
+
+# (raw JSON a server sends as the reward, how the failure line shows it): tests/env/openenv_server.py's `/raw` splices
+# it into its answer as it is; openenv-core's own classes could not send it (pydantic refuses or writes null)
+BAD_REWARDS = [
+    ("1e309", "the number inf"),  # beyond float: Python's json reads inf
+    ("-Infinity", "the number -inf"),
+    ("NaN", "the number nan"),
+    ('"1.0"', 'the string "1.0"'),
+    ("[1, 2]", "the array [1, 2]"),
+    ('{"r": 1}', 'the object {"r": 1}'),
+]
+
+
+def test_a_reward_that_is_not_a_finite_number_fails_its_episode_in_one_line(server, tok):
+    """Issue 46, acceptance 4: a reward that is not a finite number, in a step's answer or in reset's, fails that
+    episode (finish reason "error", out of the loss, unscored: reward 0, no NaN reaches the advantages) with one line
+    naming the request, the field and what came; the other episodes play on. A bool is a reward (openenv-core's
+    `Observation.reward` is `bool | int | float | None`)."""
+    from forge.rewards.config import RewardConfig
+    from forge.workers import RewardWorker
+
+    row = {"prompt": "1+2=", "model_input": "1+2=", "answer": "3", "reset_reward": "null", "step_reward": "null"}
+    good = [("1", 1.0), ("true", 1.0), ("0.25", 0.25)]
+    rows = [{**row, "step_reward": raw} for raw, _ in BAD_REWARDS + good]
+    rows += [{**row, "reset_reward": "1e309"}, {**row, "reset_reward": '"high"'}]
+    client = connect(oe(url=server.url + "/raw"), episodes=2 * len(rows))
+    ro = play(tok, client, [call("check", guess=3), "3"], rows=rows, n=2)  # episodes 2i, 2i + 1: row i's
+    e, bad = ro.episodes, 2 * len(BAD_REWARDS)
+    where = f"OpenEnv server {server.url}/raw: "
+    step_lines = [
+        f"{where}step: the answer's reward is not a finite number (received {shown})" for _, shown in BAD_REWARDS
+    ]
+    reset_lines = [f"{where}reset: the answer's reward is not a finite number (received the number inf)",
+                   f"{where}reset: the answer's reward is not a finite number (received the string \"high\")"]  # fmt: skip
+    assert e.failures == twice(step_lines + [""] * 3 + reset_lines) and all("\n" not in f for f in e.failures)
+    assert ro.finish_reasons == ["error"] * bad + ["stop"] * 6 + ["error"] * 4
+    assert e.turns == [1] * (bad + 6) + [0] * 4 and e.tool_calls == e.turns
+    assert [env.reward for env in e.environments] == [None] * bad + twice([r for _, r in good]) + [None] * 4
+    assert all(env.rewards == [] for env in e.environments[:bad]) and all(env.session is None for env in e.environments)
+    sampled = ro.loss_mask.sum(dim=1)  # [N]: tokens trained on
+    assert sampled[:bad].eq(0).all() and sampled[bad : bad + 6].gt(0).all() and sampled[bad + 6 :].eq(0).all()
+    worker = RewardWorker(RewardConfig(verifiers=["env_reward"]), advantage="zscore", seed=0, steps=1,
+                          prompts_per_step=len(rows))  # fmt: skip
+    scored = worker.score(rows, ro, 1)
+    assert scored.rewards.tolist() == [0.0] * bad + twice([1.0, 1.0, 0.25]) + [0.0] * 4
+    assert scored.verifier_failures == {"env_reward": bad + 4} and torch.isfinite(scored.advantages).all()
+
+
+def test_answers_nested_too_deeply_or_with_data_that_is_no_object_fail_their_episode(server, tok):
+    """A reset answer of 100,000 nested `[` (json's RecursionError) or whose data is a string fails its episode in one
+    line instead of ending the run."""
+    answers = ["[" * 100_000, '{"type": "observation", "data": "x"}']
+    rows = [{"prompt": "1+2=", "model_input": "1+2=", "answer": "3", "reset_answer": a} for a in answers]
+    ro = play(tok, connect(oe(url=server.url + "/raw"), episodes=2), ["3"], rows=rows, n=1)
+    where = f"OpenEnv server {server.url}/raw: reset: "
+    assert ro.episodes.failures == [
+        f"{where}the server sent something that is not JSON: {'[' * 100!r}",
+        f"{where}the server's answer has data that is not a JSON object: {answers[1]!r}",
+    ]
+    assert ro.finish_reasons == ["error", "error"] and ro.episodes.turns == [0, 0]
+
+
+def twice(xs: list) -> list:
+    return [x for x in xs for _ in range(2)]
+
+
+def test_a_run_goes_on_when_the_server_sends_bad_rewards(server, tmp_path):
+    """Issue 46, acceptance 4, in a run: `/raw` answers every second reset with a reward of 1e309 or "high"
+    (RAW_RESET_REWARDS): those episodes are counted (env/failed) and unscored, the rest train, the run finishes."""
+    forge.train(preset="tiny-multiturn", overrides=_sets(server.url + "/raw", 2), run_dir=tmp_path / "run",
+                progress=False)  # fmt: skip
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["env/failed"] for r in rows] == [8.0, 8.0]  # 16 episodes a step, every second one refused
+    assert all(r["reward/env_reward/failures"] >= 8 and "train/loss" in r for r in rows)
+    assert all(isinstance(r[k], float) for r in rows for k in ("reward/mean", "train/loss"))

@@ -1,7 +1,8 @@
-"""Issue 46 (medium): a tool that never returns and a turn with thousands of calls cannot starve or stall a run. Each
+"""Issue 46 (medium): a tool that never returns, a turn with thousands of calls and a turn of 1,000 nested brackets
+cannot starve, stall or end a run. Each
 call past env.tool_timeout_s is answered with an error; once forge.env.tools.MAX_STUCK_TOOLS such calls still run,
 an episode that calls a tool fails (one line) instead of waiting; a turn's calls past env.max_tool_calls_per_turn
-are not run, get one error answer, and are counted."""
+are not run, get one error answer, and are counted; a call nested too deeply for json is one error answer."""
 
 from __future__ import annotations
 
@@ -84,6 +85,16 @@ def test_ten_thousand_calls_in_one_turn_run_the_first_ones_and_count_the_rest(to
     assert len(tools) == 5 and ro.episodes.environments[0].total == 12
     assert ro.episodes.tool_calls == [10_000] and ro.episodes.tool_errors == [9_996]
     assert ro.finish_reasons == ["stop"] and time.perf_counter() - t0 < 30
+
+
+def test_a_turn_of_a_thousand_nested_brackets_is_one_counted_error_answer_and_the_episode_goes_on(tok):
+    """`[` * 1,000 in a tool call raised RecursionError in json (and ended the run): now an error answer."""
+    cfg = EnvConfig(max_turns=3, max_tokens=20_000)
+    ro = _play(tok, ["<tool_call>" + "[" * 1000 + "</tool_call>", CALL, "3"], cfg)
+    tools = [s["content"] for s in ro.episodes.transcripts[0] if s["role"] == "tool"]
+    assert tools == ["Error: malformed tool call (JSON nested too deeply)", "3"]  # the next call is answered
+    assert ro.episodes.tool_calls == [2] and ro.episodes.tool_errors == [1] and ro.episodes.turns == [3]
+    assert ro.finish_reasons == ["stop"] and ro.episodes.failures == [""]
 
 
 def test_a_tool_that_raises_system_exit_is_an_error_answer_not_the_runs_end():
