@@ -18,7 +18,7 @@ from tests.env.test_agent import CALL, ROWS, recording, sampled_segments, script
 
 
 def test_an_agents_sdk_agent_with_a_function_tool_is_one_sequence_of_sampled_tokens(tok):
-    from tests.env.sdk_agents import adder
+    from examples.openai_agents.sdk_agent import adder
 
     host = AgentHost(adder, tok, EnvConfig(max_tokens=400), "tiny-random", use_template=False)
     sample, seen = recording(scripted(tok, [CALL, "7"], "</tool_response>"))
@@ -51,7 +51,7 @@ def test_a_training_run_with_an_agents_sdk_agent_raises_its_reward(tmp_path):
     from forge.tracking import read_metrics
 
     sets = ["steps=30", "threads=1", "tracking.mlflow=false", "checkpoint.every=0", "eval.every=0",
-            "eval.max_problems=1", "eval.k=0", "env.agent.fn=tests.env.sdk_agents:answerer", "env.max_tokens=12",
+            "eval.max_problems=1", "eval.k=0", "env.agent.fn=examples.openai_agents.sdk_agent:answerer", "env.max_tokens=12",
             "rollout.prompts_per_step=8", "rollout.group_size=8", "rollout.max_new_tokens=3", "update.lr=2e-3",
             "data.train_size=200"]  # fmt: skip
     forge.train(preset="tiny", overrides=sets, run_dir=tmp_path / "run", progress=False)
