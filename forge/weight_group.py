@@ -15,6 +15,11 @@ tensor). Peak extra memory on the sender is one bucket, never a second copy of t
 (plus what vLLM's loader itself keeps while it fuses a layer's parts). Only the `WeightPlan` (names, dtypes, shapes, bucket
 layout: a few kB) travels by other means (Ray), once per group.
 
+A LoRA policy feeding hf copies sends only its adapter (the copies hold the base and an adapter of the same config;
+`forge.workers.publishes_adapter`): the plan then lists the lora_A/lora_B tensors alone and carries rank 0's
+fingerprints of the base (`WeightPlan.frozen`), which each receiver checks against its own copy when it joins
+(`check_frozen`). Into a vLLM engine the trainer streams the merged weights, each computed as it is packed.
+
 Every sync begins with each receiver saying it is ready (a signed store key) and rank 0 waiting for all of them
 (`ready_timeout`) before the first bucket: a receive queued behind other work (asynchronous GRPO's generate calls)
 never leaves rank 0 inside an open collective whose timeout (NCCL's watchdog) runs while the receiver is busy.

@@ -10,6 +10,8 @@ node Weaver planned for its stage. Nothing here knows which: no Ray, no Prefect.
   tools run here) and evaluates (`evaluate`) with the hf backend or a vLLM engine in its own process; receives new
   weights over the weight group (`join_weight_group`, `receive_weights(version)`;
   `forge.weight_group`) or as a dict (`load_weights(weights, version)`) and refuses to sample for another version.
+  An hf copy of a LoRA policy is the base with an adapter of the same config, and receives the adapter alone
+  (`publishes_adapter`).
 - `RewardWorker`: verifiers -> the reward (`reward.aggregate`: weighted, mean, majority vote or the label-free
   ensemble; forge/rewards/aggregate.py) -> group advantages (`score`); with `distill.teacher`, plus the teacher's
   per-token distillation advantage ([N, T]; forge/rewards/teacher.py) from the teacher stage's scores it is given.

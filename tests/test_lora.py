@@ -1,9 +1,10 @@
 """LoRA (model.lora.*), gradient checkpointing and attn_implementation on the tiny Llama.
 
-The update's copy is a peft model whose adapter alone is trained (forge.models.add_lora); the rollout sees
-merged weights (W + scale * B @ A, forge.models.merged_weights) or, in-process, the peft module itself; the
-reference model for beta > 0 is the policy with its adapter disabled; checkpoints hold the adapter only and resume
-exactly. Batches are tests/test_trainer.py's hand-built one.
+The update's copy is a peft model whose adapter alone is trained (forge.models.add_lora); in-process the rollout
+samples from the peft module itself, an hf rollout copy receives the adapter alone over the weight group (its own
+base checked at join), a vLLM engine the merged weights (W + scale * B @ A, forge.models.merged_tensors), each
+computed only as it is sent; the reference model for beta > 0 is the policy with its adapter disabled; checkpoints
+hold the adapter only and resume exactly. Batches are tests/test_trainer.py's hand-built one.
 """
 
 from __future__ import annotations
