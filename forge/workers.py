@@ -10,6 +10,8 @@ node Weaver planned for its stage. Nothing here knows which: no Ray, no Prefect.
   tools run here) and evaluates (`evaluate`) with the hf backend or a vLLM engine in its own process; receives new
   weights over the weight group (`join_weight_group`, `receive_weights(version)`;
   `forge.weight_group`) or as a dict (`load_weights(weights, version)`) and refuses to sample for another version.
+  An hf copy of a LoRA policy is the base with an adapter of the same config, and receives the adapter alone
+  (`publishes_adapter`).
 - `RewardWorker`: verifiers -> the reward (`reward.aggregate`: weighted, mean, majority vote or the label-free
   ensemble; forge/rewards/aggregate.py) -> group advantages (`score`); with `distill.teacher`, plus the teacher's
   per-token distillation advantage ([N, T]; forge/rewards/teacher.py) from the teacher stage's scores it is given.
@@ -66,7 +68,7 @@ from forge.distributed import state as dist_state
 from forge.env.config import EnvConfig
 from forge.evaluate import evaluate
 from forge.model_config import ModelConfig
-from forge.models import default_device, is_peft, load_policy
+from forge.models import add_lora, default_device, frozen_tensors, is_peft, load_policy
 from forge.records import Rollouts, ScoredBatch, TeacherTopK, UpdateStats
 from forge.rewards.aggregate import majority_rewards, mean_scores
 from forge.rewards.code_judge import count_suspicious
@@ -77,7 +79,7 @@ from forge.rewards.score import score_completions, unscored
 from forge.rollout import SamplingParams, make_backend
 from forge.rollout.config import RolloutConfig
 from forge.trainer_config import AlgoConfig, UpdateConfig
-from forge.weight_group import WeightGroup, WeightPlan, copy_into, make_plan
+from forge.weight_group import FROZEN_SYNC, WeightGroup, WeightPlan, copy_into, fingerprint, make_plan
 
 if TYPE_CHECKING:
     from forge.rewards.teacher import TeacherScores
@@ -125,6 +127,8 @@ class RolloutWorker:
             # a vLLM engine reads only the config here (its weights arrive by sync): no weight file is read, no
             # host copy of the policy is made (a meta-device model; 30 GB of fp32 at 7B otherwise)
             model, tokenizer = load_policy(model_cfg, seed=seed, weights=rollout.backend != "vllm")
+            if publishes_adapter(rollout, model_cfg):  # the syncs carry only the adapter: hold one over the base
+                model = add_lora(model, model_cfg.lora)
             model.requires_grad_(False)
             if rollout.backend == "hf":  # a vLLM engine places its own copy
                 model = model.to(default_device())
@@ -198,6 +202,7 @@ class RolloutWorker:
             return
         self.weight_group, self.weight_plan = WeightGroup(rank, world, backend), plan
         self.weight_group.connect(address, port, local_address=local_address)
+        self.weight_group.check_frozen(plan, self.model.state_dict())  # LoRA: the base the adapter lands on
         self._load_into = copy_into(self.model)
 
     def receive_weights(self, version: int) -> float:
@@ -397,6 +402,7 @@ class TrainerWorker:
 
         self.rank, self.world, self.checkpoint_cfg = rank, world, checkpoint
         self.publish = functools.partial(publish_dtype, rollout, model_cfg.dtype)
+        self.adapter_only = publishes_adapter(rollout, model_cfg)  # LoRA into hf copies: the syncs carry the adapter
         self.weight_check = rollout.weight_check  # the weight group's integrity check (its receivers follow it)
         self.queued_syncs = algo.max_staleness > 0  # asynchronous: a sync's receives wait behind generate calls
         accelerator = None
@@ -459,8 +465,11 @@ class TrainerWorker:
         # that without a limit of its own (a receiver that dies is the driver's to see: it closes the group)
         ready = QUEUED_SYNC_WAIT if self.queued_syncs else None
         self.weight_group = WeightGroup(0, world, backend, check=self.weight_check, ready_timeout=ready)
-        shapes = self.trainer.publish_shapes()
+        shapes = self.trainer.publish_shapes(self.adapter_only)
         self.weight_plan = make_plan(shapes, self.publish(shapes[0][1]))
+        if self.adapter_only:  # the receivers hold the base already: they check it is this one when they join
+            frozen = fingerprint(frozen_tensors(self.trainer.unwrapped), FROZEN_SYNC)
+            self.weight_plan = dataclasses.replace(self.weight_plan, frozen=tuple(frozen.items()))
         port = self.weight_group.host(address)
         self.group_member = {"rank": 0, "world": world, "address": address, "port": port, "backend": backend}
         return self.weight_plan, port
@@ -475,7 +484,7 @@ class TrainerWorker:
         parameter in turn (a collective), so a rank without a group still drains the stream; a DDP rank without one
         does nothing (no host copy). DDP ranks hold identical full replicas, so any rank's stream is the policy."""
         if self.weight_group is not None:
-            return self.weight_group.send(self.weight_plan, self.trainer.publish_tensors())
+            return self.weight_group.send(self.weight_plan, self.trainer.publish_tensors(self.adapter_only))
         if self.trainer.fsdp:
             for _ in self.trainer.publish_tensors():
                 pass
@@ -542,6 +551,20 @@ def loads_weights(strategy: str, rank: int, world: int) -> bool:
     """Whether update rank `rank` reads the policy's weights: under FSDP only rank 0 does (the others build the
     model on the meta device and receive their shards from it; the reference model, algo.beta > 0, likewise)."""
     return rank == 0 or world == 1 or strategy != "fsdp"
+
+
+def publishes_adapter(rollout: RolloutConfig, model_cfg: ModelConfig) -> bool:
+    """Whether a weight sync carries only the LoRA adapter (`model.lora.rank` > 0): into hf rollout copies, which load
+    the same base and an adapter of the same config (`RolloutWorker`) and so compute exactly what the trainer's peft
+    module does. A vLLM engine gets the merged weights, one tensor at a time (`forge.trainer.Trainer.publish_tensors`):
+    vLLM 0.32 loads an adapter only from a directory (`LoRARequest.lora_path`), which the weight group never writes.
+
+    >>> from forge.model_config import LoraConfig
+    >>> lora = ModelConfig(lora=LoraConfig(rank=8))
+    >>> publishes_adapter(RolloutConfig(), lora), publishes_adapter(RolloutConfig(backend="vllm"), lora)
+    (True, False)
+    """
+    return model_cfg.lora.rank > 0 and rollout.backend == "hf"
 
 
 def publish_dtype(rollout: RolloutConfig, model_dtype: str, trainer_dtype: torch.dtype) -> torch.dtype:

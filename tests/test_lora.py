@@ -1,9 +1,10 @@
 """LoRA (model.lora.*), gradient checkpointing and attn_implementation on the tiny Llama.
 
-The update's copy is a peft model whose adapter alone is trained (forge.models.add_lora); the rollout sees
-merged weights (W + scale * B @ A, forge.models.merged_weights) or, in-process, the peft module itself; the
-reference model for beta > 0 is the policy with its adapter disabled; checkpoints hold the adapter only and resume
-exactly. Batches are tests/test_trainer.py's hand-built one.
+The update's copy is a peft model whose adapter alone is trained (forge.models.add_lora); in-process the rollout
+samples from the peft module itself, an hf rollout copy receives the adapter alone over the weight group (its own
+base checked at join), a vLLM engine the merged weights (W + scale * B @ A, forge.models.merged_tensors), each
+computed only as it is sent; the reference model for beta > 0 is the policy with its adapter disabled; checkpoints
+hold the adapter only and resume exactly. Batches are tests/test_trainer.py's hand-built one.
 """
 
 from __future__ import annotations
@@ -311,3 +312,128 @@ def test_lora_learns_on_a_pretrained_tiny_model(tmp_path: Path):
     assert ADAPTER in files and WEIGHTS not in files
     # rank 16 on 2 layers of width 128 (MLP 512): 16 * (4 * 256 + 3 * 640) * 2 layers fp32 values
     assert 4 * 16 * (4 * 256 + 3 * 640) * 2 < files[ADAPTER] < 4 * 16 * (4 * 256 + 3 * 640) * 2 + 16384
+
+
+# ---------------------------------------------------------------- weight sync: the adapter only, or merged lazily
+
+HOST = "127.0.0.1"
+
+
+def _sync(trainer: TrainerWorker, rollout, version: int) -> tuple:
+    """One weight group between update rank 0 and an hf rollout worker (a thread of this process, gloo on
+    127.0.0.1): join, then one sync of `version`; (the plan, bytes sent)."""
+    import threading
+
+    plan, port = trainer.host_weight_group(HOST, 2)
+    failed: list[BaseException] = []
+
+    def member(call):
+        try:
+            call()
+        except BaseException as e:  # surfaced by the test thread below
+            failed.append(e)
+
+    for mine, theirs in ((lambda: trainer.connect_weight_group(HOST, port),
+                          lambda: rollout.join_weight_group(1, 2, HOST, port, plan, HOST)),
+                         (trainer.send_weights, lambda: rollout.receive_weights(version))):  # fmt: skip
+        t = threading.Thread(target=member, args=(theirs,))
+        t.start()
+        out = mine()
+        t.join(timeout=60)
+        assert not failed, failed
+    return plan, out
+
+
+def test_a_lora_sync_into_an_hf_copy_sends_only_the_adapter_and_the_copy_samples_the_trainers_policy(tok):
+    """The plan of a LoRA policy feeding hf copies lists lora_A/lora_B alone, 2944 fp32 values (the adapter's bytes,
+    not the model's), with the base's fingerprints; after one sync the copy (the same base, an adapter of the same
+    config) gives the trainer's log-probs bit for bit, and the merged policy's within float rounding."""
+    from forge.compose import rollout_worker
+
+    w = lora_worker(rank=4)
+    batch = make_batch(w.tokenizer)
+    for _ in range(2):
+        w.step(*batch)
+    rollout = rollout_worker(lora_cfg(4))
+    assert is_peft(rollout.model)
+    ro = batch.rollouts
+    args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+    with torch.no_grad():
+        want = token_logprobs(w.trainer.unwrapped.eval(), *args).logp
+        stale = token_logprobs(rollout.model.eval(), *args).logp
+    assert (want - stale).abs().max() > 1e-4  # two steps moved the adapter: the copy must receive it
+
+    plan, sent = _sync(w, rollout, version=2)
+    names = [s.name for s in plan.tensors]
+    assert len(names) == 7 * 2 and all(n.endswith((".lora_A.default.weight", ".lora_B.default.weight")) for n in names)
+    # rank 4 on q, k, v, o (32 -> 32) and gate, up, down (32 <-> 128): 4 * (4 * 64 + 3 * 160) = 2944 fp32 values
+    assert plan.nbytes == sent == 4 * 2944
+    n_model = sum(p.numel() for p in w.trainer.unwrapped.parameters())
+    assert plan.nbytes < 4 * n_model / 5
+    assert {n for n, _ in plan.frozen} == {k for k in rollout.model.state_dict() if ".lora_" not in k}
+    assert rollout.policy_version == 2
+    with torch.no_grad():
+        got = token_logprobs(rollout.model.eval(), *args).logp
+    assert torch.equal(got, want)
+    plain = build_tiny_model(tok, hidden=32, layers=1, seed=0)
+    plain.load_state_dict(merged_weights(w.trainer.unwrapped))
+    with torch.no_grad():
+        merged = token_logprobs(plain.eval(), *args).logp
+    assert (got - merged).abs().max() < 1e-5
+    w.close(), rollout.close()
+
+
+def test_an_hf_copy_on_another_base_is_refused_when_it_joins():
+    """The syncs carry only the adapter, so the copy's own base must be the trainer's: the plan's fingerprints of it
+    are checked at join (`check_frozen`); a base of another seed is named in one line, the same base passes, and
+    rollout.weight_check=false skips it."""
+    from forge.models import frozen_tensors
+    from forge.weight_group import FROZEN_SYNC, WeightGroup, fingerprint, plan_for
+
+    w = lora_worker(rank=4)
+    model = w.trainer.unwrapped
+    plan = plan_for(model.named_parameters(), torch.float32)
+    plan = dataclasses.replace(plan, frozen=tuple(fingerprint(frozen_tensors(model), FROZEN_SYNC).items()))
+    same, _ = load_policy(lora_cfg(4).model, seed=0)
+    other, _ = load_policy(lora_cfg(4).model, seed=1)
+    same, other = (add_lora(m, lora_cfg(4).model.lora).state_dict() for m in (same, other))
+    group = WeightGroup(1, 2, "gloo", secret=b"k")
+    group.check_frozen(plan, same)
+    with pytest.raises(RuntimeError, match=r"rank 1: this engine's 'base_model\.model\.model\.embed_tokens\.weight' "
+                                           r"is not rank 0's: the syncs carry only the adapter"):  # fmt: skip
+        group.check_frozen(plan, other)
+    group.check = False  # rollout.weight_check=false
+    group.check_frozen(plan, other)
+
+
+def test_merged_publish_for_a_vllm_engine_computes_each_delta_only_when_its_tensor_is_taken():
+    """A vLLM engine gets merged weights (vLLM 0.32 loads an adapter only from a directory): `publish_tensors` is a
+    generator that computes module i's W + scale * B @ A when the weight group takes tensor i, so the sender never
+    holds the merged model (nor all the deltas) at once; its names and shapes are the plan's, tied copies once,
+    and the values are `merged_weights`'."""
+    import inspect
+
+    from peft.tuners.lora import LoraLayer
+
+    cfg = lora_cfg(4)
+    cfg.rollout.backend = "vllm"
+    w = TrainerWorker(cfg)
+    assert not w.adapter_only
+    randomise_adapter(w.trainer.unwrapped)
+    calls: list[str] = []
+    for name, module in w.trainer.unwrapped.named_modules():
+        if isinstance(module, LoraLayer):
+            real = module.get_delta_weight
+            module.get_delta_weight = lambda adapter, real=real, name=name: calls.append(name) or real(adapter)
+    stream = w.trainer.publish_tensors()
+    assert inspect.isgenerator(stream) and not calls
+    sent, merged_so_far = [], 0
+    for name, tensor in stream:
+        sent.append((name, tensor))
+        merged_so_far += name.endswith("_proj.weight") and ".layers." in name
+        assert len(calls) == merged_so_far  # the deltas of the tensors taken so far, no more
+    assert merged_so_far == 7
+    assert [(n, t.dtype, tuple(t.shape)) for n, t in sent] == w.trainer.publish_shapes()
+    whole = merged_weights(w.trainer.unwrapped)
+    assert set(whole) - {n for n, _ in sent} == {"lm_head.weight"}  # tied to the embedding: sent once
+    assert all(torch.equal(t, whole[n]) for n, t in sent)

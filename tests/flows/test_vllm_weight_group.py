@@ -23,7 +23,7 @@ from flows.ray_actor import StageActor
 from forge.distributed.state import unique_names
 from forge.rollout import SamplingParams
 from forge.rollout.vllm import EXTENSION, REPO, engine_dtype, engine_env, engine_kwargs, vllm_python
-from forge.weight_group import SECRET_ENV, WeightGroup, plan_for, weight_secret
+from forge.weight_group import SECRET_ENV, WeightGroup, make_plan, plan_for, weight_secret
 from tests.flows.test_ray_vllm import PROMPTS, _cfg, _tiny
 from tests.flows.vllm_disk_engine import disk_greedy, live_receive_buffers, track_receive_buffers
 
@@ -144,6 +144,38 @@ def _sync_over(actor, backend: str, plan, state, version: int) -> list[list[int]
     ray.get(received)
     group.close()
     return _greedy_rows(actor, version)
+
+
+def test_a_lora_policy_reaches_the_engine_as_merged_weights_streamed_one_tensor_at_a_time(engines, tmp_path):
+    """A LoRA policy into a vLLM engine (vLLM 0.32 takes an adapter only from a directory): the trainer's
+    `merged_tensors` stream, each W + scale * B @ A computed when its bucket is packed, tied head once; the engine's
+    greedy tokens then equal a fresh engine's that loaded the merged model from disk, and differ from the base's."""
+    from forge.model_config import LoraConfig
+    from forge.models import add_lora, merged_shapes, merged_tensors, merged_weights
+
+    actor, disk_greedy = engines
+    base, tok = _tiny()
+    base_rows = _sync_over(actor, "gloo", plan_for(_unique(base), torch.float32), lambda: _unique(base), 7)
+    model, _ = _tiny()
+    peft = add_lora(model, LoraConfig(rank=8))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    plan = make_plan(merged_shapes(peft, tied=False), torch.float32, bucket_bytes=64 << 10)
+    assert len(plan.buckets) > 1 and "lm_head.weight" not in {s.name for s in plan.tensors}
+    got = _sync_over(actor, "gloo", plan, lambda: merged_tensors(peft, tied=False), 8)
+    plain, _ = _tiny()
+    plain.load_state_dict(merged_weights(peft))
+    plain.save_pretrained(tmp_path / "merged")
+    tok.save_pretrained(tmp_path / "merged")
+    assert got == disk_greedy(str(tmp_path / "merged")) != base_rows
+
+
+def _unique(model):
+    unique = unique_names(model)
+    return ((k, v) for k, v in model.state_dict().items() if k in unique)
 
 
 def test_extension_names_the_class_vllm_mixes_in():
