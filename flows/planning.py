@@ -223,7 +223,7 @@ def update_breakdown(cfg: RunConfig, shape: ModelShape, shards: int, gpu: bool) 
 def rollout_breakdown(cfg: RunConfig, shape: ModelShape, gpu: bool) -> Breakdown:
     """One rollout device's memory: weights in the rollout's dtype (1/tp each), the KV cache of its concurrent
     sequences (an hf copy: `rollout.batch_size` at a time; a vLLM engine: the step's B*G over the replicas) of
-    prompt + completion tokens in that dtype, one weight-sync bucket."""
+    prompt + completion tokens in that dtype, one weight-sync bucket (and, vLLM, the layer its reload holds)."""
     r = cfg.rollout
     vllm = r.backend == "vllm"
     tp = r.tensor_parallel_size if vllm and gpu else 1
@@ -231,7 +231,7 @@ def rollout_breakdown(cfg: RunConfig, shape: ModelShape, gpu: bool) -> Breakdown
     dtype = rollout_bytes(cfg, gpu)
     tokens = cfg.data.max_prompt_tokens + r.max_new_tokens
     return rollout_memory(shape, sequences=sequences, tokens_per_sequence=tokens, weight_bytes=dtype,
-                          kv_bytes=dtype, tp=tp)  # fmt: skip
+                          kv_bytes=dtype, tp=tp, fuses_layers=vllm)  # fmt: skip
 
 
 def memory_report(cfg: RunConfig, result: Plan, pools: list[Pool]) -> str:

