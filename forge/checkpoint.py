@@ -32,7 +32,8 @@ waits for it); the error of a failed background save is raised by every later wa
 
 Retention keeps the `keep_last` newest plus the `keep_best` best by their score (checkpoint.json's `eval_pass@1`: the
 eval pass@1 the recipe passes, or with a probe set the probe pass@1 of the weights saved, so the collapse guard's
-best-probe checkpoint stays).
+best-probe checkpoint stays), and never removes the one `latest` names or the newest intact one (a newer checkpoint
+damaged on its way to disk does not cost the last good one).
 """
 
 from __future__ import annotations
@@ -733,9 +734,13 @@ def assign_weights(model, state: dict[str, torch.Tensor], source: str = "weights
 
 
 def apply_retention(root: Path, keep_last: int, keep_best: int) -> list[Path]:
-    """Delete checkpoints outside keep_last newest + keep_best best (never the one `latest` names)."""
+    """Delete checkpoints outside keep_last newest + keep_best best, never the one `latest` names nor the newest
+    intact one (`checkpoint_problem`: a newer checkpoint damaged on its way to disk never costs the last good one)."""
     dirs = sorted(p for p in root.glob("step-*") if p.is_dir())
     keep = set(dirs[-keep_last:]) if keep_last > 0 else set()
+    intact = next((d for d in reversed(dirs) if not checkpoint_problem(d)), None)
+    if intact is not None:
+        keep.add(intact)
     scored = [(d, score_of(d)) for d in dirs]
     scored = [(d, s) for d, s in scored if s is not None]
     scored.sort(key=lambda ds: (-ds[1], ds[0].name))

@@ -321,6 +321,21 @@ def test_retention_with_real_saves(tmp_path: Path, tok):
     assert latest_checkpoint(root) == root / "step-000004"
 
 
+def test_retention_keeps_the_newest_intact_checkpoint_when_a_newer_one_is_damaged(tmp_path: Path, tok):
+    """keep_last=1 after a save whose file was damaged on its way to disk: the damaged newest stays (`latest` names
+    it; resume skips it with one line) and so does the newest intact one before it; only older ones go."""
+    root, w = tmp_path / "checkpoints", worker(tok)
+    for step in (1, 2, 3):
+        save(w, root, step)
+    weights = root / "step-000003" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    apply_retention(root, keep_last=1, keep_best=0)
+    assert steps_left(root) == [2, 3]
+    save(w, root, 4)
+    apply_retention(root, keep_last=1, keep_best=0)  # step 4 is intact: 2 and 3 may go
+    assert steps_left(root) == [4]
+
+
 # ---------------------------------------------------------------- metrics.jsonl
 
 
