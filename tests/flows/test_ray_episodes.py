@@ -123,7 +123,11 @@ def test_a_vllm_actor_serves_an_agents_endpoint_and_the_agent_learns_one_step_of
     the episodes it plays, the agent (tests/env/agents.py `sum_agent`, urllib, two chat requests an episode) runs in
     that actor, asynchronous GRPO (algo.max_staleness=1) samples every step after the first one version behind, each
     request recording the version it was sampled from, and the reward rises. The settings of tests/env/test_agent.py's
-    in-process training test (hf, on-policy: rises 0.139-0.161 over seeds 0-2); measured here, seed 0: rise {RISE}."""
+    in-process training test (hf, on-policy: rises 0.139-0.161 over seeds 0-2). Measured here (~80-120 s on 2 busy
+    cores), reward/mean over steps 1-5 -> 26-30 rises 0.186, 0.131, 0.159, 0.150 at seeds 0-3; the test runs seed 0
+    and asks 0.08, below the worst seed (without learning the rise is ~0, tests/env/test_agent_sdk.py).
+    The agent is a plain-client one: it runs in the engine's venv (.venv-vllm), which has `openai` but not the Agents
+    SDK (whose pins would move vLLM's websockets)."""
     from forge.config import apply_overrides
     from forge.presets import tiny
 
@@ -144,8 +148,7 @@ def test_a_vllm_actor_serves_an_agents_endpoint_and_the_agent_learns_one_step_of
     stale = [m["rollout/staleness_max"] for m in rows]
     assert stale[0] == 0 and set(stale[1:]) == {1}
     rise = sum(m["reward/mean"] for m in rows[-5:]) / 5 - sum(m["reward/mean"] for m in rows[:5]) / 5
-    print("rise", rise)
-    assert rise > 0.05, rise
+    assert rise > 0.08, rise
 
 
 def openenv_cfg(url: str = "", app: str = "", **kw):
