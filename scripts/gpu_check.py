@@ -26,7 +26,10 @@ Sections, each with a time budget (seconds, `BUDGETS`; a section past it is stop
 
 Peak memory: torch's CUDA allocator (`max_memory_allocated`; the CUDA context and NCCL's buffers not counted) on the
 GPU; on the CPU the process's peak RSS (VmHWM, reset per measurement), which includes the interpreter. The planner's
-prediction is `weaver.plan.stage_needs` for the same parameter count (flows.planning's bytes per parameter).
+prediction is `weaver.memory` (what `forgeweave plan` prints) for the same model shape and token shape: update
+memory from tokens (weights, gradients, AdamW, logits and their gradient, activations with or without gradient
+checkpointing; padded rows, so packing does not change it), rollout memory from the KV cache per token; `planned_gib`
+beside it is the old per-parameter estimate (`weaver.plan.stage_needs`), kept to compare.
 MFU = model FLOPs / seconds / the device's dense bf16 peak (H100/H200: 989 TFLOP/s; elsewhere the matmul rate
 measured in `env`), model FLOPs = 6 x (non-embedding parameters x batch tokens + LM head x completion tokens):
 attention scores and gradient checkpointing's recompute are not counted; packing does not change them (a packed
@@ -134,6 +137,26 @@ def planned(params: int, **kwargs) -> dict[str, float]:
     needs = stage_needs(params, gpu=True, reference_bytes_per_param=reference_bytes(cfg),
                         rollout_bytes_per_param=rollout_bytes(cfg, True), **kwargs)  # fmt: skip
     return {n.name: n.memory_gib for n in needs}
+
+
+def predicted(model, micro: int, prompt: int, completion: int, ckpt: bool = False) -> float:
+    """GiB the memory model (`weaver.memory.update_memory`, the planner's) predicts for one update process of
+    `model`'s shape: micro-batches of `micro` rows of `prompt` + `completion` tokens, fp32 masters, bf16 autocast."""
+    from weaver.memory import ModelShape, TokenShape, UpdateSetup, update_memory
+
+    setup = UpdateSetup(master_bytes=4, autocast_bf16=True, gradient_checkpointing=ckpt)
+    shape = ModelShape.from_config(model.config.to_dict())
+    return round(update_memory(shape, TokenShape(micro, prompt, completion), setup).total_gib, 3)
+
+
+def predicted_rollout(model, sequences: int, tokens: int, weight_bytes: int) -> float:
+    """GiB the memory model (`weaver.memory.rollout_memory`) predicts for an hf copy sampling `sequences` at once of
+    `tokens` tokens (prompt + completion), its KV cache in bf16."""
+    from weaver.memory import ModelShape, rollout_memory
+
+    shape = ModelShape.from_config(model.config.to_dict())
+    return round(rollout_memory(shape, sequences=sequences, tokens_per_sequence=tokens, weight_bytes=weight_bytes,
+                                kv_bytes=2).total_gib, 3)  # fmt: skip
 
 
 def _host_kib(key: str) -> int:
@@ -317,7 +340,8 @@ def update(check: Check) -> dict:
     for micro in micro_sizes:
         for packing in (True, False):
             for ckpt in (False, True):
-                row = {"micro_batch": micro, "packing": packing, "grad_ckpt": ckpt, "planned_gib": plan}
+                row = {"micro_batch": micro, "packing": packing, "grad_ckpt": ckpt, "planned_gib": plan,
+                       "predicted_gib": predicted(model, micro, prompt_len, tokens, ckpt)}  # fmt: skip
                 checkpointing(model, ckpt)
                 try:
                     row |= update_variant(check, model, batch, micro, packing)
@@ -327,7 +351,8 @@ def update(check: Check) -> dict:
                     seconds = row["seconds_per_step"]
                     row |= {"tokens_per_s": round(all_tokens / seconds, 1), "mfu": mfu(check, flops, seconds),
                             "completion_tokens_per_s": round(completion / seconds, 1),
-                            "peak_over_planned": round(row["peak_gib"] / plan, 3)}  # fmt: skip
+                            "peak_over_planned": round(row["peak_gib"] / plan, 3),
+                            "peak_over_predicted": round(row["peak_gib"] / row["predicted_gib"], 3)}  # fmt: skip
                 rows.append(row)
                 free(check.device)
     return {"params": counts[0], "rows_per_step": groups * g, "prompt_tokens": prompt_len,
@@ -354,9 +379,11 @@ def rollout(check: Check) -> dict:
         with peak_memory(check.device) as mem:
             seconds, out = timed(check.device, backend.generate, prompts, params)
         sampled = int(out.completion_mask.sum())
+        pred = predicted_rollout(model, n, out.prompt_ids.shape[1] + tokens, 4 if dtype == torch.float32 else 2)
         rows.append({"variant": label, "prompts": n, "tokens": sampled, "seconds": round(seconds, 3),
                      "tokens_per_s": round(sampled / seconds, 1), **mem, "planned_gib": plan,
-                     "peak_over_planned": round(mem["peak_gib"] / plan, 3)})  # fmt: skip
+                     "peak_over_planned": round(mem["peak_gib"] / plan, 3), "predicted_gib": pred,
+                     "peak_over_predicted": round(mem["peak_gib"] / pred, 3)})  # fmt: skip
         del backend, model
         free(check.device)
     return {"variants": rows}
@@ -519,6 +546,7 @@ def fsdp(check: Check) -> dict:
     with peak_memory(check.device) as mem:
         seconds = statistics.median(timed(check.device, step)[0] for _ in range(2))
     plan = planned(counts[0], update_sharded=True, update_processes=1)["update"]
+    pred = predicted(model, rows, 0, seq)  # HF's own loss: logits over every position, as the completion's are
     full = fsdp_mod.full_model_state(model)
     fsdp_mod.load_full_model_state(model, {k: v.clone() for k, v in full.items()})  # it may convert what it gets
     back = fsdp_mod.full_model_state(model)
@@ -528,8 +556,8 @@ def fsdp(check: Check) -> dict:
     return {"params": counts[0], "parameter_type": type(next(model.parameters())).__name__, "tokens_per_step": tokens,
             "seconds_per_step": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1),
             "mfu": mfu(check, model_flops(counts, c.hidden_size, c.vocab_size, tokens, tokens), seconds), **mem,
-            "planned_gib": plan, "peak_over_planned": round(mem["peak_gib"] / plan, 3),
-            "full_state_round_trip_equal": same}  # fmt: skip
+            "planned_gib": plan, "peak_over_planned": round(mem["peak_gib"] / plan, 3), "predicted_gib": pred,
+            "peak_over_predicted": round(mem["peak_gib"] / pred, 3), "full_state_round_trip_equal": same}  # fmt: skip
 
 
 # ---------------------------------------------------------------- ckpt
@@ -544,7 +572,7 @@ def ckpt(check: Check) -> dict:
     cfg.checkpoint.async_save = False
     cfg.rollout.max_new_tokens = 8
     worker = TrainerWorker(cfg, micro_update=update_micro_batch)
-    worker.step(*grpo_batch(len(worker.tokenizer), 2, 4, 8, 8), publish=False)
+    worker.step(*grpo_batch(len(worker.tokenizer), 2, 4, 8, 8))
     with tempfile.TemporaryDirectory() as root:
         seconds, _ = timed(check.device, lambda: (worker.save(root, 1, {"note": "gpu check"}, None),
                                                   worker.wait_saved()))  # fmt: skip
@@ -635,11 +663,11 @@ def run_section(check: Check, key: str) -> dict:
 
 def table(report: dict) -> str:
     """The markdown table: one row per measurement."""
-    lines = ["| section | variant | tokens/s | s/step or s/sync | MFU | peak GiB (publish: extra MiB) | planned | ratio |",
+    lines = ["| section | variant | tokens/s | s/step or s/sync | MFU | peak GiB (publish: extra MiB) | predicted | ratio |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     s = report["sections"]
 
-    def row(section, variant, r, rate="tokens_per_s", secs="seconds_per_step", peak="peak_gib", plan="planned_gib"):
+    def row(section, variant, r, rate="tokens_per_s", secs="seconds_per_step", peak="peak_gib", plan="predicted_gib"):
         ratio = f"{r[peak] / r[plan]:.2f}" if r.get(plan) and r.get(peak) is not None else ""
         lines.append(f"| {section} | {variant} | {r.get(rate, '')} | {r.get(secs, '')} | {r.get('mfu', '')} | "
                      f"{r.get(peak, '')} | {r.get(plan, '')} | {ratio} |")  # fmt: skip

@@ -95,6 +95,7 @@ def test_the_dry_run_passes_in_the_bare_venv_and_writes_every_section(wheels, tm
     }  # micro-batch sizes x packing x gradient checkpointing
     for v in variants + s["rollout"]["result"]["variants"] + [s["fsdp"]["result"]]:
         assert v["tokens_per_s"] > 0 and v["peak_gib"] > 0 and v["planned_gib"] > 0 and v["peak_over_planned"] > 0, v
+        assert v["predicted_gib"] > 0 and v["peak_over_predicted"] > 0, v  # weaver.memory's, the planner's
     assert all(0 < v["mfu"] for v in variants) and s["fsdp"]["result"]["full_state_round_trip_equal"]
     p = s["publish"]["result"]
     assert p["bit_exact"] and p["ipc_seconds_per_sync"] > 0 and p["planned_extra_mib"] > 0
