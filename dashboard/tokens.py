@@ -18,7 +18,7 @@ import pandas as pd
 SAMPLED, ADDED = "sampled", "added"  # the two kinds the loss mask tells apart
 UNLIKELY = 0.1  # a sampled token below this sampling probability is marked
 STYLE = """<style>
-.fw-tokens {font-family: monospace; font-size: 0.9rem; line-height: 1.9; white-space: pre-wrap; word-break: break-all}
+.fw-tokens {font-family: monospace; font-size: 0.9rem; line-height: 1.9; white-space: pre-wrap; overflow-wrap: anywhere}
 .fw-tokens span {border-radius: 3px; padding: 1px 0; margin-right: 1px}
 .fw-sampled {background: #cfe3ff; color: #0b2e5e}
 .fw-added {background: #e6e6e6; color: #555; font-style: italic}
