@@ -27,6 +27,7 @@ EPISODE_COLUMNS = ("turns", "tool calls", "tool errors", "truncated")  # a multi
 # column -> samples.jsonl key: whether the sample's group had zero reward std (no learning signal), and how many
 # policy versions the trainer was ahead of the one that sampled it
 LAG_COLUMNS = {"zero-std group": "zero_std_group", "staleness": "staleness"}
+TOKENS = "tokens recorded"  # samples_frame's column: the sample's line has a token record (not shown in the table)
 
 
 def read_json(path: Path) -> dict | None:
@@ -185,8 +186,8 @@ def samples_frame(rows: list[dict]) -> pd.DataFrame:
     """samples.jsonl rows with one `score/<verifier>` column per verifier (None = the verifier gave no score), then
     where the run records them (`LAG_COLUMNS`) whether the sample's group had zero reward std and its staleness in
     policy versions. A multi-turn run's rows also get the episode's figures (`EPISODE_COLUMNS`) and its `transcript`
-    (the segments); a run whose samples carry their tokens, a `tokens` column (the record, or None for a row
-    without; the token view reads it)."""
+    (the segments); a run whose samples carry their tokens, a `TOKENS` column saying which do (the records
+    themselves stay out of the cached frame: `sample_tokens` reads the one the token view shows)."""
     base = ["step", "prompt", "answer", "completion", "reward", "advantage"]
     if not rows:
         return pd.DataFrame(columns=base)
@@ -201,7 +202,7 @@ def samples_frame(rows: list[dict]) -> pd.DataFrame:
         if multiturn:
             flat[-1].update(episode_columns(r))
         if with_tokens:
-            flat[-1]["tokens"] = r["tokens"] if tokens.has_tokens(r.get("tokens")) else None
+            flat[-1][TOKENS] = tokens.has_tokens(r.get("tokens"))
     frame = pd.DataFrame(flat)
     for col in ["reward", "advantage", *(c for c in frame.columns if c.startswith("score/"))]:
         frame[col] = pd.to_numeric(frame[col], errors="coerce")
@@ -213,6 +214,13 @@ def samples_frame(rows: list[dict]) -> pd.DataFrame:
         frame[list(EPISODE_COLUMNS[:3])] = frame[list(EPISODE_COLUMNS[:3])].astype("Int64")
         frame["truncated"] = frame["truncated"].astype("boolean")
     return frame
+
+
+def sample_tokens(path: Path, index: int) -> dict | None:
+    """The token record of the sample at `index` of `samples_frame(read_jsonl(path))` (None: not recorded)."""
+    rows = read_jsonl(path)
+    record = rows[index].get("tokens") if 0 <= index < len(rows) else None
+    return record if tokens.has_tokens(record) else None
 
 
 def episode_columns(sample: dict) -> dict:

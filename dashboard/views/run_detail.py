@@ -150,21 +150,21 @@ def samples(name: str) -> None:
     text = st.text_input("prompt or completion contains")
     shown = data.filter_samples(frame, steps, rewards, text)
     st.caption(f"{len(shown)} of {len(frame)} samples")
-    table = shown.drop(columns=["transcript", "tokens"], errors="ignore")  # shown as a chat and as tokens below
+    table = shown.drop(columns=["transcript", data.TOKENS], errors="ignore")  # shown as a chat and as tokens below
     st.dataframe(table, hide_index=True, column_config={"completion": st.column_config.TextColumn(width="large")})
     if "transcript" in shown.columns:
-        episode(shown[shown["transcript"].notna()])
-    elif "tokens" in shown.columns:  # single-turn: pick a sample for its tokens
-        picked_tokens(shown[shown["tokens"].notna()])
+        episode(name, shown[shown["transcript"].notna()])
+    elif data.TOKENS in shown.columns:  # single-turn: pick a sample for its tokens
+        picked_tokens(name, shown[shown[data.TOKENS]])
 
 
-def picked_tokens(shown: pd.DataFrame) -> None:
+def picked_tokens(name: str, shown: pd.DataFrame) -> None:
     """The token view of one of the shown samples, picked by a selectbox."""
     if shown.empty:
         return
     st.subheader("Tokens")
     pick = st.selectbox("sample", shown.index.tolist(), format_func=lambda i: _sample_label(i, shown.loc[i]))
-    token_view(shown.loc[pick]["tokens"])
+    token_view(loaders.sample_tokens(name, pick))
 
 
 def _sample_label(i: int, row: pd.Series) -> str:
@@ -188,8 +188,8 @@ def token_view(record) -> None:
         st.dataframe(tokens.token_table(record), hide_index=True)
 
 
-def episode(shown: pd.DataFrame) -> None:
-    """One of the shown multi-turn samples, picked by a selectbox: its figures, then its chat transcript."""
+def episode(name: str, shown: pd.DataFrame) -> None:
+    """One of the shown multi-turn samples, picked by a selectbox: its figures, its chat transcript, its tokens."""
     if shown.empty:
         return
     st.subheader("Episode")
@@ -199,9 +199,9 @@ def episode(shown: pd.DataFrame) -> None:
         col.metric(label, _figure(row[label]))
     for message in transcripts.messages(row["prompt"], row["transcript"]):
         chat_message(message)
-    if "tokens" in shown.columns:
+    if data.TOKENS in shown.columns:
         st.subheader("Tokens")
-        token_view(row["tokens"])
+        token_view(loaders.sample_tokens(name, pick) if row[data.TOKENS] else None)
 
 
 def _episode_label(i: int, row: pd.Series) -> str:

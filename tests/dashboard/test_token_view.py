@@ -117,3 +117,18 @@ def test_token_text_is_escaped_and_the_doctests_hold():
     record = {"ids": [1, 2], "text": ['<img src=x onerror="alert(1)">', "&"], "loss": [1, 0], "logprob": [-1.0, 0]}
     block = tokens.token_html(record)
     assert "<img" not in block and "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in block and "&amp;" in block
+
+
+def test_the_token_record_is_read_for_the_picked_sample_only(tmp_path):
+    """The cached samples frame says which samples have tokens; `sample_tokens` reads one record, by the frame's index
+    (a garbled line skipped by both)."""
+    from dashboard import data
+
+    record = {"ids": [7], "text": ["x"], "loss": [1], "logprob": [-0.25]}
+    lines = [json.dumps({"step": 1, "reward": 0.0}), '{"step": 1, "rew', json.dumps({"step": 2, "tokens": record})]
+    path = tmp_path / "samples.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    frame = data.samples_frame(data.read_jsonl(path))
+    assert frame[data.TOKENS].tolist() == [False, True] and "tokens" not in frame.columns
+    assert data.sample_tokens(path, 1) == record and data.sample_tokens(path, 0) is None
+    assert data.sample_tokens(path, 2) is None  # past the end
