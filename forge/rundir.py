@@ -102,13 +102,14 @@ def token_record(ro: Rollouts, advantages: torch.Tensor, i: int, token_text: Tok
     >>> token_record(ro, torch.zeros(1), 0, lambda ids: [chr(92 + t) for t in ids])
     {'ids': [5, 6], 'loss': [1, 0], 'logprob': [-0.1235, 0.0], 'text': ['a', 'b']}
     """
-    real = ro.completion_mask[i].bool()  # [T]
-    ids = ro.completion_ids[i][real].tolist()
-    out = {"ids": ids, "loss": ro.loss_mask[i][real].int().tolist(), "logprob": _floats(ro.sampling_logprobs[i][real])}
+    real = ro.completion_mask[i].bool().cpu()  # [T]; on the CPU whatever device each tensor is on
+    ids = ro.completion_ids[i].cpu()[real].tolist()
+    out = {"ids": ids, "loss": ro.loss_mask[i].cpu()[real].int().tolist(),
+           "logprob": _floats(ro.sampling_logprobs[i].cpu()[real])}  # fmt: skip
     if token_text is not None:
         out["text"] = token_text(ids)
     if advantages.dim() == 2:  # [N, T] per token (e.g. a teacher's dense term)
-        out["advantage"] = _floats(advantages[i][real])
+        out["advantage"] = _floats(advantages[i].cpu()[real])
     return out
 
 
