@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from dashboard import transcripts
+from dashboard import tokens, transcripts
 
 STAGES = ("rollout", "reward", "update", "evaluate")
 # files whose presence makes a directory under the runs dir a run (mlflow.db and artifact folders are not)
@@ -24,6 +24,10 @@ RUN_MARKERS = ("config.yaml", "status.json", "metrics.jsonl")
 CHECKPOINT_TOTAL, CHECKPOINT_STALL = "time/checkpoint_s", "time/checkpoint_stall_s"
 CHECKPOINT_NAMES = {CHECKPOINT_STALL: "checkpoint stall", CHECKPOINT_TOTAL: "checkpoint background"}
 EPISODE_COLUMNS = ("turns", "tool calls", "tool errors", "truncated")  # a multi-turn sample's figures
+# column -> samples.jsonl key: whether the sample's group had zero reward std (no learning signal), and how many
+# policy versions the trainer was ahead of the one that sampled it
+LAG_COLUMNS = {"zero-std group": "zero_std_group", "staleness": "staleness"}
+TOKENS = "tokens recorded"  # samples_frame's column: the sample's line has a token record (not shown in the table)
 
 
 def read_json(path: Path) -> dict | None:
@@ -179,25 +183,44 @@ def verifier_names(frame: pd.DataFrame) -> list[str]:
 
 
 def samples_frame(rows: list[dict]) -> pd.DataFrame:
-    """samples.jsonl rows with one `score/<verifier>` column per verifier (None = the verifier gave no score).
-    A multi-turn run's rows also get the episode's figures (`EPISODE_COLUMNS`) and its `transcript` (the segments)."""
+    """samples.jsonl rows with one `score/<verifier>` column per verifier (None = the verifier gave no score), then
+    where the run records them (`LAG_COLUMNS`) whether the sample's group had zero reward std and its staleness in
+    policy versions. A multi-turn run's rows also get the episode's figures (`EPISODE_COLUMNS`) and its `transcript`
+    (the segments); a run whose samples carry their tokens, a `TOKENS` column saying which do (the records
+    themselves stay out of the cached frame: `sample_tokens` reads the one the token view shows)."""
     base = ["step", "prompt", "answer", "completion", "reward", "advantage"]
     if not rows:
         return pd.DataFrame(columns=base)
     multiturn = any(transcripts.is_multiturn(r) for r in rows)
+    lag = [c for c, key in LAG_COLUMNS.items() if any(key in r for r in rows)]  # absent from older runs
+    with_tokens = any(tokens.has_tokens(r.get("tokens")) for r in rows)
     flat = []
     for r in rows:
         scores = r.get("scores") or {}
         flat.append({**{k: r.get(k) for k in base}, **{f"score/{v}": s for v, s in scores.items()}})
+        flat[-1].update({c: r.get(LAG_COLUMNS[c]) for c in lag})
         if multiturn:
             flat[-1].update(episode_columns(r))
+        if with_tokens:
+            flat[-1][TOKENS] = tokens.has_tokens(r.get("tokens"))
     frame = pd.DataFrame(flat)
     for col in ["reward", "advantage", *(c for c in frame.columns if c.startswith("score/"))]:
         frame[col] = pd.to_numeric(frame[col], errors="coerce")
+    if "zero-std group" in lag:
+        frame["zero-std group"] = frame["zero-std group"].astype("boolean")
+    if "staleness" in lag:
+        frame["staleness"] = frame["staleness"].astype("Int64")
     if multiturn:  # nullable dtypes: a count stays an integer and a flag a flag beside rows that lack them
         frame[list(EPISODE_COLUMNS[:3])] = frame[list(EPISODE_COLUMNS[:3])].astype("Int64")
         frame["truncated"] = frame["truncated"].astype("boolean")
     return frame
+
+
+def sample_tokens(path: Path, index: int) -> dict | None:
+    """The token record of the sample at `index` of `samples_frame(read_jsonl(path))` (None: not recorded)."""
+    rows = read_jsonl(path)
+    record = rows[index].get("tokens") if 0 <= index < len(rows) else None
+    return record if tokens.has_tokens(record) else None
 
 
 def episode_columns(sample: dict) -> dict:

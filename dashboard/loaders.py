@@ -77,6 +77,17 @@ def _samples(path: str, key: tuple) -> pd.DataFrame:
     return data.samples_frame(data.read_jsonl(Path(path)))
 
 
+def sample_tokens(name: str, index: int) -> dict | None:
+    """The token record of sample `index` (the samples frame's index), read when the token view shows it."""
+    path = run_path(name) / "samples.jsonl"
+    return _sample_tokens(str(path), stamp(path), index)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def _sample_tokens(path: str, key: tuple, index: int) -> dict | None:
+    return data.sample_tokens(Path(path), index)
+
+
 def config(name: str) -> dict:
     path = run_path(name) / "config.yaml"
     return _config(str(path), stamp(path))

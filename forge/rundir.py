@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ import torch
 from forge.advantages import per_completion
 from forge.errors import UserError
 from forge.io import append_text, atomic_write_text, truncate_jsonl, write_json
+from forge.metrics import sampled_versions
 from forge.records import Episodes, Rollouts, ScoredBatch
 from forge.tracking import Tracker
 
@@ -44,16 +46,28 @@ LOCK = ".lock"
 CHANGES = "config_changes.jsonl"  # one line per resume that changed the config (forge.compose.record_changes)
 INPUTS = "inputs"  # datasets given to forge.train as objects, saved here before the run starts (forge/api.py)
 HEARTBEAT_S = 30.0
+TokenText = Callable[[list[int]], list[str]]  # token ids -> each token's text, decoded alone
 
 
-def append_samples(run_dir: Path, step: int, rows: list[dict], ro: Rollouts, batch: ScoredBatch) -> list[dict]:
-    """A few completions per step (the first group) with their per-verifier scores, for inspection; returns them.
-    On a step where a verifier erred, each line also says how many items it erred on and its first error text."""
+def append_samples(run_dir: Path, step: int, rows: list[dict], ro: Rollouts, batch: ScoredBatch, *,
+                   trainer_version: int | None = None, token_text: TokenText | None = None) -> list[dict]:  # fmt: skip
+    """A few completions per step (the first SAMPLES_PER_STEP rows: the first group) with their per-verifier scores,
+    appended to samples.jsonl; returns them for the tracker's sample table, without their `tokens`.
+
+    Each line also says whether its group's rewards were all equal (`zero_std_group`: no learning signal), the
+    oldest policy version that sampled it (`policy_version`) and, given `trainer_version` (the trainer's version
+    when the step's rollouts were checked), its `staleness` in versions; its `tokens` (`token_record`) are what
+    the dashboard's token view shows. On a step where a verifier erred, each line also says how many items it
+    erred on and its first error text."""
     g = ro.group_size
     errors = {n: {"items": batch.verifier_errored.get(n, 0), "first": e} for n, e in batch.verifier_errors.items()}
+    flat = batch.rewards.view(-1, g)  # [B, G]
+    zero_std = (flat.max(dim=1).values == flat.min(dim=1).values).tolist()  # [B] as forge.advantages.frac_zero_std
+    versions = sampled_versions(ro)
     samples, advantages = [], per_completion(batch.advantages, ro.loss_mask)  # [N]: per-token ones averaged
     for i in range(min(SAMPLES_PER_STEP, ro.num_completions)):
         scores = {n: _num(batch.scores[i, v]) for v, n in enumerate(batch.verifier_names)}
+        version = versions[i] if ro.episodes is not None else versions[0]  # single-turn: one for the batch
         samples.append(
             {
                 "step": step,
@@ -63,20 +77,53 @@ def append_samples(run_dir: Path, step: int, rows: list[dict], ro: Rollouts, bat
                 "scores": scores,
                 "reward": _num(batch.rewards[i]),
                 "advantage": _num(advantages[i]),
+                "zero_std_group": bool(zero_std[i // g]),
+                "policy_version": version,
+                **({"staleness": trainer_version - version} if trainer_version is not None else {}),
                 **({"verifier_errors": errors} if errors else {}),  # the step's first error per verifier
                 **(_episode_sample(ro.episodes, i) if ro.episodes is not None else {}),  # multi-turn
                 **({"env_failure": failure} if (failure := _failure(ro, i)) else {}),  # its environment failed
+                "tokens": token_record(ro, batch.advantages, i, token_text),
             }
         )
     append_text(run_dir / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
-    return samples
+    return [{k: v for k, v in s.items() if k != "tokens"} for s in samples]
+
+
+def token_record(ro: Rollouts, advantages: torch.Tensor, i: int, token_text: TokenText | None = None) -> dict:
+    """Row i's tokens after the prompt (its real ones: sampled, and what the environment, tools or agent added), as
+    parallel lists: `ids`; `text`, each token decoded alone (given `token_text`; a character split across tokens
+    shows as U+FFFD); `loss`, the loss mask (1 on sampled tokens; all 0 in an episode taken out of the loss);
+    `logprob`, the sampling log-prob (0 off the sampled tokens); `advantage` only where `advantages` is per token
+    ([N, T]; a row's one advantage is the sample's `advantage`). Floats to 4 decimals, None where not finite.
+
+    >>> ro = Rollouts(torch.zeros(1, 1), torch.ones(1, 1), torch.tensor([[5, 6, 0]]), torch.tensor([[1, 1, 0]]),
+    ...               torch.tensor([[-0.12345, 0.0, 0.0]]), ["ab"], ["stop"], 1, 0, loss_mask=torch.tensor([[1, 0, 0]]))
+    >>> token_record(ro, torch.zeros(1), 0, lambda ids: [chr(92 + t) for t in ids])
+    {'ids': [5, 6], 'loss': [1, 0], 'logprob': [-0.1235, 0.0], 'text': ['a', 'b']}
+    """
+    real = ro.completion_mask[i].bool().cpu()  # [T]; on the CPU whatever device each tensor is on
+    ids = ro.completion_ids[i].cpu()[real].tolist()
+    out = {"ids": ids, "loss": ro.loss_mask[i].cpu()[real].int().tolist(),
+           "logprob": _floats(ro.sampling_logprobs[i].cpu()[real])}  # fmt: skip
+    if token_text is not None:
+        out["text"] = token_text(ids)
+    if advantages.dim() == 2:  # [N, T] per token (e.g. a teacher's dense term)
+        out["advantage"] = _floats(advantages[i].cpu()[real])
+    return out
+
+
+def _floats(x: torch.Tensor) -> list[float | None]:
+    return [round(v, 4) if math.isfinite(v) else None for v in x.float().tolist()]
 
 
 def _episode_sample(e: Episodes, i: int) -> dict:
-    """Episode i's transcript (segments in order) and its figures: policy turns, tool calls, tool errors, and
-    whether a limit cut it (the dashboard and the MLflow sample table show them beside the transcript)."""
+    """Episode i's transcript (segments in order) and its figures: policy turns, tool calls, tool errors, whether a
+    limit cut it and whether it is out of the loss (the dashboard and the MLflow sample table show them beside the
+    transcript)."""
     figures = {"turns": e.turns[i], "tool_calls": e.tool_calls[i], "tool_errors": e.tool_errors[i]}
-    return {"transcript": e.transcripts[i], "episode": {**figures, "truncated": e.truncated[i]}}
+    masked = {"masked": e.masked[i]} if e.masked else {}  # out of the loss: its `tokens.loss` is all 0
+    return {"transcript": e.transcripts[i], "episode": {**figures, "truncated": e.truncated[i], **masked}}
 
 
 def _failure(ro: Rollouts, i: int) -> str:

@@ -33,15 +33,24 @@ def observed_sum_env():
     return ObservedSumEnv()
 
 
-def write_tool_episodes(run_dir: Path, step: int, version: int = 2) -> list[dict]:
-    """Append two identical scripted episodes as step `step`'s samples (reward 1 each); returns the rows written."""
+def write_tool_episodes(run_dir: Path, step: int, version: int = 2, trainer_version: int | None = None) -> list[dict]:
+    """Append two identical scripted episodes as step `step`'s samples (reward 1 each), their tokens' text decoded
+    by the char tokenizer; `trainer_version`: the trainer's version at the step (staleness recorded; None: not).
+    Returns the rows written (without their tokens, as the tracker gets them)."""
+    from forge.rundir import append_samples
+
+    rows, ro, batch, tok = tool_episodes(version)
+    return append_samples(run_dir, step, rows, ro, batch, trainer_version=trainer_version, token_text=token_text(tok))
+
+
+def tool_episodes(version: int = 2):
+    """The two scripted episodes, played: (rows, their `Rollouts`, a `ScoredBatch` of reward 1 each, the tokenizer)."""
     from forge.config import EnvConfig
     from forge.env.chat import ChatFormat
     from forge.env.episode import run_episodes
     from forge.models import build_char_tokenizer
     from forge.records import ScoredBatch
     from forge.rollout.base import SamplingParams
-    from forge.rundir import append_samples
 
     tok = build_char_tokenizer()
     rows = [{"prompt": PROMPT, "model_input": PROMPT, "answer": ANSWER}]
@@ -50,7 +59,12 @@ def write_tool_episodes(run_dir: Path, step: int, version: int = 2) -> list[dict
     fmt = ChatFormat(tok, use_template=False)
     ro = run_episodes(_scripted(tok), tok, rows, params, cfg, fmt, observed_sum_env, [], version=version)
     batch = ScoredBatch(["sum_reward"], torch.ones(2, 1), torch.ones(2), torch.zeros(2), verifier_failures={})
-    return append_samples(run_dir, step, rows, ro, batch)
+    return rows, ro, batch, tok
+
+
+def token_text(tok):
+    """Each token decoded alone, as the run's record decodes them (forge.recipes.wiring.RunRecord.token_text)."""
+    return lambda ids: tok.batch_decode([[t] for t in ids], skip_special_tokens=False)
 
 
 def _scripted(tok):

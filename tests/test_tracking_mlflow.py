@@ -186,11 +186,12 @@ def test_a_multiturn_sample_table_carries_the_transcript(store, tmp_path):
     run_id = tracker.info()["mlflow_run_id"]
 
     table = _table(run_id, uri, "samples/step-000003.json")
-    figures = ["episode.turns", "episode.tool_calls", "episode.tool_errors", "episode.truncated"]
+    figures = ["episode.turns", "episode.tool_calls", "episode.tool_errors", "episode.truncated", "episode.masked"]
     base = ["step", "prompt", "answer", "completion", "scores.sum_reward", "reward", "advantage"]
-    assert table["columns"] == [*base, "transcript", *figures, "transcript_json"]
+    lag = ["zero_std_group", "policy_version"]  # no staleness: write_tool_episodes gave no trainer version
+    assert table["columns"] == [*base, *lag, "transcript", *figures, "transcript_json"]  # no tokens: samples.jsonl's
     row = dict(zip(table["columns"], table["data"][0], strict=True))
-    assert [row[f] for f in figures] == [3, 2, 1, False]
+    assert [row[f] for f in figures] == [3, 2, 1, False, False] and [row[c] for c in lag] == [True, 2]
     assert json.loads(row["transcript_json"]) == rows[0]["transcript"]
     assert row["transcript"].split("\n\n") == [
         f"[environment]\n{OBSERVATION}",  # reset's first observation (issue 44)

@@ -2,7 +2,10 @@
 with a probe set, probe pass@1 beside eval pass@1 and the reward, and the collapse guard's firings. A multi-turn run
 adds its episode curves (env/*) and shows a picked sample as a chat transcript: the prompt, the policy's turns with
 their tool calls set apart, each tool's answer as its own message (errors in red), the environment's first
-observation (reset) where it gave one, and the episode's figures. A run
+observation (reset) where it gave one, and the episode's figures. Where samples.jsonl records a sample's tokens,
+the picked episode (or, single-turn, a picked sample) is also shown as its tokens: sampled ones apart from those the
+environment, tools or agent added (the loss mask), each with its sampling log-prob and advantage on hover and in a
+table; the samples table says per sample whether its group had zero reward std and its staleness. A run
 with a teacher (on-policy distillation) adds the reverse KL to it, by step and by position in the completion."""
 
 import time
@@ -10,7 +13,7 @@ import time
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, data, loaders, transcripts
+from dashboard import charts, data, loaders, tokens, transcripts
 from dashboard.widgets import empty_state, fmt, live, pick_run
 
 PROBE_TITLE = "probe pass@1 (labelled probe) vs eval pass@1 and reward/mean"
@@ -147,14 +150,46 @@ def samples(name: str) -> None:
     text = st.text_input("prompt or completion contains")
     shown = data.filter_samples(frame, steps, rewards, text)
     st.caption(f"{len(shown)} of {len(frame)} samples")
-    table = shown.drop(columns="transcript", errors="ignore")  # multi-turn: shown as a chat below
+    table = shown.drop(columns=["transcript", data.TOKENS], errors="ignore")  # shown as a chat and as tokens below
     st.dataframe(table, hide_index=True, column_config={"completion": st.column_config.TextColumn(width="large")})
     if "transcript" in shown.columns:
-        episode(shown[shown["transcript"].notna()])
+        episode(name, shown[shown["transcript"].notna()])
+    elif data.TOKENS in shown.columns:  # single-turn: pick a sample for its tokens
+        picked_tokens(name, shown[shown[data.TOKENS]])
 
 
-def episode(shown: pd.DataFrame) -> None:
-    """One of the shown multi-turn samples, picked by a selectbox: its figures, then its chat transcript."""
+def picked_tokens(name: str, shown: pd.DataFrame) -> None:
+    """The token view of one of the shown samples, picked by a selectbox."""
+    if shown.empty:
+        return
+    st.subheader("Tokens")
+    pick = st.selectbox("sample", shown.index.tolist(), format_func=lambda i: _sample_label(i, shown.loc[i]))
+    token_view(loaders.sample_tokens(name, pick))
+
+
+def _sample_label(i: int, row: pd.Series) -> str:
+    reward = "-" if pd.isna(row["reward"]) else f"{row['reward']:.3f}"
+    return f"#{i} · step {row['step']} · reward {reward}"
+
+
+def token_view(record) -> None:
+    """A sample's tokens (dashboard.tokens): a summary line, the legend, the tokens as coloured spans (hover: place,
+    id, log-prob, advantage) and, folded, the per-token table."""
+    if not tokens.has_tokens(record):
+        st.caption("tokens: not recorded (this sample was written before samples.jsonl kept them)")
+        return
+    st.caption(tokens.summary(record))
+    if not any(record.get("loss") or [1]):
+        st.caption("this episode is out of the loss (truncated with env.mask_truncated, or its environment failed): "
+                   "none of its tokens is trained; the log-probs show which the policy sampled")  # fmt: skip
+    st.html(f"{tokens.STYLE}<div>{tokens.LEGEND}</div>")
+    st.html(tokens.token_html(record))
+    with st.expander("per-token table"):
+        st.dataframe(tokens.token_table(record), hide_index=True)
+
+
+def episode(name: str, shown: pd.DataFrame) -> None:
+    """One of the shown multi-turn samples, picked by a selectbox: its figures, its chat transcript, its tokens."""
     if shown.empty:
         return
     st.subheader("Episode")
@@ -164,6 +199,9 @@ def episode(shown: pd.DataFrame) -> None:
         col.metric(label, _figure(row[label]))
     for message in transcripts.messages(row["prompt"], row["transcript"]):
         chat_message(message)
+    if data.TOKENS in shown.columns:
+        st.subheader("Tokens")
+        token_view(loaders.sample_tokens(name, pick) if row[data.TOKENS] else None)
 
 
 def _episode_label(i: int, row: pd.Series) -> str:

@@ -5,7 +5,8 @@ A single-turn row is only flattened (`{"scores": {"v": 1.0}}` -> `scores.v`). A 
 text (one block per segment, headed by its role: the policy version of an assistant turn, the tool's name of an
 answer, `error` where the answer is an error), and `transcript_json`, the segments as a JSON string for code that
 reads the table back. Its figures come flattened from the row: `episode.turns`, `episode.tool_calls`,
-`episode.tool_errors`, `episode.truncated`. Cells stay scalar: MLflow's table viewer shows nested values poorly.
+`episode.tool_errors`, `episode.truncated`, `episode.masked`. Cells stay scalar: MLflow's table viewer shows nested
+values poorly (so the rows forge hands the tracker leave out samples.jsonl's per-token `tokens`).
 """
 
 from __future__ import annotations

@@ -13,15 +13,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from forge.checkpoint import SaveReport, apply_retention, export_model, has_weights, is_adapter, step_dir_name
 from forge.compose import data_sources, record_changes, resume_changes
 from forge.config import RunConfig, dump_yaml
 from forge.data import prepare
-from forge.errors import DiskFull
+from forge.errors import DiskFull, UserError
 from forge.io import atomic_write_text, write_json
-from forge.loop import Data, Limits, LoopState, Run, Schedule
+from forge.loop import Data, Limits, LoopState, Run, Schedule, say
 from forge.metrics import probe_metrics
 from forge.models import format_prompt_fn, load_tokenizer
 from forge.records import Rollouts, ScoredBatch
@@ -90,6 +91,7 @@ class RunRecord:
         self.jsonl = JsonlTracker(run_dir)
         self.tracker: Tracker = MultiTracker(self.jsonl, tracker) if tracker else self.jsonl
         self.status_step = 0  # the step status.json names last
+        self._tokenizer = None  # the policy's, for samples.jsonl's token text (`token_text`)
 
     @contextlib.contextmanager
     def failed_on_error(self):
@@ -145,12 +147,33 @@ class RunRecord:
         write_guard_log(self.run_dir, events)
 
     def step(self, step: int, metrics: dict, *, rows: list[dict], rollouts: Rollouts, batch: ScoredBatch) -> None:
-        """The step's metrics, a few samples, the ensemble's report on refit steps, status.json."""
+        """The step's metrics, a few samples (with their tokens, forge.rundir.append_samples), the ensemble's report
+        on refit steps, status.json."""
         if batch.ensemble_report is not None:
             write_json(self.run_dir / "ensemble" / f"{step_dir_name(step)}.json", batch.ensemble_report)
         self.tracker.log_metrics(metrics, step=step)
-        self.tracker.log_table("samples", step, append_samples(self.run_dir, step, rows, rollouts, batch))
+        # the trainer's version when the rollouts were checked: the update made `policy/version`, one past it
+        trainer = int(metrics["policy/version"]) - 1 if "policy/version" in metrics else None
+        written = append_samples(self.run_dir, step, rows, rollouts, batch, trainer_version=trainer,
+                                 token_text=self.token_text())  # fmt: skip
+        self.tracker.log_table("samples", step, written)
         self.status("running", step)
+
+    def token_text(self) -> Callable[[list[int]], list[str]] | None:
+        """What decodes each token of a sample alone for samples.jsonl's token record: the policy's tokenizer (loaded
+        once), special tokens kept (the eos the policy sampled is one of its tokens). A tokenizer this process cannot
+        load (a hub id not cached where the driver runs) is said once; the records then keep ids only (None)."""
+        if self._tokenizer is None:
+            try:
+                self._tokenizer = load_tokenizer(self.cfg.model)
+            except UserError as e:
+                self._tokenizer = False
+                say(f"forgeweave: samples.jsonl records token ids without their text: {e}")
+        tok = self._tokenizer
+        if tok is False:
+            return None
+        return lambda ids: tok.batch_decode([[t] for t in ids], skip_special_tokens=False,
+                                            clean_up_tokenization_spaces=False)  # fmt: skip
 
     def checkpoint(self, step: int, report: SaveReport, *, stall: float, total: float, last: bool) -> None:
         """A durable checkpoint as a second metrics row of its step; the run's final model exported as an HF

@@ -96,7 +96,8 @@ def test_the_first_shown_episode_is_shown_without_picking(multiturn_run, monkeyp
 def test_a_single_turn_run_keeps_its_plain_sample_table(tiny_run, monkeypatch):
     at = open_page(tiny_run.parent, monkeypatch, "run_detail")
     table = _samples_table(at)
-    assert list(table.columns) == ["step", "prompt", "answer", "completion", "reward", "advantage", "score/math_answer"]
+    base = ["step", "prompt", "answer", "completion", "reward", "advantage", "score/math_answer"]
+    assert list(table.columns) == [*base, "zero-std group", "staleness"]  # no episode figures (its tokens: a picker)
     assert not at.chat_message and "episode" not in [s.label for s in at.selectbox]
     assert "Episodes (multi-turn)" not in [h.value for h in at.subheader]
     assert not any(title in charts(at) for title, _, _ in ENV_CURVES)
