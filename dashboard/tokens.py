@@ -1,10 +1,11 @@
 """A sample's tokens for the token view: samples.jsonl's `tokens` record (forge.rundir.token_record: parallel lists
-`ids`, `text`, `loss`, `logprob` and, with per-token advantages, `advantage`) as a table and as HTML.
+`ids`, `text`, `loss`, `logprob` and, with per-token advantages, `advantage`; distilling, `teacher`, the teacher's
+log-ratio per sampled token) as a table and as HTML.
 
 In the HTML every token is a span: the tokens the policy sampled (loss mask 1: trained) on blue, those the
 environment, tools or agent added (loss mask 0: attended, not trained) on grey in italics, a sampled token the
 sampler gave less than `UNLIKELY` probability underlined in red; hovering a token shows its place, id, sampling
-log-prob and advantage. Token text is HTML-escaped; a newline shows as ↵ before the line break. Samples written
+log-prob, advantage and teacher log-ratio. Token text is HTML-escaped; a newline shows as ↵ before the line break. Samples written
 before the record existed have no `tokens` (`has_tokens` is False).
 """
 
@@ -67,8 +68,9 @@ def token_table(tokens: dict) -> pd.DataFrame:
             "prob": pd.Series([None if lp is None else round(math.exp(lp), 4) for lp in logp], dtype=object),
         }
     )
-    if isinstance(tokens.get("advantage"), list):
-        frame["advantage"] = pd.Series(tokens["advantage"], dtype=object)
+    for key, column in (("advantage", "advantage"), ("teacher", "teacher log-ratio")):
+        if isinstance(tokens.get(key), list):
+            frame[column] = pd.Series(tokens[key], dtype=object)
     return frame
 
 
@@ -91,6 +93,7 @@ def _span(row: dict) -> str:
     tip += ([] if sampled else ["not trained"]) + (
         [f"advantage {a:g}"] if (a := row.get("advantage")) is not None else []
     )
+    tip += [f"teacher log-ratio {t:g}"] if sampled and (t := row.get("teacher log-ratio")) is not None else []
     text = html.escape(row["token"]).replace("\n", "↵\n") if row["token"] else "∅"  # an empty token stays visible
     return f'<span class="{cls}" title="{html.escape(" · ".join(tip))}">{text}</span>'
 

@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +42,9 @@ from forge.metrics import sampled_versions
 from forge.records import Episodes, Rollouts, ScoredBatch
 from forge.tracking import Tracker
 
+if TYPE_CHECKING:
+    from forge.rewards.teacher import TeacherScores
+
 SAMPLES_PER_STEP = 8
 LOCK = ".lock"
 CHANGES = "config_changes.jsonl"  # one line per resume that changed the config (forge.compose.record_changes)
@@ -50,15 +54,16 @@ TokenText = Callable[[list[int]], list[str]]  # token ids -> each token's text, 
 
 
 def append_samples(run_dir: Path, step: int, rows: list[dict], ro: Rollouts, batch: ScoredBatch, *,
-                   trainer_version: int | None = None, token_text: TokenText | None = None) -> list[dict]:  # fmt: skip
+                   trainer_version: int | None = None, token_text: TokenText | None = None,
+                   teacher: TeacherScores | None = None) -> list[dict]:  # fmt: skip
     """A few completions per step (the first SAMPLES_PER_STEP rows: the first group) with their per-verifier scores,
     appended to samples.jsonl; returns them for the tracker's sample table, without their `tokens`.
 
     Each line also says whether its group's rewards were all equal (`zero_std_group`: no learning signal), the
     oldest policy version that sampled it (`policy_version`) and, given `trainer_version` (the trainer's version
     when the step's rollouts were checked), its `staleness` in versions; its `tokens` (`token_record`) are what
-    the dashboard's token view shows. On a step where a verifier erred, each line also says how many items it
-    erred on and its first error text."""
+    the dashboard's token view shows (distilling, with the `teacher`'s log-ratio per sampled token). On a step
+    where a verifier erred, each line also says how many items it erred on and its first error text."""
     g = ro.group_size
     errors = {n: {"items": batch.verifier_errored.get(n, 0), "first": e} for n, e in batch.verifier_errors.items()}
     flat = batch.rewards.view(-1, g)  # [B, G]
@@ -83,19 +88,22 @@ def append_samples(run_dir: Path, step: int, rows: list[dict], ro: Rollouts, bat
                 **({"verifier_errors": errors} if errors else {}),  # the step's first error per verifier
                 **(_episode_sample(ro.episodes, i) if ro.episodes is not None else {}),  # multi-turn
                 **({"env_failure": failure} if (failure := _failure(ro, i)) else {}),  # its environment failed
-                "tokens": token_record(ro, batch.advantages, i, token_text),
+                "tokens": token_record(ro, batch.advantages, i, token_text, teacher),
             }
         )
     append_text(run_dir / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
     return [{k: v for k, v in s.items() if k != "tokens"} for s in samples]
 
 
-def token_record(ro: Rollouts, advantages: torch.Tensor, i: int, token_text: TokenText | None = None) -> dict:
+def token_record(ro: Rollouts, advantages: torch.Tensor, i: int, token_text: TokenText | None = None,
+                 teacher: TeacherScores | None = None) -> dict:  # fmt: skip
     """Row i's tokens after the prompt (its real ones: sampled, and what the environment, tools or agent added), as
     parallel lists: `ids`; `text`, each token decoded alone (given `token_text`; a character split across tokens
     shows as U+FFFD); `loss`, the loss mask (1 on sampled tokens; all 0 in an episode taken out of the loss);
     `logprob`, the sampling log-prob (0 off the sampled tokens); `advantage` only where `advantages` is per token
-    ([N, T]; a row's one advantage is the sample's `advantage`). Floats to 4 decimals, None where not finite.
+    ([N, T]; a row's one advantage is the sample's `advantage`); `teacher`, given the teacher stage's scores, its
+    log-ratio log p_teacher - log p_sampler on the sampled tokens (the distillation reward; 0 elsewhere). Floats to
+    4 decimals, None where not finite.
 
     >>> ro = Rollouts(torch.zeros(1, 1), torch.ones(1, 1), torch.tensor([[5, 6, 0]]), torch.tensor([[1, 1, 0]]),
     ...               torch.tensor([[-0.12345, 0.0, 0.0]]), ["ab"], ["stop"], 1, 0, loss_mask=torch.tensor([[1, 0, 0]]))
@@ -110,6 +118,9 @@ def token_record(ro: Rollouts, advantages: torch.Tensor, i: int, token_text: Tok
         out["text"] = token_text(ids)
     if advantages.dim() == 2:  # [N, T] per token (e.g. a teacher's dense term)
         out["advantage"] = _floats(advantages[i].cpu()[real])
+    if teacher is not None:
+        ratio = (teacher.logp[i].cpu() - ro.sampling_logprobs[i].cpu()) * ro.loss_mask[i].cpu()
+        out["teacher"] = _floats(ratio[real])
     return out
 
 

@@ -69,6 +69,18 @@ def test_single_turn_tokens_per_token_advantages_and_zero_std_groups(tmp_path):
     # group 0 scored 1 and 0 (signal), group 1 scored 1 and 1 (none); one policy version for the batch
     assert [x["zero_std_group"] for x in lines] == [False, False, True, True]
     assert [x["policy_version"] for x in lines] == [5] * 4 and all("staleness" not in x for x in lines)
+    assert all("teacher" not in x["tokens"] for x in lines)  # not distilling
+
+
+def test_distilling_the_record_holds_the_teachers_log_ratio_on_the_sampled_tokens(tmp_path):
+    """log p_teacher - log p_sampler per sampled token (the distillation reward), on the real tokens only."""
+    from forge.rewards.teacher import TeacherScores
+
+    ro, batch = _single_turn([1.0, 0.0, 1.0, 1.0], torch.zeros(4))
+    teacher = TeacherScores(ro.sampling_logprobs + torch.tensor([[0.5, -0.25, 1.0]]))  # [N, T]
+    append_samples(tmp_path, 2, [{"prompt": "p0"}, {"prompt": "p1"}], ro, batch, teacher=teacher)
+    assert [x["tokens"]["teacher"] for x in _lines(tmp_path)] == [[0.5, -0.25, 1.0], [0.5, -0.25], [0.5, -0.25, 1.0],
+                                                                  [0.5]]  # fmt: skip
 
 
 def test_without_a_decoder_the_record_keeps_ids_only(tmp_path):

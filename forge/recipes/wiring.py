@@ -15,6 +15,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from forge.checkpoint import SaveReport, apply_retention, export_model, has_weights, is_adapter, step_dir_name
 from forge.compose import data_sources, record_changes, resume_changes
@@ -41,6 +42,9 @@ from forge.rundir import (
 from forge.stages import StageRunner, Stages
 from forge.tracking import JsonlTracker, MultiTracker, Tracker
 
+if TYPE_CHECKING:
+    from forge.rewards.teacher import TeacherScores
+
 
 def schedule(cfg: RunConfig) -> Schedule:
     """When the run evaluates, probes and checkpoints."""
@@ -58,6 +62,19 @@ def loop_context(cfg: RunConfig, work: Stages, runner: StageRunner, record: RunR
     return Run(work, runner, Data.read(record.run_dir), record, schedule(cfg), cfg.seed, r.prompts_per_step,
                sampling, cfg.algo.max_staleness, limits, cfg.collapse.probe_max_problems,
                cfg.checkpoint.async_save, bool(cfg.distill.teacher))  # fmt: skip
+
+
+def token_decoder(cfg: RunConfig) -> Callable[[list[int]], list[str]] | None:
+    """What decodes each token of a sample alone for samples.jsonl's token record: the policy's tokenizer, special
+    tokens kept (the eos the policy sampled is one of its tokens). A tokenizer this process cannot load (a hub id not
+    cached where the driver runs) is said once; the records then keep ids only (None)."""
+    try:
+        tok = load_tokenizer(cfg.model)
+    except UserError as e:
+        say(f"forgeweave: samples.jsonl records token ids without their text: {e}")
+        return None
+    return lambda ids: tok.batch_decode([[t] for t in ids], skip_special_tokens=False,
+                                        clean_up_tokenization_spaces=False)  # fmt: skip
 
 
 def prepare_data(cfg: RunConfig, run_dir: Path) -> dict:
@@ -91,7 +108,7 @@ class RunRecord:
         self.jsonl = JsonlTracker(run_dir)
         self.tracker: Tracker = MultiTracker(self.jsonl, tracker) if tracker else self.jsonl
         self.status_step = 0  # the step status.json names last
-        self._tokenizer = None  # the policy's, for samples.jsonl's token text (`token_text`)
+        self.token_text = token_decoder(cfg)  # each sampled token's text for samples.jsonl (None: ids only)
 
     @contextlib.contextmanager
     def failed_on_error(self):
@@ -146,34 +163,19 @@ class RunRecord:
         """guard.jsonl := the collapse guard's firings so far."""
         write_guard_log(self.run_dir, events)
 
-    def step(self, step: int, metrics: dict, *, rows: list[dict], rollouts: Rollouts, batch: ScoredBatch) -> None:
-        """The step's metrics, a few samples (with their tokens, forge.rundir.append_samples), the ensemble's report
-        on refit steps, status.json."""
+    def step(self, step: int, metrics: dict, *, rows: list[dict], rollouts: Rollouts, batch: ScoredBatch,
+             teacher: TeacherScores | None = None) -> None:  # fmt: skip
+        """The step's metrics, a few samples (with their tokens and, distilling, the teacher's log-ratio per token:
+        forge.rundir.append_samples), the ensemble's report on refit steps, status.json."""
         if batch.ensemble_report is not None:
             write_json(self.run_dir / "ensemble" / f"{step_dir_name(step)}.json", batch.ensemble_report)
         self.tracker.log_metrics(metrics, step=step)
         # the trainer's version when the rollouts were checked: the update made `policy/version`, one past it
         trainer = int(metrics["policy/version"]) - 1 if "policy/version" in metrics else None
         written = append_samples(self.run_dir, step, rows, rollouts, batch, trainer_version=trainer,
-                                 token_text=self.token_text())  # fmt: skip
+                                 token_text=self.token_text, teacher=teacher)  # fmt: skip
         self.tracker.log_table("samples", step, written)
         self.status("running", step)
-
-    def token_text(self) -> Callable[[list[int]], list[str]] | None:
-        """What decodes each token of a sample alone for samples.jsonl's token record: the policy's tokenizer (loaded
-        once), special tokens kept (the eos the policy sampled is one of its tokens). A tokenizer this process cannot
-        load (a hub id not cached where the driver runs) is said once; the records then keep ids only (None)."""
-        if self._tokenizer is None:
-            try:
-                self._tokenizer = load_tokenizer(self.cfg.model)
-            except UserError as e:
-                self._tokenizer = False
-                say(f"forgeweave: samples.jsonl records token ids without their text: {e}")
-        tok = self._tokenizer
-        if tok is False:
-            return None
-        return lambda ids: tok.batch_decode([[t] for t in ids], skip_special_tokens=False,
-                                            clean_up_tokenization_spaces=False)  # fmt: skip
 
     def checkpoint(self, step: int, report: SaveReport, *, stall: float, total: float, last: bool) -> None:
         """A durable checkpoint as a second metrics row of its step; the run's final model exported as an HF

@@ -119,6 +119,15 @@ def test_token_text_is_escaped_and_the_doctests_hold():
     assert "<img" not in block and "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in block and "&amp;" in block
 
 
+def test_a_distilled_samples_teacher_log_ratio_is_in_the_table_and_on_hover():
+    record = {"ids": [1, 2], "text": ["a", "b"], "loss": [1, 0], "logprob": [-1.0, 0.0], "teacher": [0.75, 0.0]}
+    assert tokens.token_table(record)["teacher log-ratio"].tolist() == [0.75, 0.0]
+    (sampled, tip, _), (added, added_tip, _) = [
+        (cls, html.unescape(t), x) for cls, t, x in SPAN.findall(tokens.token_html(record))
+    ]
+    assert "teacher log-ratio 0.75" in tip and "teacher" not in added_tip  # only sampled tokens carry one
+
+
 def test_the_token_record_is_read_for_the_picked_sample_only(tmp_path):
     """The cached samples frame says which samples have tokens; `sample_tokens` reads one record, by the frame's index
     (a garbled line skipped by both)."""
