@@ -235,6 +235,20 @@ def test_servers_ask_for_credentials_and_none_is_committed():
     assert "PREFECT_API_AUTH_STRING" in " ".join(services["worker"]["healthcheck"]["test"])  # the API asks for it
 
 
+def test_every_ray_node_and_driver_authenticates_with_the_clusters_token():
+    """Issue 46: a Ray cluster without token auth runs anyone's job (code execution on every node). Every service that
+    runs `ray` (the head, the workers, whose `serve` drives runs on the cluster) has Ray's token auth on and the one
+    token from the environment compose is started with."""
+    services = compose()["services"]
+    rays = [name for name, svc in services.items() if "ray" in json.dumps(svc.get("command"))]
+    assert sorted(rays) == ["ray-head", "worker", "worker-gpu"]
+    for name in rays:
+        env = services[name]["environment"]
+        assert env["RAY_AUTH_MODE"] == "token", name
+        assert re.fullmatch(r"\$\{FORGEWEAVE_RAY_TOKEN:\?[^}]+\}", env["RAY_AUTH_TOKEN"]), name
+    assert "FORGEWEAVE_RAY_TOKEN" in COMPOSE.read_text().split("name: forgeweave")[0]  # the header says to export it
+
+
 def test_no_secret_is_in_a_command_line():
     """Issue 46: a container's processes are the host's, so their argv is anyone's to read with `ps` there. Every
     secret reaches its process in the environment (which only root on the host reads): no command, entrypoint or
