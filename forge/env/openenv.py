@@ -37,7 +37,10 @@ environment per request and close it, so they cannot hold a multi-turn episode: 
   timeout error and the episode goes on; the server's late answer is read and dropped before the session's next
   request.
 - A server forgeweave starts (`env.openenv.app`: `python -m uvicorn APP`; `env.openenv.command` with `{port}`)
-  runs in a process group of its own on 127.0.0.1 at a free port, its output in a temporary log file; `stop()`
+  runs in a process group of its own on 127.0.0.1 at a free port, its output in a temporary log file. An app serves
+  a socket forgeweave bound first (uvicorn's `--fd`: no other local process can take the port in between); a
+  command binds its own, and the one listening there once /health answers must be in the server's process group
+  (`foreign_listener`, from /proc), else one line: a squatter is never taken for the server. `stop()`
   ends it by its PID (SIGTERM, then SIGKILL) when the run's workers close, after a failure too, and at interpreter
   exit at the latest.
 - Ray mode: each rollout actor is a client of its own. A server forgeweave starts is started by each actor on its
@@ -504,26 +507,35 @@ class LocalServer:
     @classmethod
     def start(cls, cfg: OpenEnvConfig, port: int = 0) -> LocalServer:
         """Start env.openenv.app (uvicorn) or env.openenv.command on 127.0.0.1 at `port` (0: a free one); wait for
-        /health."""
-        port = port or _free_port()
-        if cfg.app:
+        /health. An app is served on a socket bound here first and handed to uvicorn (`--fd`), so no other process
+        can hold its port; a command binds its port itself, so once /health answers the listener must be the
+        started process (or one of its process group), else one line: another process answers there."""
+        listener = _listener(port) if cfg.app else None
+        port = listener.getsockname()[1] if listener else port or _free_port()
+        if listener:
             what = f"env.openenv.app={cfg.app!r}"
-            argv = [server_python(), "-m", "uvicorn", cfg.app, "--host", HOST, "--port", str(port),
-                    "--log-level", "warning"]  # fmt: skip
+            argv = [server_python(), "-m", "uvicorn", cfg.app, "--fd", str(listener.fileno()), "--log-level", "warning"]
         else:
             what = f"env.openenv.command={cfg.command!r}"
             argv = [a.replace("{port}", str(port)).replace("{host}", HOST) for a in shlex.split(cfg.command)]
         fd, log = tempfile.mkstemp(prefix="forge-openenv-", suffix=".log")
         try:
+            fds = [listener.fileno()] if listener else []
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # fmt: skip
+                                    start_new_session=True, pass_fds=fds)  # fmt: skip
         except OSError as e:
             Path(log).unlink(missing_ok=True)
             raise UserError(f"{what}: cannot start it ({_why(e)}): fix the command") from None
         finally:
             os.close(fd)
+            if listener:
+                listener.close()  # the server holds its own copy
         server = cls(proc, f"http://{HOST}:{port}", what, Path(log))
         server.wait_healthy(cfg.start_timeout_s)
+        if not listener and (other := foreign_listener(port, proc.pid)):
+            server.stop()
+            raise UserError(f"{what}: {server.url} is answered by another process ({other}), not the server "
+                            "forgeweave started: stop that process or let forgeweave pick the port")  # fmt: skip
         return server
 
     def wait_healthy(self, timeout_s: float) -> None:
@@ -599,6 +611,63 @@ def _ws(url: str) -> str:
     ('ws://127.0.0.1:8000/ws', 'wss://env.example/ws')
     """
     return "ws" + url.removeprefix("http") + "/ws"
+
+
+def _listener(port: int) -> socket.socket:
+    """A listening TCP socket on 127.0.0.1:`port` (0: a free one), for the server forgeweave starts to serve on; a
+    port another process holds is one line."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((HOST, port))
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise UserError(
+            f"OpenEnv server: {HOST}:{port} is taken ({_why(e)}): free it or let forgeweave pick the port"
+        ) from None
+    return sock
+
+
+def foreign_listener(port: int, group: int) -> str:
+    """'' when the socket listening on 127.0.0.1:`port` belongs to a process of process group `group` (the server
+    forgeweave started, in a session of its own) or cannot be looked up (no /proc); else who holds it ("pid N", or
+    "a process this user cannot see")."""
+    inodes = _listening_inodes(port)
+    if inodes is None:
+        return ""
+    wanted = {f"socket:[{i}]" for i in inodes}
+    for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
+        if wanted & _open_files(pid):
+            with contextlib.suppress(OSError):
+                return "" if os.getpgid(pid) == group else f"pid {pid}"
+    return "a process this user cannot see"
+
+
+def _open_files(pid: int) -> set[str]:
+    """What process `pid`'s file descriptors point at (`socket:[inode]` for a socket); what cannot be read, left out
+    (another user's process, a descriptor closed meanwhile)."""
+    found = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                found.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return found
+
+
+def _listening_inodes(port: int) -> set[str] | None:
+    """The inodes of the sockets listening on `port` (/proc/net/tcp, tcp6; state 0A), None where there is no /proc."""
+    if not Path("/proc/net/tcp").is_file():
+        return None
+    found = set()
+    for table in (Path("/proc/net/tcp"), Path("/proc/net/tcp6")):
+        try:
+            rows = table.read_text().splitlines()[1:]
+        except OSError:  # tcp6 is absent where IPv6 is off
+            continue
+        for cols in (row.split() for row in rows):
+            if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                found.add(cols[9])
+    return found
 
 
 def _free_port() -> int:

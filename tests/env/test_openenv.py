@@ -27,7 +27,7 @@ from forge.config import ConfigError, EnvConfig, RunConfig
 from forge.env.chat import ChatFormat
 from forge.env.config import OpenEnvConfig
 from forge.env.episode import run_episodes
-from forge.env.openenv import LocalServer, _free_port, connect, replica_sessions
+from forge.env.openenv import LocalServer, _free_port, connect, foreign_listener, replica_sessions
 from forge.env.rewards import env_reward
 from forge.errors import UserError
 from forge.rollout.base import SamplingParams
@@ -189,6 +189,45 @@ def test_an_unreachable_server_a_command_that_dies_and_bad_keys_are_one_line_nam
         cfg.validate()
     cfg.rollout.backend, cfg.env.openenv.max_sessions = "vllm", 2  # any backend, in Ray's actors too
     cfg.validate()
+
+
+def test_a_port_another_process_holds_is_never_taken_for_the_server_forgeweave_starts(tmp_path):
+    """Issue 46: a local process that listens on the port first, and even answers /health, is not the server. An
+    app's socket is bound by forgeweave before the server starts (a taken port is one line); a command that never
+    binds its port while a squatter answers /health there is refused once /health answers (the listener is not in
+    the started server's process group) and stopped."""
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"status": "healthy"}')
+
+        def log_message(self, *args):
+            pass
+
+    squatter = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    port = squatter.server_address[1]
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(UserError, match=rf"^OpenEnv server: 127\.0\.0\.1:{port} is taken \(") as err:
+            LocalServer.start(OpenEnvConfig(app=SUM_APP), port=port)
+        assert "\n" not in str(err.value)
+        command = f"{sys.executable} -c 'import time; time.sleep(60)' {{port}}"  # never binds {port}
+        with pytest.raises(UserError, match=rf"is answered by another process \(pid {os.getpid()}\), not the server") as err:
+            LocalServer.start(OpenEnvConfig(command=command), port=port)
+        assert "\n" not in str(err.value) and not _children("time.sleep(60)")  # the started one was stopped
+    finally:
+        squatter.shutdown()
+        squatter.server_close()
+    own = LocalServer.start(OpenEnvConfig(app=SUM_APP))  # the usual way: a free port, served from forgeweave's socket
+    try:
+        assert foreign_listener(int(own.url.rsplit(":", 1)[1]), own.pid) == ""
+    finally:
+        own.stop()
 
 
 def _children(marker: str) -> list[int]:
