@@ -51,6 +51,7 @@ from pathlib import Path
 from flows import stack_auth
 from flows.reaper import descendants, kill_recorded
 from forge.errors import UserError
+from forge.listeners import foreign_listener
 
 STATE_DIR = ".stack"
 STATE_FILE = "stack.json"
@@ -525,7 +526,20 @@ def _launch(cfg: StackConfig, svc: Service) -> dict:
                                 start_new_session=True, cwd=cfg.runs_dir, **as_user(svc.user))  # fmt: skip
     started = start_time(proc.pid)
     return {"pid": proc.pid, "start": started, "port": svc.port, "url": svc.url, "health": svc.health,
-            "health_auth": svc.health_auth, "log": str(log), "stop_signal": int(svc.stop_signal)}  # fmt: skip
+            "health_auth": svc.health_auth, "log": str(log), "stop_signal": int(svc.stop_signal),
+            "user": svc.user}  # fmt: skip
+
+
+def squatter(name: str, rec: dict) -> None:
+    """An HTTP service's health answer must come from the process group `up` started (its own session), not from a
+    local process that took the port first; one line naming who holds it. Not checked: `serve`, which listens on
+    nothing (its health is the Prefect API's answer about it), services run as another user (PostgreSQL) and plain
+    TCP ones (Ray's head, whose daemons start sessions of their own)."""
+    if rec["health"] == "tcp" or rec.get("user") or name == "serve":
+        return
+    if other := foreign_listener(rec["port"], rec["pid"]):
+        raise UserError(f"{name}: port {rec['port']} is answered by another process ({other}), not the {name} `up` "
+                        f"started (pid {rec['pid']}): stop that process or start the stack on other ports")  # fmt: skip
 
 
 def _wait_healthy(cfg: StackConfig, state: dict, names: list[str], deadline: float) -> None:
@@ -538,6 +552,7 @@ def _wait_healthy(cfg: StackConfig, state: dict, names: list[str], deadline: flo
                 tail = "".join(Path(rec["log"]).read_text(errors="replace").splitlines(True)[-5:]).strip()
                 raise UserError(f"{name} exited while starting (log {rec['log']}): {tail[-600:]}")
             if healthy(rec, creds):
+                squatter(name, rec)
                 pending.remove(name)
         if pending and time.time() > deadline:
             raise UserError(

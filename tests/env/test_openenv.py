@@ -27,9 +27,10 @@ from forge.config import ConfigError, EnvConfig, RunConfig
 from forge.env.chat import ChatFormat
 from forge.env.config import OpenEnvConfig
 from forge.env.episode import run_episodes
-from forge.env.openenv import LocalServer, _free_port, connect, foreign_listener, replica_sessions
+from forge.env.openenv import LocalServer, _free_port, connect, replica_sessions
 from forge.env.rewards import env_reward
 from forge.errors import UserError
+from forge.listeners import foreign_listener
 from forge.rollout.base import SamplingParams
 from forge.tracking import read_metrics
 from tests.env.test_episode import scripted

@@ -331,6 +331,25 @@ def test_up_refuses_a_port_in_use(tmp_path):
     assert not stack.state_path(tmp_path / "runs").exists()  # nothing started, nothing recorded
 
 
+def test_a_health_answer_from_a_process_up_did_not_start_is_refused():
+    """Issue 46: a local process that took a service's port in the moment between `up`'s port check and the server's
+    bind would answer its health URL; `up` checks the listener is in the started service's process group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        other = subprocess.Popen(["sleep", "30"], start_new_session=True)  # "the mlflow `up` started": another group
+        try:
+            rec = {"health": f"http://127.0.0.1:{port}/health", "port": port, "pid": other.pid}
+            with pytest.raises(UserError, match=rf"^mlflow: port {port} is answered by another process \(pid "):
+                stack.squatter("mlflow", rec)
+            stack.squatter("mlflow", {**rec, "pid": os.getpgid(0)})  # the listener in the service's group: fine
+            stack.squatter("ray", {**rec, "health": "tcp"})  # not checked (Ray's daemons start sessions of their own)
+        finally:
+            other.kill()
+            other.wait()
+
+
 def test_ray_port_inside_rays_worker_range_is_refused(tmp_path):
     with pytest.raises(UserError, match="--ray-port 16379: Ray keeps"):
         stack.StackConfig(tmp_path, ports=stack.Ports(ray=16379))
