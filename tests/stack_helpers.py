@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,3 +74,14 @@ def server_alone(command: str, runs: Path, log: Path, env: dict | None = None) -
         yield f"http://127.0.0.1:{port}"
     finally:
         stop(proc)
+
+
+def http_status(url: str, headers: dict | None = None, body: dict | None = None) -> int:
+    """The HTTP status of a GET (or, with a body, a POST) to `url`."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code

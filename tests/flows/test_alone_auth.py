@@ -4,23 +4,10 @@ credentials as `up`'s servers do, print where the file is, and the clients forge
 
 from __future__ import annotations
 
-import json
 import stat
-import urllib.error
-import urllib.request
 
 from flows import stack, stack_auth
-from tests.stack_helpers import server_alone
-
-
-def _status(url: str, headers: dict | None = None, body: dict | None = None) -> int:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
+from tests.stack_helpers import http_status, server_alone
 
 
 def _check_credentials_file(runs, log) -> stack_auth.Credentials:
@@ -41,9 +28,9 @@ def test_prefect_server_alone_asks_for_the_stack_credentials(tmp_path):
         api = f"{url}/api"
         user, password = creds.prefect_auth_string.split(":", 1)
         for headers in ({}, stack_auth.basic_auth_header(user, "wrong-password")):
-            assert _status(f"{api}/flow_runs/filter", headers, body={}) == 401
-            assert _status(f"{api}/deployments/filter", headers, body={}) == 401
-        assert _status(f"{api}/flow_runs/filter", stack_auth.prefect_header(creds), body={}) == 200
+            assert http_status(f"{api}/flow_runs/filter", headers, body={}) == 401
+            assert http_status(f"{api}/deployments/filter", headers, body={}) == 401
+        assert http_status(f"{api}/flow_runs/filter", stack_auth.prefect_header(creds), body={}) == 200
         # the clients of this runs dir get the auth string for this server, and only while it runs
         assert stack.credentials_for(runs, api) == creds.prefect_env()
         assert stack.credentials_for(runs, url.replace("127.0.0.1", "localhost") + "/api") == {}
@@ -60,10 +47,10 @@ def test_mlflow_alone_asks_for_the_stack_credentials(tmp_path):
         search = f"{url}/api/2.0/mlflow/experiments/search?max_results=5"
         for headers in ({}, stack_auth.basic_auth_header("admin", "password1234"),
                         stack_auth.basic_auth_header(creds.mlflow_username, "wrong-password")):  # fmt: skip
-            assert _status(search, headers) == 401
-            assert _status(f"{url}/api/2.0/mlflow/experiments/create", headers, body={"name": "intruder"}) == 401
-            assert _status(f"{url}/", headers) == 401
+            assert http_status(search, headers) == 401
+            assert http_status(f"{url}/api/2.0/mlflow/experiments/create", headers, body={"name": "intruder"}) == 401
+            assert http_status(f"{url}/", headers) == 401
         good = stack_auth.basic_auth_header(creds.mlflow_username, creds.mlflow_password)
-        assert _status(search, good) == 200 and _status(f"{url}/", good) == 200
+        assert http_status(search, good) == 200 and http_status(f"{url}/", good) == 200
         assert stack.credentials_for(runs, url) == creds.mlflow_env()
         assert (runs / "mlflow.db").is_file()  # the embedded store, served

@@ -23,7 +23,7 @@ import pytest
 from flows import stack, stack_auth
 from forge.errors import UserError
 from tests.servers import REPO
-from tests.stack_helpers import cli, port_args, process_trees, running_stack, stack_sockets
+from tests.stack_helpers import cli, http_status, port_args, process_trees, running_stack, stack_sockets
 
 SERVICES = {"prefect", "mlflow", "dashboard", "ray", "serve"}
 
@@ -31,17 +31,6 @@ SERVICES = {"prefect", "mlflow", "dashboard", "ray", "serve"}
 def _get_json(url: str, headers: dict | None = None) -> dict:
     with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as r:
         return json.loads(r.read())
-
-
-def _status(url: str, headers: dict | None = None, body: dict | None = None) -> int:
-    """The HTTP status of a GET (or, with a body, a POST) to `url`."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
 
 
 def _assert_all_gone(trees: dict[str, dict[int, int]], ports: set[int], runs: Path) -> None:
@@ -145,24 +134,24 @@ def _check_auth(runs: Path, state: dict, creds: stack_auth.Credentials, deployme
     user, password = creds.prefect_auth_string.split(":", 1)
     start_run = f"{api}/deployments/{deployment_id}/create_flow_run"
     for headers in ({}, stack_auth.basic_auth_header(user, "wrong-password")):
-        assert _status(f"{api}/deployments/{deployment_id}", headers) == 401
-        assert _status(start_run, headers, body={"parameters": {}}) == 401
-        assert _status(f"{api}/flow_runs/filter", headers, body={}) == 401
+        assert http_status(f"{api}/deployments/{deployment_id}", headers) == 401
+        assert http_status(start_run, headers, body={"parameters": {}}) == 401
+        assert http_status(f"{api}/flow_runs/filter", headers, body={}) == 401
     good = stack_auth.prefect_header(creds)
-    assert _status(f"{api}/flow_runs/filter", good, body={}) == 200
-    assert _status(f"{api}/health") == 200  # health stays open (up's and compose's checks)
+    assert http_status(f"{api}/flow_runs/filter", good, body={}) == 200
+    assert http_status(f"{api}/health") == 200  # health stays open (up's and compose's checks)
 
     # MLflow: its REST API and its UI's pages need the user; the default password of old MLflow versions is refused
     mlflow = state["env"]["MLFLOW_TRACKING_URI"]
     search = f"{mlflow}/api/2.0/mlflow/experiments/search?max_results=5"
     for headers in ({}, stack_auth.basic_auth_header("admin", "password1234"),
                     stack_auth.basic_auth_header(creds.mlflow_username, "wrong-password")):  # fmt: skip
-        assert _status(search, headers) == 401
-        assert _status(f"{mlflow}/api/2.0/mlflow/experiments/create", headers, body={"name": "intruder"}) == 401
-        assert _status(f"{mlflow}/", headers) == 401
+        assert http_status(search, headers) == 401
+        assert http_status(f"{mlflow}/api/2.0/mlflow/experiments/create", headers, body={"name": "intruder"}) == 401
+        assert http_status(f"{mlflow}/", headers) == 401
     good = stack_auth.basic_auth_header(creds.mlflow_username, creds.mlflow_password)
-    assert _status(search, good) == 200 and _status(f"{mlflow}/", good) == 200
-    assert _status(f"{mlflow}/health") == 200
+    assert http_status(search, good) == 200 and http_status(f"{mlflow}/", good) == 200
+    assert http_status(f"{mlflow}/health") == 200
 
     # clients: `status --env` gives a working client its credentials; the dashboard's MLflow reader gets in with
     # them (the stack's dashboard process has them in its environment) and is refused without
