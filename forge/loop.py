@@ -180,7 +180,7 @@ def stop_reason(state: LoopState, batch: ScoredBatch, limits: Limits) -> str:
     if limit and state.env_failing >= limit:
         return (f"step {state.step}: the environment failed every episode for {state.env_failing} steps in a row "
                 f"(reward.max_failing_steps={limit}): {error_line(state.env_error)}; bring the environment server "
-                "back (or fix the agent, env.agent.fn), then --resume")  # fmt: skip
+                "back (or fix the agent, env.agent.fn / env.agent.command), then --resume")  # fmt: skip
     for name, count in state.failing.items():
         if limit and count >= limit:
             return (f"step {state.step}: verifier '{name}' failed on every item for {count} steps in a row "

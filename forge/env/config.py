@@ -68,6 +68,10 @@ class AgentConfig:
     None` (sync or async): each episode runs it in a thread of its own with a base URL of its own on the
     OpenAI-compatible endpoint forgeweave serves from the policy on 127.0.0.1 (forge/env/agent.py); its return value
     is the episode's reward (None: the verifiers score the final reply). Empty = none."""
+    command: str = ""
+    """An agent that is a program, run once per episode (forge/env/agent_command.py): `OPENAI_BASE_URL` (the
+    episode's base URL) and `OPENAI_API_KEY` in its environment, the data row as JSON on stdin; its reward is the last
+    line of its stdout (a number; nothing or `none`: the verifiers score the final reply). Empty = none."""
     timeout_s: float = ranged(120.0, "> 0", "seconds")
     """Seconds an agent's episode may run; past it the episode fails (one line, out of the loss), the run goes on."""
     max_concurrent: int = ranged(0, ">= 0", "(0 = every episode of the call at once)")
@@ -80,10 +84,18 @@ class AgentConfig:
     """Honour a request's `temperature` and `top_p`. False (default): every request samples at the step's
     (rollout.temperature in training), the distribution the trainer's log-probs assume; the request's are ignored."""
 
+    @property
+    def key(self) -> str:
+        """The key that gives the agent ('' = none)."""
+        return "env.agent.fn" if self.fn else "env.agent.command" if self.command else ""
+
     def check(self, prefix: str) -> None:
         fn = self.fn
         require(not fn or (":" in fn and all(fn.partition(":")[::2])), f"{prefix}fn",
                 f"must look like 'pkg.module:function', got {fn!r}")  # fmt: skip
+        require(not (fn and self.command), f"{prefix}command", f"and {prefix}fn both give the agent: keep one")
+        require(not self.command or _splits(self.command), f"{prefix}command",
+                f"cannot be split into a program and its arguments: {self.command!r}")  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -127,15 +139,15 @@ class EnvConfig:
     @property
     def enabled(self) -> bool:
         """Whether rollouts are multi-turn episodes (an environment, an OpenEnv server or tools are configured)."""
-        return bool(self.environment_factory or self.tools or self.builtin_tools or self.server_key or self.agent.fn)
+        return bool(self.environment_factory or self.tools or self.builtin_tools or self.server_key or self.agent.key)
 
     @property
     def source_key(self) -> str:
         """The key that makes the rollouts episodes (for errors about where they can run)."""
         if self.environment_factory:
             return "env.environment_factory"
-        if self.agent.fn:
-            return "env.agent.fn"
+        if self.agent.key:
+            return self.agent.key
         return self.server_key or ("env.tools" if self.tools else "env.builtin_tools")
 
     def check(self, prefix: str) -> None:
@@ -151,5 +163,16 @@ class EnvConfig:
             require(False, f"{prefix}environment_factory", why)
         others = [f"{prefix}{k}" for k in ("environment_factory", "tools", "builtin_tools") if getattr(self, k)]
         others += servers
-        require(not self.agent.fn or not others, f"{prefix}agent.fn", f"and {others[0] if others else ''} both give "
+        agent = self.agent.key.removeprefix("env.")
+        require(not agent or not others, f"{prefix}{agent}", f"and {others[0] if others else ''} both give "
                 "the environment: an agent brings its own tools; keep one")  # fmt: skip
+
+
+def _splits(command: str) -> bool:
+    """Whether `command` splits (as a shell would) into at least a program."""
+    import shlex
+
+    try:
+        return bool(shlex.split(command))
+    except ValueError:  # an unclosed quote
+        return False

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from forge.env.agent import AgentHost, load_agent
+from forge.env.agent_command import command_agent
 from forge.env.builtin import builtin_tools
 from forge.env.chat import ChatFormat
 from forge.env.config import EnvConfig
@@ -22,11 +23,12 @@ def load_environment(e: EnvConfig, model: ModelConfig, code_exec: CodeExecConfig
     system prompt) of the `env` section; `code_exec`: the sandbox of the built-in python tool; `episodes`: a step's
     (B * G, the sessions an OpenEnv server must hold), checked once at start: a class without reset, a tool without
     a docstring, an OpenEnv server that does not answer is a one-line UserError naming it. An OpenEnv server named by
-    env.openenv.app / env.openenv.command is started here, as is the endpoint of an agent (env.agent.fn);
-    `close_environment` stops them."""
+    env.openenv.app / env.openenv.command is started here, as is the endpoint of an agent (env.agent.fn or
+    env.agent.command); `close_environment` stops them."""
     use_template = model.chat_template if model.chat_template is not None else True
-    if e.agent.fn:  # the endpoint starts here (127.0.0.1, a free port); close_environment stops it
-        return AgentHost(load_agent(e.agent.fn), tok, e, model.path, use_template), [], ChatFormat(tok, use_template)
+    if e.agent.key:  # the endpoint starts here (127.0.0.1, a free port); close_environment stops it
+        agent = load_agent(e.agent.fn) if e.agent.fn else command_agent(e.agent.command, e.agent.timeout_s)
+        return AgentHost(agent, tok, e, model.path, use_template), [], ChatFormat(tok, use_template)
     factory = load_object(e.environment_factory, "env.environment_factory") if e.environment_factory else None
     if factory is not None:
         check_environment(factory)

@@ -379,6 +379,58 @@ def test_smollm2s_template_bridges_replies_and_tool_calls_without_re_tokenising(
     assert smol.decode(first).startswith("<|im_start|>system\nYou can call these tools:")  # tools= not rendered
 
 
+def test_an_agent_that_is_a_program_plays_through_its_environment_and_fails_in_one_line(tok, monkeypatch):
+    """env.agent.command: the program gets OPENAI_BASE_URL and its row on stdin, and its last stdout line is the
+    reward (the same as sum_agent's in process); `none` leaves it to the verifiers; exiting non-zero, hanging
+    past env.agent.timeout_s (its process killed) or printing a word fails the episode in one line; the run's secrets
+    are not in its environment."""
+    import sys
+
+    from forge.env.agent_command import command_agent
+
+    monkeypatch.setenv("FORGEWEAVE_TEST_PASSWORD", "x")
+    monkeypatch.setenv("FORGEWEAVE_TEST_PLAIN", "y")
+    kinds = ["ok", "none", "exit", "hang", "word", "secrets"]
+    rows = [{**ROWS[0], "kind": k} for k in kinds]
+    agent = command_agent(f"{sys.executable} tests/env/agent_program.py", timeout_s=3.0)
+    cfg = EnvConfig(max_tokens=40, agent=AgentConfig(timeout_s=3.0))
+    host = AgentHost(agent, tok, cfg, "tiny-random", use_template=False)
+    t0 = time.perf_counter()
+    try:
+        ro = host.rollouts(scripted(tok, ["7", "7"], "?"), rows, SamplingParams(max_new_tokens=3, n=1), version=0)
+    finally:
+        host.close()
+    assert time.perf_counter() - t0 < 15  # the hung program is killed at env.agent.timeout_s
+    e, name = ro.episodes, f"agent command {sys.executable!r}"
+    failures = dict(zip(kinds, e.failures, strict=True))
+    assert failures["ok"] == failures["none"] == failures["secrets"] == "" and e.requests[0] == 2
+    assert e.environments[0].reward == 1.0 and e.environments[1].reward is None  # '7' twice: sum_agent's 1.0
+    assert failures["exit"] == f"{name} raised AgentCommandError: exited with code 3: cannot go on"
+    assert failures["hang"].startswith(f"{name} ") and "env.agent.timeout_s=3" in failures["hang"]
+    assert failures["word"] == (f"{name} raised AgentCommandError: printed 'great' as its last line: print the reward "
+                                "(a number) or nothing")  # fmt: skip
+    assert e.environments[5].reward == 1.0  # it saw the run's plain variable, not its password
+    assert ro.finish_reasons[2:5] == ["error"] * 3
+    deadline = time.time() + 10
+    while _programs() and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _programs()  # the hung one was killed at its timeout (its process group with it)
+
+
+def _programs() -> list[str]:
+    """PIDs of the agent programs still running."""
+    from pathlib import Path
+
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if b"tests/env/agent_program.py" in cmdline.read_bytes():
+                found.append(cmdline.parent.name)
+        except OSError:
+            continue
+    return found
+
+
 def test_env_agent_is_checked_at_start():
     agent = AgentConfig(fn="tests.env.agents:sum_agent")
     with pytest.raises(ConfigError, match="env.agent.fn' and env.environment_factory both give the environment"):
@@ -386,6 +438,14 @@ def test_env_agent_is_checked_at_start():
     with pytest.raises(ConfigError, match="'env.agent.fn' must look like 'pkg.module:function'"):
         AgentConfig(fn="sum_agent").check("env.agent.")
     assert EnvConfig(agent=agent).enabled and EnvConfig(agent=agent).source_key == "env.agent.fn"
+    program = AgentConfig(command="python agent.py")
+    assert EnvConfig(agent=program).enabled and EnvConfig(agent=program).source_key == "env.agent.command"
+    with pytest.raises(ConfigError, match="env.agent.command' and env.agent.fn both give the agent"):
+        AgentConfig(fn="tests.env.agents:sum_agent", command="python agent.py").check("env.agent.")
+    with pytest.raises(ConfigError, match="env.agent.command' cannot be split"):
+        AgentConfig(command="python 'agent.py").check("env.agent.")
+    with pytest.raises(ConfigError, match="env.agent.command' and env.tools both give the environment"):
+        EnvConfig(agent=program, tools=["m:f"]).check("env.")
 
 
 @pytest.mark.slow
