@@ -68,10 +68,20 @@ $(VLLM_STAMP): Makefile pyproject.toml
 	@$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(VLLM_STAMP)
 
+# the test suite also runs an Agents SDK agent inside a vLLM engine's Ray actor (tests/flows/test_ray_episodes.py): the
+# agent runs where its episodes are played, so the engine's venv gets the SDK for the tests (the spec of pyproject's
+# dev extra); `make vllm-env` alone leaves it out
+AGENTS_SPEC := openai-agents>=0.24,<0.25
+VLLM_TEST_STAMP := $(VLLM_VENV)/.forgeweave-test-installed
+
+$(VLLM_TEST_STAMP): $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pip install --disable-pip-version-check -q "$(TORCH_SPEC)" "$(AGENTS_SPEC)"
+	@touch $(VLLM_TEST_STAMP)
+
 demo: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/forgeweave run --preset smollm2-arith
 
-test: setup vllm-env $(CHROMIUM) $(PG_STAMP)
+test: setup vllm-env $(VLLM_TEST_STAMP) $(CHROMIUM) $(PG_STAMP)
 	@# pytest exits 5 when it collected nothing: a suite that runs no test is a failure, say so
 	HF_HUB_OFFLINE=1 $(PY) -m pytest; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; exit $$rc
