@@ -199,11 +199,13 @@ def host_snapshot(snap: Snapshot) -> Snapshot:
 
 def begin_checkpoint(root: Path, step: int, rank: int) -> Path:
     """The empty `.step-NNNNNN.partial/` every rank writes into; rank 0 clears a stale one first. No barrier is
-    needed: ranks write their shards only after DCP's planning collective, which rank 0 joins after this."""
+    needed: ranks write their shards only after DCP's planning collective, which rank 0 joins after this. Another
+    rank's DCP writer makes the (empty) shard directory when it sets up, which may fall between rank 0's rmtree and
+    its mkdir (under DDP the other ranks snapshot nothing and get there early: seen once in CI), hence `exist_ok`."""
     tmp = root / f".{step_dir_name(step)}{PARTIAL}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / SHARDS).mkdir(parents=True)
+        (tmp / SHARDS).mkdir(parents=True, exist_ok=True)
     return tmp
 
 
