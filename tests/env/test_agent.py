@@ -448,6 +448,23 @@ def test_env_agent_is_checked_at_start():
         EnvConfig(agent=program, tools=["m:f"]).check("env.")
 
 
+def test_an_agent_trains_a_lora_adapter(tmp_path):
+    """Issue 44 with LoRA: the endpoint samples from the policy with its adapter (in process: the trainer's own peft
+    module), the update trains only the adapter, and the next step's requests are sampled from the updated one."""
+    import forge
+    from forge.tracking import read_metrics
+
+    sets = ["steps=2", "threads=1", "tracking.mlflow=false", "checkpoint.every=0", "eval.every=0", "eval.max_problems=1",
+            "env.agent.fn=tests.env.agents:sum_agent", "env.max_tokens=12", "rollout.prompts_per_step=2",
+            "rollout.group_size=4", "rollout.max_new_tokens=3", "update.lr=2e-3", "model.lora.rank=4"]  # fmt: skip
+    forge.train(preset="tiny", overrides=sets, run_dir=tmp_path / "run", progress=False)
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] > 0 and "reward/mean" in r]
+    assert len(rows) == 2 and all(r["env/agent_requests"] == 2.0 and r["env/failed"] == 0 for r in rows)
+    assert all(r["train/grad_norm"] > 0 for r in rows) and rows[1]["policy/version"] == 2
+    # the sampler is the policy being trained (adapter on): its log-probs are the trainer's to float rounding
+    assert all(abs(r["train/logprob_diff"]) < 1e-4 for r in rows)
+
+
 @pytest.mark.slow
 def test_a_training_run_with_an_agent_logs_its_reward_and_the_reward_rises(tmp_path):
     import forge
