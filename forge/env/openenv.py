@@ -618,6 +618,9 @@ def _listener(port: int) -> socket.socket:
     """A listening TCP socket on 127.0.0.1:`port` (0: a free one), for the server forgeweave starts to serve on; a
     port another process holds is one line."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # as uvicorn does when it binds: a port whose last server's connections linger in TIME_WAIT (a server restarted at
+    # its address) binds again; one another socket listens on still does not
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((HOST, port))
         sock.listen(128)
