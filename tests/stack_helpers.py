@@ -85,3 +85,18 @@ def http_status(url: str, headers: dict | None = None, body: dict | None = None)
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
+
+
+def assert_mlflow_asks_for_its_user(url: str, creds) -> None:
+    """An MLflow server at `url` refuses its REST API and UI pages without its user, with the default password of old
+    MLflow versions and with a wrong one; `creds` (flows.stack_auth.Credentials) gets in."""
+    from flows import stack_auth
+
+    search = f"{url}/api/2.0/mlflow/experiments/search?max_results=5"
+    for headers in ({}, stack_auth.basic_auth_header("admin", "password1234"),
+                    stack_auth.basic_auth_header(creds.mlflow_username, "wrong-password")):  # fmt: skip
+        assert http_status(search, headers) == 401
+        assert http_status(f"{url}/api/2.0/mlflow/experiments/create", headers, body={"name": "intruder"}) == 401
+        assert http_status(f"{url}/", headers) == 401
+    good = stack_auth.basic_auth_header(creds.mlflow_username, creds.mlflow_password)
+    assert http_status(search, good) == 200 and http_status(f"{url}/", good) == 200

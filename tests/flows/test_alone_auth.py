@@ -7,7 +7,7 @@ from __future__ import annotations
 import stat
 
 from flows import stack, stack_auth
-from tests.stack_helpers import http_status, server_alone
+from tests.stack_helpers import assert_mlflow_asks_for_its_user, http_status, server_alone
 
 
 def _check_credentials_file(runs, log) -> stack_auth.Credentials:
@@ -44,13 +44,6 @@ def test_mlflow_alone_asks_for_the_stack_credentials(tmp_path):
     runs = tmp_path / "runs"
     with server_alone("mlflow", runs, tmp_path / "mlflow.log") as url:
         creds = _check_credentials_file(runs, tmp_path / "mlflow.log")
-        search = f"{url}/api/2.0/mlflow/experiments/search?max_results=5"
-        for headers in ({}, stack_auth.basic_auth_header("admin", "password1234"),
-                        stack_auth.basic_auth_header(creds.mlflow_username, "wrong-password")):  # fmt: skip
-            assert http_status(search, headers) == 401
-            assert http_status(f"{url}/api/2.0/mlflow/experiments/create", headers, body={"name": "intruder"}) == 401
-            assert http_status(f"{url}/", headers) == 401
-        good = stack_auth.basic_auth_header(creds.mlflow_username, creds.mlflow_password)
-        assert http_status(search, good) == 200 and http_status(f"{url}/", good) == 200
+        assert_mlflow_asks_for_its_user(url, creds)
         assert stack.credentials_for(runs, url) == creds.mlflow_env()
         assert (runs / "mlflow.db").is_file()  # the embedded store, served

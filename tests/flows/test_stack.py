@@ -23,7 +23,15 @@ import pytest
 from flows import stack, stack_auth
 from forge.errors import UserError
 from tests.servers import REPO
-from tests.stack_helpers import cli, http_status, port_args, process_trees, running_stack, stack_sockets
+from tests.stack_helpers import (
+    assert_mlflow_asks_for_its_user,
+    cli,
+    http_status,
+    port_args,
+    process_trees,
+    running_stack,
+    stack_sockets,
+)
 
 SERVICES = {"prefect", "mlflow", "dashboard", "ray", "serve"}
 
@@ -143,14 +151,7 @@ def _check_auth(runs: Path, state: dict, creds: stack_auth.Credentials, deployme
 
     # MLflow: its REST API and its UI's pages need the user; the default password of old MLflow versions is refused
     mlflow = state["env"]["MLFLOW_TRACKING_URI"]
-    search = f"{mlflow}/api/2.0/mlflow/experiments/search?max_results=5"
-    for headers in ({}, stack_auth.basic_auth_header("admin", "password1234"),
-                    stack_auth.basic_auth_header(creds.mlflow_username, "wrong-password")):  # fmt: skip
-        assert http_status(search, headers) == 401
-        assert http_status(f"{mlflow}/api/2.0/mlflow/experiments/create", headers, body={"name": "intruder"}) == 401
-        assert http_status(f"{mlflow}/", headers) == 401
-    good = stack_auth.basic_auth_header(creds.mlflow_username, creds.mlflow_password)
-    assert http_status(search, good) == 200 and http_status(f"{mlflow}/", good) == 200
+    assert_mlflow_asks_for_its_user(mlflow, creds)
     assert http_status(f"{mlflow}/health") == 200
 
     # clients: `status --env` gives a working client its credentials; the dashboard's MLflow reader gets in with
