@@ -217,6 +217,7 @@ class RayStages:
         self._stored: tuple[Rollouts, ray.ObjectRef] | None = None  # the last rollouts and their object-store copy
         self.places: dict[str, list[dict]] = {}  # stage -> each actor's `where` at start (its node's address)
         self.reservation: Reservation | None = None
+        self.sync: WeightSync | None = None  # once every actor has started
         self.pad_id = load_tokenizer(cfg.model).pad_token_id
         self.distills = _has_teacher(cfg, self.plan)  # a teacher actor of its own
         _check_pools(self.plan, self.run_dir)
@@ -441,28 +442,46 @@ class RayStages:
         whichever ref it is (a live member of a collective with the dead one, an engine waiting in the weight
         group's broadcast, would otherwise hold the loss up until that group's timeout); an error raised inside a
         worker is re-raised once every ref has finished (a rank that saw its peer die raises first, the peer's
-        death is the cause). `timeout`: seconds for all of them."""
+        death is the cause). `timeout`: seconds for all of them.
+
+        The syncs queued behind the generate calls (asynchronous GRPO) are watched too: a rollout actor killed
+        before it begins a queued receive leaves update rank 0 waiting for its word (a day, `ready_timeout`), and
+        the next update call behind that send would hold this wait as long, unless the dead receiver's queued call
+        reports the death here."""
         results, raised = {}, None
         pending = list(dict.fromkeys(refs))
+        in_flight = self.sync.in_flight() if self.sync is not None else {}
+        watched = {ref: s for ref, s in in_flight.items() if ref not in pending}  # ref -> its stage
         deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            ready, _ = ray.wait(pending + list(watched), num_returns=1, timeout=left)
             if not ready:
                 raise UserError(f"{stage}: the Ray actors did not answer within {timeout:.0f} s")
-            try:
-                results[ready[0]] = ray.get(ready[0])
-            except RayActorError as e:
-                raise WorkerLost(f"{stage}: a Ray actor died ({_first_line(e)})") from None
-            except ObjectLostError as e:  # its only copy was on a node that died (e.g. the weights a rank returned)
-                raise WorkerLost(f"{stage}: a Ray object was lost with its node ({_first_line(e)})") from None
-            except RayTaskError as e:
-                raised = raised or e
-                results[ready[0]] = None
+            ref = ready[0]
+            if ref in watched:  # its result or error is the sync's to collect; only a death counts here
+                _result(ref, watched.pop(ref))
+                continue
+            pending.remove(ref)
+            results[ref], error = _result(ref, stage)
+            raised = raised or error
         if raised is not None:
             cause = raised.cause if isinstance(getattr(raised, "cause", None), BaseException) else None
             raise (cause or raised) from None
         return [results[ref] for ref in refs]
+
+
+def _result(ref: ray.ObjectRef, stage: str) -> tuple[object, RayTaskError | None]:
+    """A finished ref's (result, None), or (None, the error raised inside its worker); a dead actor or a lost object
+    -> WorkerLost naming `stage`."""
+    try:
+        return ray.get(ref), None
+    except RayActorError as e:
+        raise WorkerLost(f"{stage}: a Ray actor died ({_first_line(e)})") from None
+    except ObjectLostError as e:  # its only copy was on a node that died (e.g. the weights a rank returned)
+        raise WorkerLost(f"{stage}: a Ray object was lost with its node ({_first_line(e)})") from None
+    except RayTaskError as e:
+        return None, e
 
 
 def actor_env(environ: dict[str, str], planned: dict[str, str], python: str = "") -> dict[str, str]:

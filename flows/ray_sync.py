@@ -13,8 +13,8 @@ a collective behind a call that waits for another. On-policy `publish` waits for
 later. A queued receive starts only when its actor's generates are done, which can take longer than the group's
 timeout: the senders wait for every receiver to say it is ready before the broadcast starts (`ready_timeout`, set by
 `TrainerWorker.host_weight_group` from the run's mode), so no collective is ever open while a receiver is still
-generating. A receiver that dies meanwhile is the driver's to see (`get` raises `WorkerLost`), which closes the
-actors and with them every group.
+generating. A receiver that dies meanwhile is the driver's to see: its every wait also watches the queued calls
+(`in_flight`), so `get` raises `WorkerLost` at once, which closes the actors and with them every group.
 """
 
 from __future__ import annotations
@@ -85,6 +85,11 @@ class WeightSync:
         self._receives += receives
         self._sends += sends
         self.version = version
+
+    def in_flight(self) -> dict:
+        """The queued syncs' calls not collected yet -> their stage ('rollout' receives, 'update' sends), for the
+        driver to watch while it waits on anything else (a dead receiver must not leave a send waiting unseen)."""
+        return {**dict.fromkeys(self._receives, "rollout"), **dict.fromkeys(self._sends, "update")}
 
     def collect(self, wait: bool = True) -> None:
         """Check the queued syncs (re-raising a failed one): all of them, or with `wait=False` those done already."""

@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from flows.execute import train
 from flows.planning import plan_run
 from flows.ray_exec import RayStages
+from flows.ray_sync import WeightSync
 from forge.presets import tiny
 from forge.recipes.grpo import run as grpo_run
 from forge.stages import WorkerLost
@@ -224,8 +225,32 @@ def test_a_dead_actor_is_reported_while_a_live_one_still_waits_for_it(cluster):
     refs = [live.wait.remote(300), dead.wait.remote(300)]
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(WorkerLost, match="rollout: a Ray actor died"):
-        RayStages.__new__(RayStages)._get(refs, "rollout", timeout=60)  # only the result handling is used
+        _bare_stages()._get(refs, "rollout", timeout=60)
     ray.kill(live)
+
+
+def test_a_receiver_killed_before_its_queued_sync_is_reported_while_the_driver_waits_on_the_update(cluster):
+    """Asynchronous GRPO queues each sync behind the generate calls in flight; update rank 0's send then waits up to a
+    day for every receiver's word, and the next update call waits behind it. A rollout actor killed before it begins
+    its queued receive must not leave the driver waiting on that update call: the queued call reports the death
+    (before the driver watched the queued syncs, this wait ran into the 60 s 'did not answer' error; in a whole run,
+    with no timeout, it hung)."""
+    update, rollout = Waiter.remote(), Waiter.remote()
+    pid = ray.get(rollout.pid.remote())
+    stages = _bare_stages()
+    stages.sync = WeightSync(routes=None, ranks=[update], rollouts=[rollout], get=stages._get)
+    stages.sync._receives = [rollout.wait.remote(300)]  # the queued receive, behind a generate call
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(WorkerLost, match="rollout: a Ray actor died"):
+        stages._get([update.wait.remote(300)], "update", timeout=60)
+    ray.kill(update)
+
+
+def _bare_stages() -> RayStages:
+    """RayStages with no actors of its own: only its result handling (`_get`) is used."""
+    stages = RayStages.__new__(RayStages)
+    stages.sync = None
+    return stages
 
 
 def _raw_metrics(run_dir) -> list[dict]:
