@@ -1,10 +1,13 @@
 """Who may see the dashboard: a browser session shows nothing but a login prompt until it has signed in.
 
-`forgeweave dashboard` (also the one `forgeweave up` starts) puts two secrets in the app's environment, which only
-its user may read: $FORGEWEAVE_DASHBOARD_LOGIN, "user:password" of the runs dir's stack (MLflow's user and password
-in `<runs>/.stack/auth/credentials.env`), and $FORGEWEAVE_DASHBOARD_TOKEN, the token of the URL it prints
-(`http://127.0.0.1:PORT/?token=...`). A session signs in with either; the token is then taken out of the address
-bar (so it stays out of the browser's history and of screenshots). Secrets are compared with `hmac.compare_digest`.
+`forgeweave dashboard` (also the one `forgeweave up` starts) puts two things in the app's environment, which only
+its user may read: $FORGEWEAVE_DASHBOARD_LOGIN, "user:pbkdf2_sha256$ROUNDS$SALT$DIGEST", the runs dir's stack user
+(MLflow's, in `<runs>/.stack/auth/credentials.env`) and a salted digest of its password (the dashboard never holds
+the password: `flows.stack_auth.login_digest` makes it), and $FORGEWEAVE_DASHBOARD_TOKEN, the token of the URL it
+prints (`http://127.0.0.1:PORT/?token=...`). A session signs in with either; the token is then taken out of the
+address bar (so it stays out of the browser's history and of screenshots). Secrets and digests are compared with
+`hmac.compare_digest`. (docker/compose.yaml's dashboard gets "user:password" itself: a value without the scheme is
+compared as it is.)
 Started without either variable (`streamlit run dashboard/app.py` by hand), the app shows only how to start it.
 
 The check runs in the router before any page, loader or `st.navigation`: a session that has not signed in gets no
@@ -16,6 +19,7 @@ no network has not got; Streamlit has no password or token login of its own.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 
@@ -38,9 +42,26 @@ def token_ok(given: str) -> bool:
 
 
 def login_ok(user: str, password: str) -> bool:
-    expected_user, _, expected_password = os.environ.get(LOGIN_VAR, "").partition(":")
-    user_ok = _same(user, expected_user)  # both compared, whatever the first gives
-    return _same(password, expected_password) and user_ok
+    expected_user, _, digest = os.environ.get(LOGIN_VAR, "").partition(":")
+    user_ok = _same(user, expected_user)  # both checked, whatever the first gives
+    return _password_ok(password, digest) and user_ok
+
+
+def _password_ok(password: str, digest: str) -> bool:
+    """`password` against "pbkdf2_sha256$ROUNDS$SALT$DIGEST" (hex), or, without that scheme, against the text itself
+    (docker/compose.yaml gives the password: a compose file cannot compute a digest)."""
+    scheme, _, rest = digest.partition("$")
+    if scheme != "pbkdf2_sha256":
+        return _same(password, digest)
+    rounds, _, rest = rest.partition("$")
+    salt, _, expected = rest.partition("$")
+    if not rounds.isdigit() or not salt or not expected:
+        return False
+    try:
+        given = hashlib.pbkdf2_hmac("sha256", password.encode(), bytes.fromhex(salt), int(rounds)).hex()
+    except ValueError:
+        return False
+    return _same(given, expected)
 
 
 def require() -> None:

@@ -272,7 +272,8 @@ AUTH_VARS = ("PREFECT_API_AUTH_STRING", "PREFECT_SERVER_API_AUTH_STRING", "PREFE
 
 def services(cfg: StackConfig, creds: stack_auth.Credentials, mlflow_auth: dict[str, str]) -> dict[str, Service]:
     """Every service of the stack, by name, in start order. Prefect's API and MLflow ask for `creds`; `serve` and
-    the dashboard (their clients) get them; `mlflow_auth` is the MLflow server's basic-auth setup. No secret is in
+    the dashboard (their clients) get Prefect's, the dashboard MLflow's read-only user (`stack_auth.ROLES`), never
+    the admin's; `mlflow_auth` is the MLflow server's basic-auth setup. No secret is in
     any argv (any local user reads those with `ps`): they travel in the environment or in 0600 files it names."""
     p = cfg.ports
     own, base = _own_env(), _base_env(cfg)
@@ -294,7 +295,8 @@ def services(cfg: StackConfig, creds: stack_auth.Credentials, mlflow_auth: dict[
     # `forgeweave dashboard` adds the login it asks for (the same credentials file: flows.stack.dashboard_env)
     out["dashboard"] = Service(
         "dashboard", (*cli, "dashboard", "--runs-dir", str(cfg.runs_dir), "--port", str(p.dashboard)),
-        {**base, **creds.env(), "PYTHONPATH": path}, p.dashboard, f"http://127.0.0.1:{p.dashboard}",
+        {**base, **creds.prefect_env(), **creds.role_env("viewer"), "PYTHONPATH": path}, p.dashboard,
+        f"http://127.0.0.1:{p.dashboard}",
         f"http://127.0.0.1:{p.dashboard}/_stcore/health",
     )  # fmt: skip
     # Ray takes the machine's address for the head unless told it is no cluster: then it is 127.0.0.1 throughout
@@ -701,7 +703,7 @@ def dashboard_env(runs_dir: Path) -> dict[str, str]:
     creds, _ = credentials(runs_dir)
     env = stack_auth.dashboard_env(Path(runs_dir).resolve() / STATE_DIR, creds)
     for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
-        found = credentials_for(Path(runs_dir), os.environ.get(key, ""))
+        found = credentials_for(Path(runs_dir), os.environ.get(key, ""), role="viewer")
         env |= {k: v for k, v in found.items() if not os.environ.get(k)}
     return env
 
@@ -781,16 +783,17 @@ def use_stack(runs_dir: str) -> dict[str, str]:
     return taken
 
 
-def credentials_for(runs_dir: Path, url: str) -> dict[str, str]:
+def credentials_for(runs_dir: Path, url: str, role: str = "run") -> dict[str, str]:
     """The client variables of this runs dir's stack credentials when `url` is the Prefect API or MLflow server of
     this runs dir that runs now (`up`'s, or one started alone); {} for any other URL (a port another user took after
-    the server stopped included), or when there is no credentials file."""
+    the server stopped included), or when there is no credentials file. MLflow's are those of the `role` user
+    (`flows.stack_auth.ROLES`: 'run' for runs, 'viewer' for the dashboard), never the admin's."""
     creds = stack_auth.read_credentials(Path(runs_dir).resolve() / STATE_DIR) if url else None
     if creds is None:
         return {}
     for key, server in _live_servers(Path(runs_dir)):
         if url.rstrip("/") == server.rstrip("/"):
-            return creds.prefect_env() if key == "PREFECT_API_URL" else creds.mlflow_env()
+            return creds.prefect_env() if key == "PREFECT_API_URL" else creds.role_env(role)
     return {}
 
 

@@ -22,11 +22,27 @@ sign-up form) is made for each start and never stored.
 The same file serves the servers started alone (`forgeweave server`, `mlflow`: `flows.stack.start_alone`) and the
 dashboard, which asks for a login: the MLflow user and password above, or the token of the URL it prints (kept in
 `auth/dashboard.token`, 0600; it opens the read-only dashboard and nothing else).
+
+Least privilege: the admin's password is the person's; what forgeweave's own processes hold is less. Each start of
+the MLflow server makes (or renews) two users who are not admins in its user database, with passwords derived from
+the admin's (HMAC-SHA256, so the file holds no more lines and new credentials renew them):
+
+    forgeweave-run     runs and the flow runs `serve` starts log with it: MLflow's basic-auth app lets any user
+                       create an experiment and makes its creator its manager, and every other user's experiments
+                       are READ to it (`default_permission`); it cannot manage users or touch others' experiments
+    forgeweave-viewer  the dashboard reads MLflow with it: READ
+
+The dashboard checks the login against a salted PBKDF2 digest of the admin's password, not the password itself, so
+no process forgeweave starts holds the admin's password but the MLflow server (which needs it to make that user).
+An experiment made by another user (the person, in MLflow's UI, or runs of versions before these users) is
+READ-only to runs: the tracker says so in one line (grant forgeweave-run EDIT on it, or name another experiment).
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import os
 import secrets
 from dataclasses import dataclass
@@ -41,6 +57,9 @@ DASHBOARD_TOKEN = "dashboard.token"
 DASHBOARD_LOGIN_VAR = "FORGEWEAVE_DASHBOARD_LOGIN"  # "user:password"
 DASHBOARD_TOKEN_VAR = "FORGEWEAVE_DASHBOARD_TOKEN"  # the ?token= of the URL `forgeweave dashboard` prints
 USER = "forgeweave"  # the user name of both servers (Prefect's basic auth takes any name: the string is the secret)
+# MLflow users with less than the admin's rights (module docstring): role -> user name
+ROLES = {"run": "forgeweave-run", "viewer": "forgeweave-viewer"}
+LOGIN_ITERATIONS = 200_000  # PBKDF2-SHA256 rounds of the dashboard's login digest (~0.1 s a check here)
 
 
 @dataclass(frozen=True)
@@ -59,6 +78,15 @@ class Credentials:
 
     def env(self) -> dict[str, str]:
         return {**self.prefect_env(), **self.mlflow_env()}
+
+    def role_password(self, role: str) -> str:
+        """The password of MLflow user `ROLES[role]`, derived from the admin's (one-way: it gives no admin rights)."""
+        digest = hmac.new(self.mlflow_password.encode(), f"forgeweave mlflow {ROLES[role]}".encode(), hashlib.sha256)
+        return base64.urlsafe_b64encode(digest.digest()).decode().rstrip("=")
+
+    def role_env(self, role: str) -> dict[str, str]:
+        """MLflow client variables of the `role` user ('run': runs; 'viewer': the dashboard)."""
+        return {"MLFLOW_TRACKING_USERNAME": ROLES[role], "MLFLOW_TRACKING_PASSWORD": self.role_password(role)}
 
 
 def auth_dir(state_dir: Path) -> Path:
@@ -124,9 +152,17 @@ def dashboard_token(state_dir: Path) -> str:
 
 
 def dashboard_env(state_dir: Path, creds: Credentials) -> dict[str, str]:
-    """What the dashboard checks a visitor against: the stack's MLflow user and password, and the URL token."""
-    login = f"{creds.mlflow_username}:{creds.mlflow_password}"
+    """What the dashboard checks a visitor against: the stack's MLflow user and a salted digest of its password
+    (`login_digest`), and the URL token."""
+    login = f"{creds.mlflow_username}:{login_digest(creds.mlflow_password)}"
     return {DASHBOARD_LOGIN_VAR: login, DASHBOARD_TOKEN_VAR: dashboard_token(state_dir)}
+
+
+def login_digest(password: str, salt: bytes | None = None) -> str:
+    """The salted digest of `password`, "pbkdf2_sha256$ROUNDS$SALT$DIGEST" (hex), that dashboard/login.py checks."""
+    salt = salt or secrets.token_bytes(16)
+    digest = hashlib.pbkdf2_hmac("sha256", password.encode(), salt, LOGIN_ITERATIONS)
+    return f"pbkdf2_sha256${LOGIN_ITERATIONS}${salt.hex()}${digest.hex()}"
 
 
 def mlflow_server_env(state_dir: Path, creds: Credentials, fresh: bool) -> dict[str, str]:
@@ -143,8 +179,7 @@ def mlflow_server_env(state_dir: Path, creds: Credentials, fresh: bool) -> dict[
     fd = os.open(ini, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
-    if fresh and db.exists():
-        _set_admin_password(f"sqlite:///{db}", creds)
+    _sync_users(f"sqlite:///{db}", creds, fresh)
     return {
         "MLFLOW_AUTH_CONFIG_PATH": str(ini),
         "MLFLOW_AUTH_ADMIN_USERNAME": creds.mlflow_username,
@@ -153,15 +188,22 @@ def mlflow_server_env(state_dir: Path, creds: Credentials, fresh: bool) -> dict[
     }
 
 
-def _set_admin_password(db_uri: str, creds: Credentials) -> None:
-    """New credentials, old user database: the admin's password there becomes the new one (MLflow would keep the
-    old one, known to nobody, since it only reads MLFLOW_AUTH_ADMIN_PASSWORD when it creates the user)."""
+def _sync_users(db_uri: str, creds: Credentials, fresh: bool) -> None:
+    """The user database before the server starts: the `ROLES` users made, or their passwords renewed, never admins;
+    new credentials with an old database: the admin's password there becomes the new one (MLflow would keep the old
+    one, known to nobody, since it reads MLFLOW_AUTH_ADMIN_PASSWORD only when it creates the admin, on its first
+    start)."""
     from mlflow.server.auth.sqlalchemy_store import SqlAlchemyStore
 
     store = SqlAlchemyStore()
     store.init_db(db_uri)
-    if store.has_user(creds.mlflow_username):
+    if fresh and store.has_user(creds.mlflow_username):
         store.update_user(creds.mlflow_username, password=creds.mlflow_password, is_admin=True)
+    for role, user in ROLES.items():
+        if store.has_user(user):
+            store.update_user(user, password=creds.role_password(role), is_admin=False)
+        else:
+            store.create_user(user, creds.role_password(role), is_admin=False)
 
 
 def basic_auth_header(user: str, password: str) -> dict[str, str]:

@@ -360,8 +360,20 @@ class Sender:
         return found[0].info.run_id if found else None
 
     def _create_run(self, exp_id: str, start_ts: int) -> str:
+        from mlflow.exceptions import MlflowException
+
         tags = {"forgeweave.run_dir": str(self.target.run_dir), "forgeweave.run_name": self.target.run_dir.name}
-        run = self.client.create_run(exp_id, start_time=start_ts, tags=tags, run_name=self.target.run_dir.name)
+        try:
+            run = self.client.create_run(exp_id, start_time=start_ts, tags=tags, run_name=self.target.run_dir.name)
+        except MlflowException as e:  # a stack's runs log as a user that may write only where it made the experiment
+            if e.error_code != "PERMISSION_DENIED":
+                raise
+            user = os.environ.get("MLFLOW_TRACKING_USERNAME", "this user")
+            raise MlflowException(
+                f"MLflow user {user} may not write to experiment '{self.target.experiment}' (another user made it): "
+                f"give {user} EDIT on it (its permissions in MLflow's UI) or set tracking.experiment to a new name",
+                error_code="PERMISSION_DENIED",
+            ) from None
         return run.info.run_id
 
     def _send_safely(self, send, run_id: str, chunk: list[dict], state: dict) -> None:

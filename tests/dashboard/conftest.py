@@ -13,6 +13,8 @@ import pytest
 import yaml
 from streamlit.testing.v1 import AppTest
 
+from flows.stack_auth import login_digest
+
 REPO = Path(__file__).resolve().parents[2]
 APP = REPO / "dashboard" / "app.py"
 RUN = "dash-demo"
@@ -97,8 +99,11 @@ def read_metrics(run: Path) -> list[dict]:
     return read(run / "metrics.jsonl")
 
 
-# the secrets `forgeweave dashboard` gives the app (dashboard/login.py); a page test signs in with the token
-LOGIN = {"FORGEWEAVE_DASHBOARD_LOGIN": "forgeweave:test-password", "FORGEWEAVE_DASHBOARD_TOKEN": "test-token"}
+# what `forgeweave dashboard` gives the app (dashboard/login.py): the user and a digest of its password, and the URL
+# token; a page test signs in with the token
+USER, PASSWORD = "forgeweave", "test-password"
+LOGIN = {"FORGEWEAVE_DASHBOARD_LOGIN": f"{USER}:{login_digest(PASSWORD, salt=b'test-salt')}",
+         "FORGEWEAVE_DASHBOARD_TOKEN": "test-token"}  # fmt: skip
 
 
 def open_app(runs: Path, monkeypatch, token: str | None = None) -> AppTest:

@@ -154,21 +154,24 @@ def _check_auth(runs: Path, state: dict, creds: stack_auth.Credentials, deployme
     assert_mlflow_asks_for_its_user(mlflow, creds)
     assert http_status(f"{mlflow}/health") == 200
 
-    # clients: `status --env` gives a working client its credentials; the dashboard's MLflow reader gets in with
-    # them (the stack's dashboard process has them in its environment) and is refused without
+    # clients: `status --env` gives the person's client its credentials; the dashboard's MLflow reader gets in with
+    # the read-only user's (which the stack's dashboard process has in its environment, never the admin's password)
+    # and is refused without
     env = cli(["status", "--env", "--runs-dir", str(runs)]).stdout
     assert f"export MLFLOW_TRACKING_PASSWORD={creds.mlflow_password}" in env
     assert f"export PREFECT_API_AUTH_STRING={creds.prefect_auth_string}" in env
     dashboard_env = Path(f"/proc/{state['services']['dashboard']['pid']}/environ").read_bytes().split(b"\0")
-    assert f"MLFLOW_TRACKING_PASSWORD={creds.mlflow_password}".encode() in dashboard_env
+    assert f"MLFLOW_TRACKING_PASSWORD={creds.role_password('viewer')}".encode() in dashboard_env
+    assert not [v for v in dashboard_env if creds.mlflow_password.encode() in v]
     # the dashboard asks for a login (tests/dashboard/test_login.py): the stack's MLflow user and password, or the
     # token of the URL `up` prints (kept beside the credentials, 0600)
     token = (path.parent / "dashboard.token").read_text().strip()
     assert f"dashboard: {state['services']['dashboard']['url']}/?token={token}" in state["up_stdout"].splitlines()
     assert f"FORGEWEAVE_DASHBOARD_TOKEN={token}".encode() in dashboard_env
-    assert f"FORGEWEAVE_DASHBOARD_LOGIN={creds.mlflow_username}:{creds.mlflow_password}".encode() in dashboard_env
+    login = f"FORGEWEAVE_DASHBOARD_LOGIN={creds.mlflow_username}:pbkdf2_sha256$".encode()  # a digest of the password
+    assert [v for v in dashboard_env if v.startswith(login)]
     probe = f"from dashboard.mlflow_store import read_index; print(repr(read_index({mlflow!r}).error))"
-    for extra, ok in ((creds.mlflow_env(), True), ({}, False)):
+    for extra, ok in ((creds.role_env("viewer"), True), ({}, False)):
         env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING_")} | extra
         out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=REPO, capture_output=True, text=True,
                              timeout=120)  # fmt: skip
@@ -267,7 +270,7 @@ def _check_secrets_private(runs: Path, state: dict) -> None:
     state_dir = runs / ".stack"
     creds = stack_auth.read_credentials(state_dir)
     token_file = stack_auth.auth_dir(state_dir) / stack_auth.DASHBOARD_TOKEN
-    found = [creds.prefect_auth_string.split(":", 1)[1], creds.mlflow_password,
+    found = [creds.prefect_auth_string.split(":", 1)[1], creds.mlflow_password, creds.role_password("viewer"),
              Path(state["ray_env"]["RAY_AUTH_TOKEN_PATH"]).read_text(), token_file.read_text()]  # fmt: skip
     secret_files = [stack_auth.credentials_path(state_dir), Path(state["ray_env"]["RAY_AUTH_TOKEN_PATH"]), token_file]
     if state["db"] == "postgres":

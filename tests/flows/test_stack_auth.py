@@ -97,6 +97,10 @@ def test_new_credentials_reset_the_admin_password_of_an_existing_user_db(tmp_pat
     stack_auth.mlflow_server_env(state_dir, new, fresh)
     assert store.authenticate_user(new.mlflow_username, new.mlflow_password)
     assert not store.authenticate_user(old.mlflow_username, old.mlflow_password)
+    for role, user in stack_auth.ROLES.items():  # the run and viewer users: made, with the new derived passwords
+        assert store.authenticate_user(user, new.role_password(role)) and not store.get_user(user).is_admin
+        assert not store.authenticate_user(user, old.role_password(role))
+    assert len({new.mlflow_password, new.role_password("run"), new.role_password("viewer")}) == 3
 
 
 def test_services_get_the_credentials_they_need_and_no_others(tmp_path, monkeypatch):
@@ -110,7 +114,9 @@ def test_services_get_the_credentials_they_need_and_no_others(tmp_path, monkeypa
     argv = svc["mlflow"].argv
     assert argv[argv.index("--app-name") + 1] == "basic-auth"
     assert mlflow_auth.items() <= svc["mlflow"].env.items()
-    assert creds.env().items() <= svc["dashboard"].env.items()  # a client of both: the eval button, MLflow reads
+    # a client of both (the eval button, MLflow reads): MLflow's read-only user, never the admin's password
+    assert {**creds.prefect_env(), **creds.role_env("viewer")}.items() <= svc["dashboard"].env.items()
+    assert creds.mlflow_password not in svc["dashboard"].env.values()
     # serve: a UI "Run" needs the Prefect API; its tracker takes MLflow's for the stack's server only (issue 46)
     assert creds.prefect_env().items() <= svc["serve"].env.items()
     assert not {k for k in creds.mlflow_env() if k in svc["serve"].env}
@@ -127,7 +133,8 @@ def test_run_and_tracker_take_the_credentials_only_for_this_stacks_servers(tmp_p
     stack.write_state(runs, {"services": {"prefect": me, "mlflow": me}, "env": env})
     assert stack.credentials_for(runs, env["MLFLOW_TRACKING_URI"]) == {}  # no credentials file: nothing to take
     creds, _ = stack_auth.ensure_credentials(runs / ".stack")
-    assert stack.credentials_for(runs, "http://127.0.0.1:2/") == creds.mlflow_env()
+    assert stack.credentials_for(runs, "http://127.0.0.1:2/") == creds.role_env("run")  # runs: the run user
+    assert stack.credentials_for(runs, "http://127.0.0.1:2/", role="viewer") == creds.role_env("viewer")
     assert stack.credentials_for(runs, "http://127.0.0.1:1/api") == creds.prefect_env()
     assert stack.credentials_for(runs, "http://elsewhere:5000") == {}
 
@@ -144,7 +151,7 @@ def test_run_and_tracker_take_the_credentials_only_for_this_stacks_servers(tmp_p
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "me")  # set by the user: it wins
     mlflow_tracker._stack_credentials(runs, env["MLFLOW_TRACKING_URI"])
     assert os.environ["MLFLOW_TRACKING_USERNAME"] == "me"
-    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == creds.mlflow_password
+    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == creds.role_password("run")
     mlflow_tracker._stack_credentials(tmp_path / "nowhere", "http://127.0.0.1:2")  # no stack there: nothing, no error
 
 

@@ -42,7 +42,8 @@ def _specs(runs: Path, db: str) -> tuple[stack.StackConfig, dict[str, stack.Serv
     specs = stack.services(cfg, creds, mlflow_auth)
     ray_token = Path(stack.ray_client_env(cfg)["RAY_AUTH_TOKEN_PATH"]).read_text()
     found = [creds.prefect_auth_string, creds.prefect_auth_string.split(":", 1)[1], creds.mlflow_password,
-             mlflow_auth["MLFLOW_FLASK_SERVER_SECRET_KEY"], ray_token, password]  # fmt: skip
+             creds.role_password("run"), creds.role_password("viewer"), mlflow_auth["MLFLOW_FLASK_SERVER_SECRET_KEY"],
+             ray_token, password]  # fmt: skip
     return cfg, specs, [s for s in found if s]
 
 
