@@ -39,7 +39,7 @@ from forge.advantages import per_completion
 from forge.errors import UserError
 from forge.io import append_text, atomic_write_text, truncate_jsonl, write_json
 from forge.metrics import sampled_versions
-from forge.records import Episodes, Rollouts, ScoredBatch
+from forge.records import Episodes, Rollouts, ScoredBatch, TokenSequence
 from forge.tracking import Tracker
 
 if TYPE_CHECKING:
@@ -102,8 +102,9 @@ def token_record(ro: Rollouts, advantages: torch.Tensor, i: int, token_text: Tok
     shows as U+FFFD); `loss`, the loss mask (1 on sampled tokens; all 0 in an episode taken out of the loss);
     `logprob`, the sampling log-prob (0 off the sampled tokens); `advantage` only where `advantages` is per token
     ([N, T]; a row's one advantage is the sample's `advantage`); `teacher`, given the teacher stage's scores, its
-    log-ratio log p_teacher - log p_sampler on the sampled tokens (the distillation reward; 0 elsewhere). Floats to
-    4 decimals, None where not finite.
+    log-ratio log p_teacher - log p_sampler on the sampled tokens (the distillation reward; 0 elsewhere); `more`, for
+    an episode whose agent rewrote its history, the training sequences after the first (`_sequence_record`). Floats
+    to 4 decimals, None where not finite.
 
     >>> ro = Rollouts(torch.zeros(1, 1), torch.ones(1, 1), torch.tensor([[5, 6, 0]]), torch.tensor([[1, 1, 0]]),
     ...               torch.tensor([[-0.12345, 0.0, 0.0]]), ["ab"], ["stop"], 1, 0, loss_mask=torch.tensor([[1, 0, 0]]))
@@ -121,6 +122,19 @@ def token_record(ro: Rollouts, advantages: torch.Tensor, i: int, token_text: Tok
     if teacher is not None:
         ratio = (teacher.logp[i].cpu() - ro.sampling_logprobs[i].cpu()) * ro.loss_mask[i].cpu()
         out["teacher"] = _floats(ratio[real])
+    more = ro.episodes.more_sequences if ro.episodes is not None else []
+    if i < len(more) and more[i]:  # an agent rewrote its history: the training sequences after the first
+        out["more"] = [_sequence_record(seq, token_text) for seq in more[i]]
+    return out
+
+
+def _sequence_record(seq: TokenSequence, token_text: TokenText | None) -> dict:
+    """A further training sequence of an episode as `token_record` lists, with `prompt_tokens`, its prompt's length
+    (what the agent sent as its rewritten history)."""
+    out = {"prompt_tokens": len(seq.prompt_ids), "ids": list(seq.ids), "loss": list(seq.loss),
+           "logprob": _floats(torch.tensor(seq.logprobs, dtype=torch.float32))}  # fmt: skip
+    if token_text is not None:
+        out["text"] = token_text(out["ids"])
     return out
 
 

@@ -174,7 +174,8 @@ def _sample_label(i: int, row: pd.Series) -> str:
 
 def token_view(record) -> None:
     """A sample's tokens (dashboard.tokens): a summary line, the legend, the tokens as coloured spans (hover: place,
-    id, log-prob, advantage) and, folded, the per-token table."""
+    id, log-prob, advantage) and, folded, the per-token table; then each further training sequence of an episode
+    whose agent rewrote its history (the record's `more`), as spans under a line that says so."""
     if not tokens.has_tokens(record):
         st.caption("tokens: not recorded (this sample was written before samples.jsonl kept them)")
         return
@@ -186,6 +187,12 @@ def token_view(record) -> None:
     st.html(tokens.token_html(record))
     with st.expander("per-token table"):
         st.dataframe(tokens.token_table(record), hide_index=True)
+    more = [seq for seq in record.get("more") or [] if tokens.has_tokens(seq)]
+    for k, seq in enumerate(more, start=2):  # the agent rewrote its history: sequences trained apart
+        st.caption(f"training sequence {k} of {len(more) + 1}: the agent rewrote its history, so what follows its new "
+                   f"prompt ({seq.get('prompt_tokens', '?')} tokens, not shown) trains as a sequence of its own, with "
+                   f"the episode's reward · {tokens.summary(seq)}")  # fmt: skip
+        st.html(tokens.token_html(seq))
 
 
 def episode(name: str, shown: pd.DataFrame) -> None:

@@ -73,6 +73,26 @@ def test_a_tool_episode_is_shown_as_its_tokens(tool_run, monkeypatch):
     assert frame.loc[frame["kind"] == "added", "log-prob"].isna().all()
 
 
+def test_an_episode_whose_agent_rewrote_its_history_shows_each_training_sequence(tool_run, monkeypatch):
+    """A record with `more` (forge.rundir.token_record: the sequences after the first, each after its own prompt):
+    the view draws each under a line that says which sequence it is and why."""
+    path = tool_run / "samples.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    second = {"prompt_tokens": 9, "ids": [7, 8, 9], "text": ["x", "y", "z"], "loss": [1, 1, 0],
+              "logprob": [-0.25, -0.5, 0.0]}  # fmt: skip
+    lines[16]["tokens"]["more"] = [second]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    at = open_page(tool_run.parent, monkeypatch, "run_detail")
+    next(s for s in at.selectbox if s.label == "episode").set_value(16).run()
+    assert not at.exception
+    blocks = [h.value for h in at.get("html") if 'class="fw-tokens"' in h.value]
+    assert len(blocks) == 2
+    spans = [(cls, text) for cls, _, text in SPAN.findall(blocks[1])]
+    assert spans == [("fw-sampled", "x"), ("fw-sampled", "y"), ("fw-added", "z")]
+    line = next(c for c in texts(at).splitlines() if c.startswith("training sequence 2 of 2"))
+    assert "its new prompt (9 tokens, not shown)" in line and "3 tokens: 2 sampled (trained), 1 added" in line
+
+
 def test_a_runs_own_episode_shows_its_tokens_without_picking(multiturn_run, monkeypatch):
     """The run's first sample (one policy turn): every token sampled, log-probs as samples.jsonl has them."""
     at = open_page(multiturn_run.parent, monkeypatch, "run_detail")

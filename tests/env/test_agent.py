@@ -264,6 +264,14 @@ def test_a_history_rewrite_makes_a_second_sequence_with_the_episodes_reward_and_
     assert sorted(sampled_segments(rows.rollouts)) == sorted(seen) and len(seen) == 12  # 4 episodes x 3 requests
     assert episode_metrics(ro)["env/agent_prefix_breaks"] == 1.0
     assert "training sequence 2 begins here" in json.dumps(e.transcripts[0])
+    # samples.jsonl's token record (the dashboard's token view) keeps the second sequence, after its own prompt
+    from forge.rundir import token_record
+
+    (second,) = token_record(ro, scored.advantages, 0, lambda ids: [tok.decode([t]) for t in ids])["more"]
+    seq = e.more_sequences[0][0]
+    assert second["ids"] == seq.ids and second["loss"] == seq.loss and sum(second["loss"]) > 0
+    assert second["prompt_tokens"] == len(seq.prompt_ids) and len(second["text"]) == len(seq.ids)
+    assert second["logprob"] == [round(x, 4) for x in seq.logprobs]
 
 
 def test_an_agent_that_appends_stays_one_sequence(tok):
