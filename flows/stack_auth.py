@@ -45,6 +45,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,7 +194,9 @@ def _sync_users(db_uri: str, creds: Credentials, fresh: bool) -> None:
     new credentials with an old database: the admin's password there becomes the new one (MLflow would keep the old
     one, known to nobody, since it reads MLFLOW_AUTH_ADMIN_PASSWORD only when it creates the admin, on its first
     start)."""
-    from mlflow.server.auth.sqlalchemy_store import SqlAlchemyStore
+    with warnings.catch_warnings():  # importing mlflow.server warns about its Starlette (stderr of `up`, a CLI's)
+        warnings.simplefilter("ignore")
+        from mlflow.server.auth.sqlalchemy_store import SqlAlchemyStore
 
     store = SqlAlchemyStore()
     store.init_db(db_uri)
