@@ -3,6 +3,9 @@ the deployment it says how to register it; with it, a flow run with the checkpoi
 
 import asyncio
 
+# Prefect reads its global settings from the environment once, when first imported: import it at collection, not
+# under this module's PREFECT_API_URL (the tests after these would keep talking to a server that is gone)
+import prefect  # noqa: F401
 import pytest
 
 from flows import stack_auth
