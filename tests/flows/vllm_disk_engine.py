@@ -24,16 +24,17 @@ def disk_greedy(cfg, model_dir: str, prompts: list[str], tokens: int) -> list[li
 
 
 def track_receive_buffers(worker) -> None:
-    """Inside a vLLM worker: from now on count the weight group's receive buffers alive as each (name, tensor) pair
-    of a sync reaches vLLM's loader (the largest count is kept on the worker)."""
+    """Inside a vLLM worker: from now on, as each (name, tensor) pair of a sync reaches vLLM's loader, count the weight
+    group's receive buffers alive and the bytes of the pairs' tensors that are still alive (kept by the loader), and
+    keep the largest of each on the worker."""
     import gc
     import weakref
 
     from forge.weight_group import WeightGroup
 
-    group, live = worker.forgeweave_group, []
+    group, live, given = worker.forgeweave_group, [], []
     make, stream = WeightGroup._empty_bucket, group.stream
-    worker.forgeweave_live_max = 0
+    worker.forgeweave_live_max = worker.forgeweave_kept_max = 0
 
     def tracked(plan, index):
         buffer = make(group, plan, index)
@@ -41,14 +42,21 @@ def track_receive_buffers(worker) -> None:
         return buffer
 
     def counted(plan):
-        for pair in stream(plan):
+        for name, tensor in stream(plan):
+            given.append((weakref.ref(tensor), tensor.numel() * tensor.element_size()))
             gc.collect()
             worker.forgeweave_live_max = max(worker.forgeweave_live_max, sum(r() is not None for r in live))
-            yield pair
+            kept = sum(n for r, n in given if r() is not None)
+            worker.forgeweave_kept_max = max(worker.forgeweave_kept_max, kept)
+            yield name, tensor
+            del tensor
 
     group._empty_bucket, group.stream = tracked, counted
 
 
-def live_receive_buffers(worker) -> int:
-    """The most receive buffers alive at once since `track_receive_buffers`."""
-    return worker.forgeweave_live_max
+def live_receive_buffers(worker) -> tuple[int, int]:
+    """The most receive buffers alive at once since `track_receive_buffers`, and the most bytes of the sync's tensors
+    alive at once (the one in hand included)."""
+    return worker.forgeweave_live_max, worker.forgeweave_kept_max
+
+
