@@ -20,6 +20,8 @@ import torch
 if TYPE_CHECKING:
     from forge.losses import LossOutput
 
+SAMPLES_PER_STEP = 8  # a step's first rows, whose samples (and tokens) samples.jsonl keeps
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -184,6 +186,8 @@ class UpdateStats:
     policy_version: int  # version after this update
     sync_seconds: float = 0.0  # new weights -> rollout model: rank 0 publishes, the pipeline loads (0 in-process)
     logprob_diff: float = 0.0  # mean |log pi_old - log mu| over the step's tokens: trainer vs sampler mismatch
+    logprob_gaps: tuple[tuple[float, ...], ...] = ()  # per token log pi_old - log mu of the step's first rows (at
+    # most SAMPLES_PER_STEP, those on this rank) over each row's real tokens (0 off its sampled ones): the token view
     is_truncated_frac: float = 0.0  # tis: share of tokens whose importance weight hit algo.is_cap
     skipped: int = 0  # optimizer steps (PPO passes) skipped because the loss or gradient norm was not finite
     kl_ref: float = 0.0  # k3 KL to the reference policy (algo.beta > 0; 0 otherwise)
@@ -227,6 +231,8 @@ class MicroStats:
     logprob_diff: float  # |log pi_old - log mu|: trainer vs sampler
     is_truncated: float  # tokens whose importance weight hit algo.is_cap
     teacher_kl: float = 0.0  # the weighted top-k KL to the teacher (distill.topk)
+    gap: torch.Tensor | None = field(default=None, compare=False)  # [n, T] log pi_old - log mu on the train mask (0
+    # elsewhere), detached: not a sum, the trainer keeps the first rows' for the token record
 
     @classmethod
     def of(cls, res: LossOutput, entropy, old, mb: MicroBatch, weight, cap: float, distill=None) -> MicroStats:
@@ -241,4 +247,5 @@ class MicroStats:
             logprob_diff=float((old - mb.sampler_logp).abs()[m].sum()),
             is_truncated=float((weight[m] >= cap).sum()) if weight is not None else 0.0,
             teacher_kl=float(distill.detach()[m].sum()) if distill is not None else 0.0,
+            gap=((old - mb.sampler_logp) * m).detach(),
         )

@@ -39,13 +39,12 @@ from forge.advantages import per_completion
 from forge.errors import UserError
 from forge.io import append_text, atomic_write_text, truncate_jsonl, write_json
 from forge.metrics import sampled_versions
-from forge.records import Episodes, Rollouts, ScoredBatch, TokenSequence
+from forge.records import SAMPLES_PER_STEP, Episodes, Rollouts, ScoredBatch, TokenSequence
 from forge.tracking import Tracker
 
 if TYPE_CHECKING:
     from forge.rewards.teacher import TeacherScores
 
-SAMPLES_PER_STEP = 8
 LOCK = ".lock"
 CHANGES = "config_changes.jsonl"  # one line per resume that changed the config (forge.compose.record_changes)
 INPUTS = "inputs"  # datasets given to forge.train as objects, saved here before the run starts (forge/api.py)
@@ -55,14 +54,15 @@ TokenText = Callable[[list[int]], list[str]]  # token ids -> each token's text, 
 
 def append_samples(run_dir: Path, step: int, rows: list[dict], ro: Rollouts, batch: ScoredBatch, *,
                    trainer_version: int | None = None, token_text: TokenText | None = None,
-                   teacher: TeacherScores | None = None) -> list[dict]:  # fmt: skip
+                   teacher: TeacherScores | None = None, gaps: tuple = ()) -> list[dict]:  # fmt: skip
     """A few completions per step (the first SAMPLES_PER_STEP rows: the first group) with their per-verifier scores,
     appended to samples.jsonl; returns them for the tracker's sample table, without their `tokens`.
 
     Each line also says whether its group's rewards were all equal (`zero_std_group`: no learning signal), the
     oldest policy version that sampled it (`policy_version`) and, given `trainer_version` (the trainer's version
     when the step's rollouts were checked), its `staleness` in versions; its `tokens` (`token_record`) are what
-    the dashboard's token view shows (distilling, with the `teacher`'s log-ratio per sampled token). On a step
+    the dashboard's token view shows (distilling, with the `teacher`'s log-ratio per sampled token; given the
+    update's `gaps`, `UpdateStats.logprob_gaps`, the trainer's log-prob gap to the sampler per token). On a step
     where a verifier erred, each line also says how many items it erred on and its first error text."""
     g = ro.group_size
     errors = {n: {"items": batch.verifier_errored.get(n, 0), "first": e} for n, e in batch.verifier_errors.items()}
@@ -88,7 +88,7 @@ def append_samples(run_dir: Path, step: int, rows: list[dict], ro: Rollouts, bat
                 **({"verifier_errors": errors} if errors else {}),  # the step's first error per verifier
                 **(_episode_sample(ro.episodes, i) if ro.episodes is not None else {}),  # multi-turn
                 **({"env_failure": failure} if (failure := _failure(ro, i)) else {}),  # its environment failed
-                "tokens": token_record(ro, batch.advantages, i, token_text, teacher),
+                "tokens": token_record(ro, batch.advantages, i, token_text, teacher, _row(gaps, i)),
             }
         )
     append_text(run_dir / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
@@ -96,13 +96,15 @@ def append_samples(run_dir: Path, step: int, rows: list[dict], ro: Rollouts, bat
 
 
 def token_record(ro: Rollouts, advantages: torch.Tensor, i: int, token_text: TokenText | None = None,
-                 teacher: TeacherScores | None = None) -> dict:  # fmt: skip
+                 teacher: TeacherScores | None = None, gap: tuple[float, ...] | None = None) -> dict:  # fmt: skip
     """Row i's tokens after the prompt (its real ones: sampled, and what the environment, tools or agent added), as
     parallel lists: `ids`; `text`, each token decoded alone (given `token_text`; a character split across tokens
     shows as U+FFFD); `loss`, the loss mask (1 on sampled tokens; all 0 in an episode taken out of the loss);
     `logprob`, the sampling log-prob (0 off the sampled tokens); `advantage` only where `advantages` is per token
     ([N, T]; a row's one advantage is the sample's `advantage`); `teacher`, given the teacher stage's scores, its
-    log-ratio log p_teacher - log p_sampler on the sampled tokens (the distillation reward; 0 elsewhere); `more`, for
+    log-ratio log p_teacher - log p_sampler on the sampled tokens (the distillation reward; 0 elsewhere); `gap`,
+    given the update's per-token gap of this row, log pi_old - log mu: the trainer's log-prob of each sampled token
+    (before the step's update) less the sampler's (0 elsewhere; a policy lag adds to it off policy); `more`, for
     an episode whose agent rewrote its history, the training sequences after the first (`_sequence_record`). Floats
     to 4 decimals, None where not finite.
 
@@ -110,6 +112,8 @@ def token_record(ro: Rollouts, advantages: torch.Tensor, i: int, token_text: Tok
     ...               torch.tensor([[-0.12345, 0.0, 0.0]]), ["ab"], ["stop"], 1, 0, loss_mask=torch.tensor([[1, 0, 0]]))
     >>> token_record(ro, torch.zeros(1), 0, lambda ids: [chr(92 + t) for t in ids])
     {'ids': [5, 6], 'loss': [1, 0], 'logprob': [-0.1235, 0.0], 'text': ['a', 'b']}
+    >>> token_record(ro, torch.zeros(1), 0, gap=(0.25, float("nan")))["gap"]
+    [0.25, None]
     """
     real = ro.completion_mask[i].bool().cpu()  # [T]; on the CPU whatever device each tensor is on
     ids = ro.completion_ids[i].cpu()[real].tolist()
@@ -122,6 +126,8 @@ def token_record(ro: Rollouts, advantages: torch.Tensor, i: int, token_text: Tok
     if teacher is not None:
         ratio = (teacher.logp[i].cpu() - ro.sampling_logprobs[i].cpu()) * ro.loss_mask[i].cpu()
         out["teacher"] = _floats(ratio[real])
+    if gap is not None and len(gap) == len(ids):
+        out["gap"] = _floats(torch.tensor(gap, dtype=torch.float64))
     more = ro.episodes.more_sequences if ro.episodes is not None else []
     if i < len(more) and more[i]:  # an agent rewrote its history: the training sequences after the first
         out["more"] = [_sequence_record(seq, token_text) for seq in more[i]]
@@ -136,6 +142,10 @@ def _sequence_record(seq: TokenSequence, token_text: TokenText | None) -> dict:
     if token_text is not None:
         out["text"] = token_text(out["ids"])
     return out
+
+
+def _row(rows: tuple, i: int):
+    return rows[i] if i < len(rows) else None
 
 
 def _floats(x: torch.Tensor) -> list[float | None]:

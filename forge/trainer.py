@@ -63,7 +63,7 @@ from forge.losses import StepTotals
 from forge.lr import AdaptiveLR, scheduled_lr
 from forge.models import adapter_tensors, is_peft, merged_shapes, merged_tensors, merged_weights
 from forge.precision import update_bf16
-from forge.records import MicroBatch, MicroStats, Rollouts, TeacherTopK, UpdateStats
+from forge.records import SAMPLES_PER_STEP, MicroBatch, MicroStats, Rollouts, TeacherTopK, UpdateStats
 from forge.sequences import TrainingRows, training_rows
 from forge.shared_prefix import (
     PackingCost,
@@ -95,7 +95,7 @@ class TokenLogprobs:
 # fp32 elements of one chunk of [n, t, vocab] log-softmax (256 MiB): bounds the log-prob temporaries at any length
 LOGPROB_CHUNK_ELEMENTS = 2**26
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # torch's fused AdamW (CPU and CUDA)
-MICRO_SUMS = tuple(f.name for f in dataclasses.fields(MicroStats))
+MICRO_SUMS = tuple(f.name for f in dataclasses.fields(MicroStats) if f.name != "gap")  # gap: per token, not a sum
 # (current log-probs of a micro-batch, the micro-batch, algo config, step totals, backward) -> its sums
 MicroUpdate = Callable[..., MicroStats]
 
@@ -311,7 +311,8 @@ class Trainer:
             group["lr"] = lr
         torch.manual_seed(update_seed(self.seed, self.step + 1, self.accelerator.process_index))
         rows = training_rows(rollouts, advantages)  # an agent episode's further sequences join as rows
-        micro = self._micro_batches(rows, self._my_rows(rows.rollouts.num_completions), teacher)
+        my_rows = self._my_rows(rows.rollouts.num_completions)
+        micro = self._micro_batches(rows, my_rows, teacher)
         totals = StepTotals(sequences=rows.episodes, tokens=int(rows.rollouts.loss_mask.sum()),
                             max_len=self.max_new_tokens)  # fmt: skip
         passes = [self._one_pass(micro, totals) for _ in range(self.update_cfg.num_iterations)]
@@ -328,6 +329,7 @@ class Trainer:
         return UpdateStats(
             loss=mean("loss"), kl_old=kl_old, kl_ref=kl_ref, clip_frac_low=mean("clip_low"),
             clip_frac_high=mean("clip_high"), entropy=passes[0]["entropy"], logprob_diff=passes[0]["logprob_diff"],
+            logprob_gaps=self._first_rows_gaps(micro, passes[0]["gaps"], first_row=my_rows.start),
             is_truncated_frac=passes[0]["is_truncated"], grad_norm=mean("grad_norm"),
             teacher_kl=None if teacher is None else passes[0]["teacher_kl"],
             lr=lr, lr_scale=scale,
@@ -342,6 +344,20 @@ class Trainer:
         size, extra = divmod(n, world)
         start = rank * size + min(rank, extra)
         return range(start, start + size + (rank < extra))
+
+    @staticmethod
+    def _first_rows_gaps(micro: list[MicroBatch], gaps: list, first_row: int) -> tuple[tuple[float, ...], ...]:
+        """Per token log pi_old - log mu of the step's first SAMPLES_PER_STEP rows, each over its real tokens: what
+        samples.jsonl's token record shows beside the sampling log-prob. Only the rank whose rows begin the step
+        (`first_row` 0; rank 0, whose stats are the step's) keeps them; also empty where the micro-update gave none."""
+        out = []
+        for mb, gap in zip(micro, gaps if first_row == 0 else [], strict=False):
+            for r in range(mb.completion_ids.shape[0]):
+                if len(out) == SAMPLES_PER_STEP or gap is None:
+                    return tuple(out)
+                real = int(mb.completion_mask[r].sum())  # right-padded: the real tokens come first
+                out.append(tuple(round(x, 4) for x in gap[r, :real].float().cpu().tolist()))
+        return tuple(out)
 
     def _micro_batches(self, step: TrainingRows, rows: range, teacher: TeacherTopK | None = None) -> list[MicroBatch]:
         """The rank's rows in micro-batches of update.micro_batch_size, with pi_old's log-probs when several PPO
@@ -390,17 +406,18 @@ class Trainer:
         world, algo = self.accelerator.num_processes, self.algo
         backward = lambda loss: self.accelerator.backward(loss * world)  # noqa: E731  DDP averages over ranks
         policy = functools.partial(self._logprobs, self.model)
-        acc = dict.fromkeys(MICRO_SUMS, 0.0)
+        acc, gaps = dict.fromkeys(MICRO_SUMS, 0.0), []
         for i, mb in enumerate(micro):
             with self._grad_sync(i == len(micro) - 1):
                 counts = dataclasses.replace(totals, row_tokens=mb.episode_tokens)  # None: each row its episode
                 stats = self.micro_update(policy, mb, algo, counts, backward=backward)
             for k in acc:
                 acc[k] += getattr(stats, k)
+            gaps.append(stats.gap)
         acc = self._sum_over_ranks(acc)  # before the step: every rank decides on the same global loss
         grad_norm, stepped = self._clip_and_step(acc["loss"])
         tokens = max(totals.tokens, 1)
-        return {"loss": acc["loss"], "grad_norm": grad_norm, "skipped": int(not stepped),
+        return {"loss": acc["loss"], "grad_norm": grad_norm, "skipped": int(not stepped), "gaps": gaps,
                 **{k: acc[k] / tokens for k in MICRO_SUMS if k != "loss"}}  # fmt: skip
 
     def _grad_sync(self, last: bool):

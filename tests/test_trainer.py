@@ -20,7 +20,7 @@ from forge.losses import StepTotals
 from forge.models import build_tiny_model
 from forge.recipes import grpo
 from forge.recipes.grpo import grpo_loss
-from forge.records import Rollouts
+from forge.records import SAMPLES_PER_STEP, Rollouts
 from forge.trainer import token_logprobs
 from tests.grpo_parts import Trainer
 
@@ -266,7 +266,8 @@ def test_logprob_diff_measures_the_sampler_gap_and_tis_reweights(tok, model):
     batch = make_batch(tok)
     exact = token_logprobs(model, *_inputs(batch.rollouts)).logp.detach() * batch.rollouts.completion_mask
     on_policy = batch._replace(rollouts=dataclasses.replace(batch.rollouts, sampling_logprobs=exact))
-    stats = Trainer(copy.deepcopy(model), make_cfg(lr=1e-9), total_steps=1).update(*on_policy)
+    cfg = make_cfg(lr=1e-9, micro_batch_size=4)  # two micro-batches of their own widths: the gaps follow the rows
+    stats = Trainer(copy.deepcopy(model), cfg, total_steps=1).update(*on_policy)
     assert stats.logprob_diff < 1e-6 and stats.is_truncated_frac == 0.0  # tis off: never counted
     # the sampler saw every token 1 nat less likely: |diff| = 1, weights e^1 > cap 2 -> all truncated
     shifted = dataclasses.replace(batch.rollouts, sampling_logprobs=(exact - 1.0) * batch.rollouts.completion_mask)
@@ -275,6 +276,12 @@ def test_logprob_diff_measures_the_sampler_gap_and_tis_reweights(tok, model):
     cfg.algo.is_correction = "tis"
     tis = Trainer(copy.deepcopy(model), cfg, total_steps=1).update(*off)
     assert tis.logprob_diff == pytest.approx(1.0, abs=1e-5) and tis.is_truncated_frac == 1.0
+    # per token, for the token view: each of the first rows' gaps over its real tokens, 1 nat on every one of them
+    lengths = batch.rollouts.completion_mask.sum(1).tolist()
+    assert [len(g) for g in tis.logprob_gaps] == lengths[:SAMPLES_PER_STEP] and len(lengths) > 1
+    assert all(x == pytest.approx(1.0, abs=1e-4) for g in tis.logprob_gaps for x in g)
+    assert [len(g) for g in stats.logprob_gaps] == lengths[:SAMPLES_PER_STEP]
+    assert max(abs(x) for g in stats.logprob_gaps for x in g) < 1e-4
     plain = Trainer(copy.deepcopy(model), make_cfg(lr=1e-9), total_steps=1).update(*off)
     assert tis.loss == pytest.approx(2.0 * plain.loss, rel=1e-5)  # every policy term weighted by the cap
 

@@ -222,7 +222,7 @@ def grpo_step(run: Run, state: LoopState, step: int) -> LoopState:
                **eval_metrics(report or {})}  # fmt: skip
     guard = state.guard.observe(step, metrics["reward/mean"]) if state.guard else None
     state = dataclasses.replace(state.timed(clock.laps), last_reward=metrics["reward/mean"], guard=guard)
-    record.step(step, metrics, rows=request.rows, rollouts=rollouts, batch=scores, teacher=teacher)
+    record.step(step, metrics, rows=request.rows, rollouts=rollouts, batch=scores, teacher=teacher, stats=stats)
     if run.sched.probe_due(step):  # 5. labelled probe -> collapse guard: warn, roll back or stop
         state = probe(run, state, step)
     if run.sched.checkpoint_due(step):  # 6. weights, optimizer, loop state (the prompt order's next row); atomically

@@ -26,7 +26,7 @@ from forge.io import atomic_write_text, write_json
 from forge.loop import Data, Limits, LoopState, Run, Schedule, say
 from forge.metrics import probe_metrics
 from forge.models import format_prompt_fn, load_tokenizer
-from forge.records import Rollouts, ScoredBatch
+from forge.records import Rollouts, ScoredBatch, UpdateStats
 from forge.resume import check_resumable, checkpoint_step
 from forge.rollout.base import SamplingParams
 from forge.rundir import (
@@ -164,16 +164,18 @@ class RunRecord:
         write_guard_log(self.run_dir, events)
 
     def step(self, step: int, metrics: dict, *, rows: list[dict], rollouts: Rollouts, batch: ScoredBatch,
-             teacher: TeacherScores | None = None) -> None:  # fmt: skip
-        """The step's metrics, a few samples (with their tokens and, distilling, the teacher's log-ratio per token:
-        forge.rundir.append_samples), the ensemble's report on refit steps, status.json."""
+             teacher: TeacherScores | None = None, stats: UpdateStats | None = None) -> None:  # fmt: skip
+        """The step's metrics, a few samples (with their tokens, the trainer's log-prob gap per token from the update's
+        `stats` and, distilling, the teacher's log-ratio: forge.rundir.append_samples), the ensemble's report on refit
+        steps, status.json."""
         if batch.ensemble_report is not None:
             write_json(self.run_dir / "ensemble" / f"{step_dir_name(step)}.json", batch.ensemble_report)
         self.tracker.log_metrics(metrics, step=step)
         # the trainer's version when the rollouts were checked: the update made `policy/version`, one past it
         trainer = int(metrics["policy/version"]) - 1 if "policy/version" in metrics else None
         written = append_samples(self.run_dir, step, rows, rollouts, batch, trainer_version=trainer,
-                                 token_text=self.token_text, teacher=teacher)  # fmt: skip
+                                 token_text=self.token_text, teacher=teacher,
+                                 gaps=stats.logprob_gaps if stats is not None else ())  # fmt: skip
         self.tracker.log_table("samples", step, written)
         self.status("running", step)
 

@@ -113,6 +113,11 @@ def test_a_single_turn_run_picks_a_sample_for_its_tokens(tiny_run, monkeypatch):
     assert not at.exception
     assert [text for _, _, text in _token_spans(at)] == lines[-1]["tokens"]["text"]
     assert len(_token_table(at)) == len(lines[-1]["tokens"]["ids"]) and not at.chat_message
+    # the update recorded the trainer's log-prob gap to the sampler on each token (first rows of every step)
+    gap = lines[-1]["tokens"]["gap"]
+    assert len(gap) == len(lines[-1]["tokens"]["ids"]) and all(g is not None and abs(g) < 5 for g in gap)
+    assert _token_table(at)["trainer gap"].tolist() == gap
+    assert any("mean |trainer gap|" in c.value for c in at.caption)
 
 
 def test_samples_written_before_the_record_show_no_token_view(tool_run, monkeypatch):
@@ -161,3 +166,13 @@ def test_the_token_record_is_read_for_the_picked_sample_only(tmp_path):
     assert frame[data.TOKENS].tolist() == [False, True] and "tokens" not in frame.columns
     assert data.sample_tokens(path, 1) == record and data.sample_tokens(path, 0) is None
     assert data.sample_tokens(path, 2) is None  # past the end
+
+
+def test_the_trainer_gap_is_in_the_table_and_a_large_one_is_marked():
+    record = {"ids": [1, 2, 3], "text": ["a", "b", "c"], "loss": [1, 1, 0], "logprob": [-1.0, -2.0, 0.0],
+              "gap": [0.01, -0.75, 0.0]}  # fmt: skip
+    assert tokens.token_table(record)["trainer gap"].tolist() == [0.01, -0.75, 0.0]
+    spans = [(cls, html.unescape(t)) for cls, t, _ in SPAN.findall(tokens.token_html(record))]
+    assert [cls for cls, _ in spans] == ["fw-sampled", "fw-sampled fw-gap", "fw-added"]  # |-0.75| > GAP = 0.5
+    assert "trainer gap -0.75" in spans[1][1] and "gap" not in spans[2][1]  # only sampled tokens carry one
+    assert tokens.summary(record).endswith("mean |trainer gap| 0.38")

@@ -89,6 +89,12 @@ def test_two_hf_replicas_play_the_episodes_the_in_process_run_plays(cluster, tmp
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
     sample = json.loads((ray_dir / "samples.jsonl").read_text().splitlines()[0])
     assert sample["transcript"][0]["role"] == "assistant"
+    # the update's per-token trainer gap reaches samples.jsonl from update rank 0's actor (which holds the first rows)
+    lines = [
+        [json.loads(x)["tokens"] for x in (d / "samples.jsonl").read_text().splitlines()] for d in (ray_dir, ref_dir)
+    ]
+    pairs = [(a["gap"], b["gap"]) for a, b in zip(*lines, strict=True) if "gap" in a]
+    assert len(pairs) >= len(got) and all(a == pytest.approx(b, abs=1e-3) for a, b in pairs)
 
 
 def test_vllm_actors_learn_the_multiturn_task_one_step_off_policy(cluster, tmp_path):  # noqa: F811
