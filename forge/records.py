@@ -237,6 +237,7 @@ class MicroStats:
     @classmethod
     def of(cls, res: LossOutput, entropy, old, mb: MicroBatch, weight, cap: float, distill=None) -> MicroStats:
         m = mb.train_mask.bool()
+        gap = torch.where(m, old - mb.sampler_logp, 0.0).detach()  # [n, T]; 0 off the train mask, whatever is there
         return cls(
             loss=float(res.loss.detach()),
             kl_old=float(res.kl_old[m].sum()),
@@ -244,8 +245,8 @@ class MicroStats:
             clip_low=float(res.clipped_low.sum()),
             clip_high=float(res.clipped_high.sum()),
             entropy=float(entropy[m].sum()),
-            logprob_diff=float((old - mb.sampler_logp).abs()[m].sum()),
+            logprob_diff=float(gap.abs()[m].sum()),
             is_truncated=float((weight[m] >= cap).sum()) if weight is not None else 0.0,
             teacher_kl=float(distill.detach()[m].sum()) if distill is not None else 0.0,
-            gap=((old - mb.sampler_logp) * m).detach(),
+            gap=gap,
         )

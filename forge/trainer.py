@@ -350,13 +350,16 @@ class Trainer:
         """Per token log pi_old - log mu of the step's first SAMPLES_PER_STEP rows, each over its real tokens: what
         samples.jsonl's token record shows beside the sampling log-prob. Only the rank whose rows begin the step
         (`first_row` 0; rank 0, whose stats are the step's) keeps them; also empty where the micro-update gave none."""
-        out = []
-        for mb, gap in zip(micro, gaps if first_row == 0 else [], strict=False):
-            for r in range(mb.completion_ids.shape[0]):
-                if len(out) == SAMPLES_PER_STEP or gap is None:
-                    return tuple(out)
-                real = int(mb.completion_mask[r].sum())  # right-padded: the real tokens come first
-                out.append(tuple(round(x, 4) for x in gap[r, :real].float().cpu().tolist()))
+        out: list[tuple[float, ...]] = []
+        if first_row != 0:
+            return ()
+        for mb, gap in zip(micro, gaps, strict=True):
+            take = min(SAMPLES_PER_STEP - len(out), mb.completion_ids.shape[0])
+            if gap is None or take <= 0:
+                break
+            lengths = mb.completion_mask[:take].sum(1).tolist()  # right-padded: the real tokens come first
+            rows = gap[:take].float().cpu().tolist()  # one copy to the host per micro-batch
+            out += [tuple(round(x, 4) for x in row[:k]) for row, k in zip(rows, lengths, strict=True)]
         return tuple(out)
 
     def _micro_batches(self, step: TrainingRows, rows: range, teacher: TeacherTopK | None = None) -> list[MicroBatch]:

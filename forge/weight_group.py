@@ -12,8 +12,8 @@ the next; each receiver receives into a buffer of the same size and hands views 
 a load function (hf: copy into the live parameters, bucket by bucket; a vLLM worker runs the model's own
 `reload_weights` over `stream`, an iterator that receives the next bucket only when the loader asks for its first
 tensor, each a copy of that tensor alone). Peak extra memory on the sender is one bucket, never a second copy of the
-model; on a receiver one bucket (plus, under vLLM, the copies its loader itself keeps while it fuses a layer's parts). Only the `WeightPlan` (names, dtypes, shapes, bucket
-layout: a few kB) travels by other means (Ray), once per group.
+model; on a receiver one bucket (plus, under vLLM, the copies its loader itself keeps while it fuses a layer's parts).
+Only the `WeightPlan` (names, dtypes, shapes, bucket layout: a few kB) travels by other means (Ray), once per group.
 
 A LoRA policy feeding hf copies sends only its adapter (the copies hold the base and an adapter of the same config;
 `forge.workers.publishes_adapter`): the plan then lists the lora_A/lora_B tensors alone and carries rank 0's
@@ -653,8 +653,9 @@ def _views(plan: WeightPlan, index: int, bucket: torch.Tensor) -> list[tuple[str
 
 
 def _copies(pairs: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, view) pairs as (name, copy) pairs, made one at a time; each view is dropped once copied, so the buffer
-    they view is freed as soon as its last tensor was copied out, while the loader may keep any copy.
+    """(name, view) pairs as (name, copy) pairs, made one at a time; `pairs` is consumed and each view dropped once
+    copied, so the buffer they view is freed as soon as its last tensor was copied out, while the loader may keep any
+    copy.
 
     >>> buf = torch.arange(4.0)
     >>> [(n, t.tolist(), t.data_ptr() == buf.data_ptr()) for n, t in _copies([("a", buf[:2]), ("b", buf[2:])])]
