@@ -20,8 +20,8 @@ class AdaptiveConfig:
     signal: Literal["kl", "grad_norm"] = "grad_norm"
     """Signal the controller watches: KL of the step (see forge/lr.py), or the pre-clip grad norm."""
     target: float = ranged(2.0, "> 0")
-    """kl: absolute KL target; grad_norm: spike ratio of the norm per unit of mean |advantage| over its moving
-    average. Above it the LR is cut."""
+    """kl: absolute KL target (one observation above it cuts); grad_norm: spike ratio of the norm per sqrt(mean
+    |advantage|) over its moving average (a cut: above it twice in a row, or above its square once)."""
     cut: float = ranged(0.5, "in (0, 1]")
     """Multiply the LR scale by this when the signal exceeds target."""
     recover: float = ranged(1.1, ">= 1")

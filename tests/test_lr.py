@@ -103,6 +103,54 @@ def test_grad_norm_zero_gradient_steps_are_not_observations():
     assert a.observe(0.0, 10.0) == 0.5  # a real spike still cuts
 
 
+# One healthy run's (pre-clip grad norm, mean |advantage|) per step: bench/vs_trl.py, demo task, seed 1 (4 prompts x 8
+# samples; 3 steps had no signal). The rule before the two-in-a-row one (norm per unit of mean |advantage|, a cut on
+# any single observation above target) cut the LR 4 times here, to 0.08 of the schedule's by step 25.
+HEALTHY_DEMO_SEED1 = [
+    (1.77, 0.357), (1.52, 0.234), (1.9, 0.202), (1.31, 0.202), (2.64, 0.357), (2.92, 0.381), (3.12, 0.357),
+    (2.88, 0.436), (0.0, 0.0), (1.65, 0.226), (3.33, 0.436), (5.06, 0.381), (1.81, 0.202), (4.41, 0.429),
+    (4.56, 0.663), (3.2, 0.46), (2.87, 0.309), (3.66, 0.202), (2.81, 0.202), (4.3, 0.202), (0.0, 0.0), (3.34, 0.234),
+    (4.14, 0.226), (3.91, 0.429), (3.89, 0.155), (0.0, 0.0), (3.48, 0.388), (2.58, 0.155), (1.59, 0.155),
+    (3.62, 0.388), (3.55, 0.155), (1.47, 0.202),
+]  # fmt: skip
+
+
+def test_grad_norm_does_not_cut_a_healthy_run():
+    a = AdaptiveLR(AdaptiveConfig(signal="grad_norm", target=2.0))
+    assert [a.observe(0.0, g, m) for g, m in HEALTHY_DEMO_SEED1] == [1.0] * len(HEALTHY_DEMO_SEED1)
+    assert a.cuts == 0
+    # the old rule on the same steps, written out: the controller's test is not vacuous on this series
+    scale, ema, cuts = 1.0, None, 0
+    for g, m in HEALTHY_DEMO_SEED1:
+        if g == 0.0:
+            continue
+        x = g / m
+        if ema is not None and x / (2.0 * ema) > 1.0:
+            scale, cuts = scale * 0.5, cuts + 1
+        elif ema is not None and x / (2.0 * ema) < 0.5:
+            scale = min(1.0, scale * 1.1)
+        ema = x if ema is None else 0.9 * ema + 0.1 * x
+    assert cuts == 4 and scale < 0.15
+
+
+def test_grad_norm_cuts_a_rise_that_holds_and_a_severe_spike_at_once():
+    a = AdaptiveLR(AdaptiveConfig(signal="grad_norm", target=2.0, cut=0.5))
+    for _ in range(5):
+        a.observe(0.0, 1.0)
+    assert a.observe(0.0, 2.5) == 1.0 and a.over == 1  # once above target: noise, not yet a cut
+    assert a.observe(0.0, 3.0) == 0.5 and a.over == 0  # twice in a row: the rise holds, cut
+    b = AdaptiveLR(AdaptiveConfig(signal="grad_norm", target=2.0, cut=0.5))
+    for _ in range(5):
+        b.observe(0.0, 1.0)
+    assert b.observe(0.0, 4.5) == 0.5 and b.cuts == 1  # above target^2 = 4x the average: at once
+
+
+def test_a_checkpoint_from_before_the_two_in_a_row_rule_loads():
+    a = AdaptiveLR(AdaptiveConfig(signal="grad_norm", target=2.0))
+    a.load_state_dict({"cfg": {}, "scale": 0.5, "ema": 1.4, "cuts": 1})
+    assert (a.scale, a.ema, a.cuts, a.over) == (0.5, 1.4, 1, 0)
+
+
 def test_grad_norm_hold_zone():
     a = AdaptiveLR(AdaptiveConfig(signal="grad_norm", target=2.0))
     a.observe(0.0, 1.0)
