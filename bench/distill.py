@@ -42,8 +42,9 @@ sys.path.insert(0, str(ROOT))  # this checkout's forge, not an installed one
 sys.path.insert(0, str(ROOT / "bench"))
 from multiturn import cpu_name, peak_rss_mb, stderr  # noqa: E402  (bench/ is not a package)
 
-# a teacher mode runs at a constant LR (update.adaptive off), as the published recipes do. The controller's signal,
-# the grad norm per unit of mean |advantage|, spikes under distillation: as the student learns, the mean per-token
+# a teacher mode runs at a constant LR (update.adaptive off), as the published recipes do. The controller's signal
+# (when measured: the grad norm per unit of mean |advantage|; since 2026-12-06 per its square root, with a cut only
+# for a spike that holds or passes target^2) spikes under distillation: as the student learns, the mean per-token
 # reverse KL falls (2.7 -> 0.05-0.3 nats) while a few unlikely sampled tokens keep the norm up, so the ratio jumps
 # from ~30 to 130-270 on such steps. Measured (smollm2-arith, 0.940 teacher): the LR cut to 0.03-0.2 of its value
 # and pass@1 0.715 at step 28, against 0.800 at a constant LR.

@@ -10,7 +10,7 @@ the worst seed with the spread stated beside it.
 Scenarios (the tests they stand for):
   tiny  `--preset tiny`, 200 steps: final greedy pass@1 (tests/test_cli.py::test_tiny_preset_learns)
   lf    `--preset tiny-unlabeled`: final greedy pass@1 (tests/test_labelfree_learning.py)
-  lora  tiny 80 steps, then a rank-16 adapter for 50 steps on that checkpoint: base / adapter pass@1
+  lora  tiny 80 steps, then a rank-16 adapter for 100 steps on that checkpoint: base / adapter pass@1
         (tests/test_lora.py::test_lora_learns_on_a_pretrained_tiny_model)
   trl   the TRL example through `forgeweave run`, groups of 32, 150 steps: reward_correct rise (steps 1-10 ->
         141-150) and pass@1 at steps 0/150 (before 2026-12-05: groups of 16, 300 steps; variants with `--set`)
@@ -85,7 +85,7 @@ def lora_run(seed: int, tmp: Path, steps: int | None) -> dict:
         c.eval.k, c.eval.every, c.checkpoint.every = 0, n, n
         return c
 
-    base_steps, adapter_steps = (steps, steps) if steps else (80, 50)
+    base_steps, adapter_steps = (steps, steps) if steps else (80, 100)
     base = run(cfg(base_steps), tmp / "base", progress=False)
     c = cfg(adapter_steps)
     c.model.path = str(tmp / "base" / "checkpoints" / f"step-{base_steps:06d}")

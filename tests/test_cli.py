@@ -19,19 +19,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_tiny_preset_learns(runs_dir, capsys):
-    """Greedy pass@1 on all 55 single-digit sums goes from chance (~0) to above 0.6 in 200 steps.
+    """Greedy pass@1 on all 55 single-digit sums goes from chance (~0) to above 0.3 in 200 steps.
 
-    Measured here (2026-12-03, plain mode) at step 200 for seeds 0-3: 0.67, 0.69, 0.60, 0.56 with rollout seeds
-    derived from (seed, step) and the adaptive LR's grad-norm per unit of mean |advantage|; 0.96, 0.85, 0.62, 0.95
-    with the per-worker RNG streams they replaced. Sampling itself is the same distribution (60 steps from the
-    initial policy: mean reward 0.0247 vs 0.0251, groups with equal rewards 0.666 vs 0.670); the spread comes from
-    how often the adaptive LR cuts (pass@1 follows the mean LR scale). The test runs seed 1, asks > 0.5."""
+    Measured 2026-12-06 (`python bench/seed_spread.py --scenarios tiny --seeds 0,1,2,3,4,5,6,7`, plain mode, the
+    adaptive LR cutting only for a spike that holds): 0.64, 0.42, 0.69, 0.67, 0.73, 0.82, 0.38, 0.71 (mean 0.63). The
+    preset's LR is constant, so the last eval lands wherever the policy's wobble is (seed 1: 0.45 at step 100, 0.33
+    at 150, 0.42 at 200). Before (2026-12-03, a cut on any single noisy step): 0.67, 0.69, 0.60, 0.56 on seeds 0-3.
+    The test runs seed 1 and asks > 0.3, below the worst seed's 0.38."""
     args = ["run", "--preset", "tiny", "--name", "t", "--runs-dir", str(runs_dir), "--quiet", "--set", "seed=1"]
     assert main(args) == 0
     run = runs_dir / "t"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["eval"]["initial"]["pass@1"] < 0.15
-    assert summary["eval"]["final"]["pass@1"] > 0.5
+    assert summary["eval"]["final"]["pass@1"] > 0.3
     assert summary["steps"] == 200
     assert set(summary["seconds"]) >= {"total", "rollout", "reward", "update", "evaluate"}
     for f in (

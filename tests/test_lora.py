@@ -279,14 +279,17 @@ def test_attn_implementation_reaches_the_model(tmp_path: Path):
 @pytest.mark.slow
 def test_lora_learns_on_a_pretrained_tiny_model(tmp_path: Path):
     """LoRA is for adapting a trained model: the tiny preset is first fully fine-tuned for 80 steps (greedy
-    pass@1 0.00 -> 0.455 on all 55 sums; 0.84 after 100, too close to the top to show the adapter's gain), then a
-    rank-16 adapter alone trains on top of that checkpoint.
+    pass@1 0.00 -> 0.18-0.38 on all 55 sums over seeds 0-3), then a rank-16 adapter alone trains on top of that
+    checkpoint.
 
-    Measured (2026-12-03, rollout seeds derived from (seed, step)): the adapter run starts where its base ended
-    (B = 0: the same pass@1) and after 50 steps seeds 0-3 go 0.22 -> 0.36, 0.25 -> 0.42, 0.15 -> 0.44,
-    0.16 -> 0.56 (gains 0.145, 0.164, 0.291, 0.400 on 55 sums); its checkpoint holds only the adapter. The test
-    runs seed 3 and asks a gain of 0.1, below the worst seed's 0.145 (8 of 55 sums); without learning the gain is
-    ~0 (the same greedy answers)."""
+    Measured 2026-12-06 (`python bench/seed_spread.py --scenarios lora --seeds 0,1,2,3`; the adaptive LR cutting
+    only for a spike that holds): the adapter run starts where its base ended (B = 0: the same pass@1) and after 100
+    steps seeds 0-3 go 0.18 -> 0.25, 0.38 -> 0.49, 0.18 -> 0.51, 0.25 -> 0.60 (gains 0.073, 0.109, 0.327, 0.345 on
+    55 sums); the training reward over its first -> last 10 steps 0.155 -> 0.214, 0.258 -> 0.310, 0.208 -> 0.361,
+    0.257 -> 0.384 (rises 0.052-0.153). After 50 steps the gains were 0.00-0.15 (seed 0: none), too close to
+    nothing to test. Its checkpoint holds only the adapter. The test runs seed 3 and asks a gain of 0.05 and a
+    reward rise of 0.03, below the worst seed's 0.073 and 0.052; without learning both are ~0 (the same answers).
+    Before (2026-12-03, a cut on any single noisy step), 50 steps: gains 0.145, 0.164, 0.291, 0.400."""
     from forge.presets import tiny
     from forge.recipes.grpo import run
     from forge.tracking import read_metrics
@@ -298,16 +301,16 @@ def test_lora_learns_on_a_pretrained_tiny_model(tmp_path: Path):
         return c
 
     base = run(cfg(80, 80), tmp_path / "base", progress=False)
-    c = cfg(50, 25)
+    c = cfg(100, 50)
     c.model.path = str(tmp_path / "base" / "checkpoints" / "step-000080")
     c.model.lora.rank, c.update.lr = 16, 3e-3
     lora = run(c, tmp_path / "lora", progress=False)
     before, after = lora["eval"]["initial"]["pass@1"], lora["eval"]["final"]["pass@1"]
     assert before == base["eval"]["final"]["pass@1"] and 0.1 < before < 0.6
-    assert after >= before + 0.1, (before, after)
+    assert after >= before + 0.05, (before, after)
     rewards = [r["reward/mean"] for r in read_metrics(tmp_path / "lora" / "metrics.jsonl") if "reward/mean" in r]
-    assert sum(rewards[-10:]) > sum(rewards[:10])
-    ckpt = tmp_path / "lora" / "checkpoints" / "step-000050"
+    assert sum(rewards[-10:]) / 10 >= sum(rewards[:10]) / 10 + 0.03, rewards
+    ckpt = tmp_path / "lora" / "checkpoints" / "step-000100"
     files = {p.name: p.stat().st_size for p in ckpt.iterdir() if p.is_file()}
     assert ADAPTER in files and WEIGHTS not in files
     # rank 16 on 2 layers of width 128 (MLP 512): 16 * (4 * 256 + 3 * 640) * 2 layers fp32 values

@@ -18,7 +18,7 @@ Departures from textbook GRPO (DeepSeekMath, Shao et al. 2024), each a config ke
 4. log-probs are taken of logits / `rollout.temperature` (the distribution actually sampled), in fp32.
 5. the log-ratio is clamped to +-20 before exp (`forge.losses.MAX_LOG_RATIO`).
 6. an adaptive LR controller is on by default (`update.adaptive.enabled` = True): it cuts the LR when the grad
-   norm per unit of mean |advantage| spikes (`update.adaptive.signal` = grad_norm).
+   norm per sqrt(mean |advantage|) spikes and the spike holds (`update.adaptive.signal` = grad_norm).
 7. a step whose loss or gradient norm is not finite is skipped (`update.max_skipped_steps` = 3 in a row stop).
 8. each micro-batch is packed without padding, a group's prompt computed once (`update.shared_prefix` = True).
 9. asynchronous GRPO (`algo.max_staleness` = 0 by default): with k >= 1 the rollouts of steps t+1..t+k start before
