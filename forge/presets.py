@@ -45,7 +45,8 @@ def tiny_unlabeled() -> RunConfig:
     all get ~1 and the rest ~0. Advantages are mean-centred, not divided by the group's std (Dr. GRPO): in a group
     with no right answer the rewards differ by a few thousandths, and dividing by their std turns that noise into
     full-size advantages. Measured (docs/verifier-ensemble.md, bench/seed_spread.py): greedy pass@1 0.00 -> 0.16-0.71 at
-    200 steps over seeds 0-15 (mean 0.30); `tiny` with the true answers 0.47-0.76 over seeds 0-7 (mean 0.64).
+    200 steps over seeds 0-15 (mean 0.30; 0.16-0.36 on seeds 0-3 since the adaptive LR's two-in-a-row rule);
+    `tiny` with the true answers 0.38-0.82 over seeds 0-7 (mean 0.63).
     """
     cfg = tiny()
     cfg.preset = "tiny-unlabeled"
