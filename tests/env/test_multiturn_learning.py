@@ -44,7 +44,8 @@ def test_a_trl_environment_class_learns_on_the_tiny_model(tmp_path):
     # measured 2026-12-05 (threads=1, `python bench/seed_spread.py --scenarios mt --seeds 0,1,2,3,4,5,6,7`, ~12 s a
     # run), reward/mean over steps 1-5 -> steps 26-30: seed 0 0.123 -> 0.254 (rise 0.130), 1 0.141 -> 0.284 (0.144),
     # 2 0.141 -> 0.263 (0.121), 3 0.138 -> 0.260 (0.122), 4 0.143 -> 0.268 (0.125), 5 0.145 -> 0.270 (0.125),
-    # 6 0.112 -> 0.270 (0.158), 7 0.133 -> 0.258 (0.125). The test runs seed 0 and asks a rise above 0.08, below the
+    # 6 0.112 -> 0.270 (0.158), 7 0.133 -> 0.258 (0.125); on 2026-12-06, the adaptive LR cutting only for a spike
+    # that holds, seeds 0-3 rose 0.134, 0.146, 0.121, 0.122. The test runs seed 0 and asks a rise above 0.08, below the
     # worst seed's 0.121; chance (no learning) is a rise of 0. What is learnt is the digit format (0.25 a reply with
     # a digit); the tiny model never calls the tool in 30 steps: the tool path is tests/env/test_episode.py's
     assert rise > 0.08, rise
