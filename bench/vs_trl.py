@@ -14,7 +14,7 @@ TRL: an optimizer step's wall time, generation included; forgeweave: `perf/step_
 forgeweave's mean gain >= TRL's mean gain minus one standard error (of the difference), at >= 2.5x TRL's speed.
 
 Every (task, seed, side) result is stored under `--out` (runs/bench-vs-trl/TASK/seed-N/) with the settings it was
-measured with; a rerun reuses each stored result whose settings (and, for forgeweave, git commit) match, so an
+measured with; a rerun reuses each stored result whose settings match (not forgeweave's commit), so an
 interrupted benchmark continues; each result names the commit it was measured at, and after a change to forgeweave
 `--only forgeweave --fresh` measures forgeweave's side again (`--fresh` alone: both).
 `--fw-set` overrides forgeweave's side only (an ablation: `--fw-set update.autocast_bf16=false`); it is part of

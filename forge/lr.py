@@ -104,7 +104,7 @@ class AdaptiveLR:
         if self.cfg.signal == "kl":
             return level > 1.0
         self.over = self.over + 1 if level > 1.0 else 0
-        if level * self.cfg.target > self.cfg.target**2 or self.over >= 2:
+        if level > self.cfg.target or self.over >= 2:  # level > target: the signal above target^2 x its average
             self.over = 0
             return True
         return False
